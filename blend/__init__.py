@@ -1,0 +1,1 @@
+"""kvblend engine: model loading, the layerwise runner, CacheBlend and the CLI."""

@@ -1,0 +1,286 @@
+"""Layerwise runner: the loaded transformers model's own modules, one layer at a time,
+with explicit positions.
+
+Everything is batch size 1. Hidden states are (T, hidden); per-layer q is
+(heads, T, head_dim) and k/v are (kv_heads, T, head_dim). A `KVCache` holds K/V for
+positions 0..capacity-1 in slot order (slot i holds position i), so a query at position
+p attends exactly the slots 0..p. The runner never infers positions from cache length:
+every call takes them explicitly.
+
+Per layer the runner can
+  - `qkv`:    compute q/k/v (norm, projections, q/k-norm where the model has it, RoPE at
+              the given positions) for any subset of token rows;
+  - `attend`: attend those queries over a caller-supplied K/V with the exact causal mask
+              by position;
+  - `finish`: o_proj, residual, post-attention norm, MLP, residual for that subset only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from blend.model import LoadedModel
+
+try:  # optional extra `gpu`
+    from flash_attn import flash_attn_func  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - CPU machines
+    flash_attn_func = None
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (H, T, D) rotated by cos/sin (T, D): the rotation RoPE applies at each position."""
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache:
+    """Preallocated per-layer K/V for one sequence; slot i holds position i.
+
+    k[layer], v[layer]: (kv_heads, capacity, head_dim). `length` is the number of
+    positions filled (0..length-1); it is set by whoever fills the cache.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    def ensure_capacity(self, capacity: int) -> None:
+        """Grow the buffers (copying) so that `capacity` positions fit."""
+        if capacity <= self.capacity:
+            return
+        new_cap = max(capacity, int(self.capacity * 1.5) + 16)
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                grown = t.new_zeros((t.shape[0], new_cap, t.shape[2]))
+                grown[:, : self.length] = t[:, : self.length]
+                store[i] = grown
+
+    def layer(self, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.length if length is None else length
+        return self.k[layer][:, :n], self.v[layer][:, :n]
+
+    def nbytes(self) -> int:
+        return sum(t[:, : self.length].numel() * t.element_size() for t in self.k + self.v)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Greedy when temperature == 0; otherwise temperature + nucleus (top-p) sampling."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+class Runner:
+    """Runs a supported decoder-only transformers model layer by layer."""
+
+    def __init__(self, lm: LoadedModel, attention: str = "auto"):
+        if attention not in ("auto", "sdpa", "flash"):
+            raise ValueError(f"unknown attention backend {attention!r}; use auto, sdpa or flash")
+        self.lm = lm
+        inner = lm.model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = lm.model.lm_head
+        d = lm.dims
+        self.num_layers, self.num_heads, self.kv_heads, self.head_dim = d.num_layers, d.num_heads, d.kv_heads, d.head_dim
+        self.max_positions = d.max_positions
+        self.scaling = self.layers[0].self_attn.scaling
+        self.device = lm.device
+        self.dtype = lm.dtype
+        use_flash = attention == "flash" or (attention == "auto" and self.device.type == "cuda")
+        if attention == "flash" and flash_attn_func is None:
+            raise ValueError("attention='flash' needs the optional extra: pip install 'kvblend[gpu]'")
+        self.use_flash = use_flash and flash_attn_func is not None and self.device.type == "cuda"
+
+    # ----------------------------------------------------------------- helpers
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
+
+    def check_length(self, n: int) -> None:
+        """Raise if a sequence of n tokens does not fit the model's positions."""
+        if n <= 0:
+            raise ValueError("empty prompt: give at least one token")
+        if n > self.max_positions:
+            raise ValueError(
+                f"prompt of {n} tokens is longer than the model's maximum of {self.max_positions} positions; "
+                "use fewer or shorter documents"
+            )
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, D) for explicit integer positions (T,)."""
+        dummy = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(dummy, positions.to(self.device)[None])
+        return cos[0], sin[0]
+
+    def rerotate(self, k: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
+        """Move keys rotated at positions p to positions p + delta.
+
+        RoPE rotations compose: R(p + d) = R(d) R(p), so rotating a cached key by the
+        position shift gives exactly the key computed at the new position.
+        k: (kv_heads, T, D); delta: int or (T,) ints. Returns a new tensor.
+        """
+        n = k.shape[1]
+        if isinstance(delta, int):
+            if delta == 0:
+                return k
+            delta = torch.full((n,), delta, dtype=torch.long)
+        cos, sin = self.rope(delta.to(torch.long))
+        return apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+
+    # ------------------------------------------------------------ per layer
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) ids -> (T, hidden)."""
+        return self.embed_tokens(token_ids.to(self.device))
+
+    def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows h (T, hidden) at the positions of cos/sin (T, D) -> q (H, T, D), k and v (Hkv, T, D)."""
+        block = self.layers[layer]
+        attn = block.self_attn
+        x = block.input_layernorm(h)
+        t = x.shape[0]
+        q = attn.q_proj(x).view(t, -1, self.head_dim)  # (T, H, D)
+        k = attn.k_proj(x).view(t, -1, self.head_dim)  # (T, Hkv, D)
+        v = attn.v_proj(x).view(t, -1, self.head_dim)  # (T, Hkv, D)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        q = apply_rope(q.transpose(0, 1), cos, sin)  # (H, T, D)
+        k = apply_rope(k.transpose(0, 1), cos, sin)  # (Hkv, T, D)
+        return q, k, v.transpose(0, 1)
+
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Exact causal attention by position.
+
+        q (H, Tq, D) at positions q_pos (Tq,), sorted ascending; k, v (Hkv, Tk, D) hold
+        positions 0..Tk-1. A query at position p sees exactly the keys at positions <= p.
+        Returns (Tq, H*D).
+        """
+        tq, tk = q.shape[1], k.shape[1]
+        first, last = int(q_pos[0]), int(q_pos[-1])
+        contiguous = last - first + 1 == tq
+        if self.use_flash and contiguous and last == tk - 1:
+            # bottom-right aligned causal mask == exact when the queries are the last rows
+            out = flash_attn_func(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                  softmax_scale=self.scaling, causal=True)[0]  # (Tq, H, D)
+            return out.reshape(tq, -1)
+        if contiguous and first == 0 and last == tk - 1:
+            mask, causal = None, tq > 1  # full causal range: no materialised mask
+        elif tq == 1 and last >= tk - 1:
+            mask, causal = None, False  # one query that sees every key
+        else:
+            kv_pos = torch.arange(tk, device=q.device)
+            mask = kv_pos[None, :] <= q_pos.to(q.device)[:, None]  # (Tq, Tk) bool
+            causal = False
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+                                             scale=self.scaling, enable_gqa=True)[0]  # (H, Tq, D)
+        return out.transpose(0, 1).reshape(tq, -1)
+
+    def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """o_proj + residual, then post-attention norm + MLP + residual, for rows h (T, hidden)."""
+        block = self.layers[layer]
+        h = h + block.self_attn.o_proj(attn_out)
+        return h + block.mlp(block.post_attention_layernorm(h))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head for rows h (T, hidden) -> (T, vocab) in float32."""
+        return self.lm_head(self.norm(h)).float()
+
+    # --------------------------------------------------------- whole passes
+    @torch.inference_mode()
+    def prefill(self, token_ids: torch.Tensor, cache: KVCache, start: int = 0,
+                logit_rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Compute tokens at positions start..start+T-1 attending cache slots 0..start-1.
+
+        Writes their K/V into `cache` slots start..start+T-1 and sets cache.length.
+        Returns logits (len(logit_rows), vocab) for the requested rows (default: last).
+        """
+        t = token_ids.shape[0]
+        self.check_length(start + t)
+        cache.ensure_capacity(start + t)
+        rows = [t - 1] if logit_rows is None else list(logit_rows)
+        positions = torch.arange(start, start + t, device=self.device)
+        cos, sin = self.rope(positions)
+        h = self.embed(token_ids)
+        end = start + t
+        for layer in range(self.num_layers):
+            q, k, v = self.qkv(layer, h, cos, sin)
+            cache.k[layer][:, start:end] = k
+            cache.v[layer][:, start:end] = v
+            keys, values = cache.layer(layer, end)
+            if layer == self.num_layers - 1 and len(rows) < t:
+                # only the rows whose logits are wanted need the last layer's output
+                sel = torch.tensor(rows, device=self.device)
+                attn = self.attend(q[:, sel], positions[sel], keys, values)
+                h = self.finish(layer, h[sel], attn)
+                rows = list(range(len(rows)))
+            else:
+                h = self.finish(layer, h, self.attend(q, positions, keys, values))
+        cache.length = end
+        return self.logits(h[rows])
+
+    @torch.inference_mode()
+    def step(self, token_id: int, cache: KVCache) -> torch.Tensor:
+        """Decode one token at position cache.length; returns its logits (vocab,)."""
+        pos = cache.length
+        return self.prefill(torch.tensor([token_id], device=self.device), cache, start=pos)[0]
+
+    @torch.inference_mode()
+    def decode(self, first_logits: torch.Tensor, cache: KVCache, max_new_tokens: int,
+               eos_ids: Sequence[int] = (), sampling: SamplingParams | None = None) -> list[int]:
+        """Generate up to max_new_tokens from the prefill's last logits (vocab,).
+
+        Continues from `cache` (filled to cache.length) and appends to it. Stops after an
+        EOS id (which is included in the result).
+        """
+        sampling = sampling or SamplingParams()
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        tokens: list[int] = []
+        logits = first_logits
+        cache.ensure_capacity(cache.length + max_new_tokens)
+        for i in range(max_new_tokens):
+            token = sample(logits, sampling, gen)
+            tokens.append(token)
+            if token in eos_ids or i == max_new_tokens - 1:
+                break
+            logits = self.step(token, cache)
+        return tokens
+
+
+def sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """Pick the next token from logits (vocab,): argmax, or temperature + top-p."""
+    if sampling.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p  # always keeps the top token
+        sorted_probs = sorted_probs * keep
+        choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,47 @@
+"""Tiny random-weight models built in code (milliseconds), and the shipped model loader
+shared by tests. Not a test module itself."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from blend.model import LoadedModel, load_model, wrap_model
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True)
+
+
+def tiny_model(arch: str = "llama", *, vocab_size: int = 49152, seed: int = 0, tokenizer=None, **overrides) -> LoadedModel:
+    """A random-weight model of a supported architecture, fp32, eval mode."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    kwargs = dict(TINY, vocab_size=vocab_size, **overrides)
+    if arch == "mistral":
+        kwargs.setdefault("sliding_window", None)
+    if arch == "qwen3":
+        kwargs.setdefault("head_dim", 16)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs))
+    with torch.no_grad():  # larger-than-init weights so that positions and context matter
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(2.0)
+    return wrap_model(model.float().eval(), tokenizer, f"tiny-{arch}")
+
+
+@functools.cache
+def smollm2() -> LoadedModel:
+    """The shipped SmolLM2-135M-Instruct (converted copy cached under ~/.cache/kvblend)."""
+    return load_model("smollm2-135m-instruct", device="cpu")
+
+
+@functools.cache
+def smollm2_tokenizer():
+    return smollm2().tokenizer
