@@ -17,7 +17,7 @@ Per layer the runner can
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -214,10 +214,12 @@ class Runner:
     # --------------------------------------------------------- whole passes
     @torch.inference_mode()
     def prefill(self, token_ids: torch.Tensor, cache: KVCache, start: int = 0,
-                logit_rows: Sequence[int] | None = None) -> torch.Tensor:
+                logit_rows: Sequence[int] | None = None,
+                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Compute tokens at positions start..start+T-1 attending cache slots 0..start-1.
 
         Writes their K/V into `cache` slots start..start+T-1 and sets cache.length.
+        `before_layer(i)` is called before layer i reads the cache (a loader's wait).
         Returns logits (len(logit_rows), vocab) for the requested rows (default: last).
         """
         t = token_ids.shape[0]
@@ -229,6 +231,8 @@ class Runner:
         h = self.embed(token_ids)
         end = start + t
         for layer in range(self.num_layers):
+            if before_layer is not None:
+                before_layer(layer)
             q, k, v = self.qkv(layer, h, cos, sin)
             cache.k[layer][:, start:end] = k
             cache.v[layer][:, start:end] = v

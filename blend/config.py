@@ -1,0 +1,147 @@
+"""Engine configuration: one YAML file -> frozen dataclasses (unknown keys rejected).
+
+Layout of a config file (see configs/default.yaml):
+  model, device, dtype      what to load and where
+  engine: BlendConfig       chunking, selection, pipelining, decoding defaults
+  store:  StoreConfig       the KV tiers (storage.config)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from storage.config import StoreConfig, from_mapping, load_yaml
+
+MODES = ("full", "reuse", "prefix", "blend")
+DEVIATIONS = ("v", "k", "kv")
+CHUNK_CONTEXTS = ("none", "system")
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You will be asked a question after reading several passages. Please directly answer the "
+    "question based on the given passages. Do NOT repeat the question. The answer should be within "
+    "5 words."
+)
+DEFAULT_QUERY_TEMPLATE = "Answer the question directly based on the given passages. Question: {question}"
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """How prompts are chunked, which tokens are recomputed, how loads are pipelined."""
+
+    chunk_tokens: int = 512
+    recompute_ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    filter_schedule: tuple[float, ...] = (1.0,)
+    deviation: str = "v"
+    prefetch_depth: int = 2
+    chunk_context: str = "none"
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    query_template: str = DEFAULT_QUERY_TEMPLATE
+    sessions_dir: str = ".kvblend-cache/sessions"  # chat histories (JSON per session)
+    idle_seconds: float = 300.0  # chat sessions idle this long are offloaded from the device
+    # device-resident chat KV above this offloads the least recently used sessions ("1GiB" accepted)
+    active_budget: int = field(default=1 << 30, metadata={"bytes": True})
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ValueError(f"engine.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        check_ratio(self.recompute_ratio)
+        if not self.check_layers:
+            raise ValueError("engine.check_layers must name at least one layer, e.g. [1]")
+        if list(self.check_layers) != sorted(set(self.check_layers)) or self.check_layers[0] < 0:
+            raise ValueError(f"engine.check_layers must be increasing layer indices >= 0, got {list(self.check_layers)}")
+        if len(self.filter_schedule) != len(self.check_layers):
+            raise ValueError(
+                f"engine.filter_schedule has {len(self.filter_schedule)} entries but check_layers has "
+                f"{len(self.check_layers)}; give one multiplier per check layer, e.g. [2.0, 1.5, 1.0] for [1, 2, 3]"
+            )
+        s = self.filter_schedule
+        if any(b > a for a, b in zip(s, s[1:], strict=False)) or s[-1] != 1.0 or s[-1] <= 0:
+            raise ValueError(
+                f"engine.filter_schedule must be non-increasing and end at 1.0 (the final set is the "
+                f"recompute ratio), got {list(s)}"
+            )
+        if self.deviation not in DEVIATIONS:
+            raise ValueError(f"engine.deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation!r}")
+        if self.chunk_context not in CHUNK_CONTEXTS:
+            raise ValueError(f"engine.chunk_context must be one of {', '.join(CHUNK_CONTEXTS)}, got {self.chunk_context!r}")
+        if self.prefetch_depth < 1:
+            raise ValueError(f"engine.prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"engine.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if "{question}" not in self.query_template:
+            raise ValueError("engine.query_template must contain '{question}'")
+
+
+def check_ratio(ratio: float) -> float:
+    if not isinstance(ratio, int | float) or not 0.0 <= float(ratio) <= 1.0:
+        raise ValueError(f"recompute ratio must be within [0, 1], got {ratio!r}")
+    return float(ratio)
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid modes are: {', '.join(MODES)}")
+    return mode
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The whole config file."""
+
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"
+    dtype: str = "float32"
+    engine: BlendConfig = field(default_factory=BlendConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any], where: str = "config") -> EngineConfig:
+        data = dict(data)
+        store = StoreConfig.from_mapping(data.pop("store", None) or {}, where=f"{where}.store")
+        engine = from_mapping(BlendConfig, data.pop("engine", None) or {}, f"{where}.engine")
+        top = from_mapping(_TopLevel, data, where)
+        return cls(model=top.model, device=top.device, dtype=top.dtype, engine=engine, store=store)
+
+    def with_overrides(self, **overrides: Any) -> EngineConfig:
+        """Return a copy with overrides applied; keys are top-level fields or engine fields.
+
+        `store=` accepts a StoreConfig or a mapping. Unknown keys raise ValueError listing
+        the valid ones.
+        """
+        top_fields = {f.name for f in dataclasses.fields(_TopLevel)}
+        engine_fields = {f.name for f in dataclasses.fields(BlendConfig)}
+        top: dict[str, Any] = {}
+        engine: dict[str, Any] = {}
+        store = self.store
+        for key, value in overrides.items():
+            if key in top_fields:
+                top[key] = value
+            elif key in engine_fields:
+                engine[key] = tuple(value) if isinstance(value, list) else value
+            elif key == "store":
+                store = value if isinstance(value, StoreConfig) else StoreConfig.from_mapping(value)
+            else:
+                raise ValueError(
+                    f"unknown override {key!r}; valid keys are: {', '.join(sorted(top_fields | engine_fields | {'store'}))}"
+                )
+        return dataclasses.replace(self, **top, engine=dataclasses.replace(self.engine, **engine), store=store)
+
+
+@dataclass(frozen=True)
+class _TopLevel:
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"
+    dtype: str = "float32"
+
+
+def load_config(path: str | Path, **overrides: Any) -> EngineConfig:
+    """Read a YAML config file; overrides (top-level or engine keys, or store=) win."""
+    config = EngineConfig.from_mapping(load_yaml(path), where=str(path))
+    return config.with_overrides(**overrides) if overrides else config

@@ -1,0 +1,444 @@
+"""Transfer-budget planner: is loading a precomputed KV cache faster than recomputing it?
+
+Given a model's KV shape and a context length, the planner sizes the KV payload, finds
+the slowest stage on the path that brings it to the accelerator (a storage read limited
+by bandwidth and/or IOPS, a host-to-device link), and compares the resulting load-time
+lower bound with the prefill time it would replace. It then recommends a CacheBlend
+recompute ratio: loading layer i+1 overlaps recomputing a fraction r of the tokens of
+layer i, so the load is hidden when r * T_prefill >= T_load, giving
+r = max(r_min, T_load / T_prefill), capped at 1.0.
+
+Units: MiB/s = 2**20 bytes/s, GiB/s = 2**30 bytes/s; sizes accept "16KiB", "4096", "1MiB".
+
+CLI: `kvblend plan ...` (see `register_plan`); with `--json` the last stdout line is one
+JSON object with the fields of `PlanResult.to_dict()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from storage.config import parse_bytes
+
+MIB = 1024**2
+GIB = 1024**3
+DEFAULT_MIN_RATIO = 0.15
+DEFAULT_KV_DTYPE_BYTES = 2  # KV stored as fp16/bf16
+PROFILE_TOKENS = 512
+
+_DTYPE_NAMES = {
+    "1": 1, "fp8": 1, "int8": 1, "float8": 1,
+    "2": 2, "fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2,
+    "4": 4, "fp32": 4, "float32": 4, "float": 4,
+}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the transfer path and the limit that sets its throughput."""
+
+    name: str  # "storage" or "link"
+    bytes_per_s: float
+    limited_by: str  # human description of the binding limit, e.g. "20000 IOPS x 16 KiB"
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything `plan` needs; all rates are per second, sizes in bytes.
+
+    At least one transfer stage is required: `read_mibps` and/or `read_iops` (with
+    `io_block_bytes`) for storage, `link_gibps` for the link.
+    """
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    tokens: int
+    prefill_tokens_per_s: float
+    read_mibps: float | None = None
+    read_iops: float | None = None
+    io_block_bytes: int | None = None
+    link_gibps: float | None = None
+    min_ratio: float = DEFAULT_MIN_RATIO
+    prefill_source: str = "given"  # how prefill_tokens_per_s was obtained, e.g. "measured on cpu"
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The plan: payload size, path bandwidth, load vs prefill time, and the verdict."""
+
+    kv_bytes_per_token: int
+    payload_bytes: int
+    path_bytes_per_s: float
+    t_load_min_s: float
+    t_prefill_s: float
+    recommended_ratio: float
+    verdict: str  # "load" or "recompute"
+    tokens: int
+    prefill_tokens_per_s: float
+    prefill_source: str
+    min_ratio: float
+    bottleneck: str  # name of the slowest stage
+    stages: tuple[Stage, ...]
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict; `stages` becomes a list of {name, bytes_per_s, limited_by}."""
+        d = asdict(self)
+        d["stages"] = [asdict(s) for s in self.stages]
+        return d
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """K and V for every layer: 2 * L * H * D * B bytes per token."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n:.4g} B"
+
+
+def _fmt_rate(bps: float) -> str:
+    return f"{bps / GIB:.4g} GiB/s" if bps >= GIB else f"{bps / MIB:.4g} MiB/s"
+
+
+def _check_positive(value: float | None, what: str) -> None:
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{what} must be a positive number, got {value!r}")
+
+
+def transfer_stages(
+    read_mibps: float | None = None,
+    read_iops: float | None = None,
+    io_block_bytes: int | None = None,
+    link_gibps: float | None = None,
+) -> tuple[Stage, ...]:
+    """Build the stages of the transfer path from the limits that were given.
+
+    The storage stage is min(read bandwidth, IOPS x I/O block size) over the parts given;
+    the link stage is `link_gibps`. Raises ValueError naming the flags to pass when no
+    stage is given or when IOPS comes without a block size.
+    """
+    _check_positive(read_mibps, "read bandwidth (--read-mibps)")
+    _check_positive(read_iops, "read IOPS (--read-iops)")
+    _check_positive(io_block_bytes, "I/O block size (--io-block)")
+    _check_positive(link_gibps, "link bandwidth (--link-gibps)")
+    stages: list[Stage] = []
+    storage_limits: list[tuple[float, str]] = []
+    if read_mibps is not None:
+        storage_limits.append((read_mibps * MIB, f"read bandwidth {read_mibps:g} MiB/s"))
+    if read_iops is not None:
+        if io_block_bytes is None:
+            raise ValueError(
+                "--read-iops needs the I/O block size: pass --io-block too (e.g. --io-block 16KiB)"
+            )
+        storage_limits.append(
+            (read_iops * io_block_bytes, f"{read_iops:g} IOPS x {_fmt_bytes(io_block_bytes)}")
+        )
+    if storage_limits:
+        bps, why = min(storage_limits, key=lambda lim: lim[0])  # first wins a tie
+        stages.append(Stage("storage", bps, why))
+    if link_gibps is not None:
+        stages.append(Stage("link", link_gibps * GIB, f"link {link_gibps:g} GiB/s"))
+    if not stages:
+        raise ValueError(
+            "no transfer stage given: pass --read-mibps and/or --read-iops with --io-block "
+            "(storage), and/or --link-gibps (host-to-device link)"
+        )
+    return tuple(stages)
+
+
+def recommended_ratio(t_load_s: float, t_prefill_s: float, min_ratio: float = DEFAULT_MIN_RATIO) -> float:
+    """CacheBlend's rule: r = max(r_min, T_load / T_prefill), capped at 1.0."""
+    return min(1.0, max(min_ratio, t_load_s / t_prefill_s))
+
+
+def plan(inputs: PlanInputs) -> PlanResult:
+    """Compute the transfer budget for `inputs`. Pure: no I/O.
+
+    Verdict "load" when the load-time lower bound is below the prefill time (the load can
+    then be hidden behind recomputing `recommended_ratio` of the tokens), else "recompute"
+    with the ratio capped at 1.0. Raises ValueError for invalid inputs.
+    """
+    for value, what in (
+        (inputs.layers, "layers (--layers)"),
+        (inputs.kv_heads, "kv heads (--kv-heads)"),
+        (inputs.head_dim, "head dim (--head-dim)"),
+        (inputs.tokens, "tokens (--tokens)"),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    if inputs.dtype_bytes not in (1, 2, 4):
+        raise ValueError(f"dtype bytes (--dtype-bytes) must be 1, 2 or 4, got {inputs.dtype_bytes!r}")
+    _check_positive(inputs.prefill_tokens_per_s, "prefill rate (--prefill-tokens-per-s)")
+    if not 0.0 <= inputs.min_ratio <= 1.0:
+        raise ValueError(f"minimum recompute ratio (--min-ratio) must be in [0, 1], got {inputs.min_ratio!r}")
+    stages = transfer_stages(inputs.read_mibps, inputs.read_iops, inputs.io_block_bytes, inputs.link_gibps)
+    bottleneck = min(stages, key=lambda s: s.bytes_per_s)  # first wins a tie
+    per_token = kv_bytes_per_token(inputs.layers, inputs.kv_heads, inputs.head_dim, inputs.dtype_bytes)
+    payload = per_token * inputs.tokens
+    t_load = payload / bottleneck.bytes_per_s
+    t_prefill = inputs.tokens / inputs.prefill_tokens_per_s
+    return PlanResult(
+        kv_bytes_per_token=per_token,
+        payload_bytes=payload,
+        path_bytes_per_s=bottleneck.bytes_per_s,
+        t_load_min_s=t_load,
+        t_prefill_s=t_prefill,
+        recommended_ratio=recommended_ratio(t_load, t_prefill, inputs.min_ratio),
+        verdict="load" if t_load < t_prefill else "recompute",
+        tokens=inputs.tokens,
+        prefill_tokens_per_s=inputs.prefill_tokens_per_s,
+        prefill_source=inputs.prefill_source,
+        min_ratio=inputs.min_ratio,
+        bottleneck=bottleneck.name,
+        stages=stages,
+    )
+
+
+@dataclass(frozen=True)
+class ModelKVShape:
+    """KV-relevant dims read from a model config (no weights loaded)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def model_kv_shape(model_name: str) -> ModelKVShape:
+    """Read layers, KV heads and head dim from the config of an alias or local model.
+
+    Reads only the config (for GGUF, the metadata), not the weights.
+    """
+    from transformers import AutoConfig
+
+    from blend.model import resolve_model
+
+    directory, gguf_file = resolve_model(model_name)
+    config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(config.num_attention_heads)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelKVShape(int(config.num_hidden_layers), int(kv_heads), int(head_dim))
+
+
+@dataclass(frozen=True)
+class PrefillProfile:
+    """A measured prefill rate and where it was measured."""
+
+    tokens_per_s: float
+    device: str
+    tokens: int
+    seconds: float  # median time of one prefill over `tokens` tokens
+
+
+def profile_prefill(model_name: str, tokens: int = PROFILE_TOKENS, repeats: int = 3) -> PrefillProfile:
+    """Load `model_name` and time a forward prefill over `tokens` random token ids.
+
+    One untimed warm-up pass, then the median of `repeats` timed passes (synchronized on
+    CUDA). Side effect: loads the model weights (seconds). The rate is extrapolated
+    linearly to other lengths by the caller, which underestimates long prefills a little
+    (attention is quadratic).
+    """
+    import torch
+
+    from blend.model import load_model
+
+    if tokens <= 0:
+        raise ValueError(f"profile tokens must be a positive integer, got {tokens!r}")
+    loaded = load_model(model_name)
+    model, device = loaded.model, loaded.device
+    tokens = min(tokens, loaded.dims.max_positions)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, loaded.dims.vocab_size, (1, tokens), generator=gen).to(device)  # (1, T)
+
+    def once() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    once()  # warm-up: kernels, allocator, lazy init
+    seconds = statistics.median(once() for _ in range(max(1, repeats)))
+    return PrefillProfile(tokens / seconds, str(device), tokens, seconds)
+
+
+def measure_prefill_tokens_per_s(model_name: str, tokens: int = PROFILE_TOKENS) -> float:
+    """Prefill throughput of `model_name` in tokens/s, measured by `profile_prefill`."""
+    return profile_prefill(model_name, tokens).tokens_per_s
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
+    if not (x > 0 and math.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return x
+
+
+def _ratio(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = float("nan")
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a ratio between 0 and 1 (e.g. 0.15), got {value!r}")
+    return x
+
+
+def _io_block(value: str) -> int:
+    try:
+        n = parse_bytes(value, "I/O block size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"--io-block must be > 0 bytes (e.g. 4096, '16KiB', '1MiB'), got {value!r}")
+    return n
+
+
+def _dtype_bytes(value: str) -> int:
+    key = value.strip().lower()
+    if key not in _DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"expected 1, 2 or 4 (or a name: fp8/int8, fp16/bf16, fp32), got {value!r}"
+        )
+    return _DTYPE_NAMES[key]
+
+
+def register_plan(subparsers) -> argparse.ArgumentParser:
+    """Add the `plan` subcommand to an argparse subparsers object; returns its parser.
+
+    The handler is set as the `func` default (`args.func(args)` returns an exit code).
+    """
+    p = subparsers.add_parser(
+        "plan",
+        help="transfer budget: is loading a KV cache faster than recomputing it?",
+        description=(
+            "Size the KV payload for --tokens, bound its load time by the slowest transfer stage "
+            "(storage: --read-mibps / --read-iops x --io-block; link: --link-gibps), compare with the "
+            "prefill time (--prefill-tokens-per-s, or measured with --model) and recommend a "
+            "CacheBlend recompute ratio."
+        ),
+    )
+    shape = p.add_argument_group("KV shape (--model, or --layers/--kv-heads/--head-dim)")
+    shape.add_argument("--model", help="alias or local model; dims are read from its config")
+    shape.add_argument("--layers", type=_positive_int, help="number of transformer layers L")
+    shape.add_argument("--kv-heads", type=_positive_int, help="number of KV heads H")
+    shape.add_argument("--head-dim", type=_positive_int, help="head dimension D")
+    shape.add_argument(
+        "--dtype-bytes", type=_dtype_bytes, default=DEFAULT_KV_DTYPE_BYTES,
+        help="bytes per stored KV element: 1, 2 or 4, or fp8/fp16/bf16/fp32 (default 2)",
+    )
+    p.add_argument("--tokens", type=_positive_int, required=True, help="context tokens N to load")
+    path = p.add_argument_group("transfer path (at least one stage)")
+    path.add_argument("--read-mibps", type=_positive_float, help="storage read bandwidth, MiB/s")
+    path.add_argument("--read-iops", type=_positive_float, help="storage read IOPS (needs --io-block)")
+    path.add_argument("--io-block", type=_io_block, help="bytes per read I/O: 4096, 16KiB, 1MiB ...")
+    path.add_argument("--link-gibps", type=_positive_float, help="host-to-device link bandwidth, GiB/s")
+    p.add_argument(
+        "--prefill-tokens-per-s", type=_positive_float,
+        help="prefill throughput; if absent it is measured with --model",
+    )
+    p.add_argument(
+        "--min-ratio", type=_ratio, default=DEFAULT_MIN_RATIO,
+        help=f"minimum recompute ratio r_min (default {DEFAULT_MIN_RATIO})",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=functools.partial(run_plan, parser=p))
+    return p
+
+
+def _inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+    """Resolve the KV shape, validate the path, and get the prefill rate (may measure)."""
+    dims = (args.layers, args.kv_heads, args.head_dim)
+    if args.model is not None:
+        if any(d is not None for d in dims):
+            raise ValueError("pass either --model or --layers/--kv-heads/--head-dim, not both")
+        shape = model_kv_shape(args.model)
+    elif any(d is None for d in dims):
+        raise ValueError("pass --model NAME, or all of --layers, --kv-heads and --head-dim")
+    else:
+        shape = ModelKVShape(*dims)
+    transfer_stages(args.read_mibps, args.read_iops, args.io_block, args.link_gibps)  # fail before measuring
+    rate, source = args.prefill_tokens_per_s, "given"
+    if rate is None:
+        if args.model is None:
+            raise ValueError("pass --prefill-tokens-per-s, or --model to measure the prefill rate")
+        print(f"measuring prefill of {args.model} ({PROFILE_TOKENS} tokens) ...", file=sys.stderr)
+        prof = profile_prefill(args.model, PROFILE_TOKENS)
+        rate, source = prof.tokens_per_s, f"measured on {prof.device} ({prof.tokens} tokens)"
+    return PlanInputs(
+        layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        dtype_bytes=args.dtype_bytes, tokens=args.tokens, prefill_tokens_per_s=rate,
+        read_mibps=args.read_mibps, read_iops=args.read_iops, io_block_bytes=args.io_block,
+        link_gibps=args.link_gibps, min_ratio=args.min_ratio, prefill_source=source,
+    )
+
+
+def format_plan(result: PlanResult) -> list[str]:
+    """Human-readable lines for `result`."""
+    lines = [
+        f"KV per token       : {result.kv_bytes_per_token} B ({_fmt_bytes(result.kv_bytes_per_token)})",
+        f"payload            : {result.payload_bytes} B ({_fmt_bytes(result.payload_bytes)}) for {result.tokens} tokens",
+    ]
+    for s in result.stages:
+        mark = "  <- bottleneck" if s.name == result.bottleneck else ""
+        lines.append(f"stage {s.name:<13}: {_fmt_rate(s.bytes_per_s)} (limited by {s.limited_by}){mark}")
+    lines += [
+        f"path bandwidth     : {_fmt_rate(result.path_bytes_per_s)}",
+        f"t_load_min         : {result.t_load_min_s:.4g} s",
+        f"t_prefill          : {result.t_prefill_s:.4g} s at {result.prefill_tokens_per_s:.6g} tokens/s "
+        f"({result.prefill_source})",
+        f"recommended ratio  : {result.recommended_ratio:.3g} (r_min {result.min_ratio:g})",
+        f"verdict            : {result.verdict}",
+    ]
+    return lines
+
+
+def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """Handle `kvblend plan`: print the plan (JSON last line with --json); returns 0.
+
+    Invalid flag combinations exit with status 2 through `parser.error` (raise ValueError
+    when no parser is given). May load the model to measure prefill.
+    """
+    try:
+        result = plan(_inputs_from_args(args))
+    except ValueError as exc:
+        if parser is None:
+            raise
+        parser.error(str(exc))
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print("\n".join(format_plan(result)))
+    return 0

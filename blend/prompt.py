@@ -1,0 +1,108 @@
+"""Prompt assembly: a fixed instruction part, the documents, then the query, laid out as
+token ids through the model's chat template.
+
+Each document is tokenized on its own and the ids are concatenated, so a document's
+tokens are identical standalone and inside any prompt (no boundary re-tokenization).
+Documents longer than `chunk_tokens` are split on token boundaries into chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+_MARKER = "\x00KVBLEND-DOCUMENTS\x00"
+
+SegmentKind = Literal["prefix", "chunk", "query"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of prompt tokens. `prefix` and `chunk` segments are cacheable; `query` is always computed."""
+
+    kind: SegmentKind
+    token_ids: tuple[int, ...]
+    start: int  # position of the first token in the prompt
+    doc_index: int = -1  # which document a chunk belongs to
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: tuple[int, ...]
+    segments: tuple[Segment, ...]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prefix(self) -> Segment:
+        return self.segments[0]
+
+    @property
+    def chunks(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.kind == "chunk")
+
+    @property
+    def query(self) -> Segment:
+        return self.segments[-1]
+
+
+class PromptBuilder:
+    """Builds prompts for one tokenizer and one instruction/query template."""
+
+    def __init__(self, tokenizer, system_prompt: str, query_template: str, chunk_tokens: int):
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.query_template = query_template
+        self.chunk_tokens = chunk_tokens
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def frame(self, question: str) -> tuple[list[int], list[int]]:
+        """Token ids before and after the documents for this question."""
+        user = _MARKER + self.query_template.format(question=question)
+        if getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": user}]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = f"{self.system_prompt}\n\n{user}\nAnswer:"
+        head, tail = text.split(_MARKER)
+        return self._encode(head), self._encode(tail)
+
+    def document_ids(self, document: str) -> list[int]:
+        """A document's own token ids (stripped text plus a blank line that ends it)."""
+        return self._encode(document.strip() + "\n\n")
+
+    def split(self, ids: list[int]) -> list[tuple[int, ...]]:
+        n = self.chunk_tokens
+        return [tuple(ids[i : i + n]) for i in range(0, len(ids), n)]
+
+    def clean_documents(self, documents: list[str]) -> list[str]:
+        """Drop empty documents with a warning."""
+        kept = [d for d in documents if isinstance(d, str) and d.strip()]
+        if len(kept) < len(documents):
+            log.warning("skipped %d empty document(s)", len(documents) - len(kept))
+        return kept
+
+    def build(self, question: str, documents: list[str]) -> Prompt:
+        """Lay out [prefix][doc chunks...][query]; positions are explicit per segment."""
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("empty query: pass a non-empty question")
+        head, tail = self.frame(question)
+        segments = [Segment("prefix", tuple(head), 0)]
+        pos = len(head)
+        for d, doc in enumerate(self.clean_documents(documents)):
+            for piece in self.split(self.document_ids(doc)):
+                segments.append(Segment("chunk", piece, pos, d))
+                pos += len(piece)
+        segments.append(Segment("query", tuple(tail), pos))
+        ids = tuple(t for s in segments for t in s.token_ids)
+        return Prompt(ids, tuple(segments))

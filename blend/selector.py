@@ -1,0 +1,50 @@
+"""Token selection for CacheBlend's selective recompute.
+
+At a check layer every candidate token's K/V is computed fresh; the tokens whose fresh
+K/V deviate most from the cached K/V (squared L2 over heads and head_dim: the paper's
+"high-KV-deviation" tokens) are the ones recomputed in the following layers. With
+gradual filtering, each check layer keeps a shrinking share of the previous selection,
+ending at the recompute ratio.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor,
+              kind: str = "v") -> torch.Tensor:
+    """Per-token squared L2 deviation; inputs (Hkv, T, D), output (T,) float32."""
+    def sq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a.float() - b.float()).pow(2).sum(dim=(0, 2))  # (T,)
+
+    if kind == "v":
+        return sq(fresh_v, cached_v)
+    if kind == "k":
+        return sq(fresh_k, cached_k)
+    if kind == "kv":
+        return sq(fresh_k, cached_k) + sq(fresh_v, cached_v)
+    raise ValueError(f"unknown deviation {kind!r}; use v, k or kv")
+
+
+def schedule_counts(ratio: float, schedule: tuple[float, ...], n_context: int) -> list[int]:
+    """Tokens kept at each check layer: ceil(min(1, ratio * s) * n_context), non-increasing.
+
+    The last entry is ceil(ratio * n_context): the recompute budget.
+    """
+    counts = [math.ceil(min(1.0, ratio * s) * n_context - 1e-9) for s in schedule]
+    for i in range(1, len(counts)):
+        counts[i] = min(counts[i], counts[i - 1])
+    return counts
+
+
+def select_top(scores: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The k rows with the largest scores, returned sorted by position. scores, rows: (T,)."""
+    if k >= rows.numel():
+        return rows.clone()
+    if k <= 0:
+        return rows[:0].clone()
+    idx = torch.topk(scores, k, sorted=False).indices
+    return rows[idx].sort().values

@@ -1,0 +1,11 @@
+"""Evaluation of kvblend: answer quality and fidelity of blended KV caches versus full prefill.
+
+Modules:
+    loaders/   read evaluation sets (CacheBlend JSON, LongBench, HotpotQA, SAMSum, MultiNews,
+               Hugging Face datasets, our synthetic set) into one `Example` record.
+    synthetic  generate a deterministic multi-document QA set with single- and two-hop questions.
+    metrics    QA F1 / exact match / Rouge-L against gold answers, and KL divergence / top-1
+               agreement between the next-token distributions of full prefill and blending.
+    prompts    the prompt templates (configs/prompts.yaml) shared by the eval runner and the engine.
+    data/      shipped evaluation data: synthetic sets and the sample documents for demos.
+"""

@@ -1,0 +1,73 @@
+"""Reading the records of a local evaluation file: JSON (a list, or a mapping of split name to
+list), JSON Lines, and — through the `datasets` library — Parquet and CSV. Returns plain dicts;
+which layout the records have is decided by the dispatcher."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+_DATASETS_BUILDERS = {".parquet": "parquet", ".csv": "csv"}
+
+
+def read_records(path: str | Path, split: str | None = None) -> list[dict[str, Any]]:
+    """All records of the file at `path` as dicts. Does not modify the file.
+
+    `split` picks one list out of a JSON mapping such as {"train": [...], "test": [...]}; it is
+    ignored for a plain list or JSONL.
+    """
+    p = Path(path)
+    if p.suffix.lower() in _DATASETS_BUILDERS:
+        import datasets  # deferred: importing datasets costs about a second
+
+        table = datasets.load_dataset(_DATASETS_BUILDERS[p.suffix.lower()], data_files=str(p), split="train")
+        return table.to_list()
+    text = p.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    if not stripped:
+        raise ValueError(f"{p}: the file is empty; give a JSON list or JSON Lines file of examples")
+    if p.suffix.lower() == ".jsonl" or not stripped.startswith(("[", "{")):
+        return _jsonl(text, p)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        # A file whose first record is an object may be JSON Lines named .json.
+        return _jsonl(text, p)
+    return _records_of(data, p, split)
+
+
+def _jsonl(text: str, p: Path) -> list[dict[str, Any]]:
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{p}:{number}: not valid JSON ({exc.msg}); JSON Lines needs one object per line") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{p}:{number}: expected a JSON object per line, got {type(record).__name__}")
+        records.append(record)
+    return records
+
+
+def _records_of(data: Any, p: Path, split: str | None) -> list[dict[str, Any]]:
+    if isinstance(data, dict):
+        lists = {k: v for k, v in data.items() if isinstance(v, list)}
+        if split is not None and split in lists:
+            data = lists[split]
+        elif split is None and len(lists) == 1:
+            data = next(iter(lists.values()))
+        elif lists and len(lists) == len(data):
+            raise ValueError(
+                f"{p}: holds several splits ({', '.join(lists)}); choose one with split=... (--split)"
+            )
+        else:
+            data = [data]  # a single example
+    if not isinstance(data, list):
+        raise ValueError(f"{p}: expected a JSON list of example objects, got {type(data).__name__}")
+    bad = next((i for i, r in enumerate(data) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise ValueError(f"{p}: record {bad} is a {type(data[bad]).__name__}; every record must be a JSON object")
+    return data

@@ -1,0 +1,312 @@
+"""`kvblend bench load`: KV throughput of one tier against a raw read of the same bytes.
+
+For each tier: write N MiB of KV shaped like SmolLM2 chunks (30 layers, 3 KV heads,
+head_dim 64, 512 tokens, fp16 by default), then read it back layer by layer through the
+tier and, interleaved with it, read the same number of bytes raw:
+  cpu            raw = a tensor copy of each layer's K and V
+  disk           raw = os.preadv of layer-sized blocks from one plain file; the page cache
+                 of the raw file and of the tier's files is dropped before every pass
+                 (fsync, then posix_fadvise DONTNEED), so both read from the device
+  redis(-cluster) raw = one GET per layer of a plain blob of the layer's size
+A warm-up pass is excluded; the figures are medians over interleaved rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from storage.config import (
+    CpuTierConfig,
+    DiskTierConfig,
+    RedisClusterTierConfig,
+    RedisTierConfig,
+    StoreConfig,
+)
+from storage.disk import DiskTier
+from storage.entry import KVEntry, dtype_of
+from storage.keys import chunk_key
+from storage.stack import build_tier
+from storage.tier import Tier
+
+MiB = 1024**2
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkShape:
+    """Shape of one benchmark chunk; defaults match SmolLM2-135M with 512-token chunks."""
+
+    layers: int = 30
+    kv_heads: int = 3
+    head_dim: int = 64
+    tokens: int = 512
+    kv_dtype: str = "float16"
+
+
+def random_entry(
+    shape: ChunkShape = ChunkShape(), *, seed: int = 0, fingerprint: str = "bench", pos_start: int = 0
+) -> tuple[list[int], KVEntry]:
+    """Token ids and a KVEntry of random K/V (deterministic for a seed). Used by tests too."""
+    g = torch.Generator().manual_seed(seed)
+    token_ids = torch.randint(0, 49152, (shape.tokens,), generator=g).tolist()
+    dtype = dtype_of(shape.kv_dtype)
+    size = (shape.kv_heads, shape.tokens, shape.head_dim)
+    layers = [
+        (torch.randn(size, generator=g).to(dtype), torch.randn(size, generator=g).to(dtype))  # (H, T, D) each
+        for _ in range(shape.layers)
+    ]
+    entry = KVEntry.from_tensors(
+        layers, fingerprint=fingerprint, token_ids=token_ids, pos_start=pos_start, kv_dtype=shape.kv_dtype
+    )
+    return token_ids, entry
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _drop_page_cache(paths: list[Path]) -> None:
+    """Ask the kernel to drop cached pages of `paths` (they must be clean: fsync first)."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class _Raw:
+    """Raw reads of the same byte count as the tier pass, one layer-sized block at a time."""
+
+    note = ""
+
+    def read(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _RawCopy(_Raw):
+    note = "raw = tensor copy of K and V per layer"
+
+    def __init__(self, entries: list[KVEntry]) -> None:
+        self.entries = entries
+
+    def read(self) -> None:
+        for entry in entries_layers(self.entries):
+            k, v = entry
+            k.clone(), v.clone()
+
+
+def entries_layers(entries: list[KVEntry]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [layer for e in entries for layer in e.layers]
+
+
+class _RawFile(_Raw):
+    note = "raw = os.preadv of layer-sized blocks of one plain file; page cache dropped (fsync + POSIX_FADV_DONTNEED)"
+
+    def __init__(self, directory: Path, nbytes: int, block: int, tier: DiskTier) -> None:
+        self.path = directory / "raw.bin"
+        self.nbytes, self.block, self.tier = nbytes, block, tier
+        chunk = os.urandom(block)
+        with open(self.path, "wb") as fh:
+            for _ in range(nbytes // block):
+                fh.write(chunk)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def drop(self) -> None:
+        _drop_page_cache([self.path, *self.tier.files()])
+
+    def read(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for offset in range(0, self.nbytes - self.block + 1, self.block):
+                buf = torch.empty(self.block, dtype=torch.uint8)
+                os.preadv(fd, [buf.numpy()], offset)
+        finally:
+            os.close(fd)
+
+
+class _RawRedis(_Raw):
+    note = "raw = one GET per layer of a plain blob of the layer's size"
+
+    def __init__(self, client: Any, prefix: str, count: int, block: int) -> None:
+        self.client, self.names = client, [f"{prefix}raw:{i}" for i in range(count)]
+        blob = os.urandom(block)
+        for start in range(0, count, 64):
+            pipe = client.pipeline(transaction=False)
+            for name in self.names[start : start + 64]:
+                pipe.set(name, blob)
+            pipe.execute()
+
+    def read(self) -> None:
+        for name in self.names:
+            self.client.get(name)
+
+    def close(self) -> None:
+        for name in self.names:
+            self.client.delete(name)
+
+
+def measure_tier(
+    tier: Tier,
+    raw: _Raw,
+    keyed: list[tuple[str, KVEntry]],
+    *,
+    rounds: int = 3,
+    before_pass: Callable[[], None] | None = None,
+) -> dict:
+    """Write `keyed` into `tier`, then alternate raw and tier read passes; medians of `rounds`."""
+    total = sum(e.nbytes for _, e in keyed)
+    t0 = time.perf_counter()
+    for key, entry in keyed:
+        tier.put(key, entry)
+    write_s = time.perf_counter() - t0
+    if tier.stats()["errors"]:
+        raise RuntimeError(f"{tier.name}: writes failed during the benchmark: {tier.stats()}")
+
+    def tier_pass() -> tuple[float, list[float]]:
+        per_layer: list[float] = []
+        start = time.perf_counter()
+        for key, _ in keyed:
+            header = tier.get_header(key)
+            if header is None:
+                raise RuntimeError(f"{tier.name}: entry {key} missing during the benchmark (budget too small?)")
+            for i in range(header.num_layers):
+                t = time.perf_counter()
+                if tier.get_layer(key, i, header) is None:
+                    raise RuntimeError(f"{tier.name}: layer {i} of {key} missing during the benchmark")
+                per_layer.append(time.perf_counter() - t)
+        return time.perf_counter() - start, per_layer
+
+    def raw_pass() -> float:
+        start = time.perf_counter()
+        raw.read()
+        return time.perf_counter() - start
+
+    prepare = before_pass or (lambda: None)
+    prepare()
+    tier_pass()  # warm-up (connections, allocator); not measured
+    prepare()
+    raw_pass()
+    tier_times, raw_times, layer_times = [], [], []
+    for r in range(rounds):
+        order = ("raw", "tier") if r % 2 == 0 else ("tier", "raw")
+        for which in order:
+            prepare()
+            if which == "raw":
+                raw_times.append(raw_pass())
+            else:
+                seconds, per_layer = tier_pass()
+                tier_times.append(seconds)
+                layer_times.extend(per_layer)
+    read_gbps = total / statistics.median(tier_times) / 1e9
+    raw_gbps = total / statistics.median(raw_times) / 1e9
+    return {
+        "tier": tier.name,
+        "bytes": total,
+        "entries": len(keyed),
+        "write_gbps": round(total / write_s / 1e9, 3),
+        "read_gbps": round(read_gbps, 3),
+        "raw_read_gbps": round(raw_gbps, 3),
+        "ratio": round(read_gbps / raw_gbps, 3),
+        "layer_read_ms_p50": round(_percentile(layer_times, 0.50) * 1e3, 4),
+        "layer_read_ms_p99": round(_percentile(layer_times, 0.99) * 1e3, 4),
+        "rounds": rounds,
+        "raw": raw.note,
+    }
+
+
+def _first(config: StoreConfig | None, kind: str) -> Any:
+    for tier in config.tiers if config is not None else ():
+        if tier.kind == kind:
+            return tier
+    return None
+
+
+def run_load(
+    kind: str,
+    size_mb: float,
+    shape: ChunkShape = ChunkShape(),
+    *,
+    config: StoreConfig | None = None,
+    redis_url: str | None = None,
+    cluster_urls: list[str] | None = None,
+    rounds: int = 5,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Benchmark one tier kind; uses its own keys/directory and removes them afterwards."""
+    _, template = random_entry(shape, seed=0)
+    n = max(1, math.ceil(size_mb * MiB / template.nbytes))
+    keyed: list[tuple[str, KVEntry]] = []
+    for i in range(n):
+        token_ids, entry = random_entry(shape, seed=i)
+        keyed.append((chunk_key("bench", token_ids, shape.kv_dtype, namespace=f"bench{os.getpid()}"), entry))
+    total = n * template.nbytes
+    block = template.header.layer_nbytes
+    budget = int(total * 1.2) + 64 * MiB
+    tag = f"kvblend-bench:{os.getpid()}:"
+    log(f"[{kind}] {n} entries x {template.nbytes / MiB:.2f} MiB = {total / MiB:.1f} MiB, layer {block / 1024:.0f} KiB")
+    cleanup: list[Callable[[], None]] = []
+    try:
+        before: Callable[[], None] | None = None
+        if kind == "cpu":
+            tier = build_tier(CpuTierConfig(budget=budget))
+            raw: _Raw = _RawCopy([e for _, e in keyed])
+        elif kind == "disk":
+            base = Path(getattr(_first(config, "disk"), "path", ".kvblend-cache/disk"))
+            base.parent.mkdir(parents=True, exist_ok=True)
+            workdir = Path(tempfile.mkdtemp(prefix="bench-", dir=base.parent))
+            cleanup.append(lambda: shutil.rmtree(workdir, ignore_errors=True))
+            tier = build_tier(DiskTierConfig(path=str(workdir / "tier"), budget=budget, required=True))
+            raw_file = _RawFile(workdir, total, block, tier)  # type: ignore[arg-type]
+            raw, before = raw_file, raw_file.drop
+        elif kind == "redis":
+            cfg = _first(config, "redis") or RedisTierConfig()
+            cfg = dataclasses.replace(cfg, url=redis_url or cfg.url, key_prefix=tag, required=True, ttl_s=None)
+            tier = build_tier(cfg)
+            raw = _RawRedis(tier._client_or_connect(), tag, n * shape.layers, block)  # type: ignore[attr-defined]
+        elif kind == "redis-cluster":
+            cfg = _first(config, "redis-cluster")
+            urls = tuple(cluster_urls) if cluster_urls else (cfg.urls if cfg else ())
+            if not urls:
+                raise ValueError("bench load --tier redis-cluster needs --cluster-urls U,U,U or a redis-cluster tier in --config")
+            cfg = cfg or RedisClusterTierConfig(urls=urls)
+            cfg = dataclasses.replace(cfg, urls=urls, key_prefix=tag, required=True, ttl_s=None)
+            tier = build_tier(cfg)
+            raw = _RawRedis(tier._client_or_connect(), tag, n * shape.layers, block)  # type: ignore[attr-defined]
+        else:
+            raise ValueError(f"unknown tier {kind!r}; use one of cpu, disk, redis, redis-cluster")
+        cleanup.append(tier.close)
+        cleanup.append(tier.clear)
+        cleanup.append(raw.close)
+        if kind == "disk":
+            os.sync()  # make the tier's pages clean so DONTNEED can drop them
+        result = measure_tier(tier, raw, keyed, rounds=rounds, before_pass=before)
+        result["tier"] = kind
+    finally:
+        for fn in reversed(cleanup):
+            fn()
+    log(
+        f"[{kind}] write {result['write_gbps']:.2f} GB/s  read {result['read_gbps']:.2f} GB/s  "
+        f"raw {result['raw_read_gbps']:.2f} GB/s  ratio {result['ratio']:.2f}  "
+        f"layer p50 {result['layer_read_ms_p50']:.3f} ms p99 {result['layer_read_ms_p99']:.3f} ms  ({result['raw']})"
+    )
+    return result

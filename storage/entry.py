@@ -1,0 +1,145 @@
+"""One cached KV entry: a header describing it and per-layer (K, V) tensors.
+
+K and V of every layer are shaped (kv_heads, num_tokens, head_dim) in the storage dtype.
+Keys were rotated at positions pos_start .. pos_start + num_tokens - 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from storage import checksum as _checksum
+from storage.keys import tokens_digest as _tokens_digest
+
+FORMAT_VERSION: int = 1
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+
+class CorruptEntry(Exception):
+    """A stored entry failed verification (bad magic, truncated, checksum mismatch, ...)."""
+
+
+def dtype_of(kv_dtype: str) -> torch.dtype:
+    """Torch dtype for a storage dtype name; ValueError lists the valid names."""
+    try:
+        return TORCH_DTYPES[kv_dtype]
+    except KeyError:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not supported; use one of {', '.join(TORCH_DTYPES)}") from None
+
+
+def entry_nbytes(num_layers: int, kv_heads: int, num_tokens: int, head_dim: int, kv_dtype: str) -> int:
+    """Bytes of KV in one entry (all layers, K and V) - what tier budgets are measured in."""
+    itemsize = torch.empty((), dtype=dtype_of(kv_dtype)).element_size()
+    return num_layers * 2 * kv_heads * num_tokens * head_dim * itemsize
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy flat byte view of a contiguous CPU tensor (works for bfloat16 too)."""
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+@dataclass(frozen=True)
+class EntryHeader:
+    """Everything needed to locate, decode and verify an entry's layers."""
+
+    format_version: int
+    fingerprint: str
+    kv_dtype: str
+    num_layers: int
+    kv_heads: int
+    num_tokens: int
+    head_dim: int
+    pos_start: int
+    tokens_digest: str
+    layer_checksums: tuple[int, ...]
+    layer_nbytes: int  # bytes of one layer = K + V
+    checksum: str = _checksum.DEFAULT_ALGORITHM
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtype_of(self.kv_dtype)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Shape of one K or V tensor: (kv_heads, num_tokens, head_dim)."""
+        return (self.kv_heads, self.num_tokens, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all layers (K and V)."""
+        return self.num_layers * self.layer_nbytes
+
+
+@dataclass
+class KVEntry:
+    """A header plus `layers[i] = (K, V)`, each (kv_heads, num_tokens, head_dim), contiguous CPU."""
+
+    header: EntryHeader
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.nbytes
+
+    @classmethod
+    def from_tensors(
+        cls,
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        fingerprint: str,
+        token_ids: Sequence[int],
+        pos_start: int,
+        kv_dtype: str,
+    ) -> KVEntry:
+        """Build an entry from per-layer (K, V) tensors shaped (kv_heads, num_tokens, head_dim).
+
+        Tensors are copied to contiguous CPU tensors in `kv_dtype` (always a copy, so the
+        entry owns its storage and the caller may reuse its buffers); per-layer checksums
+        are computed. Raises ValueError on inconsistent shapes.
+        """
+        dtype = dtype_of(kv_dtype)
+        if not layers:
+            raise ValueError("KVEntry.from_tensors: got no layers; pass one (K, V) pair per layer")
+        num_tokens = len(token_ids)
+        shape = tuple(layers[0][0].shape)
+        if len(shape) != 3 or shape[1] != num_tokens:
+            raise ValueError(
+                f"KVEntry.from_tensors: K of layer 0 has shape {shape}; expected (kv_heads, num_tokens={num_tokens}, "
+                "head_dim) - drop the batch dimension with k[0] first"
+            )
+        if pos_start < 0:
+            raise ValueError(f"KVEntry.from_tensors: pos_start must be >= 0, got {pos_start}")
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        sums: list[int] = []
+        for i, (k, v) in enumerate(layers):
+            if tuple(k.shape) != shape or tuple(v.shape) != shape:
+                raise ValueError(
+                    f"KVEntry.from_tensors: layer {i} has K {tuple(k.shape)} and V {tuple(v.shape)}; "
+                    f"every K and V must be {shape}"
+                )
+            k = k.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()  # (H, T, D)
+            v = v.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()  # (H, T, D)
+            out.append((k, v))
+            sums.append(_checksum.checksum((tensor_bytes(k), tensor_bytes(v))))
+        kv_heads, _, head_dim = shape
+        header = EntryHeader(
+            format_version=FORMAT_VERSION,
+            fingerprint=fingerprint,
+            kv_dtype=kv_dtype,
+            num_layers=len(out),
+            kv_heads=kv_heads,
+            num_tokens=num_tokens,
+            head_dim=head_dim,
+            pos_start=pos_start,
+            tokens_digest=_tokens_digest(token_ids),
+            layer_checksums=tuple(sums),
+            layer_nbytes=2 * out[0][0].numel() * out[0][0].element_size(),
+        )
+        return cls(header=header, layers=out)

@@ -1,0 +1,91 @@
+"""Content addresses for cached KV: chunk keys and conversation-prefix block keys.
+
+A chunk key depends only on the model fingerprint, the chunk's own tokens, the storage
+dtype, the KV layout version and an optional context digest - never on what precedes
+the chunk in a prompt, so the same document chunk hits in every prompt that contains it.
+A prefix block key covers every token from the start of the sequence up to the block
+end. The two use different domain tags, so they never collide. Keys are short ASCII
+strings (`[namespace-]c<hex>` / `[namespace-]p<hex>`), safe as file names and Redis keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+# Bump when the meaning of stored KV changes (tensor layout, rotary convention, ...):
+# every key changes with it, so old entries are simply never hit again.
+LAYOUT_VERSION: int = 1
+
+_DIGEST_HEX = 40  # 160 bits; a hit additionally verifies the stored tokens digest
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.]{0,64}$")
+_CHUNK_TAG = b"kvblend/chunk\x00"
+_PREFIX_TAG = b"kvblend/prefix\x00"
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Pack token ids as little-endian 32-bit words (ids must fit int32 or uint32)."""
+    arr = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # (T,)
+    if arr.size and (int(arr.min()) < -(2**31) or int(arr.max()) >= 2**32):
+        raise ValueError("token ids must fit in 32 bits (int32 or uint32); got an id outside that range")
+    return (arr & 0xFFFFFFFF).astype("<u4").tobytes()
+
+
+def tokens_digest(token_ids: Sequence[int]) -> str:
+    """sha256 hex digest of the token ids packed as little-endian int32/uint32.
+
+    Accepts a list, tuple, numpy array or CPU tensor of ints. Pure function.
+    """
+    return hashlib.sha256(_token_bytes(token_ids)).hexdigest()
+
+
+def _field(h: hashlib._Hash, value: str | bytes) -> None:
+    data = value.encode() if isinstance(value, str) else value
+    h.update(len(data).to_bytes(8, "little"))
+    h.update(data)
+
+
+def _with_namespace(namespace: str, kind: str, digest: str) -> str:
+    if not _NAMESPACE_RE.match(namespace):
+        raise ValueError(f"namespace {namespace!r} must be up to 64 characters from A-Z a-z 0-9 _ .")
+    return f"{namespace}-{kind}{digest}" if namespace else f"{kind}{digest}"
+
+
+def chunk_key(
+    fingerprint: str,
+    token_ids: Sequence[int],
+    kv_dtype: str,
+    namespace: str = "",
+    context_digest: str = "",
+) -> str:
+    """Key of one cached chunk: digest over (fingerprint, tokens, kv_dtype, LAYOUT_VERSION, context_digest).
+
+    `context_digest` distinguishes chunks computed after a fixed context (e.g. the system
+    prompt); leave it empty for chunks computed at positions 0..n-1. The key does not
+    depend on anything that precedes the chunk in a prompt.
+    """
+    h = hashlib.sha256(_CHUNK_TAG)
+    _field(h, fingerprint)
+    _field(h, _token_bytes(token_ids))
+    _field(h, kv_dtype)
+    _field(h, str(LAYOUT_VERSION))
+    _field(h, context_digest)
+    return _with_namespace(namespace, "c", h.hexdigest()[:_DIGEST_HEX])
+
+
+def prefix_block_key(
+    fingerprint: str,
+    prefix_token_ids: Sequence[int],
+    kv_dtype: str,
+    namespace: str = "",
+) -> str:
+    """Key of a conversation prefix block: digest over ALL tokens from the sequence start to the block end."""
+    h = hashlib.sha256(_PREFIX_TAG)
+    _field(h, fingerprint)
+    _field(h, _token_bytes(prefix_token_ids))
+    _field(h, kv_dtype)
+    _field(h, str(LAYOUT_VERSION))
+    return _with_namespace(namespace, "p", h.hexdigest()[:_DIGEST_HEX])

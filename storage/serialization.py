@@ -1,0 +1,130 @@
+"""Entry headers and layers <-> bytes, and their verification.
+
+Header bytes: MAGIC (8) | format version (u32 LE) | JSON length (u32 LE) | UTF-8 JSON.
+Layer bytes:  raw K bytes then raw V bytes, C order, storage dtype, no framing.
+Never pickle, never torch.load: decoding untrusted bytes can only fail with CorruptEntry.
+How bytes travel (files, Redis keys) is each tier's business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from typing import Any
+
+import torch
+
+from storage import checksum as _checksum
+from storage.entry import FORMAT_VERSION, TORCH_DTYPES, CorruptEntry, EntryHeader, tensor_bytes
+
+MAGIC = b"KVBLEND\x00"
+_PRELUDE = struct.Struct("<8sII")  # magic, format version, JSON length
+PRELUDE_SIZE = _PRELUDE.size  # 16
+_MAX_HEADER_JSON = 1 << 20
+_FIELDS = {f.name: f for f in dataclasses.fields(EntryHeader)}
+
+
+def encode_header(header: EntryHeader) -> bytes:
+    """Serialize a header to bytes (magic + version + length-prefixed JSON)."""
+    body = dataclasses.asdict(header)
+    body["layer_checksums"] = list(header.layer_checksums)
+    data = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+    return _PRELUDE.pack(MAGIC, header.format_version, len(data)) + data
+
+
+def header_size(prelude: bytes | bytearray | memoryview) -> int:
+    """Total size of an encoded header from its first PRELUDE_SIZE bytes; CorruptEntry if not a header."""
+    if len(prelude) < PRELUDE_SIZE:
+        raise CorruptEntry(f"header truncated: {len(prelude)} bytes, need at least {PRELUDE_SIZE}")
+    magic, version, length = _PRELUDE.unpack_from(prelude)
+    if magic != MAGIC:
+        raise CorruptEntry(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptEntry(f"unsupported format version {version} (this build reads {FORMAT_VERSION})")
+    if length > _MAX_HEADER_JSON:
+        raise CorruptEntry(f"header JSON length {length} is implausible")
+    return PRELUDE_SIZE + length
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> EntryHeader:
+    """Parse and sanity-check header bytes (trailing bytes are ignored). Raises CorruptEntry."""
+    total = header_size(data)
+    if len(data) < total:
+        raise CorruptEntry(f"header truncated: {len(data)} of {total} bytes")
+    try:
+        body: dict[str, Any] = json.loads(bytes(data[PRELUDE_SIZE:total]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptEntry(f"header JSON unreadable: {e}") from None
+    if not isinstance(body, dict) or set(body) != set(_FIELDS):
+        raise CorruptEntry(f"header fields {sorted(body) if isinstance(body, dict) else body!r} do not match")
+    try:
+        body["layer_checksums"] = tuple(int(c) for c in body["layer_checksums"])
+        header = EntryHeader(**body)
+    except (TypeError, ValueError) as e:
+        raise CorruptEntry(f"header fields malformed: {e}") from None
+    _check_header(header)
+    return header
+
+
+def _check_header(h: EntryHeader) -> None:
+    ints = (h.format_version, h.num_layers, h.kv_heads, h.num_tokens, h.head_dim, h.pos_start, h.layer_nbytes)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints):
+        raise CorruptEntry("header has a non-integer or negative size field")
+    if h.kv_dtype not in TORCH_DTYPES:
+        raise CorruptEntry(f"header kv_dtype {h.kv_dtype!r} unknown")
+    itemsize = torch.empty((), dtype=TORCH_DTYPES[h.kv_dtype]).element_size()
+    if h.layer_nbytes != 2 * h.kv_heads * h.num_tokens * h.head_dim * itemsize or h.layer_nbytes == 0:
+        raise CorruptEntry("header layer_nbytes does not match its shape and dtype")
+    if len(h.layer_checksums) != h.num_layers or h.num_layers == 0:
+        raise CorruptEntry("header has the wrong number of layer checksums")
+    if not isinstance(h.fingerprint, str) or not isinstance(h.tokens_digest, str):
+        raise CorruptEntry("header fingerprint/tokens_digest are not strings")
+
+
+def layer_parts(k: torch.Tensor, v: torch.Tensor) -> tuple[memoryview, memoryview]:
+    """Zero-copy byte views (K, V) of one layer; tensors must be contiguous CPU."""
+    return tensor_bytes(k), tensor_bytes(v)
+
+
+def layer_to_bytes(k: torch.Tensor, v: torch.Tensor) -> bytes:
+    """One layer as a single bytes object: raw K bytes then raw V bytes (one copy)."""
+    kb, vb = layer_parts(k, v)
+    return b"".join((kb, vb))
+
+
+def verify_layer(data: Any, header: EntryHeader, layer: int) -> None:
+    """Check length and checksum of one layer's bytes. Raises CorruptEntry; no side effects."""
+    if not 0 <= layer < header.num_layers:
+        raise IndexError(f"layer {layer} out of range: entry has {header.num_layers} layers")
+    n = memoryview(data).nbytes
+    if n != header.layer_nbytes:
+        raise CorruptEntry(f"layer {layer}: {n} bytes, expected {header.layer_nbytes}")
+    try:
+        got = _checksum.checksum((data,), header.checksum)
+    except ValueError as e:
+        raise CorruptEntry(str(e)) from None
+    if got != header.layer_checksums[layer]:
+        raise CorruptEntry(f"layer {layer}: checksum mismatch ({header.checksum})")
+
+
+def layer_from_bytes(data: Any, header: EntryHeader, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify and decode one layer into (K, V), each (kv_heads, num_tokens, head_dim).
+
+    `data` is any buffer. A writable buffer (bytearray, uint8 tensor/numpy array) is used
+    without copying and the tensors alias it; a read-only one (bytes) is copied first.
+    Raises CorruptEntry on a length or checksum mismatch.
+    """
+    if isinstance(data, torch.Tensor):
+        flat = data.view(torch.uint8).reshape(-1)  # (layer_nbytes,)
+        verify_layer(flat.numpy(), header, layer)
+    else:
+        verify_layer(data, header, layer)
+        mv = memoryview(data)
+        if mv.readonly:
+            mv = memoryview(bytearray(mv))
+        flat = torch.frombuffer(mv, dtype=torch.uint8)  # (layer_nbytes,)
+    half = header.layer_nbytes // 2
+    k = flat[:half].view(header.dtype).view(header.shape)  # (H, T, D)
+    v = flat[half:].view(header.dtype).view(header.shape)  # (H, T, D)
+    return k, v

@@ -1,0 +1,349 @@
+"""TieredStore: the tiers in configured order behind one lookup / read / write API.
+
+Request flow: `lookup` walks the tiers fastest-first and returns a `Located` for the
+first header whose fingerprint and tokens digest match (a mismatch is a miss, never a
+wrong cache). `get_layer` / `get_layers` read from that tier, falling back to a lower
+tier holding an identical header if the entry vanished meanwhile. `put` writes to every
+tier through a bounded background writer. A hit in a lower tier is promoted: the layers
+the request reads are collected and, once all are seen, written to the tiers above in
+the background; `flush` (or overflow of the pending table) completes partially read
+promotions by reading the remaining layers in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from storage.cluster import RedisClusterTier
+from storage.config import StoreConfig, TierConfig
+from storage.disk import DiskTier
+from storage.entry import EntryHeader, KVEntry
+from storage.memory import CpuTier
+from storage.redis_tier import RedisTier
+from storage.tier import Layer, StoreUnavailable, Tier
+
+log = logging.getLogger("kvblend.storage")
+
+TIER_CLASSES: dict[str, Callable[..., Tier]] = {
+    "cpu": CpuTier,
+    "disk": DiskTier,
+    "redis": RedisTier,
+    "redis-cluster": RedisClusterTier,
+}
+MAX_PENDING_PROMOTIONS = 16
+
+
+def build_tier(config: TierConfig) -> Tier:
+    """Instantiate the tier for `config.kind`; ValueError lists the valid kinds."""
+    try:
+        cls = TIER_CLASSES[config.kind]
+    except KeyError:
+        raise ValueError(f"unknown tier kind {config.kind!r}; valid kinds are: {', '.join(TIER_CLASSES)}") from None
+    return cls(config)
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where `lookup` found an entry: the tier and the verified header."""
+
+    key: str
+    tier_index: int
+    tier_name: str
+    header: EntryHeader
+
+
+@dataclass
+class _Promotion:
+    located: Located
+    layers: dict[int, Layer] = field(default_factory=dict)
+
+
+_STOP = object()
+
+
+class TieredStore:
+    """Tiers in order, fastest first. Thread-safe; owns a background writer thread."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        write_queue: int = 64,
+        promote: bool = True,
+        namespace: str = "",
+        kv_dtype: str = "float16",
+    ) -> None:
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        self.tiers: list[Tier] = list(tiers)
+        self.namespace = namespace
+        self.kv_dtype = kv_dtype
+        self.promote = promote
+        self._queue: queue.Queue = queue.Queue(maxsize=write_queue)
+        self._writer: threading.Thread | None = None
+        self._writer_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._pending: OrderedDict[str, _Promotion] = OrderedDict()
+        self._lock = threading.Lock()
+        self._counts: dict[str, Counter] = {t.name: Counter() for t in self.tiers}
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: StoreConfig, *, min_entry_bytes: int | None = None) -> TieredStore:
+        """Build the tiers of `config` (connecting to servers). With `min_entry_bytes`, first
+        check that every budget holds one entry (ValueError naming the tier otherwise)."""
+        if min_entry_bytes is not None:
+            config.validate_for(min_entry_bytes)
+        tiers: list[Tier] = []
+        try:
+            for tier_config in config.tiers:
+                tiers.append(build_tier(tier_config))
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        return cls(
+            tiers,
+            write_queue=config.write_queue,
+            promote=config.promote,
+            namespace=config.namespace,
+            kv_dtype=config.kv_dtype,
+        )
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _count(self, tier_index: int, **deltas: int) -> None:
+        with self._lock:
+            self._counts[self.tiers[tier_index].name].update(deltas)
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, key: str, *, tokens_digest: str, fingerprint: str) -> Located | None:
+        """First tier whose header for `key` matches `fingerprint` and `tokens_digest`.
+
+        A header that does not match (hash collision, other model) is counted as a
+        `mismatches` miss. A hit below the top tier registers a promotion.
+        """
+        for i, tier in enumerate(self.tiers):
+            header = tier.get_header(key)
+            if header is None:
+                self._count(i, lookup_misses=1)
+                continue
+            if header.fingerprint != fingerprint or header.tokens_digest != tokens_digest:
+                self._count(i, lookup_misses=1, mismatches=1)
+                continue
+            self._count(i, lookup_hits=1)
+            located = Located(key=key, tier_index=i, tier_name=tier.name, header=header)
+            if i > 0 and self.promote:
+                self._register_promotion(located)
+            return located
+        return None
+
+    def contains(self, key: str) -> str | None:
+        """Name of the first tier holding `key` (unverified), or None."""
+        for tier in self.tiers:
+            if tier.contains(key):
+                return tier.name
+        return None
+
+    # ------------------------------------------------------------------- reads
+    def get_layer(self, located: Located, layer: int) -> Layer | None:
+        """Layer `layer` of a located entry as (K, V), each (kv_heads, num_tokens, head_dim).
+
+        Returns None only if no tier can serve it any more (the caller recomputes).
+        """
+        return self.get_layers(located, [layer])[0]
+
+    def get_layers(self, located: Located, layers: Sequence[int]) -> list[Layer | None]:
+        """Several layers in one round trip where the tier supports it (redis tiers)."""
+        layers = list(layers)
+        tier = self.tiers[located.tier_index]
+        out = tier.get_layers(located.key, layers, located.header)
+        for n, (i, got) in enumerate(zip(layers, out, strict=True)):
+            if got is None:
+                out[n] = self._fallback(located, i)
+        self._collect(located, layers, out)
+        return out
+
+    def _fallback(self, located: Located, layer: int) -> Layer | None:
+        """Read `layer` from a lower tier holding the identical entry."""
+        for tier in self.tiers[located.tier_index + 1 :]:
+            if tier.get_header(located.key) == located.header:
+                got = tier.get_layer(located.key, layer, located.header)
+                if got is not None:
+                    return got
+        return None
+
+    def get(self, located: Located) -> KVEntry | None:
+        """The whole located entry, or None if any layer is gone."""
+        layers = self.get_layers(located, range(located.header.num_layers))
+        if any(x is None for x in layers):
+            return None
+        return KVEntry(header=located.header, layers=list(layers))  # type: ignore[arg-type]
+
+    # --------------------------------------------------------------- promotion
+    def _register_promotion(self, located: Located) -> None:
+        overflow: list[_Promotion] = []
+        with self._lock:
+            if located.key not in self._pending:
+                self._pending[located.key] = _Promotion(located)
+            while len(self._pending) > MAX_PENDING_PROMOTIONS:
+                overflow.append(self._pending.popitem(last=False)[1])
+        for promotion in overflow:
+            self._submit_promotion(promotion)
+
+    def _collect(self, located: Located, layers: list[int], got: list[Layer | None]) -> None:
+        """Remember copies of promoted layers; submit the promotion once all are seen."""
+        if located.tier_index == 0 or not self.promote:
+            return
+        with self._lock:
+            promotion = self._pending.get(located.key)
+            if promotion is None or promotion.located != located:
+                return
+            for i, layer in zip(layers, got, strict=True):
+                if layer is not None and i not in promotion.layers:
+                    promotion.layers[i] = (layer[0].clone(), layer[1].clone())  # caller may modify its copy
+            if len(promotion.layers) < located.header.num_layers:
+                return
+            del self._pending[located.key]
+        self._submit_promotion(promotion)
+
+    def _submit_promotion(self, promotion: _Promotion) -> None:
+        """Queue the write of a promotion to the tiers above its source; dropped if the queue is full."""
+        located = promotion.located
+
+        def job() -> None:
+            missing = [i for i in range(located.header.num_layers) if i not in promotion.layers]
+            if missing:
+                source = self.tiers[located.tier_index]
+                for i, layer in zip(missing, source.get_layers(located.key, missing, located.header), strict=True):
+                    if layer is None:
+                        return  # the source lost it meanwhile: nothing to promote
+                    promotion.layers[i] = layer
+            entry = KVEntry(located.header, [promotion.layers[i] for i in range(located.header.num_layers)])
+            for i in range(located.tier_index):
+                self.tiers[i].put(located.key, entry)
+                self._count(i, promotions=1)
+
+        self._ensure_writer()
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self._count(located.tier_index, promotions_dropped=1)
+
+    # ------------------------------------------------------------------ writes
+    def put(self, key: str, entry: KVEntry, *, sync: bool = False) -> None:
+        """Write `entry` under `key` to every tier.
+
+        sync=False (default) queues the write for the background writer and returns;
+        it blocks while the queue (write_queue jobs) is full. Do not modify `entry`
+        afterwards. sync=True writes inline. Errors of a `required` tier raise
+        StoreUnavailable: inline, or for background writes at the next put/flush.
+        """
+        self._raise_background_error()
+        if sync:
+            for tier in self.tiers:
+                tier.put(key, entry)
+            return
+
+        def job() -> None:
+            for tier in self.tiers:
+                tier.put(key, entry)
+
+        self._ensure_writer()
+        self._queue.put(job)
+
+    def _ensure_writer(self) -> None:
+        if self._closed:
+            raise RuntimeError("TieredStore is closed; create a new one with TieredStore.from_config")
+        with self._writer_lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="kvblend-store-writer", daemon=True)
+                self._writer.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is _STOP:
+                    return
+                job()
+            except StoreUnavailable as e:
+                self._error = self._error or e
+            except Exception as e:  # keep the writer alive; surfaced by the next flush()/put()
+                log.exception("background store write failed")
+                self._error = self._error or e
+            finally:
+                self._queue.task_done()
+
+    def _raise_background_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def flush(self) -> None:
+        """Complete pending promotions and wait for every queued write; re-raises a background error."""
+        with self._lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for promotion in pending:
+            self._submit_promotion(promotion)
+        if self._writer is not None:
+            self._queue.join()
+        self._raise_background_error()
+
+    def close(self) -> None:
+        """Flush, stop the writer thread and close every tier. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._writer is not None:
+                self._queue.put(_STOP)
+                self._writer.join()
+            for tier in self.tiers:
+                tier.close()
+
+    # ------------------------------------------------------------- management
+    def delete(self, key: str) -> None:
+        """Remove `key` from every tier."""
+        with self._lock:
+            self._pending.pop(key, None)
+        for tier in self.tiers:
+            tier.delete(key)
+
+    def clear(self) -> None:
+        """Wait for queued writes, then empty every tier."""
+        self.flush()
+        for tier in self.tiers:
+            tier.clear()
+
+    def keys(self) -> Iterator[str]:
+        """Distinct keys over all tiers, top tier first."""
+        seen: set[str] = set()
+        for tier in self.tiers:
+            for key in tier.keys():
+                if key not in seen:
+                    seen.add(key)
+                    yield key
+
+    def stats(self) -> dict[str, dict]:
+        """{tier name: tier counters + lookup_hits, lookup_misses, mismatches, promotions, promotions_dropped}."""
+        out: dict[str, dict] = {}
+        for tier in self.tiers:
+            with self._lock:
+                counts = dict(self._counts[tier.name])
+            extra = {k: counts.get(k, 0) for k in
+                     ("lookup_hits", "lookup_misses", "mismatches", "promotions", "promotions_dropped")}
+            out[tier.name] = {"kind": getattr(tier.config, "kind", tier.name)} | tier.stats() | extra
+        return out

@@ -1,0 +1,136 @@
+"""The tier protocol every storage backend implements, plus shared counters.
+
+A tier stores entries under string keys and serves single layers. Contract:
+- reads return tensors in the storage dtype, checksum-verified, or None on a miss;
+- a corrupt entry is logged (warning), deleted, counted in `corrupt`, and read as a miss:
+  a tier never returns bad data;
+- `put` never raises for I/O trouble unless the tier is configured `required: true`
+  (then StoreUnavailable); failures are logged and counted in `errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from storage.entry import CorruptEntry, EntryHeader, KVEntry
+
+log = logging.getLogger("kvblend.storage")
+
+Layer = tuple[Tensor, Tensor]  # (K, V), each (kv_heads, num_tokens, head_dim)
+
+
+class StoreUnavailable(RuntimeError):
+    """A tier configured `required: true` cannot be used (server unreachable, disk unwritable)."""
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """One storage level (cpu, disk, redis, redis-cluster). Implementations are thread-safe."""
+
+    name: str
+
+    def contains(self, key: str) -> bool:
+        """True if an entry is stored under `key` (not verified). No counters change."""
+        ...
+
+    def get_header(self, key: str) -> EntryHeader | None:
+        """The entry's header or None; counts a hit or miss; refreshes LRU recency."""
+        ...
+
+    def get_layer(self, key: str, layer: int, header: EntryHeader | None = None) -> Layer | None:
+        """Layer `layer` as (K, V), verified; None on miss. Pass `header` to save a read."""
+        ...
+
+    def get_layers(self, key: str, layers: Sequence[int], header: EntryHeader | None = None) -> list[Layer | None]:
+        """Several layers, batched in one round trip where the backend allows it."""
+        ...
+
+    def get(self, key: str) -> KVEntry | None:
+        """The whole entry, verified, or None."""
+        ...
+
+    def put(self, key: str, entry: KVEntry) -> None:
+        """Store `entry` under `key`, replacing any previous one; may evict others."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove `key` if present (no error if absent)."""
+        ...
+
+    def keys(self) -> Iterator[str]:
+        """Iterate over stored keys (a snapshot; entries may vanish meanwhile)."""
+        ...
+
+    def clear(self) -> None:
+        """Remove every entry of this tier (only this store's keys for shared servers)."""
+        ...
+
+    def close(self) -> None:
+        """Release connections/handles; the tier is unusable afterwards."""
+        ...
+
+    def stats(self) -> dict:
+        """Plain-dict counters for JSON: see TierStats; redis tiers add `down`."""
+        ...
+
+
+@dataclass
+class TierStats:
+    """Counters shared by all tiers. Update through the methods (they take a lock)."""
+
+    hits: int = 0  # entry lookups (get_header / get) that found the entry
+    misses: int = 0
+    layer_reads: int = 0
+    layer_misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    puts: int = 0
+    evictions: int = 0
+    errors: int = 0
+    corrupt: int = 0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self, entries: int, bytes_used: int) -> dict:
+        with self._lock:
+            out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["read_gbps"] = out["bytes_read"] / out["read_seconds"] / 1e9 if out["read_seconds"] else 0.0
+        out["write_gbps"] = out["bytes_written"] / out["write_seconds"] / 1e9 if out["write_seconds"] else 0.0
+        out["entries"] = entries
+        out["bytes_used"] = bytes_used
+        return out
+
+
+def report_corrupt(tier: Tier, stats: TierStats, key: str, err: Exception) -> None:
+    """Log a corrupt entry, count it and delete it so it is recomputed. Never raises."""
+    log.warning("%s tier: entry %s is corrupt (%s); deleted, it will be recomputed", tier.name, key, err)
+    stats.add(corrupt=1)
+    tier.delete(key)
+
+
+def read_entry(tier: Tier, key: str) -> KVEntry | None:
+    """Read a whole entry through `get_header` + `get_layers`; None if any part is missing."""
+    header = tier.get_header(key)
+    if header is None:
+        return None
+    layers = tier.get_layers(key, range(header.num_layers), header)
+    if any(layer is None for layer in layers):
+        return None
+    return KVEntry(header=header, layers=list(layers))
+
+
+__all__ = ["CorruptEntry", "Layer", "StoreUnavailable", "Tier", "TierStats", "read_entry", "report_corrupt"]
