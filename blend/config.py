@@ -75,8 +75,10 @@ class BlendConfig:
             raise ValueError(f"engine.prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.max_new_tokens < 1:
             raise ValueError(f"engine.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if "{question}" not in self.query_template:
-            raise ValueError("engine.query_template must contain '{question}'")
+        try:
+            self.query_template.format(question="")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"engine.query_template may only use the placeholder {{question}} ({err})") from None
 
 
 def check_ratio(ratio: float) -> float:

@@ -19,7 +19,6 @@ logits of the last row -> decoding continues from the merged cache.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -76,6 +75,7 @@ class BlendEngine:
         from blend.session import SessionManager  # chat sessions (offload / resume)
 
         self.sessions = SessionManager(self)
+        self.last_selection: list[torch.Tensor] = []  # rows selected at each check layer by the last blend
 
     @classmethod
     def from_config(cls, path: str | Path, **overrides: Any) -> BlendEngine:
@@ -256,6 +256,7 @@ class BlendEngine:
         token_ids = torch.tensor(prompt.token_ids)
         h = runner.embed(token_ids[active])
         selected_per_layer: list[int] = []
+        selections: list[torch.Tensor] = []  # selected prompt rows per check layer (introspection)
         recomputed = 0
         dev = runner.device
         with LayerLoader(self.store, runner, cache, placements, range(first_check, num_layers), cfg.prefetch_depth) as loader:
@@ -271,6 +272,7 @@ class BlendEngine:
                                        cfg.deviation)
                     chosen = select_top(scores, cand_rows, counts[check_layers.index(layer)])
                     selected_per_layer.append(int(chosen.numel()))
+                    selections.append(chosen.cpu())
                     recomputed = int(chosen.numel())
                     keep_rows = torch.cat([chosen.cpu(), query_rows]).unique(sorted=True)
                     keep = torch.searchsorted(active, keep_rows)
@@ -281,6 +283,7 @@ class BlendEngine:
                     q, h, active = q[:, -1:], h[-1:], active[-1:]
                 attn = runner.attend(q, active.to(dev), cache.k[layer][:, :n], cache.v[layer][:, :n])
                 h = runner.finish(layer, h, attn)
+        self.last_selection = selections
         stats.update(
             recomputed_tokens=recomputed if check_layers else 0, selected_per_layer=selected_per_layer,
             check_layers=check_layers, load_s=loader.load_s, exposed_load_s=loader.exposed_load_s,
@@ -420,5 +423,3 @@ def _tier_counts(store: TieredStore) -> dict[str, dict[str, float]]:
 def _tier_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
     return {name: {k: after[name][k] - before.get(name, {}).get(k, 0) for k in after[name]} for name in after}
 
-
-_lock = threading.Lock()

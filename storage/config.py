@@ -169,7 +169,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 KV_DTYPES = ("float16", "bfloat16", "float32")
 FSYNC_POLICIES = ("always", "never")
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.]{0,64}$")
+_NAMESPACE_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{0,63})?$")
 _TIER_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
 _REDIS_SCHEMES = ("redis://", "rediss://")
 
@@ -331,7 +331,7 @@ class StoreConfig:
             raise ValueError(f"store.kv_dtype: {self.kv_dtype!r} is not supported; use one of {', '.join(KV_DTYPES)}")
         if not _NAMESPACE_RE.match(self.namespace):
             raise ValueError(
-                f"store.namespace: {self.namespace!r} must be up to 64 characters from A-Z a-z 0-9 _ ."
+                f"store.namespace: {self.namespace!r} must be up to 64 characters from A-Z a-z 0-9 _ . (not starting with .)"
             )
         if self.write_queue < 1:
             raise ValueError(f"store.write_queue must be >= 1, got {self.write_queue}")

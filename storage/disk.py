@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -45,6 +46,7 @@ ALIGN = 4096
 _STALE_TMP_S = 3600.0
 _RESCAN_MIN_INTERVAL_S = 2.0
 _WARN_INTERVAL_S = 30.0
+_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
 
 
 @dataclass
@@ -160,6 +162,8 @@ class DiskTier:
 
     # ----------------------------------------------------------------- helpers
     def _file(self, key: str) -> Path:
+        if not _KEY_RE.match(key):
+            raise ValueError(f"disk tier: key {key!r} is not a safe file name; use keys from storage.keys")
         return self.path / (key + SUFFIX)
 
     def _failed(self, what: str, err: OSError) -> None:
@@ -189,7 +193,7 @@ class DiskTier:
                         st = de.stat()
                     except FileNotFoundError:
                         continue
-                    if de.name.endswith(SUFFIX) and not de.name.startswith("."):
+                    if de.name.endswith(SUFFIX) and not de.name.startswith(TMP_PREFIX):
                         found.append((st.st_mtime, de.name[: -len(SUFFIX)], st.st_size))
                     elif clean_tmp and de.name.startswith(TMP_PREFIX) and now - st.st_mtime > _STALE_TMP_S:
                         _unlink_quiet(de.path)
@@ -416,7 +420,7 @@ class DiskTier:
             names = os.listdir(self.path)
         except OSError:
             names = []
-        return iter([n[: -len(SUFFIX)] for n in names if n.endswith(SUFFIX) and not n.startswith(".")])
+        return iter([n[: -len(SUFFIX)] for n in names if n.endswith(SUFFIX) and not n.startswith(TMP_PREFIX)])
 
     def clear(self) -> None:
         for key in list(self.keys()):

@@ -21,7 +21,7 @@ import numpy as np
 LAYOUT_VERSION: int = 1
 
 _DIGEST_HEX = 40  # 160 bits; a hit additionally verifies the stored tokens digest
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.]{0,64}$")
+_NAMESPACE_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{0,63})?$")
 _CHUNK_TAG = b"kvblend/chunk\x00"
 _PREFIX_TAG = b"kvblend/prefix\x00"
 
@@ -50,7 +50,7 @@ def _field(h: hashlib._Hash, value: str | bytes) -> None:
 
 def _with_namespace(namespace: str, kind: str, digest: str) -> str:
     if not _NAMESPACE_RE.match(namespace):
-        raise ValueError(f"namespace {namespace!r} must be up to 64 characters from A-Z a-z 0-9 _ .")
+        raise ValueError(f"namespace {namespace!r} must be up to 64 characters from A-Z a-z 0-9 _ . (not starting with .)")
     return f"{namespace}-{kind}{digest}" if namespace else f"{kind}{digest}"
 
 

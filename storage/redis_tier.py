@@ -209,7 +209,7 @@ class RedisTier:
         return header
 
     def get_layer(self, key: str, layer: int, header: EntryHeader | None = None) -> Layer | None:
-        """One GET (two, pipelined, without `header`); verified tensors owning their memory."""
+        """One GET (two, pipelined, without `header`); verified tensors over the received bytes."""
         return self.get_layers(key, [layer], header)[0]
 
     def get_layers(self, key: str, layers: Sequence[int], header: EntryHeader | None = None) -> list[Layer | None]:
@@ -218,6 +218,8 @@ class RedisTier:
         layers = list(layers)
 
         def fetch(c: Any) -> list[Any]:
+            if header is not None and len(layers) == 1:
+                return [c.get(self._lkey(key, layers[0]))]  # no pipeline machinery for one GET
             pipe = c.pipeline(transaction=False)
             if header is None:
                 pipe.get(self._hkey(key))
@@ -244,7 +246,7 @@ class RedisTier:
                 out.append(None)
                 continue
             try:
-                out.append(layer_from_bytes(data, header, i))
+                out.append(layer_from_bytes(data, header, i, owned=True))
                 nbytes += len(data)
             except CorruptEntry as e:
                 report_corrupt(self, self._stats, key, e)
@@ -332,8 +334,8 @@ class RedisTier:
         cached = self._stats_cache
         if cached is not None and time.monotonic() - cached[0] < _STATS_CACHE_S:
             return cached[1], cached[2]
-        if self._down and not self._usable():
-            return 0, 0
+        if self._down and time.monotonic() < self._retry_at:
+            return (cached[1], cached[2]) if cached is not None else (0, 0)
         keys = list(self.keys())
 
         def sizes(c: Any) -> int:

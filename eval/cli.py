@@ -1,0 +1,123 @@
+"""`kvblend eval`: answer quality and fidelity to full prefill over an evaluation set, for
+each mode and recompute ratio; registered into the `kvblend` parser by `register_eval`.
+
+    kvblend eval --config configs/default.yaml --dataset eval/data/synthetic_qa.json \
+        --limit 8 --passages 6 --modes full,reuse,prefix,blend --ratios 0.05,0.15,0.3 --json --out out/eval
+
+Argument errors (unknown mode, ratio outside [0, 1], --limit 0, a bad --field-map) are
+reported before the model is loaded. With --out the run is resumable (results.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from blend.cli import DEFAULT_CONFIG, emit_json
+from blend.config import MODES
+
+log = logging.getLogger(__name__)
+
+
+def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type from a parser raising ValueError (its message becomes the error)."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_field_map(text: str) -> dict[str, str]:
+    """"question=query,answers=gold" -> {"question": "query", "answers": "gold"} (our field = source field)."""
+    mapping = {}
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        ours, sep, theirs = item.partition("=")
+        if not sep or not ours.strip() or not theirs.strip():
+            raise ValueError(f"--field-map item {item!r} is not ours=theirs; e.g. question=query,answers=gold")
+        mapping[ours.strip()] = theirs.strip()
+    if not mapping:
+        raise ValueError("--field-map is empty; e.g. question=query,answers=gold")
+    return mapping
+
+
+def register_eval(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `eval` subcommand to the `kvblend` subparsers."""
+    from eval.runner import parse_modes, parse_ratios
+
+    p = subparsers.add_parser(
+        "eval", help="quality and fidelity to full prefill per mode and recompute ratio over a dataset",
+        description="Evaluate every example in every mode (full prefill first, as the reference) and print the "
+                    "mean metrics per mode; blend runs once per recompute ratio.")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default: {DEFAULT_CONFIG})")
+    p.add_argument("--dataset", required=True, metavar="PATH_OR_NAME",
+                   help="a local JSON/JSONL/Parquet/CSV file or a Hugging Face dataset name")
+    p.add_argument("--split", default=None, help="dataset split (of a hub dataset or a JSON {split: [...]})")
+    p.add_argument("--limit", type=_arg_type(positive_int), default=None, help="first N usable examples")
+    p.add_argument("--passages", type=_arg_type(positive_int), default=None, metavar="K",
+                   help="keep the first K passages of each example (each is one document)")
+    p.add_argument("--field-map", type=_arg_type(parse_field_map), default=None, metavar="OURS=THEIRS,...",
+                   help="rename source fields, e.g. question=query,answers=gold")
+    p.add_argument("--prompts", default=None, metavar="FILE", help="prompt templates (default: configs/prompts.yaml)")
+    p.add_argument("--modes", type=_arg_type(parse_modes), default=MODES, metavar="M,...",
+                   help=f"modes to compare, from {','.join(MODES)} (full always runs: it is the reference)")
+    p.add_argument("--ratios", type=_arg_type(parse_ratios), default=None, metavar="R,...",
+                   help="recompute ratios for blend, each in [0, 1] (default: the config's recompute_ratio)")
+    p.add_argument("--max-new-tokens", type=_arg_type(positive_int), default=None, metavar="T",
+                   help="greedy answer length (default: the config's max_new_tokens)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write results.jsonl (resumable), summary.json, summary.md and PNG plots here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+    p.set_defaults(func=cmd_eval)
+    return p
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from blend.config import load_config
+    from blend.engine import BlendEngine
+    from eval.loaders import load_examples
+    from eval.prompts import load_prompts
+    from eval.report import summary_table, write_reports
+    from eval.runner import plan_entries, run_eval
+
+    config = load_config(args.config)  # validates the file before anything is loaded
+    entries = plan_entries(args.modes, args.ratios or (config.engine.recompute_ratio,))
+    prompts = load_prompts(args.prompts)
+    examples = load_examples(args.dataset, split=args.split, limit=args.limit, passages=args.passages,
+                             field_map=args.field_map)
+    if not examples:
+        raise ValueError(f"{args.dataset}: no usable examples (all lacked passage text); check the file and --split")
+    first = prompts[examples[0].task]  # the engine's own templates: those of the first example's task
+    engine = BlendEngine(config.with_overrides(system_prompt=first.render_system(), query_template=first.query))
+    run_settings = {"split": args.split, "passages": args.passages, "field_map": args.field_map}
+    with engine:
+        run = run_eval(engine, examples, entries=entries, dataset=str(args.dataset), max_new_tokens=args.max_new_tokens,
+                       prompts=prompts, out_dir=args.out, run_settings=run_settings, progress=not args.no_progress)
+    print(f"{args.dataset}: {len(run.records)} example(s)"
+          + (f", {len(run.skipped)} skipped (prompt too long)" if run.skipped else ""))
+    print(summary_table(run.summary), end="")
+    if args.out is not None:
+        paths = write_reports(run, args.out)
+        print(f"wrote {run.results_path} and {', '.join(str(p) for p in paths.values())}")
+    if args.json:
+        emit_json(run.to_json())
+    return 0

@@ -1,0 +1,147 @@
+"""The resumable results file of an evaluation run: `results.jsonl` in the output directory.
+
+Line 1 is a settings header, every further line one finished example (all its modes):
+
+    {"record": "settings", "version": 1, "settings": {...}}
+    {"record": "example", "id": "...", "task": "qa", "entries": {"full": {...}, "blend@0.15": {...}}}
+
+An example is written only once all its modes are done, and each line is flushed, so a run
+killed at any point loses at most the example in flight. Reopening the file with the same
+settings returns the finished examples (a rerun skips them); different settings raise a
+ValueError naming the differences, so results of different runs are never mixed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+FILENAME = "results.jsonl"
+VERSION = 1
+
+
+def jsonable(value: Any) -> Any:
+    """`value` with non-finite floats as None and tuples as lists (strict JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return value
+
+
+class ResultsLog:
+    """Append-only results file bound to one set of run settings.
+
+    `done` maps example id -> its stored record. Use `open` to create or resume a file.
+    """
+
+    def __init__(self, path: Path, settings: Mapping[str, Any], done: dict[str, dict[str, Any]], fh: IO[str]):
+        self.path = path
+        self.settings = dict(settings)
+        self.done = done
+        self._fh = fh
+
+    @classmethod
+    def open(cls, out_dir: str | Path, settings: Mapping[str, Any]) -> ResultsLog:
+        """Open `out_dir`/results.jsonl for appending, creating the directory and the header.
+
+        Side effects: creates the directory; writes the header to a new file; cuts off a
+        trailing partial line left by a killed run. Raises ValueError when the file was
+        written with other settings.
+        """
+        directory = Path(out_dir)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"--out {directory} is a file; give a directory for the results")
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / FILENAME
+        wanted = jsonable(settings)
+        done: dict[str, dict[str, Any]] = {}
+        if path.is_file() and path.stat().st_size > 0:
+            stored, done = _read(path)
+            _check_same(path, stored, wanted)
+            fh = path.open("a", encoding="utf-8")
+        else:
+            fh = path.open("w", encoding="utf-8")
+            fh.write(json.dumps({"record": "settings", "version": VERSION, "settings": wanted}) + "\n")
+            fh.flush()
+        return cls(path, wanted, done, fh)
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        """Write one finished example (a mapping with an "id") and flush it to the file."""
+        line = dict(jsonable(record))
+        line = {"record": "example", **line}
+        self._fh.write(json.dumps(line) + "\n")
+        self._fh.flush()
+        self.done[str(line["id"])] = line
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> ResultsLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_results(path: str | Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(settings, {id: example record}) of a results file; does not modify it."""
+    return _read(Path(path), repair=False)
+
+
+def _read(path: Path, repair: bool = True) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    complete = lines[:-1]  # everything up to the last newline
+    tail = lines[-1]
+    if tail.strip():
+        # a line without its newline: the run was killed while writing it
+        log.warning("%s: dropping a partial last line left by an interrupted run", path)
+        if repair:
+            with path.open("r+b") as fh:
+                fh.truncate(len(raw) - len(tail))
+    settings: dict[str, Any] | None = None
+    done: dict[str, dict[str, Any]] = {}
+    for number, line in enumerate(complete, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg}); delete the file to start over") from None
+        kind = record.get("record") if isinstance(record, dict) else None
+        if number == 1:
+            if kind != "settings":
+                raise ValueError(f"{path}: does not start with a kvblend eval settings line; pick another --out")
+            if record.get("version") != VERSION:
+                raise ValueError(f"{path}: results format version {record.get('version')} is not {VERSION}; "
+                                 "pick another --out")
+            settings = record["settings"]
+        elif kind == "example":
+            done[str(record["id"])] = record
+        else:
+            raise ValueError(f"{path}:{number}: unknown record {kind!r}; delete the file to start over")
+    if settings is None:
+        raise ValueError(f"{path}: has no settings line; delete the file to start over")
+    return settings, done
+
+
+def _check_same(path: Path, stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> None:
+    diffs = [
+        f"{key}: {json.dumps(stored.get(key))} in the file, {json.dumps(wanted.get(key))} now"
+        for key in sorted(set(stored) | set(wanted))
+        if stored.get(key) != wanted.get(key)
+    ]
+    if diffs:
+        raise ValueError(
+            f"{path} holds results of a run with different settings ({'; '.join(diffs)}). Rerun with the "
+            "same settings to resume it, or pass another --out (or delete the file) to start a new run"
+        )

@@ -1,0 +1,332 @@
+"""The evaluation runner: every example answered in every mode and recompute ratio, scored for
+quality against the gold answers and for fidelity against full prefill.
+
+Per example: its passages are ingested once (one document each), then the entries run
+interleaved in a fixed order, full prefill first (the reference of the fidelity metrics),
+so drift of the machine during a long run hits all modes alike. Entries are named after
+their mode, blend entries after their ratio too: full, reuse, prefix, blend@0.15.
+
+Per example and entry (a row):
+    f1, em        QA token F1 / exact match (LongBench normalisation); None for summarization
+    rouge_l       Rouge-L for summarization; None for QA
+    kl_to_full    KL(full || entry) of the first generated token's distribution (nats)
+    top1_agree    both distributions rank the same first token highest
+    greedy_match  the greedy answer text equals full prefill's
+    answer_nll    mean NLL of the first gold answer, teacher-forced after the prompt
+    ttft_s        time to first token; recomputed_fraction: share of the context computed
+Quality metrics and answer_nll are None for an example without gold answers.
+The summary is the mean of every metric per entry (None values ignored).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from blend.config import MODES, check_ratio
+from eval import metrics
+from eval.loaders import Example
+from eval.prompts import PromptTemplate, load_prompts
+from eval.results import ResultsLog, jsonable
+
+log = logging.getLogger(__name__)
+
+METRICS = ("f1", "em", "rouge_l", "kl_to_full", "top1_agree", "greedy_match", "answer_nll", "ttft_s",
+           "recomputed_fraction")
+# A template without {question} (summarization) still needs a non-empty question for the
+# prompt builder; it only shows where the template uses {question} and an example has none.
+NO_QUESTION = "Summarize the documents."
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One column of the evaluation: a mode, and for blend its recompute ratio."""
+
+    name: str
+    mode: str
+    ratio: float | None = None
+
+
+def entry_name(mode: str, ratio: float | None = None) -> str:
+    """"full", "reuse", "prefix", or "blend@<ratio>" with the ratio as Python prints it (0.15, 1.0)."""
+    return f"blend@{float(ratio)}" if mode == "blend" else mode
+
+
+def parse_modes(text: str | Sequence[str]) -> tuple[str, ...]:
+    """Modes from "full,reuse,blend" (or a list); ValueError listing the valid modes."""
+    items = [m.strip() for m in (text.split(",") if isinstance(text, str) else text)]
+    items = [m for m in items if m]
+    if not items:
+        raise ValueError(f"no modes given; choose from: {', '.join(MODES)}")
+    unknown = [m for m in items if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(map(repr, unknown))}; valid modes are: {', '.join(MODES)}")
+    return tuple(dict.fromkeys(items))
+
+
+def parse_ratios(text: str | Iterable[float]) -> tuple[float, ...]:
+    """Recompute ratios from "0.05,0.15" (or numbers), each within [0, 1]; ValueError otherwise."""
+    items = [r.strip() for r in text.split(",")] if isinstance(text, str) else list(text)
+    ratios = []
+    for item in items:
+        if item == "":
+            continue
+        try:
+            value = float(item)
+        except (TypeError, ValueError):
+            raise ValueError(f"recompute ratio {item!r} is not a number; give fractions such as 0.05,0.15,0.3") from None
+        if math.isnan(value):
+            raise ValueError("recompute ratio nan is not a number; give fractions such as 0.05,0.15,0.3")
+        ratios.append(check_ratio(value))
+    if not ratios:
+        raise ValueError("no recompute ratios given; give fractions such as 0.05,0.15,0.3")
+    return tuple(dict.fromkeys(ratios))
+
+
+def plan_entries(modes: Sequence[str], ratios: Sequence[float]) -> tuple[Entry, ...]:
+    """The entries of a run in execution order: full first (always run, as the reference),
+    then the other modes in the order given, blend once per ratio."""
+    modes = parse_modes(modes)
+    ratios = parse_ratios(ratios)
+    entries = [Entry("full", "full")]
+    for mode in modes:
+        if mode == "blend":
+            entries.extend(Entry(entry_name("blend", r), "blend", r) for r in ratios)
+        elif mode != "full":
+            entries.append(Entry(mode, mode))
+    return tuple(entries)
+
+
+@dataclass
+class EvalRun:
+    """What `run_eval` returns: per-example records (in dataset order) and the summary."""
+
+    dataset: str
+    entries: tuple[Entry, ...]
+    settings: dict[str, Any]
+    records: list[dict[str, Any]]
+    summary: dict[str, dict[str, Any]]
+    skipped: list[str] = field(default_factory=list)
+    results_path: Path | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The object printed as the last line of `kvblend eval --json`."""
+        return jsonable({"dataset": self.dataset, "n": len(self.records), "summary": self.summary,
+                         "skipped": len(self.skipped),
+                         "results": str(self.results_path) if self.results_path else None})
+
+
+def run_eval(
+    engine: Any,
+    examples: Sequence[Example],
+    *,
+    entries: Sequence[Entry],
+    dataset: str,
+    max_new_tokens: int | None = None,
+    prompts: Mapping[str, PromptTemplate] | None = None,
+    out_dir: str | Path | None = None,
+    run_settings: Mapping[str, Any] | None = None,
+    progress: bool = True,
+) -> EvalRun:
+    """Evaluate `examples` in every entry with `engine` (a BlendEngine).
+
+    prompts: templates per task (default: configs/prompts.yaml); each example is prompted
+        with its task's template. The engine's own prompt builder is restored afterwards.
+    out_dir: append each finished example to out_dir/results.jsonl and skip the examples
+        already there (the file must have been written with the same settings).
+    run_settings: extra settings that identify the run (dataset split, passages, ...); they
+        join the engine and prompt settings in the results header.
+
+    Side effects: ingests the passages into the engine's store; writes results.jsonl.
+    Progress goes to stderr.
+    """
+    entries = tuple(entries)
+    if not entries or entries[0].mode != "full":
+        raise ValueError("entries must start with full prefill (the fidelity reference); build them with plan_entries")
+    if not examples:
+        raise ValueError("no examples to evaluate; check --dataset, --split and --limit")
+    max_new = int(max_new_tokens if max_new_tokens is not None else engine.config.engine.max_new_tokens)
+    if max_new < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new}")
+    templates = dict(prompts) if prompts is not None else load_prompts()
+    examples = _unique_ids(examples)
+    tasks = sorted({ex.task for ex in examples})
+    missing = [t for t in tasks if t not in templates]
+    if missing:
+        raise ValueError(f"no prompt template for task(s) {', '.join(missing)}; the prompts file has {', '.join(templates)}")
+    settings = {
+        "dataset": dataset, **dict(run_settings or {}), "entries": [e.name for e in entries],
+        "max_new_tokens": max_new, **engine_settings(engine),
+        "prompts": {t: {"system": templates[t].system, "query": templates[t].query} for t in tasks},
+    }
+    results = ResultsLog.open(out_dir, settings) if out_dir is not None else None
+    done = results.done if results is not None else {}
+    todo = [ex for ex in examples if ex.id not in done]
+    if results is not None and len(todo) < len(examples):
+        log.warning("%s: %d of %d example(s) already done; evaluating the other %d",
+                    results.path, len(examples) - len(todo), len(examples), len(todo))
+    original_prompts = engine.prompts
+    skipped: list[str] = []
+    try:
+        if todo:
+            _warm_up(engine, todo[0], templates[todo[0].task])
+        for ex in _progress(todo, progress):
+            _use_template(engine, templates[ex.task])
+            record = evaluate_example(engine, ex, entries, max_new_tokens=max_new)
+            if record is None:
+                skipped.append(ex.id)
+                continue
+            if results is not None:
+                results.append(record)  # also adds it to `done`
+            else:
+                done[ex.id] = jsonable(record)
+    finally:
+        engine.prompts = original_prompts
+        if results is not None:
+            results.close()
+    records = [done[ex.id] for ex in examples if ex.id in done]
+    return EvalRun(dataset, entries, settings, records, summarize(records, entries), skipped,
+                   results.path if results is not None else None)
+
+
+def engine_settings(engine: Any) -> dict[str, Any]:
+    """The engine facts that change results: model, dtypes, device, selection settings."""
+    cfg = engine.config
+    return {
+        "model": engine.fingerprint, "model_source": getattr(engine.lm, "source", None),
+        "dtype": str(engine.lm.dtype).removeprefix("torch."), "device": str(engine.runner.device),
+        "kv_dtype": engine.kv_dtype,
+        "engine": {k: getattr(cfg.engine, k) for k in ("chunk_tokens", "check_layers", "filter_schedule",
+                                                       "deviation", "chunk_context")},
+    }
+
+
+def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_new_tokens: int) -> dict[str, Any] | None:
+    """Run one example in every entry (entries[0] must be full); its record, or None when
+    the prompt does not fit the model (skipped with a warning).
+
+    Side effects: ingests the passages; the prompt comes from the engine's current builder.
+    """
+    passages = list(ex.passages)
+    question = ex.question or NO_QUESTION
+    gold = ex.answers[0] if ex.answers else None
+    prompt_tokens = len(engine.build_prompt(question, passages))
+    answer_tokens = len(engine.lm.tokenizer(gold, add_special_tokens=False).input_ids) if gold else 0
+    needed = prompt_tokens + max(max_new_tokens, answer_tokens)
+    if needed > engine.runner.max_positions:
+        log.warning("example %s: prompt of %d tokens plus %d new ones exceeds the model's %d positions; skipped "
+                    "(use --passages to keep fewer passages)", ex.id, prompt_tokens, needed - prompt_tokens,
+                    engine.runner.max_positions)
+        return None
+    t0 = time.perf_counter()
+    engine.ingest(passages)
+    ingest_s = time.perf_counter() - t0
+    rows: dict[str, dict[str, Any]] = {}
+    reference = None
+    for entry in entries:
+        result = engine.generate(question, passages, mode=entry.mode, recompute_ratio=entry.ratio,
+                                 max_new_tokens=max_new_tokens, temperature=0.0, answer=gold)
+        if reference is None:
+            reference = result
+        rows[entry.name] = _row(ex, entry, result, reference)
+    return {"id": ex.id, "task": ex.task, "question": ex.question, "answers": list(ex.answers),
+            "passages": len(passages), "prompt_tokens": prompt_tokens, "ingest_s": ingest_s, "entries": rows}
+
+
+def _row(ex: Example, entry: Entry, result: Any, reference: Any) -> dict[str, Any]:
+    stats = result.stats
+    text = result.text
+    qa = ex.task == "qa"
+    context = stats["context_tokens"]
+    if entry.mode == "prefix":  # its recomputed_tokens include the query; count context rows only
+        recomputed = context - stats.get("loaded_tokens", 0)
+    else:
+        recomputed = stats.get("recomputed_tokens", 0)
+    hits, misses = stats.get("chunk_hits", 0), stats.get("chunk_misses", 0)
+    nll = stats.get("answer_nll")
+    return {
+        "mode": entry.mode, "ratio": entry.ratio, "text": text,
+        "f1": metrics.qa_f1(text, ex.answers) if qa else None,
+        "em": metrics.exact_match(text, ex.answers) if qa else None,
+        "rouge_l": None if qa else metrics.rouge_l(text, ex.answers),
+        "kl_to_full": metrics.kl_divergence(reference.first_token_logprobs, result.first_token_logprobs),
+        "top1_agree": float(metrics.top1_agree(reference.first_token_logprobs, result.first_token_logprobs)),
+        "greedy_match": float(text == reference.text),
+        "answer_nll": nll if nll is not None and math.isfinite(nll) else None,
+        "ttft_s": result.ttft_s,
+        "recomputed_fraction": recomputed / context if context else 0.0,
+        "context_tokens": context, "query_tokens": stats.get("query_tokens"), "recomputed_tokens": recomputed,
+        "chunk_hits": hits, "chunk_misses": misses, "chunk_hit_rate": hits / (hits + misses) if hits + misses else None,
+        "hits_by_tier": stats.get("hits_by_tier", {}), "load_s": stats.get("load_s"),
+        "exposed_load_s": stats.get("exposed_load_s"), "new_tokens": stats.get("new_tokens"),
+    }
+
+
+def summarize(records: Sequence[Mapping[str, Any]], entries: Sequence[Entry]) -> dict[str, dict[str, Any]]:
+    """Per entry: the mean of each metric over the records (None ignored), plus n, mode,
+    ratio, the median TTFT, the speedup of the mean TTFT over full's and the chunk hit rate."""
+    summary: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        rows = [r["entries"][entry.name] for r in records if entry.name in r.get("entries", {})]
+        means = metrics.aggregate({k: row.get(k) for k in METRICS} for row in rows)
+        ttfts = [row["ttft_s"] for row in rows if row.get("ttft_s") is not None]
+        summary[entry.name] = {
+            **{k: means.get(k) for k in METRICS},
+            "n": len(rows), "mode": entry.mode, "ratio": entry.ratio,
+            "ttft_s_median": statistics.median(ttfts) if ttfts else None,
+            "chunk_hit_rate": metrics.mean(row.get("chunk_hit_rate") for row in rows),
+            "exposed_load_s": metrics.mean(row.get("exposed_load_s") for row in rows),
+        }
+    full_ttft = summary.get("full", {}).get("ttft_s")
+    for entry_summary in summary.values():
+        ttft = entry_summary["ttft_s"]
+        entry_summary["speedup"] = full_ttft / ttft if full_ttft and ttft else None
+    return summary
+
+
+def _unique_ids(examples: Sequence[Example]) -> list[Example]:
+    """Examples with distinct ids (the resume key): a repeated id gets a #2, #3 suffix."""
+    from dataclasses import replace
+
+    seen: dict[str, int] = {}
+    out = []
+    for ex in examples:
+        count = seen.get(ex.id, 0) + 1
+        seen[ex.id] = count
+        out.append(ex if count == 1 else replace(ex, id=f"{ex.id}#{count}"))
+    if len(seen) < len(out):
+        log.warning("%d example id(s) repeat in the dataset; repeats are named <id>#2, <id>#3, ...",
+                    sum(1 for c in seen.values() if c > 1))
+    return out
+
+
+def _use_template(engine: Any, template: PromptTemplate) -> None:
+    """Point the engine's prompt builder at `template` (a new builder only when it differs)."""
+    from blend.prompt import PromptBuilder
+
+    system = template.render_system()
+    current = engine.prompts
+    if current.system_prompt != system or current.query_template != template.query:
+        engine.prompts = PromptBuilder(engine.lm.tokenizer, system, template.query, engine.config.engine.chunk_tokens)
+
+
+def _warm_up(engine: Any, ex: Example, template: PromptTemplate) -> None:
+    """One short untimed request (first passage, one token) so that lazy initialisation
+    does not land in the first example's TTFT."""
+    _use_template(engine, template)
+    engine.generate(ex.question or NO_QUESTION, list(ex.passages[:1]), mode="full", max_new_tokens=1, temperature=0.0)
+
+
+def _progress(items: Sequence[Example], enabled: bool) -> Iterable[Example]:
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc="eval", unit="example", file=sys.stderr, dynamic_ncols=True)

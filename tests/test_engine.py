@@ -1,0 +1,204 @@
+"""CacheBlend engine: mode equivalences, re-positioning, selection, edge cases, bad input."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from blend.config import EngineConfig
+from blend.engine import BlendEngine
+from eval.metrics import kl_divergence
+from tests.models import smollm2_tokenizer, tiny_model
+
+DOCS = [
+    "The lighthouse at Carrow Point was built in 1871 by the engineer Maud Tillery. " * 3,
+    "Tillery later moved to Ostend, where she designed a tidal mill with four wheels. " * 2,
+    "The Carrow Point light uses a rotating lens that flashes white every twelve seconds.",
+]
+QUESTION = "Who built the lighthouse at Carrow Point?"
+
+
+def make_engine(arch="llama", tmp_path=None, chunk_tokens=24, kv_dtype="float32", **engine_overrides) -> BlendEngine:
+    lm = tiny_model(arch, tokenizer=smollm2_tokenizer(), attention_bias=(arch == "qwen2"))
+    tiers = [{"kind": "cpu", "budget": "64MiB"}]
+    if tmp_path is not None:
+        tiers.append({"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB"})
+    cfg = EngineConfig().with_overrides(store={"kv_dtype": kv_dtype, "tiers": tiers}, chunk_tokens=chunk_tokens,
+                                        **engine_overrides)
+    return BlendEngine(cfg, model=lm)
+
+
+def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_ratio_one_equals_full(arch):
+    with make_engine(arch) as engine:
+        engine.ingest(DOCS)
+        full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=8)
+        blend = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=1.0, max_new_tokens=8)
+    assert maxdiff(full.first_token_logprobs, blend.first_token_logprobs) < 1e-4
+    assert blend.token_ids == full.token_ids and blend.text == full.text
+    assert blend.stats["recomputed_tokens"] == blend.stats["context_tokens"]
+
+
+def test_ratio_zero_equals_reuse_and_blend_differs_from_both():
+    with make_engine() as engine:
+        engine.ingest(DOCS)
+        reuse = engine.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=4)
+        zero = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.0, max_new_tokens=4)
+        full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=4)
+        half = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.5, max_new_tokens=4)
+    assert maxdiff(reuse.first_token_logprobs, zero.first_token_logprobs) == 0.0
+    assert reuse.token_ids == zero.token_ids
+    assert reuse.stats["recomputed_tokens"] == 0 and reuse.stats["chunk_misses"] == 0
+    assert maxdiff(reuse.first_token_logprobs, full.first_token_logprobs) > 1e-3  # context matters in this model
+    kl_reuse = kl_divergence(full.first_token_logprobs, reuse.first_token_logprobs)
+    kl_half = kl_divergence(full.first_token_logprobs, half.first_token_logprobs)
+    assert kl_half < kl_reuse
+
+
+def _standalone_kv_at(engine: BlendEngine, token_ids, offset: int):
+    """KV of a chunk computed directly at positions offset.. with no context (reference)."""
+    runner = engine.runner
+    ids = torch.tensor(token_ids)
+    n = len(token_ids)
+    cos, sin = runner.rope(torch.arange(offset, offset + n))
+    h = runner.embed(ids)
+    out = []
+    with torch.inference_mode():
+        for layer in range(runner.num_layers):
+            q, k, v = runner.qkv(layer, h, cos, sin)
+            attn = torch.nn.functional.scaled_dot_product_attention(
+                q[None], k[None], v[None], is_causal=True, scale=runner.scaling, enable_gqa=True)[0]
+            h = runner.finish(layer, h, attn.transpose(0, 1).reshape(n, -1))
+            out.append((k, v))
+    return out
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
+def test_reordered_chunks_equal_direct_computation_at_offsets(order):
+    docs = [DOCS[i] for i in order]
+    with make_engine(chunk_tokens=16) as engine:
+        engine.ingest(DOCS)
+        prompt = engine.build_prompt(QUESTION, docs)
+        pre = engine.prefill(prompt, mode="reuse")
+        assert pre.stats["chunk_misses"] == 0
+        for seg in prompt.chunks:
+            direct = _standalone_kv_at(engine, seg.token_ids, seg.start)
+            for layer, (k, v) in enumerate(direct):
+                assert maxdiff(pre.cache.k[layer][:, seg.start:seg.end], k) < 1e-4
+                assert maxdiff(pre.cache.v[layer][:, seg.start:seg.end], v) < 1e-4
+
+
+def test_repeated_document_empty_list_and_chunk_boundary():
+    with make_engine(chunk_tokens=10) as engine:
+        repeated = [DOCS[1], DOCS[1]]
+        prompt = engine.build_prompt(QUESTION, repeated)
+        assert len(prompt.chunks) >= 4  # each copy split across the 10-token boundary
+        assert any(len(c.token_ids) < 10 for c in prompt.chunks)  # a short tail chunk
+        full = engine.generate(QUESTION, repeated, mode="full", max_new_tokens=3)
+        blend = engine.generate(QUESTION, repeated, mode="blend", recompute_ratio=1.0, max_new_tokens=3)
+        assert maxdiff(full.first_token_logprobs, blend.first_token_logprobs) < 1e-4
+        assert blend.stats["chunk_misses"] > 0  # computed during the request
+        again = engine.generate(QUESTION, repeated, mode="blend", recompute_ratio=0.3, max_new_tokens=3)
+        assert again.stats["chunk_misses"] == 0
+        for mode in ("full", "reuse", "prefix", "blend"):
+            alone = engine.generate(QUESTION, [], mode=mode, max_new_tokens=3)
+            assert alone.token_ids and alone.stats["query_tokens"] > 0
+
+
+def test_gradual_filtering_shrinks_and_nests():
+    with make_engine(check_layers=[1, 2, 3], filter_schedule=[2.0, 1.5, 1.0]) as engine:
+        engine.ingest(DOCS)
+        result = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.2, max_new_tokens=2)
+        n_ctx = result.stats["context_tokens"]
+        counts = result.stats["selected_per_layer"]
+        import math
+        assert counts == [math.ceil(0.4 * n_ctx), math.ceil(0.3 * n_ctx), math.ceil(0.2 * n_ctx)]
+        sets = [set(s.tolist()) for s in engine.last_selection]
+        assert sets[0] > sets[1] > sets[2]
+        assert result.stats["recomputed_tokens"] == counts[-1]
+
+
+def test_prefix_mode_is_exact_and_stores_blocks():
+    with make_engine(chunk_tokens=16) as engine:
+        full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=4)
+        first = engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=4)
+        second = engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=4)
+    assert maxdiff(full.first_token_logprobs, first.first_token_logprobs) < 1e-4
+    assert maxdiff(full.first_token_logprobs, second.first_token_logprobs) < 1e-4
+    assert second.stats["loaded_tokens"] > first.stats["loaded_tokens"]
+    assert second.token_ids == full.token_ids
+
+
+def test_bad_input(caplog):
+    with make_engine() as engine:
+        with pytest.raises(ValueError, match=r"within \[0, 1\]"):
+            engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=1.5)
+        with pytest.raises(ValueError, match="full, reuse, prefix, blend"):
+            engine.generate(QUESTION, DOCS, mode="fast")
+        with pytest.raises(ValueError, match="maximum of 2048 positions"):
+            engine.generate(QUESTION, ["word " * 2100], mode="full")
+        with caplog.at_level(logging.WARNING):
+            result = engine.generate(QUESTION, ["", DOCS[0], "   "], mode="blend", max_new_tokens=2)
+        assert "skipped 2 empty document" in caplog.text
+        assert result.token_ids
+
+
+def test_other_models_chunks_are_never_loaded(tmp_path):
+    with make_engine(tmp_path=tmp_path) as a:
+        keys_a = a.ingest(DOCS)
+    lm_b = tiny_model("llama", tokenizer=smollm2_tokenizer(), seed=1)
+    cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [
+        {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB"}]}, chunk_tokens=24)
+    with BlendEngine(cfg, model=lm_b) as b:
+        result = b.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=2)
+        assert result.stats["chunk_hits"] == 0 and result.stats["chunk_misses"] > 0
+        assert not set(keys_a) & set(b.ingest(DOCS))  # the key includes the model fingerprint
+
+
+def test_corrupt_entry_is_recomputed(tmp_path):
+    with make_engine(tmp_path=tmp_path) as engine:
+        reference = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.3, max_new_tokens=3)
+    files = sorted((tmp_path / "disk").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else 0)
+    victims = [p for p in files if p.is_file() and p.stat().st_size > 4096]
+    assert victims
+    for path in victims:  # flip a byte in the middle of every stored entry (past the header)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    lm = tiny_model("llama", tokenizer=smollm2_tokenizer())
+    cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [
+        {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB"}]}, chunk_tokens=24)
+    with BlendEngine(cfg, model=lm) as engine:
+        again = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.3, max_new_tokens=3)
+        assert again.stats["recomputed_segments"] > 0 or again.stats["chunk_misses"] > 0
+        corrupt = engine.store.stats()
+    assert maxdiff(reference.first_token_logprobs, again.first_token_logprobs) < 1e-5
+    assert again.token_ids == reference.token_ids
+    assert sum(s.get("corrupt", 0) for s in corrupt.values()) > 0
+
+
+@pytest.mark.slow
+def test_smollm2_blend_beats_reuse_on_sample_prompts():
+    from blend.demo import sample_documents, sample_questions
+    from tests.models import smollm2
+
+    docs = dict(sample_documents())
+    cfg = EngineConfig().with_overrides(store={"tiers": [{"kind": "cpu", "budget": "1GiB"}]})
+    cases = [q for q in sample_questions() if len(q["docs"]) >= 2][:1] + sample_questions()[:1]
+    with BlendEngine(cfg, model=smollm2()) as engine:
+        for case in cases:
+            names = list(dict.fromkeys(case["docs"] + sorted(docs)))[:3]  # the cited docs plus distractors
+            texts = [docs[n][:1600] for n in names]  # ~450 tokens each keeps the test quick
+            engine.ingest(texts)
+            full = engine.generate(case["question"], texts, mode="full", max_new_tokens=1)
+            reuse = engine.generate(case["question"], texts, mode="reuse", max_new_tokens=1)
+            blend = engine.generate(case["question"], texts, mode="blend", recompute_ratio=0.15, max_new_tokens=1)
+            kl_reuse = kl_divergence(full.first_token_logprobs, reuse.first_token_logprobs)
+            kl_blend = kl_divergence(full.first_token_logprobs, blend.first_token_logprobs)
+            assert kl_blend < kl_reuse, (case["question"], kl_blend, kl_reuse)

@@ -1,0 +1,158 @@
+"""Redis and Redis Cluster tiers against real servers: round trips, batching, faults."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import pytest
+import redis
+import torch
+from redis.cluster import RedisCluster
+
+from storage.bench import ChunkShape, random_entry
+from storage.cluster import RedisClusterTier
+from storage.config import RedisClusterTierConfig, RedisTierConfig
+from storage.redis_tier import RedisTier, redact
+from storage.tier import StoreUnavailable
+
+pytestmark = pytest.mark.redis
+SMALL = ChunkShape(layers=3, kv_heads=2, head_dim=8, tokens=16)
+
+
+def assert_same(a, b) -> None:
+    assert a[0].dtype == b[0].dtype and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def redis_tier(url: str, **kw) -> RedisTier:
+    return RedisTier(RedisTierConfig(url=url, backoff_initial_s=0.2, backoff_max_s=1.0, socket_timeout_s=1.0, **kw))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "float32"])
+def test_redis_round_trip_every_dtype(redis_url, kv_dtype):
+    tier = redis_tier(redis_url)
+    _, entry = random_entry(dataclasses.replace(SMALL, kv_dtype=kv_dtype), seed=4)
+    assert tier.get_header("k") is None and tier.get_layer("k", 0) is None
+    tier.put("k", entry)
+    assert tier.contains("k") and list(tier.keys()) == ["k"]
+    got = tier.get("k")
+    assert got is not None and got.header == entry.header
+    for a, b in zip(got.layers, entry.layers, strict=True):
+        assert_same(a, b)
+    assert_same(tier.get_layer("k", 2), entry.layers[2])  # header fetched in the same round trip
+    batch = tier.get_layers("k", [2, 0], entry.header)
+    assert_same(batch[0], entry.layers[2]) and assert_same(batch[1], entry.layers[0]) is None
+    stats = tier.stats()
+    assert stats["down"] is False and stats["entries"] == 1 and stats["bytes_used"] > entry.nbytes
+    tier.delete("k")
+    assert tier.get_header("k") is None
+    assert redis.Redis.from_url(redis_url).dbsize() == 0  # header and every layer key removed
+    tier.close()
+
+
+def test_redis_ttl_prefix_isolation_and_clear(redis_url):
+    a = redis_tier(redis_url, key_prefix="a:", ttl_s=30)
+    b = redis_tier(redis_url, key_prefix="b:")
+    _, entry = random_entry(SMALL)
+    a.put("k", entry)
+    b.put("k", entry)
+    client = redis.Redis.from_url(redis_url)
+    assert 0 < client.pttl("a:{k}:h") <= 30_000 and 0 < client.pttl("a:{k}:l2") <= 30_000
+    assert client.pttl("b:{k}:h") == -1
+    a.clear()
+    assert a.get_header("k") is None and b.get("k") is not None
+
+
+def test_redis_corrupt_layer_is_deleted_and_counted(redis_url, caplog):
+    tier = redis_tier(redis_url)
+    _, entry = random_entry(SMALL)
+    tier.put("k", entry)
+    client = redis.Redis.from_url(redis_url)
+    data = bytearray(client.get("kvblend:{k}:l1"))
+    data[3] ^= 0xFF
+    client.set("kvblend:{k}:l1", bytes(data))
+    with caplog.at_level(logging.WARNING, logger="kvblend.storage"):
+        assert tier.get_layer("k", 1, entry.header) is None
+    assert "corrupt" in caplog.text and tier.stats()["corrupt"] == 1
+    assert client.dbsize() == 0
+    tier.put("k", entry)
+    client.set("kvblend:{k}:h", b"garbage")  # wrong magic
+    assert tier.get_header("k") is None and client.dbsize() == 0
+
+
+def test_redis_down_then_back_with_backoff(redis_server, redis_url, caplog):
+    tier = redis_tier(redis_url)
+    _, entry = random_entry(SMALL)
+    tier.put("k", entry)
+    redis_server.stop()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvblend.storage"):
+            assert tier.get_header("k") is None
+            assert tier.down and tier.stats()["down"] is True
+            t0 = time.perf_counter()
+            for _ in range(100):  # inside the backoff window: no network, instant misses
+                assert tier.get_layer("k", 0, entry.header) is None
+                tier.put("k", entry)
+            assert time.perf_counter() - t0 < 0.5
+        assert caplog.text.count("is down") == 1  # logged once per state change
+    finally:
+        redis_server.start()
+    deadline = time.monotonic() + 5
+    while tier.get_header("k") is None and time.monotonic() < deadline:
+        tier.put("k", entry)  # the restarted server is empty; puts resume once the backoff expires
+        time.sleep(0.05)
+    assert not tier.down and tier.get("k") is not None
+    assert tier.stats()["errors"] >= 1
+
+
+def test_redis_required_raises_naming_the_url(redis_server, redis_url):
+    dead = "redis://user:secret@127.0.0.1:1/0"
+    with pytest.raises(StoreUnavailable, match=r"127\.0\.0\.1:1.*required: false") as info:
+        redis_tier(dead, required=True)
+    assert "secret" not in str(info.value)
+    tier = redis_tier(redis_url, required=True)
+    redis_server.stop()
+    try:
+        with pytest.raises(StoreUnavailable, match=str(redis_server.port)):
+            tier.get_header("k")
+    finally:
+        redis_server.start()
+
+
+def test_redact_hides_passwords():
+    assert redact("redis://u:pw@h:7/1") == "redis://u:***@h:7/1"
+    assert redact("rediss://h:7") == "rediss://h:7"
+
+
+def test_cluster_round_trip_and_single_slot(redis_cluster_urls):
+    tier = RedisClusterTier(RedisClusterTierConfig(urls=tuple(redis_cluster_urls), key_prefix="t1:"))
+    entries = {f"key{i}": random_entry(SMALL, seed=i)[1] for i in range(6)}
+    for key, entry in entries.items():
+        tier.put(key, entry)
+    assert sorted(tier.keys()) == sorted(entries)
+    for key, entry in entries.items():
+        header = tier.get_header(key)
+        assert header == entry.header
+        assert_same(tier.get_layer(key, 1, header), entry.layers[1])
+        got = tier.get(key)
+        assert got is not None and all(torch.equal(a[0], b[0]) for a, b in zip(got.layers, entry.layers, strict=True))
+    client = RedisCluster.from_url(redis_cluster_urls[0])
+    slots = {client.keyslot(f"t1:{{key0}}:{s}") for s in ("h", "l0", "l1", "l2")}
+    assert len(slots) == 1
+    nodes = {client.get_node_from_key(f"t1:{{{k}}}:h").name for k in entries}
+    assert len(nodes) > 1  # entries spread over the cluster
+    assert tier.stats()["entries"] == 6 and tier.stats()["down"] is False
+    tier.delete("key0")
+    assert tier.get_header("key0") is None
+    tier.clear()
+    assert list(tier.keys()) == []
+    tier.close()
+
+
+def test_cluster_unreachable_is_down_or_required_error():
+    cfg = RedisClusterTierConfig(urls=("redis://127.0.0.1:1",), connect_timeout_s=0.2, backoff_initial_s=0.2)
+    tier = RedisClusterTier(cfg)
+    assert tier.down and tier.get_header("k") is None
+    with pytest.raises(StoreUnavailable, match="redis-cluster tier at redis://127.0.0.1:1"):
+        RedisClusterTier(dataclasses.replace(cfg, required=True))
