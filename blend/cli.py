@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
 
     # registrations of the other packages' commands
+    from blend.bench_resume import register_bench_resume
     from blend.planner import register_plan
     from eval.cli import register_eval
     from storage.cli import register_bench_load, register_store
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_store(subparsers)
     register_plan(subparsers)
     register_bench_load(bench_sub)
+    register_bench_resume(bench_sub)
     return parser
 
 

@@ -3,13 +3,20 @@
 After every turn a session's KV is written to the tier stack as a chain of fixed-size
 prefix blocks (`chunk_tokens`), each keyed by the digest of all tokens up to its end —
 exact prefix caching, no recompute. The device-resident copy is kept while the session
-is active and dropped ("offloaded") after `idle_seconds`, when the device-resident KV of
-all sessions exceeds `active_budget`, or on `offload()`. The next turn reuses the
-device copy if there is one, else loads the longest cached prefix chain layer by layer
-through the pipelined loader and prefills only the rest.
+is active and dropped ("offloaded") once it has been idle `idle_seconds`, when the
+device-resident KV of all sessions exceeds `active_budget` (least recently used first),
+or on `offload()`. The policy is enforced lazily, before and after every turn of any
+session (and by `enforce()`, for a server that wants a timer): the outcome is the same
+as offloading on time, since the blocks are in the store either way. The next turn
+reuses the device copy if there is one, else loads the longest cached prefix chain
+layer by layer through the pipelined loader and prefills only the rest. A partial last
+block is not stored: a resume from the store recomputes up to `chunk_tokens - 1` tokens
+of the previous conversation's tail plus the new message.
 
-The message history is kept in a small JSON file per session under `sessions_dir` so a
-conversation resumes in a new process.
+The message history is kept in a small JSON file per session under `sessions_dir`
+(re-read at the start of every turn) so a conversation resumes in a new process. One
+turn at a time per session: a second concurrent turn — another thread, or another
+process through a lock file next to the history — raises `SessionBusy`.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,16 +36,30 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from blend.runner import KVCache, SamplingParams
+from storage.tier import StoreUnavailable
+
+try:  # POSIX: the cross-process turn lock
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: threads of one process are still serialized
+    fcntl = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from blend.engine import BlendEngine, GenerationResult
+    from blend.pipeline import Placement
 
 log = logging.getLogger(__name__)
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
 class SessionBusy(RuntimeError):
-    """A turn is already running on this session."""
+    """A turn is already running on this session (in this process or another one)."""
+
+
+def check_session_id(session_id: str) -> str:
+    """Return `session_id` if it is usable as a file name; ValueError otherwise."""
+    if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
+        raise ValueError(f"bad session id {session_id!r}: use 1-128 letters, digits, '_', '-' or '.'")
+    return session_id
 
 
 @dataclass
@@ -46,118 +69,211 @@ class Session:
     cache: KVCache | None = None  # device-resident KV, valid for cache_ids[:cache.length]
     cache_ids: list[int] = field(default_factory=list)
     last_used: float = field(default_factory=time.monotonic)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held for the whole turn
 
 
 class SessionManager:
+    """The chat sessions of one engine. Thread-safe: turns on one session are exclusive."""
+
     def __init__(self, engine: BlendEngine):
         self.engine = engine
         self.sessions: dict[str, Session] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards `sessions`
         self.directory = Path(engine.config.engine.sessions_dir)
 
     # ---------------------------------------------------------------- storage
     def _path(self, session_id: str) -> Path:
         return self.directory / f"{session_id}.json"
 
-    def _load(self, session_id: str) -> Session:
-        if not _SESSION_ID.match(session_id):
-            raise ValueError(f"bad session id {session_id!r}: use 1-128 letters, digits, '_', '-' or '.'")
+    def _get(self, session_id: str) -> Session:
+        """The in-memory session, created empty if unknown (the history is read per turn)."""
+        check_session_id(session_id)
         with self._lock:
             session = self.sessions.get(session_id)
             if session is None:
-                session = Session(session_id)
-                try:
-                    data = json.loads(self._path(session_id).read_text())
-                    session.messages = [dict(role=str(m["role"]), content=str(m["content"])) for m in data["messages"]]
-                except FileNotFoundError:
-                    pass  # a session id that does not exist is a new session
-                except (OSError, ValueError, KeyError, TypeError) as err:
-                    log.warning("session %s: unreadable history (%s); starting a new session", session_id, err)
-                self.sessions[session_id] = session
+                session = self.sessions[session_id] = Session(session_id)
             return session
 
+    def _read_history(self, session_id: str) -> list[dict[str, str]] | None:
+        """Messages from the session's JSON file; None if there is none (a new session)."""
+        path = self._path(session_id)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return [{"role": str(m["role"]), "content": str(m["content"])} for m in data["messages"]]
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"session {session_id!r}: history file {path} is unreadable ({err}); "
+                             "repair it, or delete it (engine.drop) to start the session over") from None
+
     def _save(self, session: Session) -> None:
+        """Write the history atomically (temp file + rename)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._path(session.session_id)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-        tmp.write_text(json.dumps({"session_id": session.session_id, "messages": session.messages}))
+        tmp.write_text(json.dumps({"session_id": session.session_id, "messages": session.messages}), encoding="utf-8")
         os.replace(tmp, path)
+
+    @contextmanager
+    def _exclusive(self, session: Session) -> Iterator[None]:
+        """Hold the session for a turn: its thread lock, and a file lock against other processes.
+
+        Raises SessionBusy at once (never waits) if either is held elsewhere.
+        """
+        if not session.lock.acquire(blocking=False):
+            raise SessionBusy(f"session {session.session_id!r} is already running a turn; wait for it to finish")
+        fd = None
+        try:
+            if fcntl is not None:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.directory / f"{session.session_id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise SessionBusy(f"session {session.session_id!r} is running a turn in another process; "
+                                      "wait for it to finish") from None
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the flock
+            session.lock.release()
 
     # ----------------------------------------------------------------- policy
     def offload(self, session_id: str) -> None:
-        """Drop the device-resident KV of a session (its blocks are in the tier stack)."""
-        session = self.sessions.get(session_id)
-        if session is not None and session.cache is not None:
-            self.engine.store.flush()  # the blocks this session queued are durable first
+        """Drop a session's device-resident KV; its blocks stay in the tier stack.
+
+        Waits for the queued block writes first, so a resume finds the whole chain.
+        Raises SessionBusy while a turn runs on the session; no-op for unknown sessions.
+        """
+        session = self.sessions.get(check_session_id(session_id))
+        if session is None:
+            return
+        with self._exclusive(session):
+            self._offload(session)
+
+    def _offload(self, session: Session) -> None:
+        if session.cache is not None:
+            self.engine.store.flush()
             session.cache = None
-            log.info("offloaded session %s", session_id)
+            log.info("offloaded session %s", session.session_id)
 
     def drop(self, session_id: str) -> None:
-        """Forget a session: history file and device KV (stored blocks age out of the tiers)."""
-        with self._lock:
-            self.sessions.pop(session_id, None)
-        self._path(session_id).unlink(missing_ok=True)
+        """Forget a session: its history file and device KV (stored blocks age out of the tiers).
+
+        Raises SessionBusy while a turn runs on it; dropping an unknown session is a no-op.
+        """
+        session = self._get(session_id)
+        with self._exclusive(session):
+            with self._lock:
+                self.sessions.pop(session_id, None)
+            self._path(session_id).unlink(missing_ok=True)
+            (self.directory / f"{session_id}.lock").unlink(missing_ok=True)
+            session.cache, session.messages = None, []
+
+    def set_history(self, session_id: str, messages: Sequence[Mapping[str, str]]) -> None:
+        """Replace a session's history (e.g. to import a conversation) and drop its device KV.
+
+        Computes nothing: the next turn loads whatever prefix blocks of the new history the
+        store holds and prefills the rest. Raises SessionBusy while a turn runs on it.
+        """
+        history = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+        session = self._get(session_id)
+        with self._exclusive(session):
+            session.messages, session.cache, session.cache_ids = history, None, []
+            self._save(session)
 
     def resident_bytes(self) -> int:
-        return sum(s.cache.nbytes() for s in self.sessions.values() if s.cache is not None)
+        """Bytes of device-resident chat KV over all sessions."""
+        return sum(s.cache.nbytes() for s in list(self.sessions.values()) if s.cache is not None)
 
-    def enforce(self, now: float | None = None, keep: str | None = None) -> None:
-        """Offload idle sessions and, over budget, the least recently used ones."""
+    def enforce(self, now: float | None = None) -> list[str]:
+        """Offload sessions idle for `idle_seconds`, then, while the resident KV exceeds
+        `active_budget`, the least recently used ones. Sessions in a turn are skipped.
+        A store that cannot take the blocks (StoreUnavailable) keeps the device copy.
+        Returns the ids offloaded."""
         cfg = self.engine.config.engine
         now = time.monotonic() if now is None else now
-        for s in list(self.sessions.values()):
-            if s.cache is not None and s.session_id != keep and now - s.last_used >= cfg.idle_seconds:
-                self.offload(s.session_id)
-        resident = sorted((s for s in self.sessions.values() if s.cache is not None and s.session_id != keep),
-                          key=lambda s: s.last_used)
-        while resident and self.resident_bytes() > cfg.active_budget:
-            self.offload(resident.pop(0).session_id)
+        resident = sorted((s for s in list(self.sessions.values()) if s.cache is not None), key=lambda s: s.last_used)
+        offloaded = []
+        for session in resident:
+            idle = now - session.last_used >= cfg.idle_seconds
+            if not idle and self.resident_bytes() <= cfg.active_budget:
+                continue
+            if not session.lock.acquire(blocking=False):
+                continue  # in a turn: it is not idle, and it re-checks the budget after the turn
+            try:
+                self._offload(session)
+                offloaded.append(session.session_id)
+            except StoreUnavailable as err:
+                log.warning("session %s stays on the device: the store cannot take its blocks (%s)",
+                            session.session_id, err)
+            finally:
+                session.lock.release()
+        return offloaded
 
     # ------------------------------------------------------------------- turn
     def turn(self, session_id: str, message: str, *, max_new_tokens: int | None = None) -> GenerationResult:
-        from blend.engine import GenerationResult
+        """One user message -> the assistant's reply, appended to the session's history.
 
+        Side effects: the conversation's new full blocks are queued for the store, the
+        history file is rewritten, the idle/budget policy runs. Raises SessionBusy if a
+        turn is already running on `session_id`, ValueError on bad input.
+        """
         if not isinstance(message, str) or not message.strip():
             raise ValueError("empty message: pass some text")
-        session = self._load(session_id)
-        if not session.lock.acquire(blocking=False):
-            raise SessionBusy(f"session {session_id!r} is already running a turn; wait for it to finish")
-        try:
-            engine, runner = self.engine, self.engine.runner
-            cfg = engine.config.engine
-            max_new = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-            messages = session.messages + [{"role": "user", "content": message}]
-            ids = list(engine.lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                               return_dict=False))
-            runner.check_length(len(ids) + max_new)
-            stats: dict[str, Any] = {"mode": "chat", "history_tokens": len(ids), "chunk_hits": 0, "hits_by_tier": {}}
-            t0 = time.perf_counter()
-            logits, cache, loaded_end = self._prefill(session, ids, stats)
-            ttft = time.perf_counter() - t0
-            logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
-            tokens = runner.decode(logits, cache, max_new, engine.eos_ids,
-                                   SamplingParams(cfg.temperature, cfg.top_p))
-            text = engine.lm.tokenizer.decode([t for t in tokens if t not in engine.eos_ids],
-                                              skip_special_tokens=True).strip()
-            all_ids = ids + tokens
-            stats["stored_blocks"] = engine.store_prefix_blocks(all_ids, cache, skip_below=loaded_end)
-            session.messages = messages + [{"role": "assistant", "content": text}]
-            session.cache, session.cache_ids = cache, all_ids
-            session.last_used = time.monotonic()
-            self._save(session)
-            stats.update(ttft_s=ttft, new_tokens=len(tokens))
-            return GenerationResult(text, tokens, ttft, logprobs, stats)
-        finally:
-            session.lock.release()
-            self.enforce(keep=session_id)
+        cfg = self.engine.config.engine
+        max_new = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if max_new < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+        session = self._get(session_id)
+        self.enforce()
+        with self._exclusive(session):
+            try:
+                result = self._turn(session, message, max_new)
+            except BaseException:
+                session.cache = None  # may be partly overwritten by the failed prefill
+                raise
+        self.enforce()
+        return result
+
+    def _turn(self, session: Session, message: str, max_new: int) -> GenerationResult:
+        from blend.engine import GenerationResult
+
+        engine, runner = self.engine, self.engine.runner
+        cfg = engine.config.engine
+        history = self._read_history(session.session_id)
+        if history is not None:  # the file wins: another process may have advanced the conversation
+            session.messages = history
+        messages = session.messages + [{"role": "user", "content": message}]
+        ids = list(engine.lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        runner.check_length(len(ids) + max_new)
+        stats: dict[str, Any] = {"mode": "chat", "history_tokens": len(ids), "chunk_hits": 0, "hits_by_tier": {}}
+        t0 = time.perf_counter()
+        logits, cache, stored_end = self._prefill(session, ids, stats)
+        if logits.device.type == "cuda":  # kernels are asynchronous: TTFT ends when the logits exist
+            torch.cuda.synchronize(logits.device)
+        ttft = time.perf_counter() - t0
+        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+        tokens = runner.decode(logits, cache, max_new, engine.eos_ids, SamplingParams(cfg.temperature, cfg.top_p))
+        text = engine.lm.tokenizer.decode([t for t in tokens if t not in engine.eos_ids],
+                                          skip_special_tokens=True).strip()
+        all_ids = ids + tokens
+        stats["stored_blocks"] = engine.store_prefix_blocks(all_ids, cache, skip_below=stored_end)
+        session.messages = messages + [{"role": "assistant", "content": text}]
+        session.cache, session.cache_ids = cache, all_ids
+        session.last_used = time.monotonic()
+        self._save(session)
+        stats.update(ttft_s=ttft, new_tokens=len(tokens))
+        return GenerationResult(text, tokens, ttft, logprobs, stats)
 
     def _prefill(self, session: Session, ids: list[int], stats: dict[str, Any]) -> tuple[torch.Tensor, KVCache, int]:
         """Reuse the device copy, else the stored prefix chain; compute the rest.
 
-        Returns (last logits, cache, end of the prefix that is already in the store)."""
+        Returns (last logits (vocab,), cache, end of the prefix whose blocks are intact in the store).
+        """
         engine, runner = self.engine, self.engine.runner
-        limit = len(ids) - 1
+        limit = len(ids) - 1  # at least the last token is computed: its logits start decoding
         if session.cache is not None:
             common = _common_prefix(session.cache_ids[: session.cache.length], ids, limit)
             if common > 0:
@@ -165,14 +281,31 @@ class SessionManager:
                 logits = runner.prefill(torch.tensor(ids[common:]), cache, start=common)[0]
                 stats.update(source="device", loaded_tokens=common, recomputed_tokens=len(ids) - common,
                              load_s=0.0, exposed_load_s=0.0)
+                # the blocks below were stored by the turn that filled the device copy
                 return logits, cache, _block_floor(common, engine.config.engine.chunk_tokens)
         chain = engine.lookup_prefix(ids, limit)
         for pl in chain:
             stats["chunk_hits"] += 1
             stats["hits_by_tier"][pl.source] = stats["hits_by_tier"].get(pl.source, 0) + 1
         logits, cache = engine.prefill_with_prefix(ids, chain, stats)
-        stats["source"] = "store" if chain else "computed"
-        return logits, cache, sum(pl.length for pl in chain)
+        # a block whose stored layers were unreadable was recomputed by the loader (exactly,
+        # with all tokens before it as context) and deleted by its tier: count it as
+        # computed and store it again
+        redone = sum(pl.length for pl in chain if pl.entry is not None)
+        stats["loaded_tokens"] -= redone
+        stats["recomputed_tokens"] += redone
+        stats["source"] = "store" if stats["loaded_tokens"] else "computed"
+        return logits, cache, _intact_end(chain)
+
+
+def _intact_end(chain: list[Placement]) -> int:
+    """End of the leading blocks that were loaded from the store (not recomputed)."""
+    end = 0
+    for pl in chain:
+        if pl.entry is not None:
+            break
+        end = pl.start + pl.length
+    return end
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import sys
 import time
@@ -325,8 +326,10 @@ def _warm_up(engine: Any, ex: Example, template: PromptTemplate) -> None:
 
 
 def _progress(items: Sequence[Example], enabled: bool) -> Iterable[Example]:
-    if not enabled:
+    """A tqdm bar on stderr (examples/s, ETA). `disable` is passed explicitly: tqdm reads
+    TQDM_DISABLE=0 as true; here only a true-looking value (1, true, yes) turns it off."""
+    if not enabled or os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes"):
         return items
     from tqdm import tqdm
 
-    return tqdm(items, desc="eval", unit="example", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(items, desc="eval", unit="example", file=sys.stderr, dynamic_ncols=True, disable=False)

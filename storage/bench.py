@@ -8,7 +8,11 @@ tier and, interleaved with it, read the same number of bytes raw:
                  of the raw file and of the tier's files is dropped before every pass
                  (fsync, then posix_fadvise DONTNEED), so both read from the device
   redis(-cluster) raw = one GET per layer of a plain blob of the layer's size
-A warm-up pass is excluded; the figures are medians over interleaved rounds.
+Each round reads everything once through the tier and once raw, alternating which goes
+first; a warm-up round is excluded; figures are medians over rounds. Separate passes (not
+entry-by-entry interleaving) because the raw file's background readahead would otherwise
+compete with the tier's reads.
+cpu "write" is a put by reference (no copy), so its write_gbps only measures bookkeeping.
 """
 
 from __future__ import annotations
@@ -91,15 +95,21 @@ def _drop_page_cache(paths: list[Path]) -> None:
 
 
 class _Raw:
-    """Raw reads of the same byte count as the tier pass, one layer-sized block at a time."""
+    """Raw reads of the same bytes as the tier, one layer-sized block at a time, per entry."""
 
     note = ""
 
-    def read(self) -> None:
+    def start(self) -> None:
+        """Begin a pass (e.g. open the file)."""
+
+    def read_entry(self, index: int) -> None:
         raise NotImplementedError
 
+    def finish(self) -> None:
+        """End a pass."""
+
     def close(self) -> None:
-        pass
+        """Remove what the raw reader created."""
 
 
 class _RawCopy(_Raw):
@@ -108,25 +118,21 @@ class _RawCopy(_Raw):
     def __init__(self, entries: list[KVEntry]) -> None:
         self.entries = entries
 
-    def read(self) -> None:
-        for entry in entries_layers(self.entries):
-            k, v = entry
+    def read_entry(self, index: int) -> None:
+        for k, v in self.entries[index].layers:
             k.clone(), v.clone()
-
-
-def entries_layers(entries: list[KVEntry]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [layer for e in entries for layer in e.layers]
 
 
 class _RawFile(_Raw):
     note = "raw = os.preadv of layer-sized blocks of one plain file; page cache dropped (fsync + POSIX_FADV_DONTNEED)"
 
-    def __init__(self, directory: Path, nbytes: int, block: int, tier: DiskTier) -> None:
+    def __init__(self, directory: Path, count: int, layers: int, block: int, tier: DiskTier) -> None:
         self.path = directory / "raw.bin"
-        self.nbytes, self.block, self.tier = nbytes, block, tier
+        self.layers, self.block, self.tier = layers, block, tier
+        self.fd = -1
         chunk = os.urandom(block)
         with open(self.path, "wb") as fh:
-            for _ in range(nbytes // block):
+            for _ in range(count * layers):
                 fh.write(chunk)
             fh.flush()
             os.fsync(fh.fileno())
@@ -134,30 +140,34 @@ class _RawFile(_Raw):
     def drop(self) -> None:
         _drop_page_cache([self.path, *self.tier.files()])
 
-    def read(self) -> None:
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            for offset in range(0, self.nbytes - self.block + 1, self.block):
-                buf = torch.empty(self.block, dtype=torch.uint8)
-                os.preadv(fd, [buf.numpy()], offset)
-        finally:
-            os.close(fd)
+    def start(self) -> None:
+        self.fd = os.open(self.path, os.O_RDONLY)
+
+    def read_entry(self, index: int) -> None:
+        base = index * self.layers * self.block
+        for i in range(self.layers):
+            buf = torch.empty(self.block, dtype=torch.uint8)
+            os.preadv(self.fd, [buf.numpy()], base + i * self.block)
+
+    def finish(self) -> None:
+        os.close(self.fd)
 
 
 class _RawRedis(_Raw):
     note = "raw = one GET per layer of a plain blob of the layer's size"
 
-    def __init__(self, client: Any, prefix: str, count: int, block: int) -> None:
-        self.client, self.names = client, [f"{prefix}raw:{i}" for i in range(count)]
+    def __init__(self, client: Any, prefix: str, count: int, layers: int, block: int) -> None:
+        self.client, self.layers = client, layers
+        self.names = [f"{prefix}raw:{i}" for i in range(count * layers)]
         blob = os.urandom(block)
-        for start in range(0, count, 64):
+        for start in range(0, len(self.names), 64):
             pipe = client.pipeline(transaction=False)
             for name in self.names[start : start + 64]:
                 pipe.set(name, blob)
             pipe.execute()
 
-    def read(self) -> None:
-        for name in self.names:
+    def read_entry(self, index: int) -> None:
+        for name in self.names[index * self.layers : (index + 1) * self.layers]:
             self.client.get(name)
 
     def close(self) -> None:
@@ -170,10 +180,12 @@ def measure_tier(
     raw: _Raw,
     keyed: list[tuple[str, KVEntry]],
     *,
-    rounds: int = 3,
+    rounds: int = 5,
     before_pass: Callable[[], None] | None = None,
 ) -> dict:
-    """Write `keyed` into `tier`, then alternate raw and tier read passes; medians of `rounds`."""
+    """Write `keyed` into `tier`, then in each of `rounds` rounds read everything once through
+    the tier and once raw (alternating which goes first; `before_pass` runs before each
+    read, e.g. to drop the page cache). Reports medians; one warm-up round is excluded."""
     total = sum(e.nbytes for _, e in keyed)
     t0 = time.perf_counter()
     for key, entry in keyed:
@@ -182,41 +194,42 @@ def measure_tier(
     if tier.stats()["errors"]:
         raise RuntimeError(f"{tier.name}: writes failed during the benchmark: {tier.stats()}")
 
-    def tier_pass() -> tuple[float, list[float]]:
-        per_layer: list[float] = []
-        start = time.perf_counter()
-        for key, _ in keyed:
-            header = tier.get_header(key)
-            if header is None:
-                raise RuntimeError(f"{tier.name}: entry {key} missing during the benchmark (budget too small?)")
-            for i in range(header.num_layers):
-                t = time.perf_counter()
-                if tier.get_layer(key, i, header) is None:
-                    raise RuntimeError(f"{tier.name}: layer {i} of {key} missing during the benchmark")
-                per_layer.append(time.perf_counter() - t)
-        return time.perf_counter() - start, per_layer
+    def read_tier(key: str, per_layer: list[float]) -> None:
+        header = tier.get_header(key)
+        if header is None:
+            raise RuntimeError(f"{tier.name}: entry {key} missing during the benchmark (budget too small?)")
+        for i in range(header.num_layers):
+            t = time.perf_counter()
+            if tier.get_layer(key, i, header) is None:
+                raise RuntimeError(f"{tier.name}: layer {i} of {key} missing during the benchmark")
+            per_layer.append(time.perf_counter() - t)
 
-    def raw_pass() -> float:
-        start = time.perf_counter()
-        raw.read()
-        return time.perf_counter() - start
+    def one_round(r: int, per_layer: list[float]) -> tuple[float, float]:
+        prepare = before_pass or (lambda: None)
+        tier_s = raw_s = 0.0
+        for which in ("raw", "tier") if r % 2 == 0 else ("tier", "raw"):
+            prepare()
+            t = time.perf_counter()
+            if which == "raw":
+                raw.start()
+                try:
+                    for n in range(len(keyed)):
+                        raw.read_entry(n)
+                finally:
+                    raw.finish()
+                raw_s = time.perf_counter() - t
+            else:
+                for key, _ in keyed:
+                    read_tier(key, per_layer)
+                tier_s = time.perf_counter() - t
+        return tier_s, raw_s
 
-    prepare = before_pass or (lambda: None)
-    prepare()
-    tier_pass()  # warm-up (connections, allocator); not measured
-    prepare()
-    raw_pass()
+    one_round(1, [])  # warm-up: connections, allocator
     tier_times, raw_times, layer_times = [], [], []
     for r in range(rounds):
-        order = ("raw", "tier") if r % 2 == 0 else ("tier", "raw")
-        for which in order:
-            prepare()
-            if which == "raw":
-                raw_times.append(raw_pass())
-            else:
-                seconds, per_layer = tier_pass()
-                tier_times.append(seconds)
-                layer_times.extend(per_layer)
+        tier_s, raw_s = one_round(r, layer_times)
+        tier_times.append(tier_s)
+        raw_times.append(raw_s)
     read_gbps = total / statistics.median(tier_times) / 1e9
     raw_gbps = total / statistics.median(raw_times) / 1e9
     return {
@@ -276,13 +289,13 @@ def run_load(
             workdir = Path(tempfile.mkdtemp(prefix="bench-", dir=base.parent))
             cleanup.append(lambda: shutil.rmtree(workdir, ignore_errors=True))
             tier = build_tier(DiskTierConfig(path=str(workdir / "tier"), budget=budget, required=True))
-            raw_file = _RawFile(workdir, total, block, tier)  # type: ignore[arg-type]
+            raw_file = _RawFile(workdir, n, shape.layers, block, tier)  # type: ignore[arg-type]
             raw, before = raw_file, raw_file.drop
         elif kind == "redis":
             cfg = _first(config, "redis") or RedisTierConfig()
             cfg = dataclasses.replace(cfg, url=redis_url or cfg.url, key_prefix=tag, required=True, ttl_s=None)
             tier = build_tier(cfg)
-            raw = _RawRedis(tier._client_or_connect(), tag, n * shape.layers, block)  # type: ignore[attr-defined]
+            raw = _RawRedis(tier._client_or_connect(), tag, n, shape.layers, block)  # type: ignore[attr-defined]
         elif kind == "redis-cluster":
             cfg = _first(config, "redis-cluster")
             urls = tuple(cluster_urls) if cluster_urls else (cfg.urls if cfg else ())
@@ -291,7 +304,7 @@ def run_load(
             cfg = cfg or RedisClusterTierConfig(urls=urls)
             cfg = dataclasses.replace(cfg, urls=urls, key_prefix=tag, required=True, ttl_s=None)
             tier = build_tier(cfg)
-            raw = _RawRedis(tier._client_or_connect(), tag, n * shape.layers, block)  # type: ignore[attr-defined]
+            raw = _RawRedis(tier._client_or_connect(), tag, n, shape.layers, block)  # type: ignore[attr-defined]
         else:
             raise ValueError(f"unknown tier {kind!r}; use one of cpu, disk, redis, redis-cluster")
         cleanup.append(tier.close)

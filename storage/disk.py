@@ -375,6 +375,7 @@ class DiskTier:
         StoreUnavailable only when the tier is `required`.
         """
         t0 = time.perf_counter()
+        final = self._file(key)
         head, offsets = file_layout(entry.header)
         size = offsets[-1] + entry.header.layer_nbytes
         if size > self.budget:
@@ -399,7 +400,7 @@ class DiskTier:
                 os.fsync(fd)
             os.close(fd)
             fd = -1
-            os.replace(tmp, self._file(key))
+            os.replace(tmp, final)
             if self._fsync:
                 _fsync_dir(self.path)
         except OSError as e:

@@ -1,0 +1,295 @@
+"""`kvblend bench resume`: time-to-first-token of resuming an offloaded conversation from
+one tier, against re-prefilling its whole history.
+
+For every requested history length a conversation is built from the shipped sample
+documents (user turns carrying passages, short assistant acknowledgements) until its
+chat-templated tokens reach the length. Its KV is computed once and stored as prefix
+blocks in one engine per tier, each over a TieredStore holding only that tier and all
+sharing one loaded model. A resume is a new user message in a fresh session carrying
+that history and no device copy, so the prefix chain is loaded from exactly that tier
+and only the tail is prefilled; a re-prefill is a full prefill of the same token ids.
+Each message differs per repeat, so no block past the history is reused.
+
+Hygiene: a warm-up round first (not recorded), then `--repeats` rounds interleaving
+tiers, lengths and the two variants (alternating which goes first); medians are
+reported. Disk entries are evicted from the OS page cache before each disk resume
+(fsync + POSIX_FADV_DONTNEED) unless `--warm-disk`, so the disk row measures a disk.
+The last stdout line is one JSON object: {"results": [{tier, history_tokens,
+resume_ttft_s, reprefill_ttft_s, speedup, ...}, ...]}; a tier that cannot be used
+(e.g. Redis unreachable) gives rows with an `error` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+TIER_KINDS = ("cpu", "disk", "redis")
+MAX_NEW_TOKENS = 1  # a resume is timed to its first token
+
+
+def register_bench_resume(bench_sub: Any) -> argparse.ArgumentParser:
+    """Add `bench resume` to the `kvblend bench` subparsers."""
+    p = bench_sub.add_parser("resume", help="TTFT of resuming an offloaded chat from each tier vs re-prefill")
+    p.add_argument("--config", default="configs/default.yaml", help="YAML config (model, chunk_tokens, tiers)")
+    p.add_argument("--history-tokens", default="1024,2048,4096", help="comma-separated history lengths (tokens)")
+    p.add_argument("--tiers", default="cpu,disk,redis", help=f"comma-separated, from {', '.join(TIER_KINDS)}")
+    p.add_argument("--repeats", type=int, default=3, help="measured rounds after the warm-up (median reported)")
+    p.add_argument("--redis-url", default=None,
+                   help=f"redis tier URL (default: the config's redis tier, else {DEFAULT_REDIS_URL})")
+    p.add_argument("--disk-path", default=None,
+                   help="scratch directory for the disk tier (default: under the config's disk path, else a temp dir)")
+    p.add_argument("--warm-disk", action="store_true", help="leave disk entries in the OS page cache")
+    p.add_argument("--json", action="store_true", help="print only the JSON result line")
+    p.set_defaults(func=cmd_bench_resume)
+    return p
+
+
+def _csv(value: str, what: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise ValueError(f"{what} is empty; give a comma-separated list")
+    return items
+
+
+def cmd_bench_resume(args: argparse.Namespace) -> int:
+    from blend.cli import emit_json
+
+    lengths = [int(v) for v in _csv(args.history_tokens, "--history-tokens")]
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"--history-tokens must be positive, got {args.history_tokens}")
+    tiers = _csv(args.tiers, "--tiers")
+    for kind in tiers:
+        if kind not in TIER_KINDS:
+            raise ValueError(f"unknown tier {kind!r} in --tiers; use some of {', '.join(TIER_KINDS)}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    say = (lambda _: None) if args.json else print
+    report = run_resume_bench(args.config, lengths, tiers, repeats=args.repeats, redis_url=args.redis_url,
+                              disk_path=args.disk_path, cold_disk=not args.warm_disk, log=say)
+    for row in report["results"]:
+        if "error" in row:
+            say(f"{row['tier']:<6} {row['history_tokens']:>6} tokens  ERROR {row['error']}")
+        else:
+            say(f"{row['tier']:<6} {row['history_tokens']:>6} tokens  resume {row['resume_ttft_s'] * 1000:8.1f} ms  "
+                f"re-prefill {row['reprefill_ttft_s'] * 1000:8.1f} ms  speedup {row['speedup']:6.2f}x  "
+                f"(loaded {row['loaded_tokens']}, computed {row['computed_tokens']})")
+    emit_json(report)
+    return 0
+
+
+# ------------------------------------------------------------------ history
+def build_history(tokenizer: Any, documents: Sequence[tuple[str, str]], target: int) -> list[dict[str, str]]:
+    """Prior turns (a user passage, an assistant acknowledgement) whose chat-templated
+    tokens just reach `target`: the last passage is cut to the shortest that does.
+    Documents are reused in order if they run out."""
+
+    def length(messages: list[dict[str, str]]) -> int:
+        return len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+
+    def turn(name: str, text: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"Here is the passage {name}:\n\n{text}"},
+                {"role": "assistant", "content": "Noted."}]
+
+    messages: list[dict[str, str]] = []
+    for i in range(10_000):
+        name, text = documents[i % len(documents)]
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if length(messages + turn(name, text)) < target:
+            messages += turn(name, text)
+            continue
+        lo, hi = 0, len(ids)  # smallest cut whose history reaches the target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if length(messages + turn(name, tokenizer.decode(ids[:mid]))) >= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        return messages + turn(name, tokenizer.decode(ids[:lo]))
+    raise ValueError(f"cannot build a history of {target} tokens from the sample documents")
+
+
+# -------------------------------------------------------------------- tiers
+def _tier_config(kind: str, config: Any, scratch: Path, redis_url: str | None, tag: str) -> Any:
+    """A config for one tier of `kind`, based on the configured tier of that kind if any."""
+    from storage.config import CpuTierConfig, DiskTierConfig, RedisTierConfig
+
+    configured = next((t for t in config.store.tiers if t.kind == kind), None)
+    if kind == "cpu":
+        return configured or CpuTierConfig()
+    if kind == "disk":
+        base = configured or DiskTierConfig(path=str(scratch))
+        return dataclasses.replace(base, path=str(scratch), required=True)
+    url = redis_url or (configured.url if configured is not None else DEFAULT_REDIS_URL)
+    base = configured or RedisTierConfig()
+    return dataclasses.replace(base, url=url, key_prefix=f"kvblend-bench-{tag}:", required=True)
+
+
+def _drop_page_cache(directory: Path) -> None:
+    """Evict the entry files under `directory` from the OS page cache (no root needed)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+# -------------------------------------------------------------------- bench
+def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[str], *, repeats: int = 3,
+                     redis_url: str | None = None, disk_path: str | None = None, cold_disk: bool = True,
+                     log: Any = print) -> dict[str, Any]:
+    """Measure resume vs re-prefill TTFT for every (tier, history length); see the module doc."""
+    import torch
+
+    from blend.config import load_config
+    from blend.demo import sample_documents
+    from blend.engine import BlendEngine
+    from blend.model import load_model
+    from storage.config import StoreConfig
+    from storage.tier import StoreUnavailable
+
+    config = load_config(config_path)
+    t0 = time.perf_counter()
+    lm = load_model(config.model, device=config.device, dtype=config.dtype)
+    log(f"model {config.model} on {lm.device} loaded in {time.perf_counter() - t0:.1f} s; "
+        f"chunk_tokens {config.engine.chunk_tokens}, kv_dtype {config.store.kv_dtype}")
+    tokenizer = lm.tokenizer
+    if max(lengths) + 64 > lm.dims.max_positions:
+        raise ValueError(f"--history-tokens {max(lengths)} does not fit the model's {lm.dims.max_positions} "
+                         "positions with a new message; use shorter histories")
+    docs = sample_documents()
+    tag = f"{os.getpid()}-{int(time.time())}"
+    work = Path(tempfile.mkdtemp(prefix="kvblend-bench-resume-"))
+    disk_dir = Path(disk_path) if disk_path else _default_disk_dir(config, tag, work)
+
+    histories = {n: build_history(tokenizer, docs, n) for n in lengths}
+    history_ids = {n: list(tokenizer.apply_chat_template(h, tokenize=True, return_dict=False))
+                   for n, h in histories.items()}
+
+    engines: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for kind in tiers:
+        store = StoreConfig(namespace="", kv_dtype=config.store.kv_dtype, promote=False,
+                            tiers=(_tier_config(kind, config, disk_dir, redis_url, tag),))
+        try:
+            engines[kind] = BlendEngine(config.with_overrides(store=store, sessions_dir=str(work / "sessions" / kind)),
+                                        model=lm)
+        except StoreUnavailable as err:
+            errors[kind] = str(err)
+            log(f"{kind}: unusable ({err})")
+
+    def sync() -> None:
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize(lm.device)
+
+    try:
+        # the history's KV, computed once per length and stored in every tier
+        runner = next(iter(engines.values())).runner if engines else None
+        for ids in history_ids.values() if runner is not None else ():
+            cache = runner.new_cache(len(ids))
+            runner.prefill(torch.tensor(ids), cache)
+            for engine in engines.values():
+                engine.store_prefix_blocks(ids, cache)
+        for engine in engines.values():
+            engine.store.flush()
+
+        samples: dict[tuple[str, int], dict[str, list[float]]] = {}
+        counter = 0
+
+        def measure(kind: str, n: int, resume_first: bool) -> dict[str, float]:
+            nonlocal counter
+            counter += 1
+            engine = engines[kind]
+            message = f"({counter}) In one sentence, what do the passages above have in common?"
+            ids = list(tokenizer.apply_chat_template(histories[n] + [{"role": "user", "content": message}],
+                                                     add_generation_prompt=True, tokenize=True, return_dict=False))
+            out: dict[str, float] = {}
+            for variant in (("resume", "reprefill") if resume_first else ("reprefill", "resume")):
+                if variant == "resume":
+                    sid = f"bench-{kind}-{n}-{counter}"
+                    engine.sessions.set_history(sid, histories[n])
+                    if kind == "disk" and cold_disk:
+                        _drop_page_cache(disk_dir)
+                    result = engine.chat(sid, message, max_new_tokens=MAX_NEW_TOKENS)
+                    engine.drop(sid)
+                    if result.stats["history_tokens"] != len(ids):
+                        raise RuntimeError("the resumed prompt differs from the re-prefilled one")
+                    out.update(resume=result.ttft_s, loaded=result.stats["loaded_tokens"],
+                               computed=result.stats["recomputed_tokens"], load_s=result.stats.get("load_s", 0.0),
+                               exposed=result.stats.get("exposed_load_s", 0.0), resume_logprobs=result.first_token_logprobs)
+                else:
+                    sync()
+                    t = time.perf_counter()
+                    cache = engine.runner.new_cache(len(ids))
+                    logits = engine.runner.prefill(torch.tensor(ids), cache)[0]
+                    sync()
+                    out["reprefill"] = time.perf_counter() - t
+                    out["reprefill_logprobs"] = torch.log_softmax(logits.float(), dim=-1).cpu()
+                    del cache
+            out["logprob_diff"] = float((out.pop("resume_logprobs") - out.pop("reprefill_logprobs")).abs().max())
+            return out
+
+        log("warm-up round ...")
+        for n in lengths:
+            for kind in engines:
+                measure(kind, n, True)
+        for r in range(repeats):
+            for n in lengths:
+                for kind in engines:
+                    got = measure(kind, n, resume_first=(r % 2 == 0))
+                    bucket = samples.setdefault((kind, n), {})
+                    for k, v in got.items():
+                        bucket.setdefault(k, []).append(v)
+            log(f"round {r + 1}/{repeats} done")
+
+        results = []
+        for n in lengths:
+            for kind in tiers:
+                if kind in errors:
+                    results.append({"tier": kind, "history_tokens": n, "error": errors[kind]})
+                    continue
+                s = samples[(kind, n)]
+                resume, reprefill = statistics.median(s["resume"]), statistics.median(s["reprefill"])
+                results.append({
+                    "tier": kind, "history_tokens": n, "history_tokens_actual": len(history_ids[n]),
+                    "loaded_tokens": int(statistics.median(s["loaded"])),
+                    "computed_tokens": int(statistics.median(s["computed"])),
+                    "resume_ttft_s": round(resume, 5), "reprefill_ttft_s": round(reprefill, 5),
+                    "speedup": round(reprefill / resume, 2),
+                    "resume_load_s": round(statistics.median(s["load_s"]), 5),
+                    "resume_exposed_load_s": round(statistics.median(s["exposed"]), 5),
+                    "max_first_token_logprob_diff": max(s["logprob_diff"]),
+                })
+    finally:
+        for engine in engines.values():
+            if engine.store.tiers[0].config.kind == "redis":
+                engine.store.clear()
+            engine.close()
+        shutil.rmtree(work, ignore_errors=True)
+        if not disk_path:
+            shutil.rmtree(disk_dir, ignore_errors=True)
+    return {
+        "model": config.model, "device": str(lm.device), "dtype": config.dtype, "kv_dtype": config.store.kv_dtype,
+        "chunk_tokens": config.engine.chunk_tokens, "repeats": repeats, "cold_disk": cold_disk, "results": results,
+    }
+
+
+def _default_disk_dir(config: Any, tag: str, work: Path) -> Path:
+    configured = next((t for t in config.store.tiers if t.kind == "disk"), None)
+    if configured is not None:
+        return Path(configured.path).parent / f"bench-resume-{tag}"  # beside the live cache, not in it
+    return work / "disk"

@@ -1,0 +1,259 @@
+"""The eval runner, its results file, reports and the `kvblend eval` command, on a tiny
+random model with the real SmolLM2 tokenizer (fast; the metrics' values are meaningless,
+their relations to full prefill are not)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from blend.cli import main
+from blend.config import EngineConfig
+from blend.engine import BlendEngine
+from eval.loaders import Example, load_examples
+from eval.report import summary_table, write_reports
+from eval.results import FILENAME, ResultsLog, read_results
+from eval.runner import METRICS, Entry, parse_ratios, plan_entries, run_eval
+from tests.models import smollm2_tokenizer, tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "eval" / "data" / "synthetic_small.json"
+STORE = {"kv_dtype": "float32", "tiers": [{"kind": "cpu", "budget": "256MiB"}]}
+ENTRIES = plan_entries(["full", "reuse", "prefix", "blend"], [0.15, 1.0])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One torch thread: the tiny model's matrices gain nothing from more, and on a busy
+    machine spinning worker threads make these tests several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def _tokenizer():
+    """The SmolLM2 tokenizer alone from the converted model copy when there is one (faster
+    than loading the whole model), else through the shared loader."""
+    from transformers import AutoTokenizer
+
+    from blend.model import cache_home
+
+    found = sorted((cache_home() / "models").glob("SmolLM2-135M-Instruct*/tokenizer.json"))
+    return AutoTokenizer.from_pretrained(found[0].parent) if found else smollm2_tokenizer()
+
+
+@functools.cache
+def _lm():
+    return tiny_model("llama", tokenizer=_tokenizer())
+
+
+def _engine() -> BlendEngine:
+    """A fresh engine (empty store) around the shared tiny model."""
+    return BlendEngine(EngineConfig().with_overrides(store=STORE, chunk_tokens=64), model=_lm())
+
+
+@functools.cache
+def _examples() -> tuple[Example, ...]:
+    return tuple(load_examples(DATA, limit=2))
+
+
+def _run(out_dir=None, engine=None, examples=None, entries=ENTRIES, max_new_tokens=3):
+    engine = engine or _engine()
+    return run_eval(engine, list(_examples() if examples is None else examples), entries=entries, dataset="synthetic_small",
+                    max_new_tokens=max_new_tokens, out_dir=out_dir, progress=False)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    return out, _run(out)
+
+
+# ------------------------------------------------------------------- planning
+def test_plan_entries_puts_full_first_and_names_blend_by_ratio():
+    names = [e.name for e in plan_entries(["blend", "reuse"], [0.3, 0.05, 0.3])]
+    assert names == ["full", "blend@0.3", "blend@0.05", "reuse"]
+    assert [e.name for e in plan_entries("prefix,full", "0.15")] == ["full", "prefix"]
+    assert plan_entries(["blend"], [1])[1] == Entry("blend@1.0", "blend", 1.0)
+
+
+@pytest.mark.parametrize("modes, ratios, message", [
+    (["full", "fast"], [0.1], "valid modes are: full, reuse, prefix, blend"),
+    ([], [0.1], "no modes"),
+    (["blend"], [1.5], "within [0, 1]"),
+    (["blend"], [-0.1], "within [0, 1]"),
+    (["blend"], ["abc"], "not a number"),
+])
+def test_plan_entries_rejects_bad_modes_and_ratios(modes, ratios, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        plan_entries(modes, ratios)
+
+
+def test_parse_ratios_rejects_nan():
+    with pytest.raises(ValueError, match="not a number"):
+        parse_ratios("nan")
+
+
+# ------------------------------------------------------------------- the runner
+def test_summary_has_the_contract_fields(first_run):
+    _, run = first_run
+    doc = json.loads(json.dumps(run.to_json(), allow_nan=False))
+    assert doc["dataset"] == "synthetic_small" and doc["n"] == 2
+    assert list(doc["summary"]) == ["full", "reuse", "prefix", "blend@0.15", "blend@1.0"]
+    for name, entry in doc["summary"].items():
+        assert set(METRICS) <= set(entry), name
+        assert entry["rouge_l"] is None  # QA set
+        for key in ("f1", "em", "kl_to_full", "top1_agree", "greedy_match", "answer_nll", "ttft_s"):
+            assert isinstance(entry[key], float), (name, key)
+        assert entry["n"] == 2
+
+
+def test_full_is_its_own_reference_and_blend_at_one_matches_it(first_run):
+    _, run = first_run
+    s = run.summary
+    assert s["full"]["kl_to_full"] == 0.0 and s["full"]["greedy_match"] == 1.0 and s["full"]["top1_agree"] == 1.0
+    assert s["full"]["recomputed_fraction"] == 1.0 and s["reuse"]["recomputed_fraction"] == 0.0
+    assert s["blend@1.0"]["kl_to_full"] < 1e-6, s["blend@1.0"]["kl_to_full"]
+    assert s["blend@1.0"]["greedy_match"] == 1.0 and s["blend@1.0"]["recomputed_fraction"] == 1.0
+    assert 0.1 < s["blend@0.15"]["recomputed_fraction"] < 0.2
+    assert s["reuse"]["kl_to_full"] > s["blend@1.0"]["kl_to_full"]
+    assert abs(s["blend@1.0"]["answer_nll"] - s["full"]["answer_nll"]) < 1e-4
+    for record in run.records:  # documents were ingested first: every lookup hits
+        assert record["entries"]["reuse"]["chunk_misses"] == 0 and record["entries"]["reuse"]["chunk_hits"] > 0
+
+
+def test_rerun_skips_finished_examples_and_extends_with_a_higher_limit(first_run, monkeypatch):
+    out, run = first_run
+    engine = _engine()
+    calls = []
+    real = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda *a, **k: calls.append(k.get("mode")) or real(*a, **k))
+    again = _run(out, engine=engine)
+    assert calls == []  # nothing recomputed, not even the warm-up
+    assert again.records == run.records and again.summary == run.summary
+    more = _run(out, engine=engine, examples=load_examples(DATA, limit=3))
+    assert len(more.records) == 3
+    assert calls.count("full") == 2  # the warm-up and the one new example
+    settings, done = read_results(out / FILENAME)
+    assert len(done) == 3 and settings["max_new_tokens"] == 3
+    assert len((out / FILENAME).read_text().splitlines()) == 4  # header + 3 examples
+
+
+def test_rerun_with_other_settings_is_refused(first_run):
+    out, _ = first_run
+    with pytest.raises(ValueError, match=r"different settings \(entries: .*max_new_tokens: 3 in the file, 5 now"):
+        _run(out, entries=plan_entries(["blend"], [0.5]), max_new_tokens=5)
+
+
+def test_missing_answers_summarization_and_too_long_prompts(caplog):
+    base = _examples()[0]
+    no_answers = Example("no-answers", base.passages, base.question, ())
+    summary = Example("summary", base.passages[:2], "", (base.passages[0][:80],), task="summarization")
+    too_long = Example("too-long", ("word " * 3000,), "What?", ("x",))
+    entries = plan_entries(["reuse"], [0.15])
+    with caplog.at_level(logging.WARNING, logger="eval.runner"):
+        run = _run(examples=[no_answers, summary, too_long], entries=entries)
+    assert run.skipped == ["too-long"] and "exceeds the model's" in caplog.text
+    rows = {r["id"]: r["entries"]["reuse"] for r in run.records}
+    assert rows["no-answers"]["f1"] is None and rows["no-answers"]["answer_nll"] is None
+    assert rows["no-answers"]["kl_to_full"] > 0 and rows["no-answers"]["top1_agree"] in (0.0, 1.0)
+    assert rows["summary"]["rouge_l"] is not None and rows["summary"]["f1"] is None
+    assert math.isfinite(rows["summary"]["answer_nll"])
+    assert run.summary["reuse"]["f1"] is None and run.summary["reuse"]["rouge_l"] is not None
+
+
+def test_run_eval_refuses_bad_calls():
+    with pytest.raises(ValueError, match="no examples"):
+        _run(examples=[])
+    with pytest.raises(ValueError, match="must start with full"):
+        _run(entries=[Entry("reuse", "reuse")])
+
+
+# ------------------------------------------------------------------ results file
+def test_results_log_drops_a_partial_last_line(tmp_path, caplog):
+    with ResultsLog.open(tmp_path, {"a": 1}) as log_file:
+        log_file.append({"id": "e1", "entries": {}})
+    with (tmp_path / FILENAME).open("a") as fh:
+        fh.write('{"record": "example", "id": "e2", "entr')  # killed mid-write
+    with caplog.at_level(logging.WARNING), ResultsLog.open(tmp_path, {"a": 1}) as log_file:
+        assert set(log_file.done) == {"e1"}
+        log_file.append({"id": "e2", "entries": {}, "x": float("nan")})
+    assert "partial last line" in caplog.text
+    settings, done = read_results(tmp_path / FILENAME)
+    assert settings == {"a": 1} and set(done) == {"e1", "e2"} and done["e2"]["x"] is None
+
+
+def test_results_log_rejects_a_foreign_file(tmp_path):
+    (tmp_path / FILENAME).write_text('{"id": 1}\n')
+    with pytest.raises(ValueError, match="settings line"):
+        ResultsLog.open(tmp_path, {})
+
+
+# --------------------------------------------------------------------- reports
+def test_reports_are_written(first_run, tmp_path):
+    _, run = first_run
+    paths = write_reports(run, tmp_path)
+    assert set(paths) == {"summary.json", "summary.md", "quality_vs_ttft.png", "kl_vs_ttft.png"}
+    for name in ("quality_vs_ttft.png", "kl_vs_ttft.png"):
+        assert paths[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths[name].stat().st_size > 5000
+    assert json.loads(paths["summary.json"].read_text())["summary"]["full"]["kl_to_full"] == 0.0
+    table = paths["summary.md"].read_text()
+    assert "| blend@0.15 |" in table and "removes" in table
+    assert summary_table(run.summary).count("\n|") == len(run.summary) + 1
+
+
+# ------------------------------------------------------------------------ CLI
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory) -> Path:
+    """A config whose model is the tiny model saved as a Hugging Face directory."""
+    root = tmp_path_factory.mktemp("tiny-model")
+    _lm().model.save_pretrained(root / "model")
+    _tokenizer().save_pretrained(root / "model")
+    config = root / "config.yaml"
+    config.write_text(
+        f"model: {root / 'model'}\ndevice: cpu\nengine:\n  chunk_tokens: 64\n"
+        "store:\n  kv_dtype: float32\n  tiers:\n    - kind: cpu\n      budget: 64MiB\n"
+    )
+    return config
+
+
+def test_cli_eval_prints_the_summary_json_last(tiny_config, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["eval", "--config", str(tiny_config), "--dataset", str(DATA), "--limit", "1", "--passages", "3",
+            "--modes", "full,blend", "--ratios", "1.0", "--max-new-tokens", "2", "--json", "--out", str(out),
+            "--no-progress"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["n"] == 1 and list(doc["summary"]) == ["full", "blend@1.0"]
+    assert doc["summary"]["blend@1.0"]["kl_to_full"] < 1e-6
+    assert {p.name for p in out.iterdir()} >= {"results.jsonl", "summary.json", "summary.md", "kl_vs_ttft.png"}
+    settings, _ = read_results(out / FILENAME)
+    assert settings["passages"] == 3 and settings["prompts"]["qa"]["query"].startswith("Question: {question}")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--modes", "full,turbo"], "valid modes are: full, reuse, prefix, blend"),
+    (["--ratios", "0.1,1.5"], "within [0, 1]"),
+    (["--limit", "0"], "--limit: must be >= 1"),
+    (["--field-map", "question"], "is not ours=theirs"),
+])
+def test_cli_eval_rejects_bad_arguments(extra, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--dataset", str(DATA), *extra])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_eval_reports_an_unknown_dataset_layout(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"prompt": "x", "completion": "y"}]))
+    assert main(["eval", "--config", str(ROOT / "configs" / "default.yaml"), "--dataset", str(bad)]) == 2
+    assert "cannot tell the layout" in capsys.readouterr().err

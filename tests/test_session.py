@@ -1,0 +1,258 @@
+"""Chat sessions: exact prefix KV reuse across turns, offload and resume from every tier,
+a restart, the idle / budget policies, faults in the stored chain, concurrent turns."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from blend.config import EngineConfig
+from blend.engine import BlendEngine
+from blend.session import SessionBusy
+from storage.keys import prefix_block_key
+from tests.models import smollm2_tokenizer, tiny_model
+
+BLOCK = 16
+MAX_NEW = 6
+TOL = 1e-4  # fp32 KV: only batched-vs-incremental rounding separates the paths
+MESSAGES = [
+    "The lighthouse at Carrow Point was built in 1871 by the engineer Maud Tillery. Who built it?",
+    "Where did Tillery move later, and what did she design there?",
+    "How often does the Carrow Point light flash?",
+]
+
+
+def make_engine(tmp_path, *, tiers=("cpu", "disk"), redis_url=None, **overrides) -> BlendEngine:
+    specs = {"cpu": {"kind": "cpu", "budget": "64MiB"},
+             "disk": {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB"},
+             "redis": {"kind": "redis", "url": redis_url, "required": True}}
+    cfg = EngineConfig().with_overrides(
+        store={"kv_dtype": "float32", "tiers": [specs[t] for t in tiers]}, chunk_tokens=BLOCK,
+        sessions_dir=str(tmp_path / "sessions"), max_new_tokens=MAX_NEW, **overrides)
+    return BlendEngine(cfg, model=tiny_model("llama", tokenizer=smollm2_tokenizer()))
+
+
+def check_equals_full_prefill(engine: BlendEngine, session_id: str, result) -> None:
+    """The turn's first-token log-probs and greedy tokens equal a full prefill of its prompt."""
+    history = engine.sessions.sessions[session_id].messages[:-1]  # up to this turn's user message
+    ids = engine.lm.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    assert result.stats["history_tokens"] == len(ids)
+    cache = engine.runner.new_cache(len(ids))
+    logits = engine.runner.prefill(torch.tensor(ids), cache)[0]
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    diff = (reference - result.first_token_logprobs).abs()
+    assert float(diff.max()) < TOL, f"max {float(diff.max()):.2e} mean {float(diff.mean()):.2e}"
+    assert engine.runner.decode(logits, cache, MAX_NEW, engine.eos_ids) == result.token_ids
+
+
+def block_keys(engine: BlendEngine, session_id: str) -> list[str]:
+    """Store keys of the full prefix blocks of the session's last conversation."""
+    ids = engine.sessions.sessions[session_id].cache_ids
+    return [prefix_block_key(engine.fingerprint, ids[:end], engine.kv_dtype, engine.namespace)
+            for end in range(BLOCK, len(ids), BLOCK)]
+
+
+def test_multi_turn_equals_full_prefill_and_resumes_from_store(tmp_path):
+    with make_engine(tmp_path) as engine:
+        first = engine.chat("s", MESSAGES[0])
+        check_equals_full_prefill(engine, "s", first)
+        assert first.stats["source"] == "computed" and first.stats["stored_blocks"] > 0
+
+        second = engine.chat("s", MESSAGES[1])  # the device copy is reused
+        check_equals_full_prefill(engine, "s", second)
+        assert second.stats["source"] == "device" and second.stats["loaded_tokens"] > first.stats["history_tokens"] // 2
+
+        engine.offload("s")
+        assert engine.sessions.sessions["s"].cache is None and engine.sessions.resident_bytes() == 0
+        third = engine.chat("s", MESSAGES[2])
+        check_equals_full_prefill(engine, "s", third)
+    stats = third.stats
+    assert stats["source"] == "store" and stats["hits_by_tier"] == {"cpu": stats["chunk_hits"]}
+    assert stats["loaded_tokens"] % BLOCK == 0 and stats["loaded_tokens"] > second.stats["history_tokens"] - BLOCK
+    assert stats["loaded_tokens"] + stats["recomputed_tokens"] == stats["history_tokens"]
+    assert stats["bytes_loaded"]["cpu"] > 0 and stats["ttft_s"] > 0
+
+
+def test_resume_in_a_new_engine_from_disk(tmp_path):
+    with make_engine(tmp_path) as before:
+        before.chat("s", MESSAGES[0])
+        before.chat("s", MESSAGES[1])
+        history = before.sessions.sessions["s"].messages
+    with make_engine(tmp_path) as after:  # a restart: empty CPU tier, same disk and sessions_dir
+        result = after.chat("s", MESSAGES[2])
+        assert after.sessions.sessions["s"].messages[:4] == history
+        check_equals_full_prefill(after, "s", result)
+    assert result.stats["source"] == "store" and result.stats["loaded_tokens"] > 0
+    assert set(result.stats["hits_by_tier"]) == {"disk"}
+
+
+@pytest.mark.redis
+def test_resume_through_redis(tmp_path, redis_url):
+    with make_engine(tmp_path, tiers=("redis",), redis_url=redis_url) as engine:
+        engine.chat("s", MESSAGES[0])
+        engine.offload("s")
+        result = engine.chat("s", MESSAGES[1])
+        check_equals_full_prefill(engine, "s", result)
+    assert result.stats["source"] == "store" and result.stats["loaded_tokens"] > 0
+    assert set(result.stats["hits_by_tier"]) == {"redis"}
+
+
+def test_idle_seconds_offloads(tmp_path):
+    with make_engine(tmp_path, idle_seconds=60.0) as engine:
+        engine.chat("a", MESSAGES[0])
+        engine.chat("b", MESSAGES[1])
+        assert engine.sessions.enforce(now=time.monotonic() + 30) == []
+        assert sorted(engine.sessions.enforce(now=time.monotonic() + 61)) == ["a", "b"]
+        assert engine.sessions.resident_bytes() == 0
+        assert engine.chat("a", MESSAGES[2]).stats["source"] == "store"
+    with make_engine(tmp_path / "zero", idle_seconds=0.0) as engine:  # 0: offloaded right after each turn
+        engine.chat("a", MESSAGES[0])
+        assert engine.sessions.sessions["a"].cache is None
+        assert engine.chat("a", MESSAGES[1]).stats["source"] == "store"
+
+
+def test_active_budget_offloads_least_recently_used(tmp_path):
+    with make_engine(tmp_path) as engine:
+        engine.chat("a", MESSAGES[0])
+        one = engine.sessions.resident_bytes()
+        engine.config = engine.config.with_overrides(active_budget=int(one * 1.5))  # room for one session
+        engine.chat("b", MESSAGES[0])
+        sessions = engine.sessions.sessions
+        assert sessions["a"].cache is None and sessions["b"].cache is not None
+        result = engine.chat("a", MESSAGES[1])
+        assert result.stats["source"] == "store"
+        assert sessions["b"].cache is None and sessions["a"].cache is not None
+        assert engine.sessions.resident_bytes() <= int(one * 1.5)
+
+
+def test_drop_and_unknown_session(tmp_path):
+    with make_engine(tmp_path) as engine:
+        fresh = engine.chat("new-id", MESSAGES[0])  # an id never seen is a new session
+        path = tmp_path / "sessions" / "new-id.json"
+        assert json.loads(path.read_text())["messages"][0] == {"role": "user", "content": MESSAGES[0]}
+        engine.chat("new-id", MESSAGES[1])
+        engine.drop("new-id")
+        assert not path.exists() and "new-id" not in engine.sessions.sessions
+        again = engine.chat("new-id", MESSAGES[0])  # starts over
+        assert again.stats["history_tokens"] == fresh.stats["history_tokens"]
+        assert again.stats["source"] == "store"  # the blocks of that same first prompt are still stored
+        engine.drop("never-seen")  # no-op
+        for bad in ("../escape", "", "a/b"):
+            with pytest.raises(ValueError, match="bad session id"):
+                engine.chat(bad, "hello")
+            with pytest.raises(ValueError, match="bad session id"):
+                engine.drop(bad)
+        with pytest.raises(ValueError, match="empty message"):
+            engine.chat("new-id", "   ")
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            engine.chat("new-id", "hi", max_new_tokens=0)
+
+
+def test_missing_middle_block_stops_the_chain(tmp_path):
+    with make_engine(tmp_path) as engine:
+        engine.chat("s", MESSAGES[0])
+        keys = block_keys(engine, "s")
+        assert len(keys) >= 3
+        engine.offload("s")
+        engine.store.delete(keys[1])
+        result = engine.chat("s", MESSAGES[1])
+        check_equals_full_prefill(engine, "s", result)
+        assert result.stats["loaded_tokens"] == BLOCK and result.stats["chunk_hits"] == 1
+        engine.offload("s")  # the turn stored the missing block again
+        healed = engine.chat("s", MESSAGES[2])
+        check_equals_full_prefill(engine, "s", healed)
+        assert healed.stats["loaded_tokens"] > result.stats["history_tokens"] - BLOCK
+
+
+def test_corrupt_middle_block_is_recomputed_exactly(tmp_path):
+    with make_engine(tmp_path, tiers=("disk",)) as engine:
+        engine.chat("s", MESSAGES[0])
+        keys = block_keys(engine, "s")
+        engine.offload("s")
+    victim = tmp_path / "disk" / f"{keys[1]}.kv"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # in the layer data: the header still verifies
+    victim.write_bytes(bytes(data))
+    with make_engine(tmp_path, tiers=("disk",)) as engine:
+        result = engine.chat("s", MESSAGES[1])
+        check_equals_full_prefill(engine, "s", result)
+        stats = result.stats
+        assert stats["recomputed_segments"] == 1 and stats["chunk_hits"] >= 3
+        assert stats["loaded_tokens"] == (stats["chunk_hits"] - 1) * BLOCK  # the bad block counts as computed
+        assert engine.store.stats()["disk"]["corrupt"] == 1
+        engine.store.flush()
+        assert engine.store.lookup(keys[1], tokens_digest=engine.store.tiers[0].get_header(keys[1]).tokens_digest,
+                                   fingerprint=engine.fingerprint) is not None  # stored again, readable
+
+
+def test_concurrent_turns_on_one_session_are_rejected(tmp_path):
+    with make_engine(tmp_path) as engine:
+        started, release = threading.Event(), threading.Event()
+        decode = engine.runner.decode
+
+        def slow_decode(*args, **kwargs):
+            started.set()
+            assert release.wait(10)
+            return decode(*args, **kwargs)
+
+        engine.runner.decode = slow_decode
+        outcome: dict[str, object] = {}
+
+        def run(name: str, message: str) -> None:
+            try:
+                outcome[name] = engine.chat("s", message)
+            except SessionBusy as err:
+                outcome[name] = err
+
+        first = threading.Thread(target=run, args=("first", MESSAGES[0]))
+        first.start()
+        assert started.wait(10)
+        second = threading.Thread(target=run, args=("second", MESSAGES[1]))
+        second.start()
+        second.join(10)
+        with pytest.raises(SessionBusy):
+            engine.offload("s")
+        with pytest.raises(SessionBusy):
+            engine.drop("s")
+        release.set()
+        first.join(10)
+        engine.runner.decode = decode
+        assert isinstance(outcome["second"], SessionBusy) and "already running a turn" in str(outcome["second"])
+        messages = engine.sessions.sessions["s"].messages
+        assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == MESSAGES[0]
+        assert engine.chat("s", MESSAGES[1]).stats["source"] == "device"  # the session is usable again
+
+        with open(tmp_path / "sessions" / "s.lock", "a") as other:  # the lock another process would take
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with pytest.raises(SessionBusy, match="another process"):
+                engine.chat("s", MESSAGES[2])
+        assert len(engine.sessions.sessions["s"].messages) == 4
+
+
+@pytest.mark.slow
+def test_cli_chat_one_turn_then_resume_in_a_new_process(tmp_path, capsys):
+    from blend.cli import main
+
+    config = tmp_path / "chat.yaml"
+    config.write_text(
+        "model: smollm2-135m-instruct\ndevice: cpu\n"
+        f"engine:\n  chunk_tokens: 16\n  sessions_dir: {tmp_path / 'sessions'}\n"
+        "store:\n  kv_dtype: float32\n  tiers:\n    - kind: cpu\n      budget: 64MiB\n"
+        f"    - kind: disk\n      path: {tmp_path / 'disk'}\n      budget: 256MiB\n"
+    )
+    args = ["chat", "--config", str(config), "--session", "cli", "--max-new-tokens", "3", "--json"]
+    assert main(args + ["--message", "What is the capital of France?"]) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert first["text"] and first["stats"]["source"] == "computed"
+    assert main(args + ["--message", "And of Italy?"]) == 0  # a new engine: history from JSON, KV from disk
+    second = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert second["stats"]["source"] == "store" and second["stats"]["hits_by_tier"].keys() == {"disk"}
+    assert second["stats"]["loaded_tokens"] > first["stats"]["history_tokens"] - 16
+    history = json.loads((tmp_path / "sessions" / "cli.json").read_text())["messages"]
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
