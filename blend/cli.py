@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
 
     # registrations of the other packages' commands
+    from blend.bench import register_bench_ttft
     from blend.bench_resume import register_bench_resume
     from blend.planner import register_plan
     from eval.cli import register_eval
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_plan(subparsers)
     register_bench_load(bench_sub)
     register_bench_resume(bench_sub)
+    register_bench_ttft(bench_sub)
     return parser
 
 

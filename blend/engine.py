@@ -177,7 +177,7 @@ class BlendEngine:
         prompt = self.build_prompt(query, documents)
         self.runner.check_length(len(prompt) + max_new)
         t0 = time.perf_counter()
-        pre = self.prefill(prompt, mode=mode, ratio=ratio)
+        pre = self.prefill(prompt, mode=mode, ratio=ratio, capacity=len(prompt) + max_new)
         ttft = time.perf_counter() - t0
         logprobs = torch.log_softmax(pre.logits.float(), dim=-1).cpu()
         stats = pre.stats
@@ -208,8 +208,12 @@ class BlendEngine:
         return float(-logp[torch.arange(len(ids)), torch.tensor(ids)].mean())
 
     @torch.inference_mode()
-    def prefill(self, prompt: Prompt, *, mode: str, ratio: float = 0.15) -> _Prefilled:
-        """Fill a KVCache for `prompt` in `mode` and return the last position's logits."""
+    def prefill(self, prompt: Prompt, *, mode: str, ratio: float = 0.15, capacity: int | None = None) -> _Prefilled:
+        """Fill a KVCache for `prompt` in `mode` and return the last position's logits.
+
+        The cache is allocated for `capacity` positions (default: the prompt) so that
+        decoding can continue without reallocating."""
+        capacity = max(capacity or 0, len(prompt))
         stats: dict[str, Any] = {
             "mode": mode, "context_tokens": sum(len(s.token_ids) for s in prompt.segments if s.kind != "query"),
             "query_tokens": len(prompt.query.token_ids), "chunk_hits": 0, "chunk_misses": 0, "hits_by_tier": {},
@@ -218,21 +222,22 @@ class BlendEngine:
         store_before = _tier_counts(self.store)
         t0 = time.perf_counter()
         if mode == "full":
-            cache = self.runner.new_cache(len(prompt))
+            cache = self.runner.new_cache(capacity)
             logits = self.runner.prefill(torch.tensor(prompt.token_ids), cache)[0]
             stats.update(recomputed_tokens=stats["context_tokens"], selected_per_layer=[], load_s=0.0,
                          exposed_load_s=0.0, loaded_tokens=0)
         elif mode == "prefix":
-            logits, cache = self._prefix_prefill(prompt, stats)
+            logits, cache = self._prefix_prefill(prompt, stats, capacity)
         else:
-            logits, cache = self._blend_prefill(prompt, 0.0 if mode == "reuse" else ratio, stats)
+            logits, cache = self._blend_prefill(prompt, 0.0 if mode == "reuse" else ratio, stats, capacity)
         elapsed = time.perf_counter() - t0
         stats["prefill_s"] = elapsed
         stats["compute_s"] = elapsed - stats["exposed_load_s"]
         stats["tiers"] = _tier_delta(store_before, _tier_counts(self.store))
         return _Prefilled(logits, cache, stats)
 
-    def _blend_prefill(self, prompt: Prompt, ratio: float, stats: dict[str, Any]) -> tuple[torch.Tensor, KVCache]:
+    def _blend_prefill(self, prompt: Prompt, ratio: float, stats: dict[str, Any],
+                       capacity: int) -> tuple[torch.Tensor, KVCache]:
         runner, cfg = self.runner, self.config.engine
         n, num_layers = len(prompt), runner.num_layers
         cached = [s for s in prompt.segments if s.kind != "query"]
@@ -250,7 +255,7 @@ class BlendEngine:
         active = torch.arange(n) if check_layers else query_rows  # rows computed fresh at this layer
         is_ctx = torch.zeros(n, dtype=torch.bool)
         is_ctx[ctx_rows] = True
-        cache = runner.new_cache(n)
+        cache = runner.new_cache(capacity)
         cache.length = n
         cos_all, sin_all = runner.rope(torch.arange(n))
         token_ids = torch.tensor(prompt.token_ids)
@@ -351,7 +356,7 @@ class BlendEngine:
                      recomputed_segments=loader.recomputed_segments)
         return logits, cache
 
-    def _prefix_prefill(self, prompt: Prompt, stats: dict[str, Any]) -> tuple[torch.Tensor, KVCache]:
+    def _prefix_prefill(self, prompt: Prompt, stats: dict[str, Any], capacity: int) -> tuple[torch.Tensor, KVCache]:
         ids = prompt.token_ids
         limit = len(ids) - 1  # at least the last token is computed
         chain = self.lookup_prefix(ids, limit)
@@ -368,7 +373,7 @@ class BlendEngine:
             stats["chunk_hits"] += len(chain)
             for pl in chain:
                 stats["hits_by_tier"][pl.source] = stats["hits_by_tier"].get(pl.source, 0) + 1
-        logits, cache = self.prefill_with_prefix(ids, chain, stats)
+        logits, cache = self.prefill_with_prefix(ids, chain, stats, self.runner.new_cache(capacity))
         self.store_prefix_blocks(ids, cache, skip_below=chain_len)
         return logits, cache
 

@@ -116,6 +116,7 @@ class Runner:
         if attention == "flash" and flash_attn_func is None:
             raise ValueError("attention='flash' needs the optional extra: pip install 'kvblend[gpu]'")
         self.use_flash = use_flash and flash_attn_func is not None and self.device.type == "cuda"
+        self._shifts: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ----------------------------------------------------------------- helpers
     def new_cache(self, capacity: int) -> KVCache:
@@ -148,9 +149,22 @@ class Runner:
         if isinstance(delta, int):
             if delta == 0:
                 return k
-            delta = torch.full((n,), delta, dtype=torch.long)
-        cos, sin = self.rope(delta.to(torch.long))
+            cos, sin = self._shift(delta, n, k.dtype)
+        else:
+            cos, sin = self.rope(delta.to(torch.long))
         return apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+
+    def _shift(self, delta: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (n, D) of a constant shift, memoized (the loader asks per layer)."""
+        key = (delta, n, dtype)
+        hit = self._shifts.get(key)
+        if hit is None:
+            cos, sin = self.rope(torch.full((n,), delta, dtype=torch.long))
+            hit = (cos.to(dtype), sin.to(dtype))
+            if len(self._shifts) > 512:
+                self._shifts.clear()
+            self._shifts[key] = hit
+        return hit
 
     # ------------------------------------------------------------ per layer
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

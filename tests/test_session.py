@@ -121,14 +121,18 @@ def test_active_budget_offloads_least_recently_used(tmp_path):
     with make_engine(tmp_path) as engine:
         engine.chat("a", MESSAGES[0])
         one = engine.sessions.resident_bytes()
-        engine.config = engine.config.with_overrides(active_budget=int(one * 1.5))  # room for one session
-        engine.chat("b", MESSAGES[0])
+        budget = int(one * 1.5)  # room for one session of one turn
+        engine.config = engine.config.with_overrides(active_budget=budget)
         sessions = engine.sessions.sessions
+        engine.chat("b", MESSAGES[0])
         assert sessions["a"].cache is None and sessions["b"].cache is not None
+        engine.chat("c", MESSAGES[0])
+        assert sessions["b"].cache is None and sessions["c"].cache is not None
         result = engine.chat("a", MESSAGES[1])
         assert result.stats["source"] == "store"
-        assert sessions["b"].cache is None and sessions["a"].cache is not None
-        assert engine.sessions.resident_bytes() <= int(one * 1.5)
+        # a alone (two turns) is over the budget: it is offloaded too, after the LRU session c
+        assert sessions["a"].cache is None and sessions["c"].cache is None
+        assert engine.sessions.resident_bytes() <= budget
 
 
 def test_drop_and_unknown_session(tmp_path):
