@@ -139,7 +139,7 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     docs = bench_documents(lm.tokenizer, args.chunks, args.chunk_tokens)
     prompt = first.build_prompt(QUESTION, docs)
     n = len(prompt)
-    for kind, engine in engines.items():
+    for engine in engines.values():
         engine.store.clear()
         engine.ingest(docs)
     # warm-up: one of each path

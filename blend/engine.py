@@ -126,9 +126,10 @@ class BlendEngine:
                 entry = recompute()
                 self.store.put(key, entry)
                 stats["chunk_misses"] += 1
+                _count_lookup(stats, self.store, None)
             else:
                 stats["chunk_hits"] += 1
-                stats["hits_by_tier"][located.tier_name] = stats["hits_by_tier"].get(located.tier_name, 0) + 1
+                _count_lookup(stats, self.store, located.tier_index)
             placements.append(Placement(seg.start, len(seg.token_ids), pos_start, located, entry, recompute))
         return placements
 
@@ -217,9 +218,9 @@ class BlendEngine:
         stats: dict[str, Any] = {
             "mode": mode, "context_tokens": sum(len(s.token_ids) for s in prompt.segments if s.kind != "query"),
             "query_tokens": len(prompt.query.token_ids), "chunk_hits": 0, "chunk_misses": 0, "hits_by_tier": {},
+            "misses_by_tier": {},
             "recompute_ratio": ratio if mode == "blend" else (1.0 if mode == "full" else 0.0),
         }
-        store_before = _tier_counts(self.store)
         t0 = time.perf_counter()
         if mode == "full":
             cache = self.runner.new_cache(capacity)
@@ -233,7 +234,6 @@ class BlendEngine:
         elapsed = time.perf_counter() - t0
         stats["prefill_s"] = elapsed
         stats["compute_s"] = elapsed - stats["exposed_load_s"]
-        stats["tiers"] = _tier_delta(store_before, _tier_counts(self.store))
         return _Prefilled(logits, cache, stats)
 
     def _blend_prefill(self, prompt: Prompt, ratio: float, stats: dict[str, Any],
@@ -401,6 +401,16 @@ def _write_rows(cache: KVCache, layer: int, rows: torch.Tensor, k: torch.Tensor,
         cache.v[layer][:, rows] = v
 
 
+def _count_lookup(stats: dict[str, Any], store: TieredStore, hit_index: int | None) -> None:
+    """Per-tier hits and misses of one lookup: tiers above the hit (or all, on a miss) missed."""
+    hits, misses = stats.setdefault("hits_by_tier", {}), stats.setdefault("misses_by_tier", {})
+    for i, tier in enumerate(store.tiers):
+        if hit_index is not None and i == hit_index:
+            hits[tier.name] = hits.get(tier.name, 0) + 1
+            return
+        misses[tier.name] = misses.get(tier.name, 0) + 1
+
+
 def _dtype_bytes(name: str) -> int:
     return {"float16": 2, "bfloat16": 2, "float32": 4}.get(name, 2)
 
@@ -416,15 +426,3 @@ def _eos_ids(lm: LoadedModel) -> tuple[int, ...]:
     if isinstance(im_end, int) and im_end != getattr(lm.tokenizer, "unk_token_id", None):
         ids.add(im_end)
     return tuple(sorted(ids))
-
-
-def _tier_counts(store: TieredStore) -> dict[str, dict[str, float]]:
-    out = {}
-    for name, s in store.stats().items():
-        out[name] = {k: s.get(k, 0) for k in ("lookup_hits", "lookup_misses", "bytes_read")}
-    return out
-
-
-def _tier_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    return {name: {k: after[name][k] - before.get(name, {}).get(k, 0) for k in after[name]} for name in after}
-

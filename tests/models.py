@@ -16,8 +16,16 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
 
 def tiny_model(arch: str = "llama", *, vocab_size: int = 49152, seed: int = 0, tokenizer=None, **overrides) -> LoadedModel:
     """A random-weight model of a supported architecture, fp32, eval mode."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
