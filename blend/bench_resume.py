@@ -10,7 +10,7 @@ that history and no device copy, so the prefix chain is loaded from exactly that
 and only the tail is prefilled; a re-prefill is a full prefill of the same token ids.
 Each message differs per repeat, so no block past the history is reused.
 
-Hygiene: a warm-up round first (not recorded), then `--repeats` rounds interleaving
+Hygiene: a warm-up per tier first (not recorded), then `--repeats` rounds interleaving
 tiers, lengths and the two variants (alternating which goes first); medians are
 reported. Disk entries are evicted from the OS page cache before each disk resume
 (fsync + POSIX_FADV_DONTNEED) unless `--warm-disk`, so the disk row measures a disk.
@@ -243,10 +243,9 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
             out["logprob_diff"] = float((out.pop("resume_logprobs") - out.pop("reprefill_logprobs")).abs().max())
             return out
 
-        log("warm-up round ...")
-        for n in lengths:
-            for kind in engines:
-                measure(kind, n, True)
+        log("warm-up ...")
+        for kind in engines:  # first-call costs (allocator, thread pools, connections) are not measured
+            measure(kind, min(lengths), True)
         for r in range(repeats):
             for n in lengths:
                 for kind in engines:

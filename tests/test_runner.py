@@ -62,6 +62,21 @@ def test_scattered_queries_match_full_causal_rows():
         assert (runner.finish(0, h[subset], part) - runner.finish(0, h, full)[subset]).abs().max() < 1e-5
 
 
+def test_dense_query_sets_use_the_causal_block_exactly():
+    lm = tiny_model("llama", vocab_size=512)
+    runner = Runner(lm)
+    n = 64
+    h = runner.embed(torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(8)))
+    positions = torch.arange(n)
+    with torch.inference_mode():
+        q, k, v = runner.qkv(0, h, *runner.rope(positions))
+        full = runner.attend(q, positions, k, v)
+        for subset in (torch.arange(20, 64), torch.arange(0, 64, 2), torch.arange(10, 40)):
+            assert subset.numel() * 4 >= n  # takes the padded causal path
+            out = runner.attend(q[:, subset], positions[subset], k, v)
+            assert (out - full[subset]).abs().max() < 1e-5
+
+
 def test_prefill_continuation_equals_one_pass():
     lm = tiny_model("qwen2", vocab_size=512)
     runner = Runner(lm)

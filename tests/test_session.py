@@ -152,6 +152,11 @@ def test_drop_and_unknown_session(tmp_path):
                 engine.chat(bad, "hello")
             with pytest.raises(ValueError, match="bad session id"):
                 engine.drop(bad)
+        (tmp_path / "sessions" / "garbled.json").write_text("{not json")
+        with pytest.raises(ValueError, match="unreadable"):  # never silently overwritten
+            engine.chat("garbled", "hello")
+        engine.drop("garbled")
+        assert engine.chat("garbled", "hello").token_ids
         with pytest.raises(ValueError, match="empty message"):
             engine.chat("new-id", "   ")
         with pytest.raises(ValueError, match="max_new_tokens"):

