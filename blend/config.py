@@ -18,6 +18,7 @@ from storage.config import StoreConfig, from_mapping, load_yaml
 MODES = ("full", "reuse", "prefix", "blend")
 DEVIATIONS = ("v", "k", "kv")
 CHUNK_CONTEXTS = ("none", "system")
+SELECTIONS = ("deviation", "attention", "hybrid")
 
 DEFAULT_SYSTEM_PROMPT = (
     "You will be asked a question after reading several passages. Please directly answer the "
@@ -36,6 +37,7 @@ class BlendConfig:
     check_layers: tuple[int, ...] = (1,)
     filter_schedule: tuple[float, ...] = (1.0,)
     deviation: str = "v"
+    selection: str = "deviation"  # deviation | attention | hybrid (see blend/selector.py)
     prefetch_depth: int = 2
     chunk_context: str = "none"
     max_new_tokens: int = 32
@@ -69,6 +71,8 @@ class BlendConfig:
             )
         if self.deviation not in DEVIATIONS:
             raise ValueError(f"engine.deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation!r}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"engine.selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
         if self.chunk_context not in CHUNK_CONTEXTS:
             raise ValueError(f"engine.chunk_context must be one of {', '.join(CHUNK_CONTEXTS)}, got {self.chunk_context!r}")
         if self.prefetch_depth < 1:

@@ -32,7 +32,7 @@ from blend.model import LoadedModel, load_model
 from blend.pipeline import LayerLoader, Placement
 from blend.prompt import Prompt, PromptBuilder, Segment
 from blend.runner import KVCache, Runner, SamplingParams
-from blend.selector import deviation, schedule_counts, select_top
+from blend.selector import deviation, query_attention, schedule_counts, select_top
 from storage.entry import KVEntry
 from storage.keys import chunk_key, prefix_block_key, tokens_digest
 from storage.stack import TieredStore
@@ -273,15 +273,21 @@ class BlendEngine:
                 if layer in check_layers:
                     cand = is_ctx[active].to(dev)  # (T_active,) which active rows may be selected
                     cand_rows = rows[cand]
-                    scores = deviation(k[:, cand], v[:, cand], cache.k[layer][:, cand_rows], cache.v[layer][:, cand_rows],
-                                       cfg.deviation)
+                    dev_scores = deviation(k[:, cand], v[:, cand], cache.k[layer][:, cand_rows],
+                                           cache.v[layer][:, cand_rows], cfg.deviation)  # before overwriting
+                _write_rows(cache, layer, rows, k, v, n)
+                if layer in check_layers:
+                    scores = dev_scores
+                    if cfg.selection != "deviation":
+                        q_rows = torch.searchsorted(active, query_rows).to(dev)
+                        attn_scores = query_attention(q[:, q_rows], cache.k[layer][:, :n], runner.scaling)[cand_rows]
+                        scores = attn_scores if cfg.selection == "attention" else _norm(dev_scores) * _norm(attn_scores)
                     chosen = select_top(scores, cand_rows, counts[check_layers.index(layer)])
                     selected_per_layer.append(int(chosen.numel()))
                     selections.append(chosen.cpu())
                     recomputed = int(chosen.numel())
                     keep_rows = torch.cat([chosen.cpu(), query_rows]).unique(sorted=True)
                     keep = torch.searchsorted(active, keep_rows)
-                _write_rows(cache, layer, rows, k, v, n)
                 if keep is not None:
                     q, h, active = q[:, keep.to(dev)], h[keep.to(dev)], active[keep]
                 if layer == num_layers - 1:  # only the last row's output is needed
@@ -389,6 +395,10 @@ class BlendEngine:
     def drop(self, session_id: str) -> None:
         """Forget a session entirely (its history and its device-resident KV)."""
         self.sessions.drop(session_id)
+
+
+def _norm(scores: torch.Tensor) -> torch.Tensor:
+    return scores / scores.mean().clamp_min(1e-12)
 
 
 def _write_rows(cache: KVCache, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> None:

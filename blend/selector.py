@@ -5,6 +5,10 @@ K/V deviate most from the cached K/V (squared L2 over heads and head_dim: the pa
 "high-KV-deviation" tokens) are the ones recomputed in the following layers. With
 gradual filtering, each check layer keeps a shrinking share of the previous selection,
 ending at the recompute ratio.
+
+Optional (config `selection`): `attention` ranks tokens by how much the query attends to
+them at the check layer; `hybrid` multiplies the normalised deviation and attention
+scores. `deviation` (the paper's rule) is the default.
 """
 
 from __future__ import annotations
@@ -27,6 +31,18 @@ def deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tens
     if kind == "kv":
         return sq(fresh_k, cached_k) + sq(fresh_v, cached_v)
     raise ValueError(f"unknown deviation {kind!r}; use v, k or kv")
+
+
+def query_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """How much the query attends to each key: softmax(q k^T) averaged over heads and query rows.
+
+    q (H, Tq, D) of the query rows (which see every key), k (Hkv, N, D). Returns (N,) float32.
+    """
+    heads, tq, d = q.shape
+    groups = heads // k.shape[0]
+    qg = q.float().reshape(k.shape[0], groups * tq, d)  # heads of one kv group stacked
+    probs = torch.softmax(qg @ k.float().transpose(1, 2) * scale, dim=-1)  # (Hkv, g*Tq, N)
+    return probs.mean(dim=(0, 1))
 
 
 def schedule_counts(ratio: float, schedule: tuple[float, ...], n_context: int) -> list[int]:

@@ -202,3 +202,20 @@ def test_smollm2_blend_beats_reuse_on_sample_prompts():
             kl_reuse = kl_divergence(full.first_token_logprobs, reuse.first_token_logprobs)
             kl_blend = kl_divergence(full.first_token_logprobs, blend.first_token_logprobs)
             assert kl_blend < kl_reuse, (case["question"], kl_blend, kl_reuse)
+
+
+@pytest.mark.parametrize("selection", ["attention", "hybrid"])
+def test_alternative_selections(selection):
+    from blend.selector import query_attention
+
+    with make_engine(selection=selection) as engine:
+        engine.ingest(DOCS)
+        full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=3)
+        one = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=1.0, max_new_tokens=3)
+        some = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.2, max_new_tokens=3)
+    assert maxdiff(full.first_token_logprobs, one.first_token_logprobs) < 1e-4
+    assert some.stats["recomputed_tokens"] == -(-some.stats["context_tokens"] * 2 // 10)
+    # the attention score is a distribution over keys
+    q, k = torch.randn(4, 3, 8), torch.randn(2, 10, 8)
+    scores = query_attention(q, k, 8 ** -0.5)
+    assert scores.shape == (10,) and abs(float(scores.sum()) - 1.0) < 1e-5
