@@ -198,26 +198,28 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
 
     try:
         # the history's KV, computed once per length and stored in every tier
-        runner = next(iter(engines.values())).runner if engines else None
-        for ids in history_ids.values() if runner is not None else ():
-            cache = runner.new_cache(len(ids))
-            runner.prefill(torch.tensor(ids), cache)
-            for engine in engines.values():
-                engine.store_prefix_blocks(ids, cache)
+        runners = [engine.runner for engine in engines.values()][:1]  # one model: any engine's runner
+        for runner in runners:
+            for ids in history_ids.values():
+                cache = runner.new_cache(len(ids))
+                runner.prefill(torch.tensor(ids), cache)
+                for engine in engines.values():
+                    engine.store_prefix_blocks(ids, cache)
         for engine in engines.values():
             engine.store.flush()
 
         samples: dict[tuple[str, int], dict[str, list[float]]] = {}
         counter = 0
 
-        def measure(kind: str, n: int, resume_first: bool) -> dict[str, float]:
+        def measure(kind: str, n: int, resume_first: bool) -> dict[str, Any]:
+            """One resume and one re-prefill of history n plus a new message, in the given order."""
             nonlocal counter
             counter += 1
             engine = engines[kind]
             message = f"({counter}) In one sentence, what do the passages above have in common?"
             ids = list(tokenizer.apply_chat_template(histories[n] + [{"role": "user", "content": message}],
                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
-            out: dict[str, float] = {}
+            out: dict[str, Any] = {}
             for variant in (("resume", "reprefill") if resume_first else ("reprefill", "resume")):
                 if variant == "resume":
                     sid = f"bench-{kind}-{n}-{counter}"

@@ -120,7 +120,9 @@ class Runner:
         use_flash = attention == "flash" or (attention == "auto" and self.device.type == "cuda")
         if attention == "flash" and flash_attn_func is None:
             raise ValueError("attention='flash' needs the optional extra: pip install 'kvblend[gpu]'")
-        self.use_flash = use_flash and flash_attn_func is not None and self.device.type == "cuda"
+        # flash-attn kernels take fp16/bf16 only; fp32 models use SDPA on CUDA too
+        self.use_flash = (use_flash and flash_attn_func is not None and self.device.type == "cuda"
+                          and self.dtype in (torch.float16, torch.bfloat16))
         self._shifts: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ----------------------------------------------------------------- helpers

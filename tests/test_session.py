@@ -265,3 +265,14 @@ def test_cli_chat_one_turn_then_resume_in_a_new_process(tmp_path, capsys):
     assert second["stats"]["loaded_tokens"] > first["stats"]["history_tokens"] - 16
     history = json.loads((tmp_path / "sessions" / "cli.json").read_text())["messages"]
     assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
+
+
+def test_bench_history_reaches_the_requested_length():
+    from blend.bench_resume import build_history
+    from blend.demo import sample_documents
+
+    tokenizer = smollm2_tokenizer()
+    for target in (100, 700):
+        history = build_history(tokenizer, sample_documents(), target)
+        n = len(tokenizer.apply_chat_template(history, tokenize=True, return_dict=False))
+        assert target <= n <= target + 3 and history[-1]["role"] == "assistant"
