@@ -163,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from blend.session import SessionBusy
+
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, SessionBusy) as err:
         print(f"kvblend: error: {err}", file=sys.stderr)
         return 2
 

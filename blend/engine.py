@@ -57,8 +57,8 @@ class _Prefilled:
 
 
 class BlendEngine:
-    """Owns the model, the runner and the tier stack. Not thread-safe across requests,
-    except `chat`, which serializes turns per session."""
+    """Owns the model, the runner and the tier stack. One request at a time; `chat`
+    rejects a second concurrent turn on the same session with `SessionBusy`."""
 
     def __init__(self, config: EngineConfig, *, model: LoadedModel | None = None, store: TieredStore | None = None):
         self.config = config
@@ -179,6 +179,8 @@ class BlendEngine:
         self.runner.check_length(len(prompt) + max_new)
         t0 = time.perf_counter()
         pre = self.prefill(prompt, mode=mode, ratio=ratio, capacity=len(prompt) + max_new)
+        if pre.logits.device.type == "cuda":
+            torch.cuda.synchronize(pre.logits.device)  # kernels are asynchronous: time finished work
         ttft = time.perf_counter() - t0
         logprobs = torch.log_softmax(pre.logits.float(), dim=-1).cpu()
         stats = pre.stats

@@ -250,7 +250,7 @@ class SessionManager:
         runner.check_length(len(ids) + max_new)
         stats: dict[str, Any] = {"mode": "chat", "history_tokens": len(ids), "chunk_hits": 0, "hits_by_tier": {}}
         t0 = time.perf_counter()
-        logits, cache, stored_end = self._prefill(session, ids, stats)
+        logits, cache, stored_end = self._prefill(session, ids, stats, capacity=len(ids) + max_new)
         if logits.device.type == "cuda":  # kernels are asynchronous: TTFT ends when the logits exist
             torch.cuda.synchronize(logits.device)
         ttft = time.perf_counter() - t0
@@ -267,8 +267,10 @@ class SessionManager:
         stats.update(ttft_s=ttft, new_tokens=len(tokens))
         return GenerationResult(text, tokens, ttft, logprobs, stats)
 
-    def _prefill(self, session: Session, ids: list[int], stats: dict[str, Any]) -> tuple[torch.Tensor, KVCache, int]:
-        """Reuse the device copy, else the stored prefix chain; compute the rest.
+    def _prefill(self, session: Session, ids: list[int], stats: dict[str, Any],
+                 capacity: int) -> tuple[torch.Tensor, KVCache, int]:
+        """Reuse the device copy, else the stored prefix chain; compute the rest. The cache
+        holds `capacity` positions, so decoding does not reallocate it.
 
         Returns (last logits (vocab,), cache, end of the prefix whose blocks are intact in the store).
         """
@@ -278,6 +280,7 @@ class SessionManager:
             common = _common_prefix(session.cache_ids[: session.cache.length], ids, limit)
             if common > 0:
                 cache = session.cache
+                cache.ensure_capacity(capacity)
                 logits = runner.prefill(torch.tensor(ids[common:]), cache, start=common)[0]
                 stats.update(source="device", loaded_tokens=common, recomputed_tokens=len(ids) - common,
                              load_s=0.0, exposed_load_s=0.0)
@@ -287,7 +290,7 @@ class SessionManager:
         for pl in chain:
             stats["chunk_hits"] += 1
             stats["hits_by_tier"][pl.source] = stats["hits_by_tier"].get(pl.source, 0) + 1
-        logits, cache = engine.prefill_with_prefix(ids, chain, stats)
+        logits, cache = engine.prefill_with_prefix(ids, chain, stats, runner.new_cache(capacity))
         # a block whose stored layers were unreadable was recomputed by the loader (exactly,
         # with all tokens before it as context) and deleted by its tier: count it as
         # computed and store it again
