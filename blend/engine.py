@@ -253,7 +253,10 @@ class BlendEngine:
                 counts[-1] = schedule_counts(ratio, (1.0,), ctx_rows.numel())[0]
         else:
             check_layers, counts = [], []
-        first_check = check_layers[0] if check_layers else 0
+        # cached K/V is needed from the first check layer that drops a context row on
+        # (everything kept at every check layer, e.g. ratio 1, is a full prefill: no loads)
+        partial = [c for c, kept in zip(check_layers, counts, strict=True) if kept < ctx_rows.numel()]
+        load_from = partial[0] if partial else (num_layers if check_layers else 0)
         active = torch.arange(n) if check_layers else query_rows  # rows computed fresh at this layer
         is_ctx = torch.zeros(n, dtype=torch.bool)
         is_ctx[ctx_rows] = True
@@ -266,25 +269,29 @@ class BlendEngine:
         selections: list[torch.Tensor] = []  # selected prompt rows per check layer (introspection)
         recomputed = 0
         dev = runner.device
-        with LayerLoader(self.store, runner, cache, placements, range(first_check, num_layers), cfg.prefetch_depth) as loader:
+        with LayerLoader(self.store, runner, cache, placements, range(load_from, num_layers), cfg.prefetch_depth) as loader:
             for layer in range(num_layers):
                 loader.wait(layer)
                 rows = active.to(dev)
                 q, k, v = runner.qkv(layer, h, cos_all[rows], sin_all[rows])
                 keep = None
-                if layer in check_layers:
+                check = layer in check_layers
+                if check:
                     cand = is_ctx[active].to(dev)  # (T_active,) which active rows may be selected
                     cand_rows = rows[cand]
-                    dev_scores = deviation(k[:, cand], v[:, cand], cache.k[layer][:, cand_rows],
-                                           cache.v[layer][:, cand_rows], cfg.deviation)  # before overwriting
+                    count = counts[check_layers.index(layer)]
+                    dropping = count < cand_rows.numel()  # else everything is kept: no scores needed
+                    if dropping:
+                        dev_scores = deviation(k[:, cand], v[:, cand], cache.k[layer][:, cand_rows],
+                                               cache.v[layer][:, cand_rows], cfg.deviation)  # before overwriting
                 _write_rows(cache, layer, rows, k, v, n)
-                if layer in check_layers:
-                    scores = dev_scores
-                    if cfg.selection != "deviation":
+                if check:
+                    scores = dev_scores if dropping else torch.zeros(cand_rows.numel())
+                    if dropping and cfg.selection != "deviation":
                         q_rows = torch.searchsorted(active, query_rows).to(dev)
                         attn_scores = query_attention(q[:, q_rows], cache.k[layer][:, :n], runner.scaling)[cand_rows]
                         scores = attn_scores if cfg.selection == "attention" else _norm(dev_scores) * _norm(attn_scores)
-                    chosen = select_top(scores, cand_rows, counts[check_layers.index(layer)])
+                    chosen = select_top(scores, cand_rows, count)
                     selected_per_layer.append(int(chosen.numel()))
                     selections.append(chosen.cpu())
                     recomputed = int(chosen.numel())
