@@ -36,14 +36,19 @@ except ImportError:  # pragma: no cover - CPU machines
 PAD_TO_CAUSAL = 4
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (H, T, D) rotated by cos/sin (T, D): the rotation RoPE applies at each position."""
-    return x * cos + rotate_half(x) * sin
+    """x (H, T, D) rotated by cos/sin (T, D): the rotation RoPE applies at each position.
+
+    Same math as transformers' `x * cos + rotate_half(x) * sin` (both halves of cos/sin
+    are equal), written with half-width products and no concatenation.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half], sin[..., :half]
+    out = torch.empty_like(x)
+    torch.addcmul(x1 * c, x2, s, value=-1, out=out[..., :half])  # x1 cos - x2 sin
+    torch.addcmul(x2 * c, x1, s, out=out[..., half:])  # x2 cos + x1 sin
+    return out
 
 
 class KVCache:
@@ -56,8 +61,9 @@ class KVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device):
         shape = (kv_heads, capacity, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # uninitialised: a slot is always written before a query at or after its position reads it
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.length = 0
 
     @property
@@ -71,7 +77,7 @@ class KVCache:
         new_cap = max(capacity, int(self.capacity * 1.5) + 16)
         for store in (self.k, self.v):
             for i, t in enumerate(store):
-                grown = t.new_zeros((t.shape[0], new_cap, t.shape[2]))
+                grown = t.new_empty((t.shape[0], new_cap, t.shape[2]))
                 grown[:, : self.length] = t[:, : self.length]
                 store[i] = grown
 

@@ -24,7 +24,7 @@ COLUMNS = (  # (summary key, header, format)
     ("greedy_match", "greedy match", "{:.2f}"),
     ("answer_nll", "answer NLL", "{:.3f}"),
     ("ttft_s", "TTFT (s)", "{:.3f}"),
-    ("speedup", "speedup", "{:.2f}x"),
+    ("speedup", "speedup (median)", "{:.2f}x"),
     ("recomputed_fraction", "recomputed", "{:.3f}"),
 )
 STYLES = {"full": ("k", "*"), "reuse": ("tab:red", "X"), "prefix": ("tab:green", "s"), "blend": ("tab:blue", "o")}
@@ -90,6 +90,9 @@ def plot_tradeoff(summary: Mapping[str, Mapping[str, Any]], metric: str, path: P
     if metric == "kl_to_full":
         ax.set_yscale("symlog", linthresh=1e-3)
         ax.set_ylim(bottom=0)
+    else:  # scores in [0, 1]: from 0, with room above the best
+        top = max((s[metric] for s in summary.values() if s.get(metric) is not None), default=0.0)
+        ax.set_ylim(0, min(1.05, max(0.1, 1.2 * top)))
     ax.set_xlabel("time to first token (s, mean)")
     ax.set_ylabel({"f1": "QA F1", "rouge_l": "Rouge-L", "kl_to_full": "KL(full || mode), first token"}.get(metric, metric))
     ax.set_title(title, fontsize=10)

@@ -272,7 +272,8 @@ def _row(ex: Example, entry: Entry, result: Any, reference: Any) -> dict[str, An
 
 def summarize(records: Sequence[Mapping[str, Any]], entries: Sequence[Entry]) -> dict[str, dict[str, Any]]:
     """Per entry: the mean of each metric over the records (None ignored), plus n, mode,
-    ratio, the median TTFT, the speedup of the mean TTFT over full's and the chunk hit rate."""
+    ratio, the median TTFT, the chunk hit rate, and `speedup`: the median over examples of
+    full's TTFT / this entry's TTFT (paired per example, so load drift cancels)."""
     summary: dict[str, dict[str, Any]] = {}
     for entry in entries:
         rows = [r["entries"][entry.name] for r in records if entry.name in r.get("entries", {})]
@@ -284,12 +285,19 @@ def summarize(records: Sequence[Mapping[str, Any]], entries: Sequence[Entry]) ->
             "ttft_s_median": statistics.median(ttfts) if ttfts else None,
             "chunk_hit_rate": metrics.mean(row.get("chunk_hit_rate") for row in rows),
             "exposed_load_s": metrics.mean(row.get("exposed_load_s") for row in rows),
+            "speedup": _median_speedup(records, entry.name),
         }
-    full_ttft = summary.get("full", {}).get("ttft_s")
-    for entry_summary in summary.values():
-        ttft = entry_summary["ttft_s"]
-        entry_summary["speedup"] = full_ttft / ttft if full_ttft and ttft else None
     return summary
+
+
+def _median_speedup(records: Sequence[Mapping[str, Any]], name: str) -> float | None:
+    ratios = []
+    for record in records:
+        rows = record.get("entries", {})
+        full, row = rows.get("full", {}).get("ttft_s"), rows.get(name, {}).get("ttft_s")
+        if full and row:
+            ratios.append(full / row)
+    return statistics.median(ratios) if ratios else None
 
 
 def _unique_ids(examples: Sequence[Example]) -> list[Example]:

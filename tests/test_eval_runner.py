@@ -121,6 +121,7 @@ def test_full_is_its_own_reference_and_blend_at_one_matches_it(first_run):
     s = run.summary
     assert s["full"]["kl_to_full"] == 0.0 and s["full"]["greedy_match"] == 1.0 and s["full"]["top1_agree"] == 1.0
     assert s["full"]["recomputed_fraction"] == 1.0 and s["reuse"]["recomputed_fraction"] == 0.0
+    assert s["full"]["speedup"] == 1.0 and s["reuse"]["speedup"] > 0
     assert s["blend@1.0"]["kl_to_full"] < 1e-6, s["blend@1.0"]["kl_to_full"]
     assert s["blend@1.0"]["greedy_match"] == 1.0 and s["blend@1.0"]["recomputed_fraction"] == 1.0
     assert 0.1 < s["blend@0.15"]["recomputed_fraction"] < 0.2
