@@ -178,7 +178,7 @@ def run_eval(
     try:
         if todo:
             _warm_up(engine, todo[0], templates[todo[0].task])
-        for ex in _progress(todo, progress):
+        for ex in _progress(todo, progress and bool(todo)):
             _use_template(engine, templates[ex.task])
             record = evaluate_example(engine, ex, entries, max_new_tokens=max_new)
             if record is None:
@@ -193,6 +193,12 @@ def run_eval(
         if results is not None:
             results.close()
     records = [done[ex.id] for ex in examples if ex.id in done]
+    repeated = sum(bool(r["entries"].get(e.name, {}).get("repeated_prompt")) for r in records for e in entries
+                   if e.mode == "prefix")
+    if repeated:
+        log.warning("prefix mode reused prefix blocks of the very same prompt, stored by an earlier run, in %d "
+                    "example(s): its TTFT there is that of a repeated prompt, not of a first-seen one. For a "
+                    "first-seen baseline use a fresh store.namespace in the config", repeated)
     return EvalRun(dataset, entries, settings, records, summarize(records, entries), skipped,
                    results.path if results is not None else None)
 
@@ -218,7 +224,8 @@ def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_
     passages = list(ex.passages)
     question = ex.question or NO_QUESTION
     gold = ex.answers[0] if ex.answers else None
-    prompt_tokens = len(engine.build_prompt(question, passages))
+    prompt = engine.build_prompt(question, passages)
+    prompt_tokens = len(prompt)
     answer_tokens = len(engine.lm.tokenizer(gold, add_special_tokens=False).input_ids) if gold else 0
     needed = prompt_tokens + max(max_new_tokens, answer_tokens)
     if needed > engine.runner.max_positions:
@@ -237,8 +244,20 @@ def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_
         if reference is None:
             reference = result
         rows[entry.name] = _row(ex, entry, result, reference)
+        if entry.mode == "prefix":
+            rows[entry.name]["repeated_prompt"] = _prefix_hit_beyond_first_seen(engine, prompt, result.stats)
     return {"id": ex.id, "task": ex.task, "question": ex.question, "answers": list(ex.answers),
             "passages": len(passages), "prompt_tokens": prompt_tokens, "ingest_s": ingest_s, "entries": rows}
+
+
+def _prefix_hit_beyond_first_seen(engine: Any, prompt: Any, stats: Mapping[str, Any]) -> bool:
+    """Whether prefix caching loaded more than it can for a prompt seen for the first time
+    (the system part, plus the first chunk when chunks are computed after it): prefix
+    blocks of this very prompt were stored by an earlier run into a persistent tier."""
+    exact = prompt.prefix.end
+    if engine.config.engine.chunk_context == "system" and len(prompt.segments) > 2:
+        exact = prompt.segments[1].end
+    return stats.get("loaded_tokens", 0) > exact
 
 
 def _row(ex: Example, entry: Entry, result: Any, reference: Any) -> dict[str, Any]:

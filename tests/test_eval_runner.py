@@ -258,3 +258,13 @@ def test_cli_eval_reports_an_unknown_dataset_layout(tmp_path, capsys):
     bad.write_text(json.dumps([{"prompt": "x", "completion": "y"}]))
     assert main(["eval", "--config", str(ROOT / "configs" / "default.yaml"), "--dataset", str(bad)]) == 2
     assert "cannot tell the layout" in capsys.readouterr().err
+
+
+def test_prefix_hits_of_an_earlier_run_are_flagged(caplog):
+    engine, example, entries = _engine(), _examples()[:1], plan_entries(["prefix"], [0.15])
+    first = _run(engine=engine, examples=example, entries=entries, max_new_tokens=1)
+    assert first.records[0]["entries"]["prefix"]["repeated_prompt"] is False
+    with caplog.at_level(logging.WARNING, logger="eval.runner"):
+        second = _run(engine=engine, examples=example, entries=entries, max_new_tokens=1)
+    assert second.records[0]["entries"]["prefix"]["repeated_prompt"] is True
+    assert "repeated prompt" in caplog.text
