@@ -30,10 +30,13 @@ try:  # optional extra `gpu`
 except ImportError:  # pragma: no cover - CPU machines
     flash_attn_func = None
 
-# Query sets covering at least 1/PAD_TO_CAUSAL of the keys use the causal kernel on a
-# full-length block instead of a materialised mask (measured on CPU SDPA: the masked
-# kernel costs ~2.5x more per (query, key) pair and cannot skip the upper triangle).
-PAD_TO_CAUSAL = 4
+# Attention for a subset of query rows (measured with CPU SDPA, 3.1k keys, 9/3 heads):
+# the masked kernel costs about as much per (query, key) pair as the causal one but visits
+# the whole upper triangle; split into up to ATTN_GROUPS position-sorted groups with
+# truncated keys it is ~35% faster, and beats a full causal pass up to ~70% of the rows.
+PAD_TO_CAUSAL = 0.75  # query rows / keys above which the causal kernel on a full block wins
+ATTN_GROUPS = 8
+ATTN_GROUP_MIN = 32  # queries per group at least
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -217,13 +220,12 @@ class Runner:
                                   softmax_scale=self.scaling, causal=True)[0]  # (Tq, H, D)
             return out.reshape(tq, -1)
         if contiguous and first == 0 and last == tk - 1:
-            mask, causal = None, tq > 1  # full causal range: no materialised mask
+            causal = tq > 1  # full causal range: no materialised mask
         elif tq == 1 and last >= tk - 1:
-            mask, causal = None, False  # one query that sees every key
-        elif tq * PAD_TO_CAUSAL >= tk and last < tk:
-            # Many queries: a masked kernel visits every (query, key) pair, the causal one
-            # skips the upper triangle and is faster per pair. Place the queries at their
-            # positions in a full-length block, run causal attention, keep their rows.
+            causal = False  # one query that sees every key
+        elif tq >= PAD_TO_CAUSAL * tk:
+            # Most rows: causal attention on a full-length block (the kernel skips the
+            # upper triangle); the queries sit at their positions, their rows are kept.
             full = q.new_zeros((q.shape[0], tk, q.shape[2]))
             rows = q_pos.to(q.device)
             full[:, rows] = q
@@ -231,10 +233,20 @@ class Runner:
                                                  enable_gqa=True)[0]  # (H, Tk, D)
             return out[:, rows].transpose(0, 1).reshape(tq, -1)
         else:
-            kv_pos = torch.arange(tk, device=q.device)
-            mask = kv_pos[None, :] <= q_pos.to(q.device)[:, None]  # (Tq, Tk) bool
-            causal = False
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+            # A masked kernel visits every (query, key) pair it is given; grouping the
+            # sorted queries and giving each group only the keys up to its last position
+            # skips most of the invisible upper triangle.
+            groups = max(1, min(ATTN_GROUPS, tq // ATTN_GROUP_MIN))
+            bounds = torch.linspace(0, tq, groups + 1).long().tolist()
+            pos = q_pos.to(q.device)
+            outs = []
+            for a, b in zip(bounds, bounds[1:], strict=False):
+                end = int(pos[b - 1]) + 1
+                mask = torch.arange(end, device=q.device)[None, :] <= pos[a:b, None]  # (Tg, end) bool
+                outs.append(F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, :end], v[None, :, :end],
+                                                           attn_mask=mask, scale=self.scaling, enable_gqa=True)[0])
+            return torch.cat(outs, dim=1).transpose(0, 1).reshape(tq, -1)  # (Tq, H*D)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=causal,
                                              scale=self.scaling, enable_gqa=True)[0]  # (H, Tq, D)
         return out.transpose(0, 1).reshape(tq, -1)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blend.runner import Runner, SamplingParams
+from blend.runner import ATTN_GROUP_MIN, PAD_TO_CAUSAL, Runner, SamplingParams
 from tests.models import smollm2, tiny_model
 
 
@@ -71,8 +71,24 @@ def test_dense_query_sets_use_the_causal_block_exactly():
     with torch.inference_mode():
         q, k, v = runner.qkv(0, h, *runner.rope(positions))
         full = runner.attend(q, positions, k, v)
-        for subset in (torch.arange(20, 64), torch.arange(0, 64, 2), torch.arange(10, 40)):
-            assert subset.numel() * 4 >= n  # takes the padded causal path
+        for subset in (torch.arange(10, 64), torch.arange(1, 64, 1), torch.tensor([0] + list(range(3, 64)))):
+            assert subset.numel() >= PAD_TO_CAUSAL * n  # takes the padded causal path
+            out = runner.attend(q[:, subset], positions[subset], k, v)
+            assert (out - full[subset]).abs().max() < 1e-5
+
+
+def test_grouped_masked_attention_is_exact():
+    lm = tiny_model("llama", vocab_size=512)
+    runner = Runner(lm)
+    n = 400
+    h = runner.embed(torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(9)))
+    positions = torch.arange(n)
+    with torch.inference_mode():
+        q, k, v = runner.qkv(0, h, *runner.rope(positions))
+        full = runner.attend(q, positions, k, v)
+        for subset in (torch.randperm(n, generator=torch.Generator().manual_seed(1))[:150].sort().values,
+                       torch.arange(0, n, 3), torch.arange(300, 400)):
+            assert subset.numel() >= 2 * ATTN_GROUP_MIN and subset.numel() < PAD_TO_CAUSAL * n
             out = runner.attend(q[:, subset], positions[subset], k, v)
             assert (out - full[subset]).abs().max() < 1e-5
 
