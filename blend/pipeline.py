@@ -12,6 +12,7 @@ On CUDA the copies run on a separate stream and `wait` orders the compute stream
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -25,6 +26,7 @@ from storage.entry import KVEntry
 from storage.stack import Located, TieredStore
 
 log = logging.getLogger(__name__)
+LOADER_NICE = 5
 
 
 @dataclass
@@ -91,12 +93,16 @@ class LayerLoader:
         runner, cache = self.runner, self.cache
         for p in self.placements:
             k, v = self._fetch(p, layer)
-            k = k.to(device=cache.k[layer].device, dtype=cache.k[layer].dtype, non_blocking=True)
-            v = v.to(device=cache.v[layer].device, dtype=cache.v[layer].dtype, non_blocking=True)
-            cache.k[layer][:, p.start : p.start + p.length] = runner.rerotate(k, p.start - p.pos_start)
-            cache.v[layer][:, p.start : p.start + p.length] = v
+            dst_k = cache.k[layer][:, p.start : p.start + p.length]
+            dst_k.copy_(k, non_blocking=True)  # converts to the compute dtype in place
+            runner.rerotate_(dst_k, p.start - p.pos_start)
+            cache.v[layer][:, p.start : p.start + p.length].copy_(v, non_blocking=True)
 
     def _run(self) -> None:
+        try:  # a lower priority keeps this thread from stalling the compute threads' parallel regions
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICE)
+        except (AttributeError, OSError):
+            pass
         try:
             with torch.inference_mode():
                 for layer in self.layers:

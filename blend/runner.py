@@ -170,6 +170,18 @@ class Runner:
             cos, sin = self.rope(delta.to(torch.long))
         return apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
 
+    def rerotate_(self, k: torch.Tensor, delta: int) -> None:
+        """In-place `rerotate` of k (Hkv, T, D) by a constant shift (the loader's hot path)."""
+        if delta == 0:
+            return
+        cos, sin = self._shift(delta, k.shape[1], k.dtype)
+        half = k.shape[-1] // 2
+        c, s = cos[:, :half], sin[:, :half]
+        x1, x2 = k[..., :half], k[..., half:]
+        first = x1.clone()
+        x1.mul_(c).addcmul_(x2, s, value=-1)  # x1 cos - x2 sin
+        x2.mul_(c).addcmul_(first, s)  # x2 cos + x1 sin
+
     def _shift(self, delta: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (n, D) of a constant shift, memoized (the loader asks per layer)."""
         key = (delta, n, dtype)

@@ -114,7 +114,10 @@ def test_rerotation_equals_direct_rotation():
         _, k0, _ = runner.qkv(1, h, *runner.rope(torch.arange(24)))
         _, k_direct, _ = runner.qkv(1, h, *runner.rope(torch.arange(24) + 301))
         moved = runner.rerotate(k0, 301)
+        in_place = k0.clone()
+        runner.rerotate_(in_place, 301)
     assert (moved - k_direct).abs().max() < 1e-5
+    assert (in_place - k_direct).abs().max() < 1e-5
 
 
 def test_greedy_decode_matches_generate():
