@@ -37,7 +37,8 @@ class BlendConfig:
     check_layers: tuple[int, ...] = (1,)
     filter_schedule: tuple[float, ...] = (1.0,)
     deviation: str = "v"
-    selection: str = "deviation"  # deviation | attention | hybrid (see blend/selector.py)
+    # hybrid | deviation (the paper's rule) | attention; hybrid won the synthetic-QA comparison (docs/EVAL.md)
+    selection: str = "hybrid"
     prefetch_depth: int = 2
     chunk_context: str = "none"
     max_new_tokens: int = 32

@@ -6,9 +6,11 @@ K/V deviate most from the cached K/V (squared L2 over heads and head_dim: the pa
 gradual filtering, each check layer keeps a shrinking share of the previous selection,
 ending at the recompute ratio.
 
-Optional (config `selection`): `attention` ranks tokens by how much the query attends to
-them at the check layer; `hybrid` multiplies the normalised deviation and attention
-scores. `deviation` (the paper's rule) is the default.
+Config `selection`: `deviation` is the paper's rule; `attention` ranks tokens by how much
+the query attends to them at the check layer; `hybrid` (the default) multiplies the
+normalised deviation and attention scores: a token is recomputed when its cached KV is
+wrong AND the query looks at it. On the synthetic multi-hop QA set with SmolLM2 it
+lowered the mean first-token KL to full prefill at every ratio tried (docs/EVAL.md).
 """
 
 from __future__ import annotations

@@ -204,7 +204,7 @@ def test_smollm2_blend_beats_reuse_on_sample_prompts():
             assert kl_blend < kl_reuse, (case["question"], kl_blend, kl_reuse)
 
 
-@pytest.mark.parametrize("selection", ["attention", "hybrid"])
+@pytest.mark.parametrize("selection", ["attention", "deviation"])
 def test_alternative_selections(selection):
     from blend.selector import query_attention
 
