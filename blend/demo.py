@@ -45,7 +45,10 @@ def run_demo(config: str, *, question: str | None = None, ratio: float | None = 
         engine.generate(question, texts[:1], mode="full", max_new_tokens=1)  # warm-up
         full = engine.generate(question, texts, mode="full")
         blend = engine.generate(question, texts, mode="blend", recompute_ratio=ratio)
+    from eval.metrics import kl_divergence
+
     speedup = full.ttft_s / blend.ttft_s
+    kl = kl_divergence(full.first_token_logprobs, blend.first_token_logprobs)
     summary = {
         "question": question, "gold": qa["answers"] if question == qa["question"] else None,
         "documents": len(docs), "context_tokens": full.stats["context_tokens"], "chunks": len(keys),
@@ -53,7 +56,7 @@ def run_demo(config: str, *, question: str | None = None, ratio: float | None = 
         "blend": {"text": blend.text, "ttft_s": round(blend.ttft_s, 4), "recompute_ratio": blend.stats["recompute_ratio"],
                   "recomputed_tokens": blend.stats["recomputed_tokens"], "hits_by_tier": blend.stats["hits_by_tier"],
                   "exposed_load_s": round(blend.stats["exposed_load_s"], 4)},
-        "speedup": round(speedup, 2), "model_load_s": round(load_s, 2), "ingest_s": round(ingest_s, 2),
+        "speedup": round(speedup, 2), "first_token_kl_to_full": round(kl, 5), "model_load_s": round(load_s, 2), "ingest_s": round(ingest_s, 2),
     }
     print(f"model loaded in {load_s:.1f} s; {len(docs)} sample documents = {len(keys)} chunks, "
           f"{full.stats['context_tokens']} context tokens (ingest {ingest_s:.1f} s; a rerun hits the cache)")
@@ -63,7 +66,7 @@ def run_demo(config: str, *, question: str | None = None, ratio: float | None = 
     print(f"full prefill : {full.text!r}  TTFT {full.ttft_s * 1000:.0f} ms")
     print(f"blend r={blend.stats['recompute_ratio']:.2f}: {blend.text!r}  TTFT {blend.ttft_s * 1000:.0f} ms "
           f"(recomputed {blend.stats['recomputed_tokens']} tokens, chunks from {blend.stats['hits_by_tier']})")
-    print(f"speedup: {speedup:.2f}x")
+    print(f"speedup: {speedup:.2f}x; first-token KL(full || blend) = {kl:.4f}")
     if json_out:
         emit_json(summary)
     return 0
