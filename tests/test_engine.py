@@ -219,3 +219,24 @@ def test_alternative_selections(selection):
     q, k = torch.randn(4, 3, 8), torch.randn(2, 10, 8)
     scores = query_attention(q, k, 8 ** -0.5)
     assert scores.shape == (10,) and abs(float(scores.sum()) - 1.0) < 1e-5
+
+
+def test_chunks_computed_after_the_system_part():
+    with make_engine(chunk_context="system") as engine:
+        engine.ingest(DOCS)
+        full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=3)
+        one = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=1.0, max_new_tokens=3)
+        reuse = engine.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=3)
+        prefix = engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=3)
+        prompt = engine.build_prompt(QUESTION, DOCS)
+        # the first chunk's cached KV is exact at its prompt position (computed after the
+        # system part); reuse differs from full only through the later chunks
+        exact = engine.prefill(prompt, mode="full")
+        reused = engine.prefill(prompt, mode="reuse")
+    assert maxdiff(full.first_token_logprobs, one.first_token_logprobs) < 1e-4
+    assert reuse.stats["chunk_misses"] == 0
+    first, second = prompt.segments[1], prompt.segments[2]
+    assert prefix.stats["loaded_tokens"] == first.end  # the prefix and the first chunk
+    assert maxdiff(full.first_token_logprobs, prefix.first_token_logprobs) < 1e-4
+    assert maxdiff(exact.cache.k[2][:, first.start:first.end], reused.cache.k[2][:, first.start:first.end]) < 1e-4
+    assert maxdiff(exact.cache.k[2][:, second.start:second.end], reused.cache.k[2][:, second.start:second.end]) > 1e-3
