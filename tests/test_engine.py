@@ -240,3 +240,21 @@ def test_chunks_computed_after_the_system_part():
     assert maxdiff(full.first_token_logprobs, prefix.first_token_logprobs) < 1e-4
     assert maxdiff(exact.cache.k[2][:, first.start:first.end], reused.cache.k[2][:, first.start:first.end]) < 1e-4
     assert maxdiff(exact.cache.k[2][:, second.start:second.end], reused.cache.k[2][:, second.start:second.end]) > 1e-3
+
+
+def test_chunks_shared_through_redis_and_redis_cluster(redis_url, redis_cluster_urls):
+    lm = tiny_model("llama", tokenizer=smollm2_tokenizer())
+    tiers = {"redis": {"kind": "redis", "url": redis_url, "key_prefix": "engine-test:"},
+             "redis-cluster": {"kind": "redis-cluster", "urls": list(redis_cluster_urls), "key_prefix": "engine-test:"}}
+    for kind, tier in tiers.items():
+        cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [tier]}, chunk_tokens=24)
+        with BlendEngine(cfg, model=lm) as writer:  # one serving process ingests ...
+            writer.ingest(DOCS)
+            full = writer.generate(QUESTION, DOCS, mode="full", max_new_tokens=2)
+        with BlendEngine(cfg, model=lm) as reader:  # ... another one reuses the shared chunks
+            blend = reader.generate(QUESTION, DOCS, mode="blend", recompute_ratio=1.0, max_new_tokens=2)
+            reuse = reader.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=2)
+        assert reuse.stats["chunk_misses"] == 0 and reuse.stats["chunk_hits"] > 0
+        assert reuse.stats["hits_by_tier"] == {kind: reuse.stats["chunk_hits"]}
+        assert reuse.stats["bytes_loaded"][kind] > 0
+        assert maxdiff(full.first_token_logprobs, blend.first_token_logprobs) < 1e-4
