@@ -319,35 +319,59 @@ class BlendEngine:
         b = self.config.engine.chunk_tokens
         return [(s, s + b) for s in range(0, len(token_ids) - b + 1, b)]
 
-    def lookup_prefix(self, token_ids: Sequence[int], limit: int) -> list[Placement]:
+    def lookup_prefix(self, token_ids: Sequence[int], limit: int, tail_ends: Sequence[int] = ()) -> list[Placement]:
         """The chain of cached prefix blocks covering token_ids[:p], longest p <= limit.
 
-        The chain stops at the first block that is missing or fails verification.
+        Full blocks of `chunk_tokens` come first; then a partial tail block (stored by a
+        chat turn, see `store_prefix_blocks(tail=True)`) ending at one of `tail_ends` may
+        extend the chain. The chain stops at the first block that is missing or fails
+        verification.
         """
         placements = []
         ids = list(token_ids)
+        reached = 0
         for start, end in self._prefix_blocks(ids):
             if end > limit:
                 break
-            key = prefix_block_key(self.fingerprint, ids[:end], self.kv_dtype, self.namespace)
-            located = self.store.lookup(key, tokens_digest=tokens_digest(ids[start:end]), fingerprint=self.fingerprint)
-            if located is None or located.header.pos_start != start:
+            placement = self._find_block(ids, start, end)
+            if placement is None:
                 break
-            placements.append(Placement(start, end - start, start, located, None,
-                                        lambda s=start, e=end: self._compute_prefix_block(ids, s, e)))
+            placements.append(placement)
+            reached = end
+        for end in sorted(set(tail_ends), reverse=True):
+            if reached < end <= min(limit, reached + self.config.engine.chunk_tokens - 1):
+                placement = self._find_block(ids, reached, end)
+                if placement is not None:
+                    placements.append(placement)
+                    break
         return placements
+
+    def _find_block(self, ids: list[int], start: int, end: int) -> Placement | None:
+        """The stored prefix block ids[start:end] (keyed by ids[:end]), verified, or None."""
+        key = prefix_block_key(self.fingerprint, ids[:end], self.kv_dtype, self.namespace)
+        located = self.store.lookup(key, tokens_digest=tokens_digest(ids[start:end]), fingerprint=self.fingerprint)
+        if located is None or located.header.pos_start != start:
+            return None
+        return Placement(start, end - start, start, located, None,
+                         lambda: self._compute_prefix_block(ids, start, end))
 
     def _compute_prefix_block(self, ids: Sequence[int], start: int, end: int) -> KVEntry:
         """Recompute a prefix block exactly (all tokens before it as context)."""
         return self.compute_entry(ids[start:end], ids[:start])
 
-    def store_prefix_blocks(self, token_ids: Sequence[int], cache: KVCache, *, skip_below: int = 0) -> int:
+    def store_prefix_blocks(self, token_ids: Sequence[int], cache: KVCache, *, skip_below: int = 0,
+                            tail: bool = False) -> int:
         """Write the full prefix blocks of `token_ids` (whose KV is in `cache`) to the store,
-        in the background. Blocks ending at or below `skip_below` are known cached. Returns
-        the number of blocks queued."""
-        ids = list(token_ids)
+        in the background; with `tail`, also the partial block after the last full one (a
+        chat turn's end, so a resumed conversation recomputes only its new tokens). Blocks
+        ending at or below `skip_below` are known cached. Returns the number queued."""
+        ids = list(token_ids)[: cache.length]
+        blocks = self._prefix_blocks(ids)
+        full_end = blocks[-1][1] if blocks else 0
+        if tail and len(ids) > full_end:
+            blocks.append((full_end, len(ids)))
         queued = 0
-        for start, end in self._prefix_blocks(ids[: cache.length]):
+        for start, end in blocks:
             if end <= skip_below:
                 continue
             layers = [(cache.k[i][:, start:end], cache.v[i][:, start:end]) for i in range(self.runner.num_layers)]

@@ -259,7 +259,7 @@ class SessionManager:
         text = engine.lm.tokenizer.decode([t for t in tokens if t not in engine.eos_ids],
                                           skip_special_tokens=True).strip()
         all_ids = ids + tokens
-        stats["stored_blocks"] = engine.store_prefix_blocks(all_ids, cache, skip_below=stored_end)
+        stats["stored_blocks"] = engine.store_prefix_blocks(all_ids, cache, skip_below=stored_end, tail=True)
         session.messages = messages + [{"role": "assistant", "content": text}]
         session.cache, session.cache_ids = cache, all_ids
         session.last_used = time.monotonic()
@@ -286,7 +286,11 @@ class SessionManager:
                              load_s=0.0, exposed_load_s=0.0)
                 # the blocks below were stored by the turn that filled the device copy
                 return logits, cache, _block_floor(common, engine.config.engine.chunk_tokens)
-        chain = engine.lookup_prefix(ids, limit)
+        # the previous turn's tail block ends where its generation stopped: at (or just
+        # before) the end-of-turn token that now closes the assistant message
+        ends = [i for i, t in enumerate(ids) if t in engine.eos_ids]
+        tails = sorted({e for i in ends[-2:] for e in (i, i - 1)}, reverse=True)
+        chain = engine.lookup_prefix(ids, limit, tail_ends=tails)
         for pl in chain:
             stats["chunk_hits"] += 1
             stats["hits_by_tier"][pl.source] = stats["hits_by_tier"].get(pl.source, 0) + 1

@@ -74,7 +74,10 @@ def test_multi_turn_equals_full_prefill_and_resumes_from_store(tmp_path):
         check_equals_full_prefill(engine, "s", third)
     stats = third.stats
     assert stats["source"] == "store" and stats["hits_by_tier"] == {"cpu": stats["chunk_hits"]}
-    assert stats["loaded_tokens"] % BLOCK == 0 and stats["loaded_tokens"] > second.stats["history_tokens"] - BLOCK
+    # the full blocks and the tail block of the previous turn: everything that turn had in its
+    # cache (its prompt and all generated tokens but the last) is loaded, not recomputed
+    assert stats["loaded_tokens"] == second.stats["history_tokens"] + second.stats["new_tokens"] - 1
+    assert stats["loaded_tokens"] % BLOCK != 0
     assert stats["loaded_tokens"] + stats["recomputed_tokens"] == stats["history_tokens"]
     assert stats["bytes_loaded"]["cpu"] > 0 and stats["ttft_s"] > 0
 
@@ -181,9 +184,10 @@ def test_missing_middle_block_stops_the_chain(tmp_path):
 
 def test_corrupt_middle_block_is_recomputed_exactly(tmp_path):
     with make_engine(tmp_path, tiers=("disk",)) as engine:
-        engine.chat("s", MESSAGES[0])
+        first = engine.chat("s", MESSAGES[0])
         keys = block_keys(engine, "s")
         engine.offload("s")
+    cached = first.stats["history_tokens"] + first.stats["new_tokens"] - 1  # full blocks + the tail block
     victim = tmp_path / "disk" / f"{keys[1]}.kv"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF  # in the layer data: the header still verifies
@@ -193,7 +197,7 @@ def test_corrupt_middle_block_is_recomputed_exactly(tmp_path):
         check_equals_full_prefill(engine, "s", result)
         stats = result.stats
         assert stats["recomputed_segments"] == 1 and stats["chunk_hits"] >= 3
-        assert stats["loaded_tokens"] == (stats["chunk_hits"] - 1) * BLOCK  # the bad block counts as computed
+        assert stats["loaded_tokens"] == cached - BLOCK  # the bad block counts as computed
         assert engine.store.stats()["disk"]["corrupt"] == 1
         engine.store.flush()
         assert engine.store.lookup(keys[1], tokens_digest=engine.store.tiers[0].get_header(keys[1]).tokens_digest,
