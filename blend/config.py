@@ -39,7 +39,9 @@ class BlendConfig:
     deviation: str = "v"
     # hybrid | deviation (the paper's rule) | attention; hybrid won the synthetic-QA comparison (docs/EVAL.md)
     selection: str = "hybrid"
-    prefetch_depth: int = 2
+    # layers fetched ahead of compute; loads land in the request's preallocated cache, so depth
+    # costs no memory, and a loader that runs ahead finishes early and stops competing for CPU
+    prefetch_depth: int = 32
     chunk_context: str = "none"
     max_new_tokens: int = 32
     temperature: float = 0.0
