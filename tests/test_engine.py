@@ -258,3 +258,13 @@ def test_chunks_shared_through_redis_and_redis_cluster(redis_url, redis_cluster_
         assert reuse.stats["hits_by_tier"] == {kind: reuse.stats["chunk_hits"]}
         assert reuse.stats["bytes_loaded"][kind] > 0
         assert maxdiff(full.first_token_logprobs, blend.first_token_logprobs) < 1e-4
+
+
+def test_prefetch_depth_does_not_change_results(tmp_path):
+    results = []
+    for depth in (1, 32):
+        with make_engine(tmp_path=tmp_path / str(depth), prefetch_depth=depth) as engine:
+            engine.ingest(DOCS)
+            results.append(engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.3, max_new_tokens=3))
+    assert maxdiff(results[0].first_token_logprobs, results[1].first_token_logprobs) == 0.0
+    assert results[0].stats["load_s"] > 0 and results[0].stats["bytes_loaded"]
