@@ -30,11 +30,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ratios", default="0.05,0.15,0.3")
     p.add_argument("--selections", default=",".join(SELECTIONS))
     p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--chunk-context", default="none", choices=["none", "system"],
+                   help="compute chunks standalone (none) or after the fixed system part")
     args = p.parse_args(argv)
     prompts = load_prompts()["qa"]
     store = {"namespace": "selection-compare", "tiers": [{"kind": "cpu", "budget": "2GiB"}]}
     engine = BlendEngine.from_config(args.config, store=store, system_prompt=prompts.system,
-                                     query_template=prompts.query)
+                                     query_template=prompts.query, chunk_context=args.chunk_context)
     variants = [("reuse", 0.0, "-")] + [("blend", float(r), s) for r in args.ratios.split(",")
                                         for s in args.selections.split(",")]
     name = {v: v[0] if v[0] == "reuse" else f"blend@{v[1]}:{v[2]}" for v in variants}
