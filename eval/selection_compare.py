@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="compute chunks standalone (none) or after the fixed system part")
     args = p.parse_args(argv)
     prompts = load_prompts()["qa"]
-    store = {"namespace": "selection-compare", "tiers": [{"kind": "cpu", "budget": "2GiB"}]}
+    store = {"namespace": "selection_compare", "tiers": [{"kind": "cpu", "budget": "2GiB"}]}
     engine = BlendEngine.from_config(args.config, store=store, system_prompt=prompts.system,
                                      query_template=prompts.query, chunk_context=args.chunk_context)
     variants = [("reuse", 0.0, "-")] + [("blend", float(r), s) for r in args.ratios.split(",")
