@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from storage.config import DiskTierConfig, format_bytes, tier_display_name
+from storage.config import DiskTierConfig, tier_display_name
 from storage.entry import CorruptEntry, EntryHeader, KVEntry
 from storage.serialization import decode_header, encode_header, header_size, layer_from_bytes
-from storage.tier import Layer, StoreUnavailable, TierStats, read_entry, report_corrupt
+from storage.tier import Layer, StoreUnavailable, TierStats, over_budget, read_entry, report_corrupt
 
 log = logging.getLogger("kvblend.storage")
 
@@ -378,12 +378,7 @@ class DiskTier:
         final = self._file(key)
         head, offsets = file_layout(entry.header)
         size = offsets[-1] + entry.header.layer_nbytes
-        if size > self.budget:
-            log.warning(
-                "%s tier: entry %s (%s) exceeds the budget (%s); not cached - raise budget",
-                self.name, key, format_bytes(size), format_bytes(self.budget),
-            )
-            self._stats.add(errors=1)
+        if over_budget(self, self._stats, key, size, self.budget):
             return
         self._forget(key)
         self._make_room(size)

@@ -14,9 +14,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from storage.config import CpuTierConfig, format_bytes, tier_display_name
+from storage.config import CpuTierConfig, tier_display_name
 from storage.entry import EntryHeader, KVEntry
-from storage.tier import Layer, TierStats, read_entry
+from storage.tier import Layer, TierStats, over_budget, read_entry
 
 log = logging.getLogger("kvblend.storage")
 
@@ -81,12 +81,7 @@ class CpuTier:
         """
         t0 = time.perf_counter()
         size = entry.nbytes
-        if size > self.budget:
-            log.warning(
-                "%s tier: entry %s (%s) exceeds the budget (%s); not cached - raise budget",
-                self.name, key, format_bytes(size), format_bytes(self.budget),
-            )
-            self._stats.add(errors=1)
+        if over_budget(self, self._stats, key, size, self.budget):
             return
         evicted = 0
         with self._lock:

@@ -122,6 +122,18 @@ def report_corrupt(tier: Tier, stats: TierStats, key: str, err: Exception) -> No
     tier.delete(key)
 
 
+def over_budget(tier: Tier, stats: TierStats, key: str, size: int, budget: int) -> bool:
+    """True (after a warning and an `errors` count) when one entry alone exceeds the budget."""
+    if size <= budget:
+        return False
+    from storage.config import format_bytes
+
+    log.warning("%s tier: entry %s (%s) exceeds the budget (%s); not cached - raise budget",
+                tier.name, key, format_bytes(size), format_bytes(budget))
+    stats.add(errors=1)
+    return True
+
+
 def read_entry(tier: Tier, key: str) -> KVEntry | None:
     """Read a whole entry through `get_header` + `get_layers`; None if any part is missing."""
     header = tier.get_header(key)
