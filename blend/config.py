@@ -113,10 +113,9 @@ class EngineConfig:
     @classmethod
     def from_mapping(cls, data: dict[str, Any], where: str = "config") -> EngineConfig:
         data = dict(data)
-        store = StoreConfig.from_mapping(data.pop("store", None) or {}, where=f"{where}.store")
-        engine = from_mapping(BlendConfig, data.pop("engine", None) or {}, f"{where}.engine")
-        top = from_mapping(_TopLevel, data, where)
-        return cls(model=top.model, device=top.device, dtype=top.dtype, engine=engine, store=store)
+        data["store"] = StoreConfig.from_mapping(data.pop("store", None) or {}, where=f"{where}.store")
+        data["engine"] = from_mapping(BlendConfig, data.pop("engine", None) or {}, f"{where}.engine")
+        return from_mapping(cls, data, where)  # rejects unknown top-level keys
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """Return a copy with overrides applied; keys are top-level fields or engine fields.
@@ -124,7 +123,7 @@ class EngineConfig:
         `store=` accepts a StoreConfig or a mapping. Unknown keys raise ValueError listing
         the valid ones.
         """
-        top_fields = {f.name for f in dataclasses.fields(_TopLevel)}
+        top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"engine", "store"}
         engine_fields = {f.name for f in dataclasses.fields(BlendConfig)}
         top: dict[str, Any] = {}
         engine: dict[str, Any] = {}
@@ -141,13 +140,6 @@ class EngineConfig:
                     f"unknown override {key!r}; valid keys are: {', '.join(sorted(top_fields | engine_fields | {'store'}))}"
                 )
         return dataclasses.replace(self, **top, engine=dataclasses.replace(self.engine, **engine), store=store)
-
-
-@dataclass(frozen=True)
-class _TopLevel:
-    model: str = "smollm2-135m-instruct"
-    device: str = "auto"
-    dtype: str = "float32"
 
 
 def load_config(path: str | Path, **overrides: Any) -> EngineConfig:
