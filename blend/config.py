@@ -13,20 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from blend.prompt import QA
 from storage.config import StoreConfig, from_mapping, load_yaml
 
 MODES = ("full", "reuse", "prefix", "blend")
-DEVIATIONS = ("v", "k", "kv")
+DEFAULT_CONFIG = "configs/default.yaml"
 CHUNK_CONTEXTS = ("none", "system")
-SELECTIONS = ("deviation", "attention", "hybrid")
-
-DEFAULT_SYSTEM_PROMPT = (
-    "You will be asked a question after reading several passages. Please directly answer the "
-    "question based on the given passages. Do NOT repeat the question. The answer should be within "
-    "5 words."
-)
-DEFAULT_QUERY_TEMPLATE = "Answer the question directly based on the given passages. Question: {question}"
-
 
 @dataclass(frozen=True)
 class BlendConfig:
@@ -46,8 +38,8 @@ class BlendConfig:
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    query_template: str = DEFAULT_QUERY_TEMPLATE
+    system_prompt: str = QA.render_system()  # before the documents (blend.prompt.TEMPLATES['qa'])
+    query_template: str = QA.query  # after them; may use {question}
     sessions_dir: str = ".kvblend-cache/sessions"  # chat histories (JSON per session)
     idle_seconds: float = 300.0  # chat sessions idle this long are offloaded from the device
     # device-resident chat KV above this offloads the least recently used sessions ("1GiB" accepted)
@@ -72,6 +64,8 @@ class BlendConfig:
                 f"engine.filter_schedule must be non-increasing and end at 1.0 (the final set is the "
                 f"recompute ratio), got {list(s)}"
             )
+        from blend.selector import DEVIATIONS, SELECTIONS  # the policy's registry (imports torch)
+
         if self.deviation not in DEVIATIONS:
             raise ValueError(f"engine.deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation!r}")
         if self.selection not in SELECTIONS:

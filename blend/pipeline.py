@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from blend.runner import KVCache, Runner
+from blend.stats import LoadReport
 from storage.entry import KVEntry
 from storage.stack import Located, TieredStore
 
@@ -127,6 +128,10 @@ class LayerLoader:
                 event.set()
 
     # ------------------------------------------------------------ compute side
+    def report(self) -> LoadReport:
+        """What the loader did so far (call after close() for the final figures)."""
+        return LoadReport(self.load_s, self.exposed_load_s, dict(self.bytes_by_tier), self.recomputed_segments)
+
     def wait(self, layer: int) -> None:
         """Block until `layer` is placed in the cache (no-op for layers not loaded)."""
         event = self._ready.get(layer)

@@ -1,5 +1,6 @@
 """Prompt assembly: a fixed instruction part, the documents, then the query, laid out as
-token ids through the model's chat template.
+token ids through the model's chat template; and the prompt templates per task (the one
+source used by the engine, the CLI and eval).
 
 Each document is tokenized on its own and the ids are concatenated, so a document's
 tokens are identical standalone and inside any prompt (no boundary re-tokenization).
@@ -9,14 +10,67 @@ Documents longer than `chunk_tokens` are split on token boundaries into chunks.
 from __future__ import annotations
 
 import logging
+import string
 from dataclasses import dataclass
 from typing import Literal
 
 log = logging.getLogger(__name__)
 
 _MARKER = "\x00KVBLEND-DOCUMENTS\x00"
+PLACEHOLDERS = frozenset({"question"})
 
 SegmentKind = Literal["prefix", "chunk", "query"]
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """One task's prompt: `system` precedes the passages, `query` follows them."""
+
+    system: str
+    query: str
+
+    def __post_init__(self) -> None:
+        for name in ("system", "query"):
+            text = getattr(self, name)
+            try:
+                used = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
+            except ValueError as exc:
+                raise ValueError(f"prompt {name}: {exc}; write a literal brace as {{{{ or }}}}") from None
+            allowed = PLACEHOLDERS if name == "query" else frozenset()
+            unknown = sorted(used - allowed)
+            if unknown:
+                valid = ", ".join("{" + p + "}" for p in sorted(allowed)) or "none"
+                raise ValueError(
+                    f"prompt {name}: unknown placeholder(s) {', '.join('{' + u + '}' for u in unknown)}; "
+                    f"valid placeholders: {valid} (write a literal brace as {{{{ or }}}})"
+                )
+
+    def render_query(self, question: str = "") -> str:
+        """The query with {question} filled in."""
+        return self.query.format(question=question)
+
+    def render_system(self) -> str:
+        """The system instruction with doubled braces unescaped."""
+        return self.system.format()
+
+
+QA = PromptTemplate(
+    system=(
+        "You are given several passages and then a question about them. Answer using only the passages. "
+        "Reply with the answer alone, in at most five words, and do not repeat the question."
+    ),
+    query="Question: {question}\nShort answer (five words at most):",
+)
+SUMMARIZATION = PromptTemplate(
+    system=(
+        "You are given one or more documents. Write a short, faithful summary of them in a few sentences, "
+        "without adding facts that the documents do not state."
+    ),
+    query="Summary of the documents above:",
+)
+
+
+TEMPLATES: dict[str, PromptTemplate] = {"qa": QA, "summarization": SUMMARIZATION}
 
 
 @dataclass(frozen=True)

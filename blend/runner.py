@@ -84,6 +84,16 @@ class KVCache:
                 grown[:, : self.length] = t[:, : self.length]
                 store[i] = grown
 
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
+        """Write fresh k/v (Hkv, T, D) of prompt rows `rows` (T,) into the layer; n = prompt length
+        (when every row is written the copy is one contiguous slice)."""
+        if rows.numel() == n:
+            self.k[layer][:, :n] = k
+            self.v[layer][:, :n] = v
+        else:
+            self.k[layer][:, rows] = k
+            self.v[layer][:, rows] = v
+
     def layer(self, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.length if length is None else length
         return self.k[layer][:, :n], self.v[layer][:, :n]

@@ -1,4 +1,4 @@
-"""Token selection for CacheBlend's selective recompute.
+"""Token selection for CacheBlend's selective recompute: the whole policy, behind `select`.
 
 At a check layer every candidate token's K/V is computed fresh; the tokens whose fresh
 K/V deviate most from the cached K/V (squared L2 over heads and head_dim: the paper's
@@ -16,8 +16,12 @@ lowered the mean first-token KL to full prefill at every ratio tried (docs/EVAL.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+DEVIATIONS = ("v", "k", "kv")
 
 
 def deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor,
@@ -66,3 +70,64 @@ def select_top(scores: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor
         return rows[:0].clone()
     idx = torch.topk(scores, k, sorted=False).indices
     return rows[idx].sort().values
+
+
+@dataclass(frozen=True)
+class CheckLayerKV:
+    """What a check layer knows about its candidate rows (context rows still active).
+
+    fresh_k/fresh_v and cached_k/cached_v are (Hkv, C, D) for the C candidates; query_q
+    (H, Tq, D) are the query rows' fresh queries; keys (Hkv, N, D) are the layer's keys
+    for all N prompt positions after the fresh rows were written.
+    """
+
+    fresh_k: torch.Tensor
+    fresh_v: torch.Tensor
+    cached_k: torch.Tensor
+    cached_v: torch.Tensor
+    query_q: torch.Tensor
+    keys: torch.Tensor
+    scaling: float
+
+
+def _norm(scores: torch.Tensor) -> torch.Tensor:
+    """Scores scaled to mean 1, so two criteria weigh alike in a product."""
+    return scores / scores.mean().clamp_min(1e-12)
+
+
+def _deviation_scores(kv: CheckLayerKV, cand_rows: torch.Tensor, kind: str) -> torch.Tensor:
+    return deviation(kv.fresh_k, kv.fresh_v, kv.cached_k, kv.cached_v, kind)
+
+
+def _attention_scores(kv: CheckLayerKV, cand_rows: torch.Tensor, kind: str) -> torch.Tensor:
+    return query_attention(kv.query_q, kv.keys, kv.scaling)[cand_rows]
+
+
+def _hybrid_scores(kv: CheckLayerKV, cand_rows: torch.Tensor, kind: str) -> torch.Tensor:
+    return _norm(_deviation_scores(kv, cand_rows, kind)) * _norm(_attention_scores(kv, cand_rows, kind))
+
+
+POLICIES: dict[str, Callable[[CheckLayerKV, torch.Tensor, str], torch.Tensor]] = {
+    "deviation": _deviation_scores,  # the CacheBlend paper's rule
+    "attention": _attention_scores,
+    "hybrid": _hybrid_scores,
+}
+SELECTIONS = tuple(POLICIES)
+
+
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown selection {policy!r}; valid selections are: {', '.join(POLICIES)}")
+    return policy
+
+
+def select(policy: str, kv: CheckLayerKV, cand_rows: torch.Tensor, count: int, deviation_kind: str = "v"
+           ) -> torch.Tensor:
+    """The `count` candidate rows (prompt positions, (C,)) that `policy` ranks highest, sorted.
+
+    The one entry point of the selection policy: policy name -> scores -> rows.
+    """
+    if count >= cand_rows.numel():
+        return cand_rows.clone()
+    scores = POLICIES[check_policy(policy)](kv, cand_rows, deviation_kind)
+    return select_top(scores, cand_rows, count)

@@ -31,21 +31,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from blend.config import BlendConfig
+from blend.generation import Decoder, GenerationResult, Prefilled
+from blend.prefix import PrefixCache, intact_end
 from blend.runner import KVCache, SamplingParams
+from blend.stats import LookupTally, RequestStats, tally_fields
 from storage.tier import StoreUnavailable
 
 try:  # POSIX: the cross-process turn lock
     import fcntl
 except ImportError:  # pragma: no cover - Windows: threads of one process are still serialized
     fcntl = None  # type: ignore[assignment]
-
-if TYPE_CHECKING:
-    from blend.engine import BlendEngine, GenerationResult
-    from blend.pipeline import Placement
 
 log = logging.getLogger(__name__)
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -75,11 +75,12 @@ class Session:
 class SessionManager:
     """The chat sessions of one engine. Thread-safe: turns on one session are exclusive."""
 
-    def __init__(self, engine: BlendEngine):
-        self.engine = engine
+    def __init__(self, config: BlendConfig, prefix: PrefixCache, decoder: Decoder):
+        self.config, self.prefix, self.decoder = config, prefix, decoder
+        self.tier_names = [t.name for t in prefix.store.tiers]
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()  # guards `sessions`
-        self.directory = Path(engine.config.engine.sessions_dir)
+        self.directory = Path(config.sessions_dir)
 
     # ---------------------------------------------------------------- storage
     def _path(self, session_id: str) -> Path:
@@ -153,7 +154,7 @@ class SessionManager:
 
     def _offload(self, session: Session) -> None:
         if session.cache is not None:
-            self.engine.store.flush()
+            self.prefix.store.flush()
             session.cache = None
             log.info("offloaded session %s", session.session_id)
 
@@ -191,7 +192,7 @@ class SessionManager:
         `active_budget`, the least recently used ones. Sessions in a turn are skipped.
         A store that cannot take the blocks (StoreUnavailable) keeps the device copy.
         Returns the ids offloaded."""
-        cfg = self.engine.config.engine
+        cfg = self.config
         now = time.monotonic() if now is None else now
         resident = sorted((s for s in list(self.sessions.values()) if s.cache is not None), key=lambda s: s.last_used)
         offloaded = []
@@ -221,7 +222,7 @@ class SessionManager:
         """
         if not isinstance(message, str) or not message.strip():
             raise ValueError("empty message: pass some text")
-        cfg = self.engine.config.engine
+        cfg = self.config
         max_new = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if max_new < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
@@ -237,82 +238,72 @@ class SessionManager:
         return result
 
     def _turn(self, session: Session, message: str, max_new: int) -> GenerationResult:
-        from blend.engine import GenerationResult
-
-        engine, runner = self.engine, self.engine.runner
-        cfg = engine.config.engine
+        cfg, decoder = self.config, self.decoder
         history = self._read_history(session.session_id)
         if history is not None:  # the file wins: another process may have advanced the conversation
             session.messages = history
         messages = session.messages + [{"role": "user", "content": message}]
-        ids = list(engine.lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
-        runner.check_length(len(ids) + max_new)
-        stats: dict[str, Any] = {"mode": "chat", "history_tokens": len(ids), "chunk_hits": 0, "hits_by_tier": {}}
-        t0 = time.perf_counter()
-        logits, cache, stored_end = self._prefill(session, ids, stats, capacity=len(ids) + max_new)
-        if logits.device.type == "cuda":  # kernels are asynchronous: TTFT ends when the logits exist
-            torch.cuda.synchronize(logits.device)
-        ttft = time.perf_counter() - t0
-        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
-        tokens = runner.decode(logits, cache, max_new, engine.eos_ids, SamplingParams(cfg.temperature, cfg.top_p))
-        text = engine.lm.tokenizer.decode([t for t in tokens if t not in engine.eos_ids],
-                                          skip_special_tokens=True).strip()
-        all_ids = ids + tokens
-        stats["stored_blocks"] = engine.store_prefix_blocks(all_ids, cache, skip_below=stored_end, tail=True)
-        session.messages = messages + [{"role": "assistant", "content": text}]
-        session.cache, session.cache_ids = cache, all_ids
+        ids = list(decoder.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False))
+        decoder.runner.check_length(len(ids) + max_new)
+        stored_end = 0
+
+        def prefill() -> Prefilled:
+            nonlocal stored_end
+            pre, stored_end = self._prefill(session, ids, capacity=len(ids) + max_new)
+            return pre
+
+        pre, ttft, t0 = decoder.timed(prefill)
+        result = decoder.finish(pre, ttft, t0, max_new, SamplingParams(cfg.temperature, cfg.top_p))
+        all_ids = ids + result.token_ids
+        stored = self.prefix.store_blocks(all_ids, pre.cache, skip_below=stored_end, tail=True)
+        result.stats = result.stats.replace(stored_blocks=stored)
+        session.messages = messages + [{"role": "assistant", "content": result.text}]
+        session.cache, session.cache_ids = pre.cache, all_ids
         session.last_used = time.monotonic()
         self._save(session)
-        stats.update(ttft_s=ttft, new_tokens=len(tokens))
-        return GenerationResult(text, tokens, ttft, logprobs, stats)
+        return result
 
-    def _prefill(self, session: Session, ids: list[int], stats: dict[str, Any],
-                 capacity: int) -> tuple[torch.Tensor, KVCache, int]:
+    def _prefill(self, session: Session, ids: list[int], capacity: int) -> tuple[Prefilled, int]:
         """Reuse the device copy, else the stored prefix chain; compute the rest. The cache
         holds `capacity` positions, so decoding does not reallocate it.
 
-        Returns (last logits (vocab,), cache, end of the prefix whose blocks are intact in the store).
+        Returns the prefill and the end of the prefix whose blocks are intact in the store.
         """
-        engine, runner = self.engine, self.engine.runner
+        runner = self.decoder.runner
         limit = len(ids) - 1  # at least the last token is computed: its logits start decoding
+        t0 = time.perf_counter()
+
+        def stats(source: str, loaded: int, **fields: Any) -> RequestStats:
+            return RequestStats(mode="chat", recompute_ratio=0.0, context_tokens=len(ids), query_tokens=0,
+                                loaded_tokens=loaded, recomputed_tokens=len(ids) - loaded, source=source,
+                                prefill_s=time.perf_counter() - t0, **fields)
+
         if session.cache is not None:
             common = _common_prefix(session.cache_ids[: session.cache.length], ids, limit)
             if common > 0:
                 cache = session.cache
                 cache.ensure_capacity(capacity)
                 logits = runner.prefill(torch.tensor(ids[common:]), cache, start=common)[0]
-                stats.update(source="device", loaded_tokens=common, recomputed_tokens=len(ids) - common,
-                             load_s=0.0, exposed_load_s=0.0)
                 # the blocks below were stored by the turn that filled the device copy
-                return logits, cache, _block_floor(common, engine.config.engine.chunk_tokens)
+                return Prefilled(logits, cache, stats("device", common)), _block_floor(common, self.prefix.block_tokens)
         # the previous turn's tail block ends where its generation stopped: at (or just
         # before) the end-of-turn token that now closes the assistant message
-        ends = [i for i, t in enumerate(ids) if t in engine.eos_ids]
+        ends = [i for i, t in enumerate(ids) if t in self.decoder.eos_ids]
         tails = sorted({e for i in ends[-2:] for e in (i, i - 1)}, reverse=True)
-        chain = engine.lookup_prefix(ids, limit, tail_ends=tails)
+        chain = self.prefix.lookup(ids, limit, tail_ends=tails)
+        tally = LookupTally(self.tier_names)
         for pl in chain:
-            stats["chunk_hits"] += 1
-            stats["hits_by_tier"][pl.source] = stats["hits_by_tier"].get(pl.source, 0) + 1
-        logits, cache = engine.prefill_with_prefix(ids, chain, stats, runner.new_cache(capacity))
+            tally.hit_from("prefix_blocks", pl.source)
+        cache = runner.new_cache(capacity)
+        logits, load = self.prefix.prefill(ids, chain, cache)
         # a block whose stored layers were unreadable was recomputed by the loader (exactly,
         # with all tokens before it as context) and deleted by its tier: count it as
         # computed and store it again
-        redone = sum(pl.length for pl in chain if pl.entry is not None)
-        stats["loaded_tokens"] -= redone
-        stats["recomputed_tokens"] += redone
-        stats["source"] = "store" if stats["loaded_tokens"] else "computed"
-        return logits, cache, _intact_end(chain)
-
-
-def _intact_end(chain: list[Placement]) -> int:
-    """End of the leading blocks that were loaded from the store (not recomputed)."""
-    end = 0
-    for pl in chain:
-        if pl.entry is not None:
-            break
-        end = pl.start + pl.length
-    return end
+        loaded = sum(pl.length for pl in chain if pl.entry is None)
+        pre = Prefilled(logits, cache, stats("store" if loaded else "computed", loaded, load=load,
+                                             **tally_fields(tally)))
+        return pre, intact_end(chain)
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

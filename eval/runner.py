@@ -31,78 +31,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blend.config import MODES, check_ratio
 from eval import metrics
+from eval.entries import Entry, entry_name, parse_modes, parse_ratios, parse_selections, plan_entries
 from eval.loaders import Example
 from eval.prompts import PromptTemplate, load_prompts
 from eval.results import ResultsLog, jsonable
 
 log = logging.getLogger(__name__)
+__all__ = ["Entry", "entry_name", "parse_modes", "parse_ratios", "parse_selections", "plan_entries", "run_eval"]
 
 METRICS = ("f1", "em", "rouge_l", "kl_to_full", "top1_agree", "greedy_match", "answer_nll", "ttft_s",
            "recomputed_fraction")
 # A template without {question} (summarization) still needs a non-empty question for the
 # prompt builder; it only shows where the template uses {question} and an example has none.
 NO_QUESTION = "Summarize the documents."
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One column of the evaluation: a mode, and for blend its recompute ratio."""
-
-    name: str
-    mode: str
-    ratio: float | None = None
-
-
-def entry_name(mode: str, ratio: float | None = None) -> str:
-    """"full", "reuse", "prefix", or "blend@<ratio>" with the ratio as Python prints it (0.15, 1.0)."""
-    return f"blend@{float(ratio)}" if mode == "blend" else mode
-
-
-def parse_modes(text: str | Sequence[str]) -> tuple[str, ...]:
-    """Modes from "full,reuse,blend" (or a list); ValueError listing the valid modes."""
-    items = [m.strip() for m in (text.split(",") if isinstance(text, str) else text)]
-    items = [m for m in items if m]
-    if not items:
-        raise ValueError(f"no modes given; choose from: {', '.join(MODES)}")
-    unknown = [m for m in items if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown mode(s) {', '.join(map(repr, unknown))}; valid modes are: {', '.join(MODES)}")
-    return tuple(dict.fromkeys(items))
-
-
-def parse_ratios(text: str | Iterable[float]) -> tuple[float, ...]:
-    """Recompute ratios from "0.05,0.15" (or numbers), each within [0, 1]; ValueError otherwise."""
-    items = [r.strip() for r in text.split(",")] if isinstance(text, str) else list(text)
-    ratios = []
-    for item in items:
-        if item == "":
-            continue
-        try:
-            value = float(item)
-        except (TypeError, ValueError):
-            raise ValueError(f"recompute ratio {item!r} is not a number; give fractions such as 0.05,0.15,0.3") from None
-        if math.isnan(value):
-            raise ValueError("recompute ratio nan is not a number; give fractions such as 0.05,0.15,0.3")
-        ratios.append(check_ratio(value))
-    if not ratios:
-        raise ValueError("no recompute ratios given; give fractions such as 0.05,0.15,0.3")
-    return tuple(dict.fromkeys(ratios))
-
-
-def plan_entries(modes: Sequence[str], ratios: Sequence[float]) -> tuple[Entry, ...]:
-    """The entries of a run in execution order: full first (always run, as the reference),
-    then the other modes in the order given, blend once per ratio."""
-    modes = parse_modes(modes)
-    ratios = parse_ratios(ratios)
-    entries = [Entry("full", "full")]
-    for mode in modes:
-        if mode == "blend":
-            entries.extend(Entry(entry_name("blend", r), "blend", r) for r in ratios)
-        elif mode != "full":
-            entries.append(Entry(mode, mode))
-    return tuple(entries)
 
 
 @dataclass
@@ -138,7 +80,7 @@ def run_eval(
 ) -> EvalRun:
     """Evaluate `examples` in every entry with `engine` (a BlendEngine).
 
-    prompts: templates per task (default: configs/prompts.yaml); each example is prompted
+    prompts: templates per task (default: blend.prompt.TEMPLATES); each example is prompted
         with its task's template. The engine's own prompt builder is restored afterwards.
     out_dir: append each finished example to out_dir/results.jsonl and skip the examples
         already there (the file must have been written with the same settings).
@@ -211,7 +153,7 @@ def engine_settings(engine: Any) -> dict[str, Any]:
         "dtype": str(engine.lm.dtype).removeprefix("torch."), "device": str(engine.runner.device),
         "kv_dtype": engine.kv_dtype,
         "engine": {k: getattr(cfg.engine, k) for k in ("chunk_tokens", "check_layers", "filter_schedule",
-                                                       "deviation", "chunk_context")},
+                                                       "deviation", "selection", "chunk_context")},
     }
 
 
@@ -240,7 +182,8 @@ def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_
     reference = None
     for entry in entries:
         result = engine.generate(question, passages, mode=entry.mode, recompute_ratio=entry.ratio,
-                                 max_new_tokens=max_new_tokens, temperature=0.0, answer=gold)
+                                 max_new_tokens=max_new_tokens, temperature=0.0, answer=gold,
+                                 selection=entry.selection)
         if reference is None:
             reference = result
         rows[entry.name] = _row(ex, entry, result, reference)
@@ -250,29 +193,25 @@ def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_
             "passages": len(passages), "prompt_tokens": prompt_tokens, "ingest_s": ingest_s, "entries": rows}
 
 
-def _prefix_hit_beyond_first_seen(engine: Any, prompt: Any, stats: Mapping[str, Any]) -> bool:
+def _prefix_hit_beyond_first_seen(engine: Any, prompt: Any, stats: Any) -> bool:
     """Whether prefix caching loaded more than it can for a prompt seen for the first time
     (the system part, plus the first chunk when chunks are computed after it): prefix
     blocks of this very prompt were stored by an earlier run into a persistent tier."""
     exact = prompt.prefix.end
     if engine.config.engine.chunk_context == "system" and len(prompt.segments) > 2:
         exact = prompt.segments[1].end
-    return stats.get("loaded_tokens", 0) > exact
+    return stats.loaded_tokens > exact
 
 
 def _row(ex: Example, entry: Entry, result: Any, reference: Any) -> dict[str, Any]:
-    stats = result.stats
+    stats = result.stats  # blend.stats.RequestStats
     text = result.text
     qa = ex.task == "qa"
-    context = stats["context_tokens"]
-    if entry.mode == "prefix":  # its recomputed_tokens include the query; count context rows only
-        recomputed = context - stats.get("loaded_tokens", 0)
-    else:
-        recomputed = stats.get("recomputed_tokens", 0)
-    hits, misses = stats.get("chunk_hits", 0), stats.get("chunk_misses", 0)
-    nll = stats.get("answer_nll")
+    context = stats.context_tokens
+    docs = stats.documents
+    nll = stats.answer_nll
     return {
-        "mode": entry.mode, "ratio": entry.ratio, "text": text,
+        "mode": entry.mode, "ratio": entry.ratio, "selection": entry.selection, "text": text,
         "f1": metrics.qa_f1(text, ex.answers) if qa else None,
         "em": metrics.exact_match(text, ex.answers) if qa else None,
         "rouge_l": None if qa else metrics.rouge_l(text, ex.answers),
@@ -281,11 +220,11 @@ def _row(ex: Example, entry: Entry, result: Any, reference: Any) -> dict[str, An
         "greedy_match": float(text == reference.text),
         "answer_nll": nll if nll is not None and math.isfinite(nll) else None,
         "ttft_s": result.ttft_s,
-        "recomputed_fraction": recomputed / context if context else 0.0,
-        "context_tokens": context, "query_tokens": stats.get("query_tokens"), "recomputed_tokens": recomputed,
-        "chunk_hits": hits, "chunk_misses": misses, "chunk_hit_rate": hits / (hits + misses) if hits + misses else None,
-        "hits_by_tier": stats.get("hits_by_tier", {}), "load_s": stats.get("load_s"),
-        "exposed_load_s": stats.get("exposed_load_s"), "new_tokens": stats.get("new_tokens"),
+        "recomputed_fraction": stats.recomputed_tokens / context if context else 0.0,
+        "context_tokens": context, "query_tokens": stats.query_tokens, "recomputed_tokens": stats.recomputed_tokens,
+        "chunk_hits": docs.hits, "chunk_misses": docs.misses, "chunk_hit_rate": docs.hit_rate,
+        "hits_by_tier": dict(stats.hits_by_tier), "load_s": stats.load_s,
+        "exposed_load_s": stats.exposed_load_s, "new_tokens": stats.new_tokens,
     }
 
 

@@ -12,29 +12,25 @@ Modules, one concept each:
   cluster        RedisClusterTier: the same on Redis Cluster (hash-tagged keys)
   stack          TieredStore: lookup / read / write / promotion over the tiers
   config         StoreConfig and the per-tier configs (from the YAML `store:` section)
-  bench          `kvblend bench load`: tier read/write throughput vs raw reads
-  cli            `kvblend store stats|ls|clear` and `bench load` registration
+  units          byte sizes: parse "2GiB", format for messages
+  dtypes         the dtype table (names, bytes, torch dtypes) and KV bytes per token
 """
 
-from storage.config import StoreConfig
-from storage.entry import CorruptEntry, EntryHeader, KVEntry, entry_nbytes
-from storage.keys import LAYOUT_VERSION, chunk_key, prefix_block_key, tokens_digest
-from storage.stack import Located, TieredStore, build_tier
-from storage.tier import StoreUnavailable, Tier
+from typing import Any
 
-__all__ = [
-    "LAYOUT_VERSION",
-    "CorruptEntry",
-    "EntryHeader",
-    "KVEntry",
-    "Located",
-    "StoreConfig",
-    "StoreUnavailable",
-    "Tier",
-    "TieredStore",
-    "build_tier",
-    "chunk_key",
-    "entry_nbytes",
-    "prefix_block_key",
-    "tokens_digest",
-]
+_EXPORTS = {
+    "LAYOUT_VERSION": "storage.keys", "chunk_key": "storage.keys", "prefix_block_key": "storage.keys",
+    "tokens_digest": "storage.keys", "StoreConfig": "storage.config", "CorruptEntry": "storage.entry",
+    "EntryHeader": "storage.entry", "KVEntry": "storage.entry", "entry_nbytes": "storage.entry",
+    "Located": "storage.stack", "TieredStore": "storage.stack", "build_tier": "storage.stack",
+    "StoreUnavailable": "storage.tier", "Tier": "storage.tier",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:  # lazy: importing a light submodule does not import torch or redis
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'storage' has no attribute {name!r}")

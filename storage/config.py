@@ -18,42 +18,9 @@ from typing import Any, TypeVar
 
 import yaml
 
+from storage.units import format_bytes, parse_bytes  # noqa: F401 - re-exported for config users
+
 T = TypeVar("T")
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
-    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
-    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
-    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
-}
-
-
-def parse_bytes(value: int | str, what: str = "size") -> int:
-    """Parse a byte size: an int, or a string such as "4096", "16KiB", "1.5GiB", "10MB".
-
-    Raises ValueError naming the accepted forms.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a byte size such as 4096, '16KiB' or '2GiB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what}: a byte size must be >= 0, got {value}")
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return parse_bytes(int(value), what)
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m:
-            number, unit = m.group(1), (m.group(2) or "").lower()
-            if unit in _UNITS:
-                return int(float(number) * _UNITS[unit])
-    raise ValueError(
-        f"{what}: cannot parse {value!r} as a byte size; use an integer number of bytes "
-        "or a number with a unit: B, KB, KiB, MB, MiB, GB, GiB, TB, TiB (e.g. '16KiB', '2GiB')"
-    )
-
 
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
@@ -172,15 +139,6 @@ FSYNC_POLICIES = ("always", "never")
 _NAMESPACE_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{0,63})?$")
 _TIER_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
 _REDIS_SCHEMES = ("redis://", "rediss://")
-
-
-def format_bytes(n: int) -> str:
-    """Render a byte count for messages, e.g. 12582912 -> '12MiB' (exact) or '11.3MiB'."""
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= size:
-            value = n / size
-            return f"{value:.0f}{unit}" if value.is_integer() else f"{value:.1f}{unit}"
-    return f"{n}B"
 
 
 def _check_tier_common(cfg: Any, expected_kind: str) -> None:
@@ -309,6 +267,14 @@ TIER_CONFIGS: dict[str, type] = {
     "redis": RedisTierConfig,
     "redis-cluster": RedisClusterTierConfig,
 }
+
+
+def tier_config_class(kind: str) -> type:
+    """The config class of a tier kind; ValueError lists the valid kinds."""
+    try:
+        return TIER_CONFIGS[kind]
+    except KeyError:
+        raise ValueError(f"unknown tier kind {kind!r}; valid kinds are: {', '.join(TIER_CONFIGS)}") from None
 
 
 def tier_display_name(cfg: TierConfig) -> str:

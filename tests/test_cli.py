@@ -53,7 +53,7 @@ def test_ingest_ask_and_store(config_file, capsys):
         out = last_json(capsys)
         assert set(out) == {"text", "ttft_s", "stats"} and out["stats"]["mode"] == mode
         answers[mode] = out
-    assert answers["reuse"]["stats"]["chunk_hits"] >= 2  # found on disk in a new process-like engine
+    assert answers["reuse"]["stats"]["documents"]["hits"] >= 2  # found on disk in a new process-like engine
     assert answers["blend"]["text"] == answers["full"]["text"]
     assert main(["store", "stats", "--config", cfg, "--json"]) == 0
     stats = last_json(capsys)

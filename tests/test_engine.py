@@ -42,7 +42,7 @@ def test_ratio_one_equals_full(arch):
         blend = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=1.0, max_new_tokens=8)
     assert maxdiff(full.first_token_logprobs, blend.first_token_logprobs) < 1e-4
     assert blend.token_ids == full.token_ids and blend.text == full.text
-    assert blend.stats["recomputed_tokens"] == blend.stats["context_tokens"]
+    assert blend.stats.recomputed_tokens == blend.stats.context_tokens
 
 
 def test_ratio_zero_equals_reuse_and_blend_differs_from_both():
@@ -54,7 +54,7 @@ def test_ratio_zero_equals_reuse_and_blend_differs_from_both():
         half = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.5, max_new_tokens=4)
     assert maxdiff(reuse.first_token_logprobs, zero.first_token_logprobs) == 0.0
     assert reuse.token_ids == zero.token_ids
-    assert reuse.stats["recomputed_tokens"] == 0 and reuse.stats["chunk_misses"] == 0
+    assert reuse.stats.recomputed_tokens == 0 and reuse.stats.documents.misses == 0
     assert maxdiff(reuse.first_token_logprobs, full.first_token_logprobs) > 1e-3  # context matters in this model
     kl_reuse = kl_divergence(full.first_token_logprobs, reuse.first_token_logprobs)
     kl_half = kl_divergence(full.first_token_logprobs, half.first_token_logprobs)
@@ -86,7 +86,7 @@ def test_reordered_chunks_equal_direct_computation_at_offsets(order):
         engine.ingest(DOCS)
         prompt = engine.build_prompt(QUESTION, docs)
         pre = engine.prefill(prompt, mode="reuse")
-        assert pre.stats["chunk_misses"] == 0
+        assert pre.stats.documents.misses == 0
         for seg in prompt.chunks:
             direct = _standalone_kv_at(engine, seg.token_ids, seg.start)
             for layer, (k, v) in enumerate(direct):
@@ -103,25 +103,25 @@ def test_repeated_document_empty_list_and_chunk_boundary():
         full = engine.generate(QUESTION, repeated, mode="full", max_new_tokens=3)
         blend = engine.generate(QUESTION, repeated, mode="blend", recompute_ratio=1.0, max_new_tokens=3)
         assert maxdiff(full.first_token_logprobs, blend.first_token_logprobs) < 1e-4
-        assert blend.stats["chunk_misses"] > 0  # computed during the request
+        assert blend.stats.documents.misses > 0  # computed during the request
         again = engine.generate(QUESTION, repeated, mode="blend", recompute_ratio=0.3, max_new_tokens=3)
-        assert again.stats["chunk_misses"] == 0
+        assert again.stats.documents.misses == 0
         for mode in ("full", "reuse", "prefix", "blend"):
             alone = engine.generate(QUESTION, [], mode=mode, max_new_tokens=3)
-            assert alone.token_ids and alone.stats["query_tokens"] > 0
+            assert alone.token_ids and alone.stats.query_tokens > 0
 
 
 def test_gradual_filtering_shrinks_and_nests():
     with make_engine(check_layers=[1, 2, 3], filter_schedule=[2.0, 1.5, 1.0]) as engine:
         engine.ingest(DOCS)
         result = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.2, max_new_tokens=2)
-        n_ctx = result.stats["context_tokens"]
-        counts = result.stats["selected_per_layer"]
+        n_ctx = result.stats.context_tokens
+        counts = result.stats.selection.selected_per_layer
         import math
-        assert counts == [math.ceil(0.4 * n_ctx), math.ceil(0.3 * n_ctx), math.ceil(0.2 * n_ctx)]
-        sets = [set(s.tolist()) for s in engine.last_selection]
+        assert list(counts) == [math.ceil(0.4 * n_ctx), math.ceil(0.3 * n_ctx), math.ceil(0.2 * n_ctx)]
+        sets = [set(s.tolist()) for s in result.stats.selection.selected_rows]
         assert sets[0] > sets[1] > sets[2]
-        assert result.stats["recomputed_tokens"] == counts[-1]
+        assert result.stats.recomputed_tokens == counts[-1]
 
 
 def test_prefix_mode_is_exact_and_stores_blocks():
@@ -131,7 +131,7 @@ def test_prefix_mode_is_exact_and_stores_blocks():
         second = engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=4)
     assert maxdiff(full.first_token_logprobs, first.first_token_logprobs) < 1e-4
     assert maxdiff(full.first_token_logprobs, second.first_token_logprobs) < 1e-4
-    assert second.stats["loaded_tokens"] > first.stats["loaded_tokens"]
+    assert second.stats.loaded_tokens > first.stats.loaded_tokens
     assert second.token_ids == full.token_ids
 
 
@@ -157,7 +157,7 @@ def test_other_models_chunks_are_never_loaded(tmp_path):
         {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB"}]}, chunk_tokens=24)
     with BlendEngine(cfg, model=lm_b) as b:
         result = b.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=2)
-        assert result.stats["chunk_hits"] == 0 and result.stats["chunk_misses"] > 0
+        assert result.stats.documents.hits == 0 and result.stats.documents.misses > 0
         assert not set(keys_a) & set(b.ingest(DOCS))  # the key includes the model fingerprint
 
 
@@ -176,7 +176,7 @@ def test_corrupt_entry_is_recomputed(tmp_path):
         {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB"}]}, chunk_tokens=24)
     with BlendEngine(cfg, model=lm) as engine:
         again = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.3, max_new_tokens=3)
-        assert again.stats["recomputed_segments"] > 0 or again.stats["chunk_misses"] > 0
+        assert again.stats.load.recomputed_segments > 0 or again.stats.documents.misses > 0
         corrupt = engine.store.stats()
     assert maxdiff(reference.first_token_logprobs, again.first_token_logprobs) < 1e-5
     assert again.token_ids == reference.token_ids
@@ -185,7 +185,7 @@ def test_corrupt_entry_is_recomputed(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_blend_beats_reuse_on_sample_prompts():
-    from blend.demo import sample_documents, sample_questions
+    from eval.samples import sample_documents, sample_questions
     from tests.models import smollm2
 
     docs = dict(sample_documents())
@@ -214,7 +214,7 @@ def test_alternative_selections(selection):
         one = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=1.0, max_new_tokens=3)
         some = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.2, max_new_tokens=3)
     assert maxdiff(full.first_token_logprobs, one.first_token_logprobs) < 1e-4
-    assert some.stats["recomputed_tokens"] == -(-some.stats["context_tokens"] * 2 // 10)
+    assert some.stats.recomputed_tokens == -(-some.stats.context_tokens * 2 // 10)
     # the attention score is a distribution over keys
     q, k = torch.randn(4, 3, 8), torch.randn(2, 10, 8)
     scores = query_attention(q, k, 8 ** -0.5)
@@ -234,9 +234,9 @@ def test_chunks_computed_after_the_system_part():
         exact = engine.prefill(prompt, mode="full")
         reused = engine.prefill(prompt, mode="reuse")
     assert maxdiff(full.first_token_logprobs, one.first_token_logprobs) < 1e-4
-    assert reuse.stats["chunk_misses"] == 0
+    assert reuse.stats.documents.misses == 0
     first, second = prompt.segments[1], prompt.segments[2]
-    assert prefix.stats["loaded_tokens"] == first.end  # the prefix and the first chunk
+    assert prefix.stats.loaded_tokens == first.end  # the prefix and the first chunk
     assert maxdiff(full.first_token_logprobs, prefix.first_token_logprobs) < 1e-4
     assert maxdiff(exact.cache.k[2][:, first.start:first.end], reused.cache.k[2][:, first.start:first.end]) < 1e-4
     assert maxdiff(exact.cache.k[2][:, second.start:second.end], reused.cache.k[2][:, second.start:second.end]) > 1e-3
@@ -254,9 +254,9 @@ def test_chunks_shared_through_redis_and_redis_cluster(redis_url, redis_cluster_
         with BlendEngine(cfg, model=lm) as reader:  # ... another one reuses the shared chunks
             blend = reader.generate(QUESTION, DOCS, mode="blend", recompute_ratio=1.0, max_new_tokens=2)
             reuse = reader.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=2)
-        assert reuse.stats["chunk_misses"] == 0 and reuse.stats["chunk_hits"] > 0
-        assert reuse.stats["hits_by_tier"] == {kind: reuse.stats["chunk_hits"]}
-        assert reuse.stats["bytes_loaded"][kind] > 0
+        assert reuse.stats.documents.misses == 0 and reuse.stats.documents.hits > 0
+        assert reuse.stats.hits_by_tier == {kind: reuse.stats.cached_segments.hits}
+        assert reuse.stats.load.bytes_by_tier[kind] > 0
         assert maxdiff(full.first_token_logprobs, blend.first_token_logprobs) < 1e-4
 
 
@@ -267,4 +267,4 @@ def test_prefetch_depth_does_not_change_results(tmp_path):
             engine.ingest(DOCS)
             results.append(engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.3, max_new_tokens=3))
     assert maxdiff(results[0].first_token_logprobs, results[1].first_token_logprobs) == 0.0
-    assert results[0].stats["load_s"] > 0 and results[0].stats["bytes_loaded"]
+    assert results[0].stats.load_s > 0 and results[0].stats.load.bytes_by_tier

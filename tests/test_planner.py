@@ -10,7 +10,8 @@ import json
 import pytest
 
 from blend import planner
-from blend.planner import MIB, PlanInputs, plan, register_plan, transfer_stages
+from blend.cli.plan import register as register_plan
+from blend.planner import MIB, PlanInputs, plan, transfer_stages
 
 GIB = 1024**3
 # The worked example: L=32, H=8, D=128, fp16, 8192 tokens.
@@ -143,7 +144,7 @@ def test_io_block_bad_values_exit_2(value, capsys):
     assert "--io-block" in err and "KiB" in err
 
 
-@pytest.mark.parametrize("value, expected", [("1", 1), ("2", 2), ("4", 4), ("bf16", 2), ("float32", 4)])
+@pytest.mark.parametrize("value, expected", [("1", 1), ("2", 2), ("4", 4), ("bfloat16", 2), ("float32", 4)])
 def test_dtype_bytes_forms(value, expected):
     args = _parser().parse_args(["plan", "--layers", "1", "--kv-heads", "1", "--head-dim", "1",
                                  "--dtype-bytes", value, "--tokens", "1"])

@@ -11,7 +11,7 @@ import redis
 import torch
 from redis.cluster import RedisCluster
 
-from storage.bench import ChunkShape, random_entry
+from eval.bench.load import ChunkShape, random_entry
 from storage.cluster import RedisClusterTier
 from storage.config import RedisClusterTierConfig, RedisTierConfig
 from storage.redis_tier import RedisTier, redact

@@ -3,6 +3,7 @@ a restart, the idle / budget policies, faults in the stored chain, concurrent tu
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import threading
@@ -14,7 +15,6 @@ import torch
 from blend.config import EngineConfig
 from blend.engine import BlendEngine
 from blend.session import SessionBusy
-from storage.keys import prefix_block_key
 from tests.models import smollm2_tokenizer, tiny_model
 
 BLOCK = 16
@@ -42,44 +42,43 @@ def check_equals_full_prefill(engine: BlendEngine, session_id: str, result) -> N
     history = engine.sessions.sessions[session_id].messages[:-1]  # up to this turn's user message
     ids = engine.lm.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False)
-    assert result.stats["history_tokens"] == len(ids)
+    assert result.stats.context_tokens == len(ids)
     cache = engine.runner.new_cache(len(ids))
     logits = engine.runner.prefill(torch.tensor(ids), cache)[0]
     reference = torch.log_softmax(logits.float(), dim=-1)
     diff = (reference - result.first_token_logprobs).abs()
     assert float(diff.max()) < TOL, f"max {float(diff.max()):.2e} mean {float(diff.mean()):.2e}"
-    assert engine.runner.decode(logits, cache, MAX_NEW, engine.eos_ids) == result.token_ids
+    assert engine.runner.decode(logits, cache, MAX_NEW, engine.decoder.eos_ids) == result.token_ids
 
 
 def block_keys(engine: BlendEngine, session_id: str) -> list[str]:
     """Store keys of the full prefix blocks of the session's last conversation."""
     ids = engine.sessions.sessions[session_id].cache_ids
-    return [prefix_block_key(engine.fingerprint, ids[:end], engine.kv_dtype, engine.namespace)
-            for end in range(BLOCK, len(ids), BLOCK)]
+    return [engine.prefix_cache.key(ids, end) for end in range(BLOCK, len(ids), BLOCK)]
 
 
 def test_multi_turn_equals_full_prefill_and_resumes_from_store(tmp_path):
     with make_engine(tmp_path) as engine:
         first = engine.chat("s", MESSAGES[0])
         check_equals_full_prefill(engine, "s", first)
-        assert first.stats["source"] == "computed" and first.stats["stored_blocks"] > 0
+        assert first.stats.source == "computed" and first.stats.stored_blocks > 0
 
         second = engine.chat("s", MESSAGES[1])  # the device copy is reused
         check_equals_full_prefill(engine, "s", second)
-        assert second.stats["source"] == "device" and second.stats["loaded_tokens"] > first.stats["history_tokens"] // 2
+        assert second.stats.source == "device" and second.stats.loaded_tokens > first.stats.context_tokens // 2
 
         engine.offload("s")
         assert engine.sessions.sessions["s"].cache is None and engine.sessions.resident_bytes() == 0
         third = engine.chat("s", MESSAGES[2])
         check_equals_full_prefill(engine, "s", third)
     stats = third.stats
-    assert stats["source"] == "store" and stats["hits_by_tier"] == {"cpu": stats["chunk_hits"]}
+    assert stats.source == "store" and stats.hits_by_tier == {"cpu": stats.prefix_blocks.hits}
     # the full blocks and the tail block of the previous turn: everything that turn had in its
     # cache (its prompt and all generated tokens but the last) is loaded, not recomputed
-    assert stats["loaded_tokens"] == second.stats["history_tokens"] + second.stats["new_tokens"] - 1
-    assert stats["loaded_tokens"] % BLOCK != 0
-    assert stats["loaded_tokens"] + stats["recomputed_tokens"] == stats["history_tokens"]
-    assert stats["bytes_loaded"]["cpu"] > 0 and stats["ttft_s"] > 0
+    assert stats.loaded_tokens == second.stats.context_tokens + second.stats.new_tokens - 1
+    assert stats.loaded_tokens % BLOCK != 0
+    assert stats.loaded_tokens + stats.recomputed_tokens == stats.context_tokens
+    assert stats.load.bytes_by_tier["cpu"] > 0 and stats.ttft_s > 0
 
 
 def test_resume_in_a_new_engine_from_disk(tmp_path):
@@ -91,8 +90,8 @@ def test_resume_in_a_new_engine_from_disk(tmp_path):
         result = after.chat("s", MESSAGES[2])
         assert after.sessions.sessions["s"].messages[:4] == history
         check_equals_full_prefill(after, "s", result)
-    assert result.stats["source"] == "store" and result.stats["loaded_tokens"] > 0
-    assert set(result.stats["hits_by_tier"]) == {"disk"}
+    assert result.stats.source == "store" and result.stats.loaded_tokens > 0
+    assert set(result.stats.hits_by_tier) == {"disk"}
 
 
 @pytest.mark.redis
@@ -102,8 +101,8 @@ def test_resume_through_redis(tmp_path, redis_url):
         engine.offload("s")
         result = engine.chat("s", MESSAGES[1])
         check_equals_full_prefill(engine, "s", result)
-    assert result.stats["source"] == "store" and result.stats["loaded_tokens"] > 0
-    assert set(result.stats["hits_by_tier"]) == {"redis"}
+    assert result.stats.source == "store" and result.stats.loaded_tokens > 0
+    assert set(result.stats.hits_by_tier) == {"redis"}
 
 
 def test_idle_seconds_offloads(tmp_path):
@@ -113,11 +112,11 @@ def test_idle_seconds_offloads(tmp_path):
         assert engine.sessions.enforce(now=time.monotonic() + 30) == []
         assert sorted(engine.sessions.enforce(now=time.monotonic() + 61)) == ["a", "b"]
         assert engine.sessions.resident_bytes() == 0
-        assert engine.chat("a", MESSAGES[2]).stats["source"] == "store"
+        assert engine.chat("a", MESSAGES[2]).stats.source == "store"
     with make_engine(tmp_path / "zero", idle_seconds=0.0) as engine:  # 0: offloaded right after each turn
         engine.chat("a", MESSAGES[0])
         assert engine.sessions.sessions["a"].cache is None
-        assert engine.chat("a", MESSAGES[1]).stats["source"] == "store"
+        assert engine.chat("a", MESSAGES[1]).stats.source == "store"
 
 
 def test_active_budget_offloads_least_recently_used(tmp_path):
@@ -125,14 +124,14 @@ def test_active_budget_offloads_least_recently_used(tmp_path):
         engine.chat("a", MESSAGES[0])
         one = engine.sessions.resident_bytes()
         budget = int(one * 1.5)  # room for one session of one turn
-        engine.config = engine.config.with_overrides(active_budget=budget)
+        engine.sessions.config = dataclasses.replace(engine.sessions.config, active_budget=budget)
         sessions = engine.sessions.sessions
         engine.chat("b", MESSAGES[0])
         assert sessions["a"].cache is None and sessions["b"].cache is not None
         engine.chat("c", MESSAGES[0])
         assert sessions["b"].cache is None and sessions["c"].cache is not None
         result = engine.chat("a", MESSAGES[1])
-        assert result.stats["source"] == "store"
+        assert result.stats.source == "store"
         # a alone (two turns) is over the budget: it is offloaded too, after the LRU session c
         assert sessions["a"].cache is None and sessions["c"].cache is None
         assert engine.sessions.resident_bytes() <= budget
@@ -147,8 +146,8 @@ def test_drop_and_unknown_session(tmp_path):
         engine.drop("new-id")
         assert not path.exists() and "new-id" not in engine.sessions.sessions
         again = engine.chat("new-id", MESSAGES[0])  # starts over
-        assert again.stats["history_tokens"] == fresh.stats["history_tokens"]
-        assert again.stats["source"] == "store"  # the blocks of that same first prompt are still stored
+        assert again.stats.context_tokens == fresh.stats.context_tokens
+        assert again.stats.source == "store"  # the blocks of that same first prompt are still stored
         engine.drop("never-seen")  # no-op
         for bad in ("../escape", "", "a/b"):
             with pytest.raises(ValueError, match="bad session id"):
@@ -175,11 +174,11 @@ def test_missing_middle_block_stops_the_chain(tmp_path):
         engine.store.delete(keys[1])
         result = engine.chat("s", MESSAGES[1])
         check_equals_full_prefill(engine, "s", result)
-        assert result.stats["loaded_tokens"] == BLOCK and result.stats["chunk_hits"] == 1
+        assert result.stats.loaded_tokens == BLOCK and result.stats.prefix_blocks.hits == 1
         engine.offload("s")  # the turn stored the missing block again
         healed = engine.chat("s", MESSAGES[2])
         check_equals_full_prefill(engine, "s", healed)
-        assert healed.stats["loaded_tokens"] > result.stats["history_tokens"] - BLOCK
+        assert healed.stats.loaded_tokens > result.stats.context_tokens - BLOCK
 
 
 def test_corrupt_middle_block_is_recomputed_exactly(tmp_path):
@@ -187,7 +186,7 @@ def test_corrupt_middle_block_is_recomputed_exactly(tmp_path):
         first = engine.chat("s", MESSAGES[0])
         keys = block_keys(engine, "s")
         engine.offload("s")
-    cached = first.stats["history_tokens"] + first.stats["new_tokens"] - 1  # full blocks + the tail block
+    cached = first.stats.context_tokens + first.stats.new_tokens - 1  # full blocks + the tail block
     victim = tmp_path / "disk" / f"{keys[1]}.kv"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF  # in the layer data: the header still verifies
@@ -196,8 +195,8 @@ def test_corrupt_middle_block_is_recomputed_exactly(tmp_path):
         result = engine.chat("s", MESSAGES[1])
         check_equals_full_prefill(engine, "s", result)
         stats = result.stats
-        assert stats["recomputed_segments"] == 1 and stats["chunk_hits"] >= 3
-        assert stats["loaded_tokens"] == cached - BLOCK  # the bad block counts as computed
+        assert stats.load.recomputed_segments == 1 and stats.prefix_blocks.hits >= 3
+        assert stats.loaded_tokens == cached - BLOCK  # the bad block counts as computed
         assert engine.store.stats()["disk"]["corrupt"] == 1
         engine.store.flush()
         assert engine.store.lookup(keys[1], tokens_digest=engine.store.tiers[0].get_header(keys[1]).tokens_digest,
@@ -239,7 +238,7 @@ def test_concurrent_turns_on_one_session_are_rejected(tmp_path):
         assert isinstance(outcome["second"], SessionBusy) and "already running a turn" in str(outcome["second"])
         messages = engine.sessions.sessions["s"].messages
         assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == MESSAGES[0]
-        assert engine.chat("s", MESSAGES[1]).stats["source"] == "device"  # the session is usable again
+        assert engine.chat("s", MESSAGES[1]).stats.source == "device"  # the session is usable again
 
         with open(tmp_path / "sessions" / "s.lock", "a") as other:  # the lock another process would take
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -266,14 +265,14 @@ def test_cli_chat_one_turn_then_resume_in_a_new_process(tmp_path, capsys):
     assert main(args + ["--message", "And of Italy?"]) == 0  # a new engine: history from JSON, KV from disk
     second = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert second["stats"]["source"] == "store" and second["stats"]["hits_by_tier"].keys() == {"disk"}
-    assert second["stats"]["loaded_tokens"] > first["stats"]["history_tokens"] - 16
+    assert second["stats"]["loaded_tokens"] > first["stats"]["context_tokens"] - 16
     history = json.loads((tmp_path / "sessions" / "cli.json").read_text())["messages"]
     assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
 
 
 def test_bench_history_reaches_the_requested_length():
-    from blend.bench_resume import build_history
-    from blend.demo import sample_documents
+    from eval.bench.resume import build_history
+    from eval.samples import sample_documents
 
     tokenizer = smollm2_tokenizer()
     for target in (100, 700):

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from storage.bench import ChunkShape, random_entry
+from eval.bench.load import ChunkShape, random_entry
 from storage.config import StoreConfig, load_yaml
 from storage.entry import CorruptEntry, KVEntry, entry_nbytes
 from storage.keys import LAYOUT_VERSION, chunk_key, prefix_block_key, tokens_digest
@@ -113,6 +113,6 @@ def test_store_config_from_yaml_and_errors(tmp_path):
 def test_budget_smaller_than_one_entry_fails_at_config_time():
     cfg = StoreConfig.from_mapping({"tiers": [{"kind": "cpu", "budget": "1GiB"}, {"kind": "disk", "path": "d", "budget": "1MiB"}]})
     size = entry_nbytes(30, 3, 512, 64, "float16")
-    with pytest.raises(ValueError, match=r"tiers\[1\] \(disk\): budget 1MiB is smaller than one chunk entry \(11.2MiB"):
+    with pytest.raises(ValueError, match=r"tiers\[1\] \(disk\): budget 1MiB is smaller than one chunk entry \(11.2"):
         cfg.validate_for(size)
     cfg.validate_for(512 * 1024)

@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
-from storage.bench import ChunkShape, random_entry
-from storage.cli import main as cli_main
+from blend.cli import main as cli_main
+from eval.bench.load import ChunkShape, random_entry
 from storage.config import CpuTierConfig, DiskTierConfig, RedisTierConfig, StoreConfig
 from storage.entry import entry_nbytes
 from storage.keys import chunk_key, tokens_digest

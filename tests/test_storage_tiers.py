@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from storage.bench import ChunkShape, random_entry
+from eval.bench.load import ChunkShape, random_entry
 from storage.config import CpuTierConfig, DiskTierConfig
 from storage.disk import SUFFIX, DiskTier, file_layout
 from storage.memory import CpuTier
@@ -208,7 +208,7 @@ def test_concurrent_threads_never_see_torn_entries(tmp_path):
 
 _OTHER_PROCESS = """
 import sys, time
-from storage.bench import ChunkShape, random_entry
+from eval.bench.load import ChunkShape, random_entry
 from storage.config import DiskTierConfig
 from storage.disk import DiskTier
 shape = ChunkShape(layers=3, kv_heads=2, head_dim=8, tokens=16)

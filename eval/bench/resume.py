@@ -21,7 +21,6 @@ resume_ttft_s, reprefill_ttft_s, speedup, ...}, ...]}; a tier that cannot be use
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import shutil
@@ -32,59 +31,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+from eval.bench.common import drop_page_cache, one_tier_store
+
 TIER_KINDS = ("cpu", "disk", "redis")
 MAX_NEW_TOKENS = 1  # a resume is timed to its first token
-
-
-def register_bench_resume(bench_sub: Any) -> argparse.ArgumentParser:
-    """Add `bench resume` to the `kvblend bench` subparsers."""
-    p = bench_sub.add_parser("resume", help="TTFT of resuming an offloaded chat from each tier vs re-prefill")
-    p.add_argument("--config", default="configs/default.yaml", help="YAML config (model, chunk_tokens, tiers)")
-    p.add_argument("--history-tokens", default="1024,2048,4096", help="comma-separated history lengths (tokens)")
-    p.add_argument("--tiers", default="cpu,disk,redis", help=f"comma-separated, from {', '.join(TIER_KINDS)}")
-    p.add_argument("--repeats", type=int, default=3, help="measured rounds after the warm-up (median reported)")
-    p.add_argument("--redis-url", default=None,
-                   help=f"redis tier URL (default: the config's redis tier, else {DEFAULT_REDIS_URL})")
-    p.add_argument("--disk-path", default=None,
-                   help="scratch directory for the disk tier (default: under the config's disk path, else a temp dir)")
-    p.add_argument("--warm-disk", action="store_true", help="leave disk entries in the OS page cache")
-    p.add_argument("--json", action="store_true", help="print only the JSON result line")
-    p.set_defaults(func=cmd_bench_resume)
-    return p
-
-
-def _csv(value: str, what: str) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    if not items:
-        raise ValueError(f"{what} is empty; give a comma-separated list")
-    return items
-
-
-def cmd_bench_resume(args: argparse.Namespace) -> int:
-    from blend.cli import emit_json
-
-    lengths = [int(v) for v in _csv(args.history_tokens, "--history-tokens")]
-    if any(n < 1 for n in lengths):
-        raise ValueError(f"--history-tokens must be positive, got {args.history_tokens}")
-    tiers = _csv(args.tiers, "--tiers")
-    for kind in tiers:
-        if kind not in TIER_KINDS:
-            raise ValueError(f"unknown tier {kind!r} in --tiers; use some of {', '.join(TIER_KINDS)}")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    say = (lambda _: None) if args.json else print
-    report = run_resume_bench(args.config, lengths, tiers, repeats=args.repeats, redis_url=args.redis_url,
-                              disk_path=args.disk_path, cold_disk=not args.warm_disk, log=say)
-    for row in report["results"]:
-        if "error" in row:
-            say(f"{row['tier']:<6} {row['history_tokens']:>6} tokens  ERROR {row['error']}")
-        else:
-            say(f"{row['tier']:<6} {row['history_tokens']:>6} tokens  resume {row['resume_ttft_s'] * 1000:8.1f} ms  "
-                f"re-prefill {row['reprefill_ttft_s'] * 1000:8.1f} ms  speedup {row['speedup']:6.2f}x  "
-                f"(loaded {row['loaded_tokens']}, computed {row['computed_tokens']})")
-    emit_json(report)
-    return 0
 
 
 # ------------------------------------------------------------------ history
@@ -119,35 +69,6 @@ def build_history(tokenizer: Any, documents: Sequence[tuple[str, str]], target: 
 
 
 # -------------------------------------------------------------------- tiers
-def _tier_config(kind: str, config: Any, scratch: Path, redis_url: str | None, tag: str) -> Any:
-    """A config for one tier of `kind`, based on the configured tier of that kind if any."""
-    from storage.config import CpuTierConfig, DiskTierConfig, RedisTierConfig
-
-    configured = next((t for t in config.store.tiers if t.kind == kind), None)
-    if kind == "cpu":
-        return configured or CpuTierConfig()
-    if kind == "disk":
-        base = configured or DiskTierConfig(path=str(scratch))
-        return dataclasses.replace(base, path=str(scratch), required=True)
-    url = redis_url or (configured.url if configured is not None else DEFAULT_REDIS_URL)
-    base = configured or RedisTierConfig()
-    return dataclasses.replace(base, url=url, key_prefix=f"kvblend-bench-{tag}:", required=True)
-
-
-def _drop_page_cache(directory: Path) -> None:
-    """Evict the entry files under `directory` from the OS page cache (no root needed)."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 # -------------------------------------------------------------------- bench
 def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[str], *, repeats: int = 3,
                      redis_url: str | None = None, disk_path: str | None = None, cold_disk: bool = True,
@@ -156,10 +77,9 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
     import torch
 
     from blend.config import load_config
-    from blend.demo import sample_documents
     from blend.engine import BlendEngine
     from blend.model import load_model
-    from storage.config import StoreConfig
+    from eval.samples import sample_documents
     from storage.tier import StoreUnavailable
 
     config = load_config(config_path)
@@ -183,9 +103,9 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
     engines: dict[str, Any] = {}
     errors: dict[str, str] = {}
     for kind in tiers:
-        store = StoreConfig(namespace="", kv_dtype=config.store.kv_dtype, promote=False,
-                            tiers=(_tier_config(kind, config, disk_dir, redis_url, tag),))
         try:
+            store = one_tier_store(kind, dataclasses.replace(config.store, namespace=""), scratch=disk_dir,
+                                   redis_url=redis_url, key_prefix=f"kvblend-bench-{tag}:")
             engines[kind] = BlendEngine(config.with_overrides(store=store, sessions_dir=str(work / "sessions" / kind)),
                                         model=lm)
         except StoreUnavailable as err:
@@ -204,7 +124,7 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
                 cache = runner.new_cache(len(ids))
                 runner.prefill(torch.tensor(ids), cache)
                 for engine in engines.values():
-                    engine.store_prefix_blocks(ids, cache)
+                    engine.prefix_cache.store_blocks(ids, cache)
         for engine in engines.values():
             engine.store.flush()
 
@@ -225,14 +145,14 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
                     sid = f"bench-{kind}-{n}-{counter}"
                     engine.sessions.set_history(sid, histories[n])
                     if kind == "disk" and cold_disk:
-                        _drop_page_cache(disk_dir)
+                        drop_page_cache(disk_dir)
                     result = engine.chat(sid, message, max_new_tokens=MAX_NEW_TOKENS)
                     engine.drop(sid)
-                    if result.stats["history_tokens"] != len(ids):
+                    if result.stats.context_tokens != len(ids):
                         raise RuntimeError("the resumed prompt differs from the re-prefilled one")
-                    out.update(resume=result.ttft_s, loaded=result.stats["loaded_tokens"],
-                               computed=result.stats["recomputed_tokens"], load_s=result.stats.get("load_s", 0.0),
-                               exposed=result.stats.get("exposed_load_s", 0.0), resume_logprobs=result.first_token_logprobs)
+                    out.update(resume=result.ttft_s, loaded=result.stats.loaded_tokens,
+                               computed=result.stats.recomputed_tokens, load_s=result.stats.load_s,
+                               exposed=result.stats.exposed_load_s, resume_logprobs=result.first_token_logprobs)
                 else:
                     sync()
                     t = time.perf_counter()

@@ -1,5 +1,5 @@
 """`kvblend eval`: answer quality and fidelity to full prefill over an evaluation set, for
-each mode and recompute ratio; registered into the `kvblend` parser by `register_eval`.
+each mode, recompute ratio and token selection.
 
     kvblend eval --config configs/default.yaml --dataset eval/data/synthetic_qa.json \
         --limit 8 --passages 6 --modes full,reuse,prefix,blend --ratios 0.05,0.15,0.3 --json --out out/eval
@@ -12,36 +12,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable
 from typing import Any
 
-from blend.cli import DEFAULT_CONFIG, emit_json
+from blend.cli.common import arg_type, config_arg, emit_json, positive_int
 from blend.config import MODES
 
 log = logging.getLogger(__name__)
-
-
-def _arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """An argparse type from a parser raising ValueError (its message becomes the error)."""
-
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    convert.__name__ = parse.__name__
-    return convert
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise ValueError(f"must be >= 1, got {value}")
-    return value
 
 
 def parse_field_map(text: str) -> dict[str, str]:
@@ -59,29 +35,32 @@ def parse_field_map(text: str) -> dict[str, str]:
     return mapping
 
 
-def register_eval(subparsers: Any) -> argparse.ArgumentParser:
+def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `eval` subcommand to the `kvblend` subparsers."""
-    from eval.runner import parse_modes, parse_ratios
+    from eval.entries import parse_modes, parse_ratios, parse_selections
 
     p = subparsers.add_parser(
         "eval", help="quality and fidelity to full prefill per mode and recompute ratio over a dataset",
         description="Evaluate every example in every mode (full prefill first, as the reference) and print the "
                     "mean metrics per mode; blend runs once per recompute ratio.")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default: {DEFAULT_CONFIG})")
+    config_arg(p)
     p.add_argument("--dataset", required=True, metavar="PATH_OR_NAME",
                    help="a local JSON/JSONL/Parquet/CSV file or a Hugging Face dataset name")
     p.add_argument("--split", default=None, help="dataset split (of a hub dataset or a JSON {split: [...]})")
-    p.add_argument("--limit", type=_arg_type(positive_int), default=None, help="first N usable examples")
-    p.add_argument("--passages", type=_arg_type(positive_int), default=None, metavar="K",
+    p.add_argument("--limit", type=arg_type(positive_int), default=None, help="first N usable examples")
+    p.add_argument("--passages", type=arg_type(positive_int), default=None, metavar="K",
                    help="keep the first K passages of each example (each is one document)")
-    p.add_argument("--field-map", type=_arg_type(parse_field_map), default=None, metavar="OURS=THEIRS,...",
+    p.add_argument("--field-map", type=arg_type(parse_field_map), default=None, metavar="OURS=THEIRS,...",
                    help="rename source fields, e.g. question=query,answers=gold")
-    p.add_argument("--prompts", default=None, metavar="FILE", help="prompt templates (default: configs/prompts.yaml)")
-    p.add_argument("--modes", type=_arg_type(parse_modes), default=MODES, metavar="M,...",
+    p.add_argument("--prompts", default=None, metavar="FILE", help="YAML file replacing the built-in prompt templates per task (qa, summarization)")
+    p.add_argument("--modes", type=arg_type(parse_modes), default=MODES, metavar="M,...",
                    help=f"modes to compare, from {','.join(MODES)} (full always runs: it is the reference)")
-    p.add_argument("--ratios", type=_arg_type(parse_ratios), default=None, metavar="R,...",
+    p.add_argument("--ratios", type=arg_type(parse_ratios), default=None, metavar="R,...",
                    help="recompute ratios for blend, each in [0, 1] (default: the config's recompute_ratio)")
-    p.add_argument("--max-new-tokens", type=_arg_type(positive_int), default=None, metavar="T",
+    p.add_argument("--selections", type=arg_type(parse_selections), default=None, metavar="S,...",
+                   help="token selections to compare for blend (deviation, attention, hybrid; "
+                        "default: the config's selection)")
+    p.add_argument("--max-new-tokens", type=arg_type(positive_int), default=None, metavar="T",
                    help="greedy answer length (default: the config's max_new_tokens)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write results.jsonl (resumable), summary.json, summary.md and PNG plots here")
@@ -94,13 +73,14 @@ def register_eval(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_eval(args: argparse.Namespace) -> int:
     from blend.config import load_config
     from blend.engine import BlendEngine
+    from eval.entries import plan_entries
     from eval.loaders import load_examples
     from eval.prompts import load_prompts
     from eval.report import summary_table, write_reports
-    from eval.runner import plan_entries, run_eval
+    from eval.runner import run_eval
 
     config = load_config(args.config)  # validates the file before anything is loaded
-    entries = plan_entries(args.modes, args.ratios or (config.engine.recompute_ratio,))
+    entries = plan_entries(args.modes, args.ratios or (config.engine.recompute_ratio,), args.selections)
     prompts = load_prompts(args.prompts)
     examples = load_examples(args.dataset, split=args.split, limit=args.limit, passages=args.passages,
                              field_map=args.field_map)

@@ -14,9 +14,9 @@ layer computes in blend.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
-import os
 import statistics
 import tempfile
 import time
@@ -24,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from blend.stats import RequestStats
+from eval.bench.common import drop_page_cache, one_tier_store
+from storage.dtypes import dtype_bytes
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +40,7 @@ def bench_documents(tokenizer, n_chunks: int, chunk_tokens: int) -> list[str]:
     A few tokens of headroom keep each document inside one chunk after its own
     tokenization (boundary tokens can merge differently).
     """
-    from blend.demo import sample_documents
+    from eval.samples import sample_documents
 
     ids: list[int] = []
     for _, text in sample_documents():
@@ -45,38 +49,6 @@ def bench_documents(tokenizer, n_chunks: int, chunk_tokens: int) -> list[str]:
     while len(ids) < n_chunks * size:
         ids += ids
     return [tokenizer.decode(ids[i * size:(i + 1) * size]) for i in range(n_chunks)]
-
-
-def _drop_cache(directory: Path) -> bool:
-    """Ask the kernel to drop the page cache of every file under `directory`."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    for path in directory.rglob("*"):
-        if path.is_file():
-            try:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
-    return True
-
-
-def _tier_store(kind: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    if kind == "cpu":
-        return {"kind": "cpu", "budget": "4GiB"}
-    if kind == "disk":
-        return {"kind": "disk", "path": str(workdir / "disk"), "budget": "8GiB"}
-    if kind == "redis":
-        return {"kind": "redis", "url": args.redis_url, "key_prefix": "kvblend-bench:", "required": True}
-    if kind == "redis-cluster":
-        urls = [u for u in (args.cluster_urls or "").split(",") if u]
-        if not urls:
-            raise ValueError("--tiers redis-cluster needs --cluster-urls URL,URL,URL")
-        return {"kind": "redis-cluster", "urls": urls, "key_prefix": "kvblend-bench:", "required": True}
-    raise ValueError(f"unknown tier {kind!r}; use cpu, disk, redis or redis-cluster")
 
 
 def layer_times_full(engine, prompt) -> tuple[float, list[float]]:
@@ -97,15 +69,15 @@ def ideal_speedup(layer_s: list[float], rows_per_layer: list[int], n: int) -> fl
     return sum(layer_s) / ideal if ideal > 0 else float("inf")
 
 
-def blend_rows_per_layer(stats: dict[str, Any], num_layers: int, n: int) -> list[int]:
+def blend_rows_per_layer(stats: RequestStats, num_layers: int, n: int) -> list[int]:
     """Rows whose hidden states each layer computes in a blend run."""
-    checks = stats.get("check_layers") or []
-    q = stats["query_tokens"]
+    checks = stats.selection.check_layers
+    q = stats.query_tokens
     if not checks:
         return [q] * num_layers
     rows = []
     current = n
-    sel = dict(zip(checks, stats["selected_per_layer"], strict=False))
+    sel = dict(zip(checks, stats.selection.selected_per_layer, strict=False))
     for layer in range(num_layers):
         if layer in sel:
             current = sel[layer] + q
@@ -127,8 +99,9 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     errors: dict[str, str] = {}
     for kind in tiers:
         try:
-            store = {"namespace": "bench", "kv_dtype": config.store.kv_dtype, "tiers": [_tier_store(kind, args, workdir)],
-                     "promote": False}
+            store = one_tier_store(kind, dataclasses.replace(config.store, namespace="bench"),
+                                   scratch=workdir / "disk", redis_url=args.redis_url,
+                                   cluster_urls=[u for u in (args.cluster_urls or "").split(",") if u] or None)
             engines[kind] = BlendEngine(config.with_overrides(store=store), model=lm)
         except Exception as err:  # noqa: BLE001 - an unreachable tier becomes an error row, not a crash
             errors[kind] = f"{type(err).__name__}: {err}"
@@ -157,27 +130,26 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
         for kind, engine in engines.items():
             for ratio in ratios:
                 if kind == "disk":
-                    dropped = _drop_cache(workdir / "disk") or dropped
+                    dropped = drop_page_cache(workdir / "disk") or dropped
                 result = engine.generate(QUESTION, docs, mode="blend", recompute_ratio=ratio, max_new_tokens=1)
-                samples[(kind, ratio)].append(result.stats | {"ttft_s": result.ttft_s})
+                samples[(kind, ratio)].append(result.stats)
     full_ttft = statistics.median(full_ttfts)
     layer_s = [statistics.median(col) for col in zip(*layer_runs, strict=True)]
     num_layers = len(layer_s)
-    entry_layer_bytes = lm.dims.kv_bytes_per_token(2 if config.store.kv_dtype != "float32" else 4) // num_layers
+    entry_layer_bytes = lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) // num_layers
     results = []
     for (kind, ratio), runs in samples.items():
-        ttft = statistics.median(r["ttft_s"] for r in runs)
-        mid = sorted(runs, key=lambda r: r["ttft_s"])[len(runs) // 2]
-        loaded = sum(mid.get("bytes_loaded", {}).values())
-        hits, misses = mid["chunk_hits"], mid["chunk_misses"]
+        ttft = statistics.median(r.ttft_s for r in runs)
+        mid = sorted(runs, key=lambda r: r.ttft_s)[len(runs) // 2]
+        loaded = mid.bytes_loaded
         results.append({
             "tier": kind, "ratio": ratio, "ttft_s": round(ttft, 4), "speedup": round(full_ttft / ttft, 3),
             "ideal_speedup": round(ideal_speedup(layer_s, blend_rows_per_layer(mid, num_layers, n), n), 3),
-            "exposed_load_s": round(statistics.median(r["exposed_load_s"] for r in runs), 4),
-            "load_s": round(statistics.median(r["load_s"] for r in runs), 4),
+            "exposed_load_s": round(statistics.median(r.exposed_load_s for r in runs), 4),
+            "load_s": round(statistics.median(r.load_s for r in runs), 4),
             "bytes_loaded": int(loaded),
-            "load_gbps": round(loaded / mid["load_s"] / 1e9, 3) if mid["load_s"] > 0 else None,
-            "recomputed_tokens": mid["recomputed_tokens"], "hit_rate": round(hits / max(1, hits + misses), 3),
+            "load_gbps": round(loaded / mid.load_s / 1e9, 3) if mid.load_s > 0 else None,
+            "recomputed_tokens": mid.recomputed_tokens, "hit_rate": round(mid.documents.hit_rate or 0.0, 3),
         })
     for kind, err in errors.items():
         results.append({"tier": kind, "error": err})
@@ -241,36 +213,3 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "speedup_vs_ideal.png", dpi=120)
     plt.close(fig)
-
-
-def cmd_ttft(args: argparse.Namespace) -> int:
-    from blend.cli import emit_json
-
-    summary = run_ttft(args)
-    if args.out:
-        write_report(summary, Path(args.out))
-    for r in summary["results"]:
-        if "error" in r:
-            print(f"{r['tier']:>6}: {r['error']}")
-            continue
-        print(f"{r['tier']:>6} r={r['ratio']:<5} TTFT {r['ttft_s']:.3f} s  speedup {r['speedup']:.2f}x "
-              f"(ideal {r['ideal_speedup']:.2f}x)  exposed load {r['exposed_load_s']:.3f} s  {r['load_gbps']} GB/s")
-    print(f"full prefill TTFT {summary['full_ttft_s']:.3f} s over {summary['context_tokens']} tokens")
-    if args.json:
-        emit_json(summary)
-    return 0
-
-
-def register_bench_ttft(bench_sub) -> None:
-    p = bench_sub.add_parser("ttft", help="TTFT of full prefill vs blend per tier and ratio")
-    p.add_argument("--config", default="configs/default.yaml")
-    p.add_argument("--chunks", type=int, default=6)
-    p.add_argument("--chunk-tokens", type=int, default=512)
-    p.add_argument("--ratios", default="0,0.05,0.15,0.3,1")
-    p.add_argument("--tiers", default="cpu,disk")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    p.add_argument("--cluster-urls", default=None)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None)
-    p.set_defaults(func=cmd_ttft)

@@ -30,13 +30,8 @@ from typing import Any
 
 import torch
 
-from storage.config import (
-    CpuTierConfig,
-    DiskTierConfig,
-    RedisClusterTierConfig,
-    RedisTierConfig,
-    StoreConfig,
-)
+from eval.bench.common import drop_page_cache, one_tier
+from storage.config import StoreConfig
 from storage.disk import DiskTier
 from storage.entry import KVEntry, dtype_of
 from storage.keys import chunk_key
@@ -78,20 +73,6 @@ def random_entry(
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def _drop_page_cache(paths: list[Path]) -> None:
-    """Ask the kernel to drop cached pages of `paths` (they must be clean: fsync first)."""
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 class _Raw:
@@ -138,7 +119,7 @@ class _RawFile(_Raw):
             os.fsync(fh.fileno())
 
     def drop(self) -> None:
-        _drop_page_cache([self.path, *self.tier.files()])
+        drop_page_cache([self.path, *self.tier.files()])
 
     def start(self) -> None:
         self.fd = os.open(self.path, os.O_RDONLY)
@@ -247,13 +228,6 @@ def measure_tier(
     }
 
 
-def _first(config: StoreConfig | None, kind: str) -> Any:
-    for tier in config.tiers if config is not None else ():
-        if tier.kind == kind:
-            return tier
-    return None
-
-
 def run_load(
     kind: str,
     size_mb: float,
@@ -280,33 +254,22 @@ def run_load(
     cleanup: list[Callable[[], None]] = []
     try:
         before: Callable[[], None] | None = None
+        # a disk tier goes beside the configured disk cache (the same device), not in it
+        disk = next((t for t in config.tiers if t.kind == "disk"), None) if config is not None else None
+        parent = Path(disk.path).parent if kind == "disk" and disk is not None else None
+        if parent is not None:
+            parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix="kvblend-bench-load-", dir=parent))
+        cleanup.append(lambda: shutil.rmtree(scratch, ignore_errors=True))
+        tier = build_tier(one_tier(kind, config, scratch=scratch / "tier", redis_url=redis_url,
+                                   cluster_urls=cluster_urls, key_prefix=tag, budget=budget))
         if kind == "cpu":
-            tier = build_tier(CpuTierConfig(budget=budget))
             raw: _Raw = _RawCopy([e for _, e in keyed])
         elif kind == "disk":
-            base = Path(getattr(_first(config, "disk"), "path", ".kvblend-cache/disk"))
-            base.parent.mkdir(parents=True, exist_ok=True)
-            workdir = Path(tempfile.mkdtemp(prefix="bench-", dir=base.parent))
-            cleanup.append(lambda: shutil.rmtree(workdir, ignore_errors=True))
-            tier = build_tier(DiskTierConfig(path=str(workdir / "tier"), budget=budget, required=True))
-            raw_file = _RawFile(workdir, n, shape.layers, block, tier)  # type: ignore[arg-type]
+            raw_file = _RawFile(scratch, n, shape.layers, block, tier)  # type: ignore[arg-type]
             raw, before = raw_file, raw_file.drop
-        elif kind == "redis":
-            cfg = _first(config, "redis") or RedisTierConfig()
-            cfg = dataclasses.replace(cfg, url=redis_url or cfg.url, key_prefix=tag, required=True, ttl_s=None)
-            tier = build_tier(cfg)
-            raw = _RawRedis(tier._client_or_connect(), tag, n, shape.layers, block)  # type: ignore[attr-defined]
-        elif kind == "redis-cluster":
-            cfg = _first(config, "redis-cluster")
-            urls = tuple(cluster_urls) if cluster_urls else (cfg.urls if cfg else ())
-            if not urls:
-                raise ValueError("bench load --tier redis-cluster needs --cluster-urls U,U,U or a redis-cluster tier in --config")
-            cfg = cfg or RedisClusterTierConfig(urls=urls)
-            cfg = dataclasses.replace(cfg, urls=urls, key_prefix=tag, required=True, ttl_s=None)
-            tier = build_tier(cfg)
-            raw = _RawRedis(tier._client_or_connect(), tag, n, shape.layers, block)  # type: ignore[attr-defined]
         else:
-            raise ValueError(f"unknown tier {kind!r}; use one of cpu, disk, redis, redis-cluster")
+            raw = _RawRedis(tier._client_or_connect(), tag, n, shape.layers, block)  # type: ignore[attr-defined]
         cleanup.append(tier.close)
         cleanup.append(tier.clear)
         cleanup.append(raw.close)

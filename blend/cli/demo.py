@@ -1,5 +1,5 @@
-"""`make demo`: the main job on the embedded default — the shipped SmolLM2 model, the
-CPU + disk tiers of the config, and the sample documents shipped in eval/data/samples.
+"""`kvblend demo` (`make demo`): the main job on the embedded default — the shipped
+SmolLM2 model, the CPU + disk tiers of the config, and the shipped sample documents.
 
 Ingests the documents (computed once, stored; a rerun hits the disk tier), then answers
 one question with a full prefill and with CacheBlend and prints both answers, their
@@ -8,28 +8,17 @@ time-to-first-token and the speedup.
 
 from __future__ import annotations
 
-import json
+import argparse
 import time
-from pathlib import Path
+from typing import Any
 
-SAMPLES = Path(__file__).resolve().parent.parent / "eval" / "data" / "samples"
-
-
-def sample_documents() -> list[tuple[str, str]]:
-    """(file name, text) of the shipped sample documents, in order."""
-    files = sorted(SAMPLES.glob("*.txt"))
-    if not files:
-        raise FileNotFoundError(f"no sample documents in {SAMPLES}")
-    return [(f.name, f.read_text(encoding="utf-8")) for f in files]
-
-
-def sample_questions() -> list[dict]:
-    return json.loads((SAMPLES / "questions.json").read_text(encoding="utf-8"))
+from blend.cli.common import config_arg, emit_json, json_arg
 
 
 def run_demo(config: str, *, question: str | None = None, ratio: float | None = None, json_out: bool = False) -> int:
-    from blend.cli import emit_json
     from blend.engine import BlendEngine
+    from eval.metrics import kl_divergence
+    from eval.samples import sample_documents, sample_questions
 
     t0 = time.perf_counter()
     engine = BlendEngine.from_config(config)
@@ -45,28 +34,39 @@ def run_demo(config: str, *, question: str | None = None, ratio: float | None = 
         engine.generate(question, texts[:1], mode="full", max_new_tokens=1)  # warm-up
         full = engine.generate(question, texts, mode="full")
         blend = engine.generate(question, texts, mode="blend", recompute_ratio=ratio)
-    from eval.metrics import kl_divergence
-
     speedup = full.ttft_s / blend.ttft_s
     kl = kl_divergence(full.first_token_logprobs, blend.first_token_logprobs)
     summary = {
         "question": question, "gold": qa["answers"] if question == qa["question"] else None,
-        "documents": len(docs), "context_tokens": full.stats["context_tokens"], "chunks": len(keys),
+        "documents": len(docs), "context_tokens": full.stats.context_tokens, "chunks": len(keys),
         "full": {"text": full.text, "ttft_s": round(full.ttft_s, 4)},
-        "blend": {"text": blend.text, "ttft_s": round(blend.ttft_s, 4), "recompute_ratio": blend.stats["recompute_ratio"],
-                  "recomputed_tokens": blend.stats["recomputed_tokens"], "hits_by_tier": blend.stats["hits_by_tier"],
-                  "exposed_load_s": round(blend.stats["exposed_load_s"], 4)},
+        "blend": {"text": blend.text, "ttft_s": round(blend.ttft_s, 4), "recompute_ratio": blend.stats.recompute_ratio,
+                  "recomputed_tokens": blend.stats.recomputed_tokens, "hits_by_tier": dict(blend.stats.hits_by_tier),
+                  "exposed_load_s": round(blend.stats.exposed_load_s, 4)},
         "speedup": round(speedup, 2), "first_token_kl_to_full": round(kl, 5), "model_load_s": round(load_s, 2), "ingest_s": round(ingest_s, 2),
     }
     print(f"model loaded in {load_s:.1f} s; {len(docs)} sample documents = {len(keys)} chunks, "
-          f"{full.stats['context_tokens']} context tokens (ingest {ingest_s:.1f} s; a rerun hits the cache)")
+          f"{full.stats.context_tokens} context tokens (ingest {ingest_s:.1f} s; a rerun hits the cache)")
     print(f"question: {question}")
     if summary["gold"]:
         print(f"gold answer: {' / '.join(summary['gold'])}")
     print(f"full prefill : {full.text!r}  TTFT {full.ttft_s * 1000:.0f} ms")
-    print(f"blend r={blend.stats['recompute_ratio']:.2f}: {blend.text!r}  TTFT {blend.ttft_s * 1000:.0f} ms "
-          f"(recomputed {blend.stats['recomputed_tokens']} tokens, chunks from {blend.stats['hits_by_tier']})")
+    print(f"blend r={blend.stats.recompute_ratio:.2f}: {blend.text!r}  TTFT {blend.ttft_s * 1000:.0f} ms "
+          f"(recomputed {blend.stats.recomputed_tokens} tokens, chunks from {dict(blend.stats.hits_by_tier)})")
     print(f"speedup: {speedup:.2f}x; first-token KL(full || blend) = {kl:.4f}")
     if json_out:
         emit_json(summary)
     return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return run_demo(args.config, question=args.question, ratio=args.ratio, json_out=args.json)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("demo", help="ingest the sample documents and compare full prefill with blend")
+    config_arg(p)
+    p.add_argument("--question", default=None, help="default: the first sample question")
+    p.add_argument("--ratio", type=float, default=None)
+    json_arg(p)
+    p.set_defaults(func=cmd_demo)

@@ -1,0 +1,142 @@
+"""Exact prefix caching: a token sequence's KV stored as a chain of fixed-size blocks.
+
+Block b covers tokens [b*B, (b+1)*B) of a sequence (B = `block_tokens`) and is keyed by
+the digest of ALL tokens from the start of the sequence to its end, so a block is only
+ever reused after exactly the same tokens: its KV is exact, no recompute needed. A chat
+turn also stores its partial tail block, so a resumed conversation computes only its
+new tokens. Used by `prefix` mode and by chat sessions.
+
+`compute_entry` (KV of some tokens computed after a context) is the one place where a
+cache entry is made from the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from blend.pipeline import LayerLoader, Placement
+from blend.runner import KVCache, Runner
+from blend.stats import LoadReport
+from storage.entry import KVEntry
+from storage.keys import prefix_block_key, tokens_digest
+from storage.stack import TieredStore
+
+
+class EntryMaker:
+    """Computes cache entries of one model in the storage dtype."""
+
+    def __init__(self, runner: Runner, fingerprint: str, kv_dtype: str):
+        self.runner, self.fingerprint, self.kv_dtype = runner, fingerprint, kv_dtype
+
+    def compute(self, token_ids: Sequence[int], context: Sequence[int] = ()) -> KVEntry:
+        """KV of `token_ids` computed after `context` (positions len(context)..), as an entry."""
+        ids = list(context) + list(token_ids)
+        cache = self.runner.new_cache(len(ids))
+        self.runner.prefill(torch.tensor(ids), cache)
+        return self.from_cache(cache, list(token_ids), len(context))
+
+    def from_cache(self, cache: KVCache, token_ids: Sequence[int], start: int) -> KVEntry:
+        """Slots start..start+len(token_ids)-1 of `cache` as an entry (copied, storage dtype)."""
+        end = start + len(token_ids)
+        layers = [(cache.k[i][:, start:end], cache.v[i][:, start:end]) for i in range(self.runner.num_layers)]
+        return KVEntry.from_tensors(layers, fingerprint=self.fingerprint, token_ids=list(token_ids),
+                                    pos_start=start, kv_dtype=self.kv_dtype)
+
+
+class PrefixCache:
+    """Prefix-block chains of one model over a tier stack. Thread-safe as the store is."""
+
+    def __init__(self, store: TieredStore, maker: EntryMaker, *, namespace: str, block_tokens: int,
+                 prefetch_depth: int):
+        self.store, self.maker = store, maker
+        self.runner = maker.runner
+        self.namespace, self.block_tokens, self.prefetch_depth = namespace, block_tokens, prefetch_depth
+
+    def blocks(self, n: int) -> list[tuple[int, int]]:
+        """(start, end) of the full blocks of a sequence of n tokens."""
+        b = self.block_tokens
+        return [(s, s + b) for s in range(0, n - b + 1, b)]
+
+    def key(self, ids: Sequence[int], end: int) -> str:
+        return prefix_block_key(self.maker.fingerprint, ids[:end], self.maker.kv_dtype, self.namespace)
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, token_ids: Sequence[int], limit: int, tail_ends: Sequence[int] = ()) -> list[Placement]:
+        """The chain of cached blocks covering token_ids[:p], longest p <= limit.
+
+        Full blocks come first; then a partial tail block (stored by a chat turn) ending at
+        one of `tail_ends` may extend the chain. The chain stops at the first block that is
+        missing or fails verification.
+        """
+        ids = list(token_ids)
+        chain: list[Placement] = []
+        reached = 0
+        for start, end in self.blocks(len(ids)):
+            if end > limit:
+                break
+            placement = self._find(ids, start, end)
+            if placement is None:
+                break
+            chain.append(placement)
+            reached = end
+        for end in sorted(set(tail_ends), reverse=True):
+            if reached < end <= min(limit, reached + self.block_tokens - 1):
+                placement = self._find(ids, reached, end)
+                if placement is not None:
+                    chain.append(placement)
+                    break
+        return chain
+
+    def _find(self, ids: list[int], start: int, end: int) -> Placement | None:
+        """The stored block ids[start:end], verified, or None."""
+        located = self.store.lookup(self.key(ids, end), tokens_digest=tokens_digest(ids[start:end]),
+                                    fingerprint=self.maker.fingerprint)
+        if located is None or located.header.pos_start != start:
+            return None
+        return Placement(start, end - start, start, located, None,
+                         lambda: self.maker.compute(ids[start:end], ids[:start]))
+
+    # ------------------------------------------------------------------- store
+    def store_blocks(self, token_ids: Sequence[int], cache: KVCache, *, skip_below: int = 0,
+                     tail: bool = False) -> int:
+        """Queue the full blocks of `token_ids` (whose KV is in `cache`) for the store; with
+        `tail`, also the partial block after the last full one. Blocks ending at or below
+        `skip_below` are known cached. Returns the number queued."""
+        ids = list(token_ids)[: cache.length]
+        blocks = self.blocks(len(ids))
+        full_end = blocks[-1][1] if blocks else 0
+        if tail and len(ids) > full_end:
+            blocks.append((full_end, len(ids)))
+        queued = 0
+        for start, end in blocks:
+            if end <= skip_below:
+                continue
+            self.store.put(self.key(ids, end), self.maker.from_cache(cache, ids[start:end], start))
+            queued += 1
+        return queued
+
+    # ----------------------------------------------------------------- prefill
+    def prefill(self, token_ids: Sequence[int], chain: list[Placement], cache: KVCache
+                ) -> tuple[torch.Tensor, LoadReport]:
+        """Load `chain` (an exact cached prefix) layer by layer while computing the rest.
+
+        Returns the last position's logits (vocab,) and the loader's report.
+        """
+        p = max((pl.start + pl.length for pl in chain), default=0)
+        with LayerLoader(self.store, self.runner, cache, chain, range(self.runner.num_layers),
+                         self.prefetch_depth) as loader:
+            logits = self.runner.prefill(torch.tensor(list(token_ids[p:])), cache, start=p,
+                                         before_layer=loader.wait)[0]
+        return logits, loader.report()
+
+
+def intact_end(chain: Sequence[Placement]) -> int:
+    """End of the leading blocks that were loaded from the store (not recomputed on a bad read)."""
+    end = 0
+    for pl in chain:
+        if pl.entry is not None:
+            break
+        end = pl.start + pl.length
+    return end

@@ -1,0 +1,169 @@
+"""Typed per-request statistics.
+
+Every request path builds exactly one `RequestStats` (frozen) from the typed reports of
+its steps: what the lookups found (`LookupTally`), what the loader did (`LoadReport`),
+what the selective recompute chose (`SelectionReport`). `to_dict` is the only place a
+request's statistics become JSON; eval, benches and the CLI read fields, never keys.
+
+Lookups are counted per kind of cached segment, never mixed:
+  documents      document chunks of a RAG prompt
+  system         the fixed instruction part before the documents
+  prefix_blocks  exact prefix blocks (prefix mode, chat turns)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+LookupKind = Literal["documents", "system", "prefix_blocks"]
+LOOKUP_KINDS: tuple[LookupKind, ...] = ("documents", "system", "prefix_blocks")
+
+
+@dataclass(frozen=True)
+class LookupCounts:
+    """Hits and misses of one kind of cached segment in one request."""
+
+    hits: int = 0
+    misses: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        total = self.hits + self.misses
+        return self.hits / total if total else None
+
+
+class LookupTally:
+    """Mutable counter of one request's lookups; `freeze` gives the typed counts.
+
+    Per tier: a hit in tier i counts a miss in every tier above it; a miss counts a
+    miss in every tier (the lookup walked them all).
+    """
+
+    def __init__(self, tier_names: Sequence[str]):
+        self.tier_names = list(tier_names)
+        self.hits: Counter[str] = Counter()
+        self.misses: Counter[str] = Counter()
+        self.hits_by_tier: Counter[str] = Counter()
+        self.misses_by_tier: Counter[str] = Counter()
+
+    def hit(self, kind: LookupKind, tier_index: int) -> None:
+        self.hits[kind] += 1
+        for name in self.tier_names[:tier_index]:
+            self.misses_by_tier[name] += 1
+        self.hits_by_tier[self.tier_names[tier_index]] += 1
+
+    def miss(self, kind: LookupKind) -> None:
+        self.misses[kind] += 1
+        for name in self.tier_names:
+            self.misses_by_tier[name] += 1
+
+    def hit_from(self, kind: LookupKind, tier_name: str) -> None:
+        """A hit known by tier name only (a chain found by a prefix lookup)."""
+        self.hits[kind] += 1
+        self.hits_by_tier[tier_name] += 1
+
+    def counts(self, kind: LookupKind) -> LookupCounts:
+        return LookupCounts(self.hits[kind], self.misses[kind])
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a request's layer loader did."""
+
+    load_s: float = 0.0  # time the loader spent fetching, converting, placing
+    exposed_load_s: float = 0.0  # time compute waited for a layer
+    bytes_by_tier: Mapping[str, int] = field(default_factory=dict)
+    recomputed_segments: int = 0  # segments whose stored layers were unreadable and were recomputed
+
+
+@dataclass(frozen=True)
+class SelectionReport:
+    """What the selective recompute chose."""
+
+    check_layers: tuple[int, ...] = ()
+    selected_per_layer: tuple[int, ...] = ()  # context rows kept at each check layer
+    recomputed_tokens: int = 0  # context rows recomputed through the last layer
+    selection_s: float = 0.0  # time spent scoring and choosing rows
+    selected_rows: tuple[Any, ...] = ()  # per check layer: the kept context positions, a (k,) CPU tensor
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """Statistics of one request (a `generate` call or a chat turn)."""
+
+    mode: str  # full | reuse | prefix | blend | chat
+    recompute_ratio: float
+    context_tokens: int  # tokens before the query (cacheable part)
+    query_tokens: int
+    loaded_tokens: int  # context tokens whose KV came from the store
+    recomputed_tokens: int  # context tokens computed in this request
+    documents: LookupCounts = LookupCounts()
+    system: LookupCounts = LookupCounts()
+    prefix_blocks: LookupCounts = LookupCounts()
+    hits_by_tier: Mapping[str, int] = field(default_factory=dict)
+    misses_by_tier: Mapping[str, int] = field(default_factory=dict)
+    load: LoadReport = LoadReport()
+    selection: SelectionReport = SelectionReport()
+    prefill_s: float = 0.0  # wall time of the prefill (load + compute)
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    new_tokens: int = 0
+    answer_nll: float | None = None  # with generate(answer=...): mean NLL of that text
+    source: str | None = None  # chat: where the history's KV came from (device | store | computed)
+    stored_blocks: int = 0  # prefix blocks queued for the store by this request
+
+    @property
+    def load_s(self) -> float:
+        return self.load.load_s
+
+    @property
+    def exposed_load_s(self) -> float:
+        return self.load.exposed_load_s
+
+    @property
+    def compute_s(self) -> float:
+        """Prefill time not spent waiting for loads."""
+        return max(0.0, self.prefill_s - self.load.exposed_load_s)
+
+    @property
+    def bytes_loaded(self) -> int:
+        return int(sum(self.load.bytes_by_tier.values()))
+
+    @property
+    def cached_segments(self) -> LookupCounts:
+        """Hits and misses over every kind of cached segment."""
+        kinds = (self.documents, self.system, self.prefix_blocks)
+        return LookupCounts(sum(c.hits for c in kinds), sum(c.misses for c in kinds))
+
+    def replace(self, **changes: Any) -> RequestStats:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (the one serialisation of request statistics)."""
+        return {
+            "mode": self.mode, "recompute_ratio": self.recompute_ratio,
+            "context_tokens": self.context_tokens, "query_tokens": self.query_tokens,
+            "loaded_tokens": self.loaded_tokens, "recomputed_tokens": self.recomputed_tokens,
+            **{kind: {"hits": c.hits, "misses": c.misses}
+               for kind, c in (("documents", self.documents), ("system", self.system),
+                               ("prefix_blocks", self.prefix_blocks))},
+            "hits_by_tier": dict(self.hits_by_tier), "misses_by_tier": dict(self.misses_by_tier),
+            "load_s": self.load.load_s, "exposed_load_s": self.load.exposed_load_s,
+            "bytes_loaded": dict(self.load.bytes_by_tier), "recomputed_segments": self.load.recomputed_segments,
+            "check_layers": list(self.selection.check_layers),
+            "selected_per_layer": list(self.selection.selected_per_layer),
+            "selection_s": self.selection.selection_s,
+            "prefill_s": self.prefill_s, "compute_s": self.compute_s, "ttft_s": self.ttft_s,
+            "total_s": self.total_s, "new_tokens": self.new_tokens, "answer_nll": self.answer_nll,
+            "source": self.source, "stored_blocks": self.stored_blocks,
+        }
+
+
+def tally_fields(tally: LookupTally) -> dict[str, Any]:
+    """The RequestStats fields that come from a request's lookups."""
+    return {kind: tally.counts(kind) for kind in LOOKUP_KINDS} | {
+        "hits_by_tier": dict(tally.hits_by_tier), "misses_by_tier": dict(tally.misses_by_tier)}
