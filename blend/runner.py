@@ -142,7 +142,7 @@ class Runner:
         # flash-attn kernels take fp16/bf16 only; fp32 models use SDPA on CUDA too
         self.use_flash = (use_flash and flash_attn_func is not None and self.device.type == "cuda"
                           and self.dtype in (torch.float16, torch.bfloat16))
-        self._shifts: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._shifts: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ----------------------------------------------------------------- helpers
     def new_cache(self, capacity: int) -> KVCache:
@@ -159,32 +159,52 @@ class Runner:
             )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (T, D) for explicit integer positions (T,)."""
+        """cos, sin (T, D) for explicit integer positions (T,), as the model applies them
+        (including YaRN's attention scaling), in the model dtype."""
         dummy = torch.empty(0, dtype=self.dtype, device=self.device)
         cos, sin = self.rotary(dummy, positions.to(self.device)[None])
         return cos[0], sin[0]
 
+    def rotation(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, D) float32 of the pure rotations R(delta) for integer offsets (T,).
+
+        The rotary module's own frequencies (so llama3/YaRN rescaling included) and its
+        math (float32 angles), but never its attention scaling: a key computed at p already
+        carries that factor once, and R(d) R(p) = R(p + d) moves it without adding another.
+        """
+        freqs = delta.reshape(-1, 1).to(self.device).float() * self.rotary.inv_freq.float()  # (T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+        return emb.cos(), emb.sin()
+
     def rerotate(self, k: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
-        """Move keys rotated at positions p to positions p + delta.
+        """Move keys rotated at positions p to positions p + delta (delta may be negative).
 
         RoPE rotations compose: R(p + d) = R(d) R(p), so rotating a cached key by the
         position shift gives exactly the key computed at the new position.
-        k: (kv_heads, T, D); delta: int or (T,) ints. Returns a new tensor.
+        k: (kv_heads, T, D); delta: int or (T,) ints. Returns a new tensor (k itself when
+        delta is 0); does not modify k.
         """
-        n = k.shape[1]
         if isinstance(delta, int):
             if delta == 0:
                 return k
-            cos, sin = self._shift(delta, n, k.dtype)
+            cos, sin = self._shift(delta, k.dtype)  # (1, D), broadcast over T
         else:
-            cos, sin = self.rope(delta.to(torch.long))
-        return apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+            cos, sin = self.rotation(delta)
+            cos, sin = cos.to(k.dtype), sin.to(k.dtype)
+        return apply_rope(k, cos, sin)
 
-    def rerotate_(self, k: torch.Tensor, delta: int) -> None:
-        """In-place `rerotate` of k (Hkv, T, D) by a constant shift (the loader's hot path)."""
-        if delta == 0:
-            return
-        cos, sin = self._shift(delta, k.shape[1], k.dtype)
+    def rerotate_(self, k: torch.Tensor, delta: torch.Tensor | int) -> None:
+        """In-place `rerotate` of k (Hkv, T, D) (the loader's hot path: per layer per segment).
+
+        delta: int (memoised cos/sin) or (T,) ints. Modifies k; delta 0 is a no-op.
+        """
+        if isinstance(delta, int):
+            if delta == 0:
+                return
+            cos, sin = self._shift(delta, k.dtype)  # (1, D)
+        else:
+            cos, sin = self.rotation(delta)
+            cos, sin = cos.to(k.dtype), sin.to(k.dtype)
         half = k.shape[-1] // 2
         c, s = cos[:, :half], sin[:, :half]
         x1, x2 = k[..., :half], k[..., half:]
@@ -192,12 +212,13 @@ class Runner:
         x1.mul_(c).addcmul_(x2, s, value=-1)  # x1 cos - x2 sin
         x2.mul_(c).addcmul_(first, s)  # x2 cos + x1 sin
 
-    def _shift(self, delta: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (n, D) of a constant shift, memoized (the loader asks per layer)."""
-        key = (delta, n, dtype)
+    def _shift(self, delta: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (1, D) of the pure rotation R(delta) in `dtype`, memoised (the loader asks
+        per layer per segment)."""
+        key = (delta, dtype)
         hit = self._shifts.get(key)
         if hit is None:
-            cos, sin = self.rope(torch.full((n,), delta, dtype=torch.long))
+            cos, sin = self.rotation(torch.tensor([delta]))
             hit = (cos.to(dtype), sin.to(dtype))
             if len(self._shifts) > 512:
                 self._shifts.clear()

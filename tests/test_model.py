@@ -46,8 +46,14 @@ def test_unsupported_architecture_rope_and_sliding_window():
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3"):
         check_supported(GPT2Config())
     scaled = LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
-    with pytest.raises(ValueError, match="unsupported RoPE variant 'linear'.*supported: default"):
+    with pytest.raises(ValueError, match="unsupported RoPE variant 'linear'.*supported: default, llama3, yarn"):
         check_supported(scaled)
+    dynamic = Qwen2Config(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="unsupported RoPE variant 'dynamic'"):
+        check_supported(dynamic)
+    partial = LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5.*whole head"):
+        check_supported(partial)
     with pytest.raises(ValueError, match="sliding-window"):
         check_supported(MistralConfig(sliding_window=1024, max_position_embeddings=4096))
     with pytest.raises(ValueError, match="sliding-window"):
@@ -63,3 +69,30 @@ def test_unsupported_model_fails_at_load(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
         load_model(str(tmp_path))
+
+
+def test_llama3_and_yarn_rope_are_supported():
+    from transformers import LlamaConfig, Qwen2Config
+
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768,
+            "beta_fast": 32.0, "beta_slow": 1.0}
+    assert check_supported(LlamaConfig(rope_parameters=llama3, max_position_embeddings=131072)).arch == "llama"
+    assert check_supported(Qwen2Config(rope_parameters=yarn, max_position_embeddings=131072)).arch == "qwen2"
+    assert check_supported(LlamaConfig(rope_parameters=dict(yarn, rope_theta=1e4))).arch == "llama"
+
+
+def test_unavailable_device_names_the_fix():
+    from blend.model import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'cuda' is not available.*use device='cpu'"):
+            resolve_device("cuda")
+        assert resolve_device("auto") == torch.device("cpu")
+    else:
+        with pytest.raises(ValueError, match="cuda:99.*use 'cuda:0'"):
+            resolve_device("cuda:99")
+    with pytest.raises(ValueError, match="unknown device 'gpu0'.*use 'auto', 'cpu'"):
+        resolve_device("gpu0")
