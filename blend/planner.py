@@ -201,10 +201,13 @@ def model_kv_shape(model_name: str) -> ModelKVShape:
     """
     from transformers import AutoConfig
 
-    from blend.model import resolve_model
+    from blend.model import RANDOM_PREFIX, random_config, resolve_model
 
-    directory, gguf_file = resolve_model(model_name)
-    config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+    if model_name.startswith(RANDOM_PREFIX):
+        config = random_config(model_name[len(RANDOM_PREFIX):])
+    else:
+        directory, gguf_file = resolve_model(model_name)
+        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = int(config.num_attention_heads)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from storage.dtypes import check_dtype
 from storage.units import format_bytes, parse_bytes  # noqa: F401 - re-exported for config users
 
 T = TypeVar("T")
@@ -134,7 +135,6 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 # Store configuration: one frozen dataclass per tier kind plus the store itself.
 # --------------------------------------------------------------------------------------
 
-KV_DTYPES = ("float16", "bfloat16", "float32")
 FSYNC_POLICIES = ("always", "never")
 _NAMESPACE_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{0,63})?$")
 _TIER_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
@@ -293,8 +293,7 @@ class StoreConfig:
     promote: bool = True  # copy hits in lower tiers into the tiers above
 
     def __post_init__(self) -> None:
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"store.kv_dtype: {self.kv_dtype!r} is not supported; use one of {', '.join(KV_DTYPES)}")
+        check_dtype(self.kv_dtype, "store.kv_dtype")
         if not _NAMESPACE_RE.match(self.namespace):
             raise ValueError(
                 f"store.namespace: {self.namespace!r} must be up to 64 characters from A-Z a-z 0-9 _ . (not starting with .)"

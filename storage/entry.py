@@ -12,14 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from storage import checksum as _checksum
+from storage.dtypes import DTYPE_NAMES, check_dtype, kv_bytes_per_token, torch_dtype
 from storage.keys import tokens_digest as _tokens_digest
 
 FORMAT_VERSION: int = 1
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: torch_dtype(name) for name in DTYPE_NAMES}
 
 
 class CorruptEntry(Exception):
@@ -28,16 +25,12 @@ class CorruptEntry(Exception):
 
 def dtype_of(kv_dtype: str) -> torch.dtype:
     """Torch dtype for a storage dtype name; ValueError lists the valid names."""
-    try:
-        return TORCH_DTYPES[kv_dtype]
-    except KeyError:
-        raise ValueError(f"kv_dtype {kv_dtype!r} is not supported; use one of {', '.join(TORCH_DTYPES)}") from None
+    return torch_dtype(check_dtype(kv_dtype, "kv_dtype"))
 
 
 def entry_nbytes(num_layers: int, kv_heads: int, num_tokens: int, head_dim: int, kv_dtype: str) -> int:
     """Bytes of KV in one entry (all layers, K and V) - what tier budgets are measured in."""
-    itemsize = torch.empty((), dtype=dtype_of(kv_dtype)).element_size()
-    return num_layers * 2 * kv_heads * num_tokens * head_dim * itemsize
+    return kv_bytes_per_token(num_layers, kv_heads, head_dim, kv_dtype) * num_tokens
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from storage import checksum as _checksum
+from storage.dtypes import kv_bytes_per_token
 from storage.entry import FORMAT_VERSION, TORCH_DTYPES, CorruptEntry, EntryHeader, tensor_bytes
 
 MAGIC = b"KVBLEND\x00"
@@ -76,8 +77,7 @@ def _check_header(h: EntryHeader) -> None:
         raise CorruptEntry("header has a non-integer or negative size field")
     if h.kv_dtype not in TORCH_DTYPES:
         raise CorruptEntry(f"header kv_dtype {h.kv_dtype!r} unknown")
-    itemsize = torch.empty((), dtype=TORCH_DTYPES[h.kv_dtype]).element_size()
-    if h.layer_nbytes != 2 * h.kv_heads * h.num_tokens * h.head_dim * itemsize or h.layer_nbytes == 0:
+    if h.layer_nbytes != kv_bytes_per_token(1, h.kv_heads, h.head_dim, h.kv_dtype) * h.num_tokens or h.layer_nbytes == 0:
         raise CorruptEntry("header layer_nbytes does not match its shape and dtype")
     if len(h.layer_checksums) != h.num_layers or h.num_layers == 0:
         raise CorruptEntry("header has the wrong number of layer checksums")

@@ -9,6 +9,7 @@ from typing import Any
 
 from blend.cli.common import config_arg, csv_list, emit_json, json_arg
 from storage.config import TIER_CONFIGS
+from storage.dtypes import DTYPE_NAMES
 
 
 def _tiers(text: str, allowed: tuple[str, ...] = tuple(TIER_CONFIGS)) -> list[str]:
@@ -53,7 +54,7 @@ def _register_load(sub: Any) -> None:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--chunk-tokens", type=int, default=512)
-    p.add_argument("--kv-dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    p.add_argument("--kv-dtype", default="float16", choices=DTYPE_NAMES)
     p.add_argument("--rounds", type=int, default=5, help="interleaved measured rounds (median reported)")
     p.set_defaults(func=cmd_load)
 
