@@ -29,16 +29,21 @@ def entry_name(mode: str, ratio: float | None = None, selection: str | None = No
     return f"blend@{float(ratio)}" + (f":{selection}" if selection else "")
 
 
-def parse_modes(text: str | Sequence[str]) -> tuple[str, ...]:
-    """Modes from "full,reuse,blend" (or a list); ValueError listing the valid modes."""
+def _parse_names(text: str | Sequence[str], valid: Sequence[str], what: str) -> tuple[str, ...]:
+    """Distinct names from "a,b" (or a list), in order; ValueError listing the valid ones."""
     items = [m.strip() for m in (text.split(",") if isinstance(text, str) else text)]
     items = [m for m in items if m]
     if not items:
-        raise ValueError(f"no modes given; choose from: {', '.join(MODES)}")
-    unknown = [m for m in items if m not in MODES]
+        raise ValueError(f"no {what}s given; choose from: {', '.join(valid)}")
+    unknown = [m for m in items if m not in valid]
     if unknown:
-        raise ValueError(f"unknown mode(s) {', '.join(map(repr, unknown))}; valid modes are: {', '.join(MODES)}")
+        raise ValueError(f"unknown {what}(s) {', '.join(map(repr, unknown))}; valid {what}s are: {', '.join(valid)}")
     return tuple(dict.fromkeys(items))
+
+
+def parse_modes(text: str | Sequence[str]) -> tuple[str, ...]:
+    """Modes from "full,reuse,blend" (or a list); ValueError listing the valid modes."""
+    return _parse_names(text, MODES, "mode")
 
 
 def parse_ratios(text: str | Iterable[float]) -> tuple[float, ...]:
@@ -62,17 +67,9 @@ def parse_ratios(text: str | Iterable[float]) -> tuple[float, ...]:
 
 def parse_selections(text: str | Sequence[str]) -> tuple[str, ...]:
     """Selection policies from "deviation,hybrid" (or a list); ValueError listing the valid ones."""
-    from blend.selector import SELECTIONS
+    from blend.selector import SELECTIONS  # the policy registry (imports torch)
 
-    items = [m.strip() for m in (text.split(",") if isinstance(text, str) else text)]
-    items = [m for m in items if m]
-    if not items:
-        raise ValueError(f"no selections given; choose from: {', '.join(SELECTIONS)}")
-    unknown = [m for m in items if m not in SELECTIONS]
-    if unknown:
-        raise ValueError(f"unknown selection(s) {', '.join(map(repr, unknown))}; valid selections are: "
-                         f"{', '.join(SELECTIONS)}")
-    return tuple(dict.fromkeys(items))
+    return _parse_names(text, SELECTIONS, "selection")
 
 
 def plan_entries(modes: Sequence[str], ratios: Sequence[float],
