@@ -85,6 +85,19 @@ def test_plan_entries_puts_full_first_and_names_blend_by_ratio():
     assert plan_entries(["blend"], [1])[1] == Entry("blend@1.0", "blend", 1.0)
 
 
+def test_selections_are_an_eval_dimension():
+    entries = plan_entries(["blend", "reuse"], [0.15, 0.3], ["deviation", "hybrid"])
+    assert [e.name for e in entries] == ["full", "blend@0.15:deviation", "blend@0.15:hybrid",
+                                         "blend@0.3:deviation", "blend@0.3:hybrid", "reuse"]
+    assert {e.selection for e in entries if e.mode == "blend"} == {"deviation", "hybrid"}
+    with pytest.raises(ValueError, match="valid selections are: deviation, attention, hybrid"):
+        plan_entries(["blend"], [0.15], ["fastest"])
+    run = _run(None, entries=plan_entries(["blend"], [0.3], "deviation,attention"), max_new_tokens=2)
+    rows = run.records[0]["entries"]
+    assert rows["blend@0.3:deviation"]["selection"] == "deviation"
+    assert rows["blend@0.3:attention"]["recomputed_tokens"] == rows["blend@0.3:deviation"]["recomputed_tokens"]
+
+
 @pytest.mark.parametrize("modes, ratios, message", [
     (["full", "fast"], [0.1], "valid modes are: full, reuse, prefix, blend"),
     ([], [0.1], "no modes"),
