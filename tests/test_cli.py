@@ -61,7 +61,7 @@ def test_ingest_ask_and_store(config_file, capsys):
     assert main(["store", "ls", "--config", cfg]) == 0
     listing = capsys.readouterr().out
     assert chunks[0] in listing
-    assert main(["store", "clear", "--config", cfg]) == 0
+    assert main(["store", "clear", "--config", cfg, "--yes"]) == 0
 
 
 def test_bad_input_is_a_clear_error(config_file, capsys):
