@@ -14,7 +14,16 @@ import argparse
 import logging
 from typing import Any
 
-from blend.cli.common import EVAL_EXTRA, arg_type, config_arg, emit_json, human, json_arg, positive_int, require_eval_extra
+from blend.cli.common import (
+    EVAL_EXTRA,
+    arg_type,
+    config_arg,
+    emit_json,
+    human,
+    json_arg,
+    positive_int,
+    require_eval_extra,
+)
 from blend.modes import MODES
 
 log = logging.getLogger(__name__)
