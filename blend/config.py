@@ -100,7 +100,7 @@ class BlendConfig:
     system_prompt: StrictStr = QA.render_system()  # before the documents (blend.prompt.TEMPLATES['qa'])
     query_template: Annotated[StrictStr, AfterValidator(_query_template)] = QA.query  # after them; may use {question}
     sessions_dir: LocalPath = Field(default_factory=lambda: str(kvblend_home() / "sessions"))  # chat histories
-    idle_seconds: PositiveFloat = 300.0  # chat sessions idle this long are offloaded from the device
+    idle_seconds: NonNegativeFloat = 300.0  # chat sessions idle this long are offloaded from the device (0: after each turn)
     # device-resident chat KV above this offloads the least recently used sessions ("1GiB" accepted)
     active_budget: Bytes = 1 << 30
 

@@ -61,7 +61,7 @@ def error_of(tmp_path: Path, text: str) -> str:
     ("engine: [1, 2]\n", "engine: expected a mapping, got a list [1, 2]"),
     ("store: 5\n", "store: expected a mapping, got 5"),
     ("device: banana\n", "device: unknown device 'banana'; use auto, cpu, cuda"),
-    ("engine:\n  idle_seconds: -5\n", "engine.idle_seconds: must be > 0"),
+    ("engine:\n  idle_seconds: -5\n", "engine.idle_seconds: must be >= 0"),
     ("engine:\n  recompute_ratio: .nan\n", "engine.recompute_ratio: expected a finite number, got nan"),
     ("engine:\n  recompute_ratio: true\n", "engine.recompute_ratio: expected a number, got True"),
     ("engine:\n  chunk_tokens: '512'\n", "engine.chunk_tokens: expected an integer, got '512'"),
