@@ -90,8 +90,7 @@ def test_bad_input_is_a_clear_error(config_file, capsys):
 
 def run_cli(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
     """`python -m blend.cli ARGS` in a fresh process running this checkout's code."""
-    full_env = {k: v for k, v in os.environ.items()  # (in-process `main` calls set HF_HUB_DISABLE_PROGRESS_BARS)
-                if not k.startswith("KVBLEND_") and k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
     full_env |= {"PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([sys.executable, "-m", "blend.cli", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=300, **kw)
@@ -154,13 +153,15 @@ def test_store_stats_outside_the_repository(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # nothing in the working directory
 
 
-def test_model_loading_is_quiet_unless_verbose(config_file):
+def test_model_loading_is_quiet_unless_verbose(config_file, capsys):
     args = ["ask", "--config", str(config_file / "c.yaml"), "--question", "When?", "--mode", "full",
             "--max-new-tokens", "1"]
-    quiet = run_cli(*args)
-    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
-    verbose = run_cli("--verbose", *args)
-    assert verbose.returncode == 0 and "Loading weights" in verbose.stderr
+    assert main(args) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["--verbose", *args]) == 0
+    assert "Loading weights" in capsys.readouterr().err
+    assert main(args) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_closed_stdout_is_not_a_traceback(config_file):

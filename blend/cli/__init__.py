@@ -54,13 +54,16 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return _USER_ERRORS + lazy
 
 
-def _quiet_progress_bars() -> None:
-    """Hide transformers / huggingface_hub progress bars (weight loading) for this process."""
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when transformers is imported
+def _progress_bars(show: bool) -> None:
+    """Show or hide transformers / huggingface_hub progress bars (weight loading) in this process."""
+    if show:
+        os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+    else:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when transformers is imported
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+        hf_logging.enable_progress_bar() if show else hf_logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,8 +86,7 @@ def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if not args.verbose:
-        _quiet_progress_bars()
+    _progress_bars(show=args.verbose)
     try:
         return int(args.func(args) or 0)
     except ModuleNotFoundError as err:
