@@ -59,15 +59,6 @@ def config_dataclass(cls: type[T]) -> type[T]:
     return cls
 
 
-def _rule(check: typing.Callable[[Any], Any]) -> AfterValidator:
-    """An after-validator from a function that raises ValueError (its message is the error)."""
-    return AfterValidator(check)
-
-
-def _bytes(value: Any) -> int:
-    return parse_bytes(value, "")
-
-
 def _local_path(value: str, info: ValidationInfo) -> str:
     """A directory path: `~` expanded, a relative path resolved against the config file's
     directory (validation context `base_dir`); an existing non-directory is an error."""
@@ -101,20 +92,16 @@ def _secret(value: str) -> str:
 
 
 # Field types: numbers are strict (no bools, no numeric strings; ints are accepted as floats).
-Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]
-Bool = StrictBool
-Str = StrictStr
 PositiveInt = Annotated[int, Strict(), Field(ge=1)]
 PositiveFloat = Annotated[float, Strict(), Field(gt=0)]
 NonNegativeFloat = Annotated[float, Strict(), Field(ge=0)]
 Ratio = Annotated[float, Strict(), Field(ge=0, le=1)]
-Bytes = Annotated[int, BeforeValidator(_bytes), Field(gt=0)]  # 4096, "16KiB", "2GiB"
+Bytes = Annotated[int, BeforeValidator(lambda v: parse_bytes(v, "")), Field(gt=0)]  # 4096, "16KiB", "2GiB"
 LocalPath = Annotated[StrictStr, AfterValidator(_local_path)]
 DType = Literal[DTYPE_NAMES]  # type: ignore[valid-type]
 Section = BeforeValidator(lambda v: {} if v is None else v)  # an empty YAML section means defaults
-TierName = Annotated[StrictStr, _rule(_tier_name)]
-RedisUrl = Annotated[StrictStr, _rule(_redis_url)]
+TierName = Annotated[StrictStr, AfterValidator(_tier_name)]
+RedisUrl = Annotated[StrictStr, AfterValidator(_redis_url)]
 
 
 # ------------------------------------------------------------------------------ tiers
@@ -142,7 +129,7 @@ class DiskTierConfig:
     path: LocalPath
     budget: Bytes = 20 * GIB
     fsync: Literal["always", "never"] = "never"
-    required: Bool = False  # true: failed writes raise StoreUnavailable instead of being counted
+    required: StrictBool = False  # true: failed writes raise StoreUnavailable instead of being counted
     name: TierName = ""
 
 
@@ -150,9 +137,9 @@ class DiskTierConfig:
 class _RedisOptions:
     """What the Redis and Redis Cluster tiers share: key prefix, expiry, timeouts, pool, backoff."""
 
-    key_prefix: Str = "kvblend:"
+    key_prefix: StrictStr = "kvblend:"
     ttl_s: PositiveFloat | None = None  # expire entries after this many seconds; None: never
-    required: Bool = False  # true: an unreachable server raises StoreUnavailable
+    required: StrictBool = False  # true: an unreachable server raises StoreUnavailable
     socket_timeout_s: PositiveFloat = 2.0
     connect_timeout_s: PositiveFloat = 1.0
     pool_size: PositiveInt = 16
@@ -212,13 +199,13 @@ def tier_display_name(cfg: TierConfig) -> str:
 class StoreConfig:
     """The tiered KV store: tiers are consulted in order (fastest first)."""
 
-    namespace: Annotated[StrictStr, _rule(check_namespace)] = ""  # prefix of every key; separates caches
+    namespace: Annotated[StrictStr, AfterValidator(check_namespace)] = ""  # prefix of every key; separates caches
     kv_dtype: DType = "float16"  # storage dtype: float16 | bfloat16 | float32
     tiers: tuple[AnyTier, ...] = (CpuTierConfig(),)
     write_queue: PositiveInt = 64  # background writes queued before put() blocks
-    promote: Bool = True  # copy hits in lower tiers into the tiers above
+    promote: StrictBool = True  # copy hits in lower tiers into the tiers above
     # key of the optional HMAC over each entry (env KVBLEND_STORE_SECRET); never printed
-    secret: Annotated[StrictStr, _rule(_secret)] | None = Field(default=None, repr=False)
+    secret: Annotated[StrictStr, AfterValidator(_secret)] | None = Field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -306,90 +293,64 @@ def format_errors(err: ValidationError, root: type, where: str) -> str:
     return "\n".join(lines)
 
 
-_TYPE_NAMES = {"int_type": "an integer", "int_from_float": "an integer", "int_parsing": "an integer",
-               "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
-               "bool_type": "true or false", "bool_parsing": "true or false", "string_type": "a string",
-               "tuple_type": "a list", "list_type": "a list", "dataclass_type": "a mapping",
-               "dict_type": "a mapping", "model_type": "a mapping"}
+_EXPECTED = {"int": "an integer", "float": "a number", "finite": "a finite number", "bool": "true or false",
+             "string": "a string", "tuple": "a list", "list": "a list", "dataclass": "a mapping", "dict": "a mapping"}
 _BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
            "less_than_equal": ("le", "<=")}
 
 
 def _message(e: dict[str, Any], tp: Any, key: Any) -> str:
-    kind, ctx, value = e["type"], e.get("ctx") or {}, e.get("input")
+    kind, ctx, got = e["type"], e.get("ctx") or {}, _show(e.get("input"))
     if key is not None and kind in ("missing", "missing_argument"):
         return f"missing required key {key!r}"
     if key is not None:
-        valid = sorted(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else []
-        return f"unknown key {key!r}; valid keys are: {', '.join(valid)}"
-    if kind in ("union_tag_invalid", "union_tag_not_found"):
-        kinds = ", ".join(_tags(tp))
+        return f"unknown key {key!r}; valid keys are: {', '.join(sorted(f.name for f in dataclasses.fields(tp)))}"
+    if kind.startswith("union_tag"):
         found = "missing `kind`" if kind == "union_tag_not_found" else f"unknown kind {ctx.get('tag')!r}"
-        return f"{found}; valid kinds are: {kinds}"
-    if kind in ("value_error", "assertion_error"):
-        return str(ctx.get("error", e["msg"]))
-    if kind in _TYPE_NAMES:
-        return f"expected {_TYPE_NAMES[kind]}, got {_show(value)}"
+        return f"{found}; valid kinds are: {', '.join(_kinds(tp))}"
+    if kind == "value_error":
+        return str(ctx["error"])
     if kind in _BOUNDS:
-        name, op = _BOUNDS[kind]
-        return f"must be {op} {ctx[name]}, got {_show(value)}"
+        return f"must be {_BOUNDS[kind][1]} {ctx[_BOUNDS[kind][0]]}, got {got}"
     if kind == "literal_error":
-        return f"must be one of {ctx['expected']}, got {_show(value)}"
-    return f"{e['msg']}, got {_show(value)}"
+        return f"must be one of {ctx['expected']}, got {got}"
+    expected = _EXPECTED.get(kind.split("_")[0])
+    return f"expected {expected}, got {got}" if expected else f"{e['msg']}, got {got}"
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list | tuple):
-        return f"a list {list(value)!r}"[:80]
-    return repr(value)[:80]
+    return "a mapping" if isinstance(value, dict) else repr(value)[:80]
 
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls, include_extras=True)
+    return typing.get_type_hints(cls, include_extras=True) if dataclasses.is_dataclass(cls) else {}
 
 
-def _unwrap(tp: Any) -> Any:
-    """Strip Annotated[...] and Optional[...] down to the type that carries the data."""
-    while True:
-        if typing.get_origin(tp) is Annotated:
-            tp = typing.get_args(tp)[0]
-            continue
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if _is_union(tp) and len(args) == 1:
-            tp = args[0]
-            continue
-        return tp
+def _data_type(tp: Any) -> Any:
+    """Annotated[X, ...] -> X and X | None -> X."""
+    while typing.get_origin(tp) is Annotated or type(None) in typing.get_args(tp):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
 
 
-def _is_union(tp: Any) -> bool:
-    import types
-
-    return typing.get_origin(tp) in (typing.Union, types.UnionType)
-
-
-def _tags(tp: Any) -> dict[str, type]:
-    """{kind: class} of a discriminated union of config dataclasses."""
+def _kinds(tp: Any) -> dict[str, type]:
+    """{kind: class} of a discriminated union of config dataclasses (empty for other types)."""
     return {cls.kind: cls for cls in typing.get_args(tp) if dataclasses.is_dataclass(cls)}
 
 
 def _walk(root: type, loc: tuple) -> tuple[str, Any]:
-    """The dotted key path of pydantic location `loc` under `root` (union tags dropped) and
-    the type found there."""
+    """The key path (`store.tiers[1].budget`) of pydantic location `loc` under `root`, and the type there."""
     path, tp = "", root
     for item in loc:
-        tp = _unwrap(tp)
+        tp = _data_type(tp)
         if isinstance(item, int):
-            path += f"[{item}]"
-            tp = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else Any
-        elif _is_union(tp) and item in _tags(tp):
-            tp = _tags(tp)[item]  # the discriminator's tag: part of pydantic's location, not of the file
+            path, tp = f"{path}[{item}]", (typing.get_args(tp) or (None,))[0]
+        elif item in _kinds(tp):
+            tp = _kinds(tp)[item]  # a union tag: part of pydantic's location, not of the file
         else:
-            path += f".{item}" if path else str(item)
-            tp = _hints(tp).get(item, Any) if dataclasses.is_dataclass(tp) else Any
-    return path, _unwrap(tp)
+            path, tp = f"{path}.{item}".lstrip("."), _hints(tp).get(item)
+    return path, _data_type(tp)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -410,7 +371,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"{p}: the top level of a config must be a mapping of keys, got {_show(data)}")
+        raise ValueError(f"{p}: the top level of a config must be a mapping of keys, got {data!r:.80}")
     bad = [k for k in data if not isinstance(k, str)]
     if bad:
         raise ValueError(f"{p}: key {bad[0]!r} is not a name; keys are words such as model, engine, store")

@@ -58,7 +58,7 @@ def error_of(tmp_path: Path, text: str) -> str:
     ("store:\n  tiers:\n    - {kind: s3}\n", "store.tiers[0]: unknown kind 's3'; valid kinds are: cpu, disk, redis, redis-cluster"),
     ("store:\n  tiers:\n    - {budget: 1GiB}\n", "store.tiers[0]: missing `kind`; valid kinds are: cpu, disk"),
     ("store:\n  tiers:\n    - {kind: disk}\n", "store.tiers[0]: missing required key 'path'"),
-    ("engine: [1, 2]\n", "engine: expected a mapping, got a list [1, 2]"),
+    ("engine: [1, 2]\n", "engine: expected a mapping, got [1, 2]"),
     ("store: 5\n", "store: expected a mapping, got 5"),
     ("device: banana\n", "device: unknown device 'banana'; use auto, cpu, cuda"),
     ("engine:\n  idle_seconds: -5\n", "engine.idle_seconds: must be >= 0"),
