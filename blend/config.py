@@ -1,142 +1,268 @@
-"""Engine configuration: one YAML file -> frozen dataclasses (unknown keys rejected).
+"""Engine configuration: a YAML file, or the packaged default, as frozen validated
+dataclasses, with KVBLEND_* environment overrides.
 
 Layout of a config file (see configs/default.yaml):
   model, device, dtype      what to load and where
   engine: BlendConfig       chunking, selection, pipelining, decoding defaults
   store:  StoreConfig       the KV tiers (storage.config)
+
+Where a config comes from (`load_config`), later wins: the file given (--config), else the
+file named by $KVBLEND_CONFIG, else the packaged default `EngineConfig()` (CPU memory plus
+a disk tier and chat sessions under `kvblend_home()`); then the KVBLEND_* variables of
+ENV_OVERRIDES; then explicit overrides (CLI flags, keyword arguments). Relative directories
+in a file (disk tier path, sessions_dir) are resolved against the file's directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import json
+import os
+import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import AfterValidator, Field, Strict, StrictStr
+
+from blend.modes import MODES, check_mode, check_ratio  # noqa: F401 - re-exported
 from blend.prompt import QA
-from storage.config import StoreConfig, from_mapping, load_yaml
+from storage.config import (
+    Bytes,
+    CpuTierConfig,
+    DiskTierConfig,
+    DType,
+    LocalPath,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    Ratio,
+    RedisTierConfig,
+    Section,
+    StoreConfig,
+    config_dataclass,
+    from_mapping,
+    load_yaml,
+    redacted,
+)
 
-MODES = ("full", "reuse", "prefix", "blend")
-DEFAULT_CONFIG = "configs/default.yaml"
+CONFIG_ENV = "KVBLEND_CONFIG"
+HOME_ENV = "KVBLEND_HOME"
 CHUNK_CONTEXTS = ("none", "system")
 
-@dataclass(frozen=True)
+
+def kvblend_home() -> Path:
+    """Where kvblend keeps caches (converted models, the default disk tier, chat sessions):
+    $KVBLEND_HOME, else $XDG_CACHE_HOME/kvblend, else ~/.cache/kvblend. Creates nothing."""
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "kvblend"
+
+
+def _policy(registry: str) -> Callable[[str], str]:
+    def check(name: str) -> str:
+        from blend import selector  # the policy's registry (imports torch)
+
+        valid = getattr(selector, registry)
+        if name not in valid:
+            raise ValueError(f"must be one of {', '.join(valid)}, got {name!r}")
+        return name
+
+    return check
+
+
+def _query_template(text: str) -> str:
+    try:
+        text.format(question="")
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(f"may only use the placeholder {{question}} ({err}); write a literal brace as {{{{ or }}}}") from None
+    return text
+
+
+@config_dataclass
 class BlendConfig:
     """How prompts are chunked, which tokens are recomputed, how loads are pipelined."""
 
-    chunk_tokens: int = 512
-    recompute_ratio: float = 0.15
-    check_layers: tuple[int, ...] = (1,)
-    filter_schedule: tuple[float, ...] = (1.0,)
-    deviation: str = "v"
+    chunk_tokens: PositiveInt = 512
+    recompute_ratio: Ratio = 0.15
+    check_layers: tuple[Annotated[int, Strict(), Field(ge=0)], ...] = (1,)
+    filter_schedule: tuple[PositiveFloat, ...] = (1.0,)
+    deviation: Annotated[StrictStr, AfterValidator(_policy("DEVIATIONS"))] = "v"
     # hybrid | deviation (the paper's rule) | attention; hybrid won the synthetic-QA comparison (docs/EVAL.md)
-    selection: str = "hybrid"
+    selection: Annotated[StrictStr, AfterValidator(_policy("SELECTIONS"))] = "hybrid"
     # layers fetched ahead of compute; loads land in the request's preallocated cache, so depth
     # costs no memory, and a loader that runs ahead finishes early and stops competing for CPU
-    prefetch_depth: int = 32
-    chunk_context: str = "none"
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    system_prompt: str = QA.render_system()  # before the documents (blend.prompt.TEMPLATES['qa'])
-    query_template: str = QA.query  # after them; may use {question}
-    sessions_dir: str = ".kvblend-cache/sessions"  # chat histories (JSON per session)
-    idle_seconds: float = 300.0  # chat sessions idle this long are offloaded from the device
+    prefetch_depth: PositiveInt = 32
+    chunk_context: Literal[CHUNK_CONTEXTS] = "none"  # type: ignore[valid-type]
+    max_new_tokens: PositiveInt = 32
+    temperature: NonNegativeFloat = 0.0
+    top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0
+    system_prompt: StrictStr = QA.render_system()  # before the documents (blend.prompt.TEMPLATES['qa'])
+    query_template: Annotated[StrictStr, AfterValidator(_query_template)] = QA.query  # after them; may use {question}
+    sessions_dir: LocalPath = Field(default_factory=lambda: str(kvblend_home() / "sessions"))  # chat histories
+    idle_seconds: NonNegativeFloat = 300.0  # chat sessions idle this long are offloaded from the device (0: after each turn)
     # device-resident chat KV above this offloads the least recently used sessions ("1GiB" accepted)
-    active_budget: int = field(default=1 << 30, metadata={"bytes": True})
+    active_budget: Bytes = 1 << 30
 
     def __post_init__(self) -> None:
-        if self.chunk_tokens < 1:
-            raise ValueError(f"engine.chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        check_ratio(self.recompute_ratio)
-        if not self.check_layers:
-            raise ValueError("engine.check_layers must name at least one layer, e.g. [1]")
-        if list(self.check_layers) != sorted(set(self.check_layers)) or self.check_layers[0] < 0:
-            raise ValueError(f"engine.check_layers must be increasing layer indices >= 0, got {list(self.check_layers)}")
-        if len(self.filter_schedule) != len(self.check_layers):
-            raise ValueError(
-                f"engine.filter_schedule has {len(self.filter_schedule)} entries but check_layers has "
-                f"{len(self.check_layers)}; give one multiplier per check layer, e.g. [2.0, 1.5, 1.0] for [1, 2, 3]"
-            )
-        s = self.filter_schedule
-        if any(b > a for a, b in zip(s, s[1:], strict=False)) or s[-1] != 1.0 or s[-1] <= 0:
-            raise ValueError(
-                f"engine.filter_schedule must be non-increasing and end at 1.0 (the final set is the "
-                f"recompute ratio), got {list(s)}"
-            )
-        from blend.selector import DEVIATIONS, SELECTIONS  # the policy's registry (imports torch)
+        layers = list(self.check_layers)
+        if not layers:
+            raise ValueError("check_layers must name at least one layer, e.g. [1]")
+        if layers != sorted(set(layers)):
+            raise ValueError(f"check_layers must be increasing layer indices, got {layers}")
+        s = list(self.filter_schedule)
+        if len(s) != len(layers):
+            raise ValueError(f"filter_schedule has {len(s)} entries but check_layers has {len(layers)}; give one "
+                             "multiplier per check layer, e.g. [2.0, 1.5, 1.0] for [1, 2, 3]")
+        if any(b > a for a, b in zip(s, s[1:], strict=False)) or s[-1] != 1.0:
+            raise ValueError(f"filter_schedule must be non-increasing and end at 1.0 (the final set is the "
+                             f"recompute ratio), got {s}")
 
-        if self.deviation not in DEVIATIONS:
-            raise ValueError(f"engine.deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation!r}")
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"engine.selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
-        if self.chunk_context not in CHUNK_CONTEXTS:
-            raise ValueError(f"engine.chunk_context must be one of {', '.join(CHUNK_CONTEXTS)}, got {self.chunk_context!r}")
-        if self.prefetch_depth < 1:
-            raise ValueError(f"engine.prefetch_depth must be >= 1, got {self.prefetch_depth}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"engine.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    def check_model_layers(self, num_layers: int) -> None:
+        """ValueError if a check layer is beyond a model of `num_layers` layers."""
+        if self.check_layers[-1] >= num_layers:
+            raise ValueError(f"engine.check_layers {list(self.check_layers)} is beyond the model's {num_layers} "
+                             f"layers (0..{num_layers - 1}); use layers below {num_layers}, e.g. [{min(1, num_layers - 1)}]")
+
+
+def _device(name: str) -> str:
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", name):
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:<index> or mps")
+    return name
+
+
+def _model(name: str) -> str:
+    """A model alias, `random:<shape>` or local path; a local directory's config.json must be JSON."""
+    if not name.strip():
+        raise ValueError("is empty; give an alias such as smollm2-135m-instruct or a local model directory")
+    config_json = Path(name).expanduser() / "config.json"
+    if config_json.is_file():
         try:
-            self.query_template.format(question="")
-        except (KeyError, IndexError, ValueError) as err:
-            raise ValueError(f"engine.query_template may only use the placeholder {{question}} ({err})") from None
+            json.loads(config_json.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(f"{config_json}: not a valid model config.json ({reason}); restore the model's "
+                             "files or point model at another directory") from None
+    return name
 
 
-def check_ratio(ratio: float) -> float:
-    if not isinstance(ratio, int | float) or not 0.0 <= float(ratio) <= 1.0:
-        raise ValueError(f"recompute ratio must be within [0, 1], got {ratio!r}")
-    return float(ratio)
+def default_store() -> StoreConfig:
+    """The packaged default store: 2GiB of CPU memory, then 20GiB of disk under kvblend_home()."""
+    return StoreConfig(tiers=(CpuTierConfig(), DiskTierConfig(path=str(kvblend_home() / "disk"))))
 
 
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; valid modes are: {', '.join(MODES)}")
-    return mode
-
-
-@dataclass(frozen=True)
+@config_dataclass
 class EngineConfig:
-    """The whole config file."""
+    """The whole config file; `EngineConfig()` is the packaged default."""
 
-    model: str = "smollm2-135m-instruct"
-    device: str = "auto"
-    dtype: str = "float32"
-    engine: BlendConfig = field(default_factory=BlendConfig)
-    store: StoreConfig = field(default_factory=StoreConfig)
+    model: Annotated[StrictStr, AfterValidator(_model)] = "smollm2-135m-instruct"
+    device: Annotated[StrictStr, AfterValidator(_device)] = "auto"  # auto | cpu | cuda | cuda:N | mps
+    dtype: DType = "float32"  # compute dtype
+    engine: Annotated[BlendConfig, Section] = Field(default_factory=BlendConfig)
+    store: Annotated[StoreConfig, Section] = Field(default_factory=default_store)
 
     @classmethod
-    def from_mapping(cls, data: dict[str, Any], where: str = "config") -> EngineConfig:
-        data = dict(data)
-        data["store"] = StoreConfig.from_mapping(data.pop("store", None) or {}, where=f"{where}.store")
-        data["engine"] = from_mapping(BlendConfig, data.pop("engine", None) or {}, f"{where}.engine")
-        return from_mapping(cls, data, where)  # rejects unknown top-level keys
+    def from_mapping(cls, data: Any, where: str = "config", base_dir: Path | None = None) -> EngineConfig:
+        """Build from a YAML mapping; errors are one line each, `{where}: {key path}: ...`.
+        Relative directories are resolved against `base_dir` when given."""
+        return from_mapping(cls, data, where, base_dir)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for JSON, with the store secret redacted."""
+        return redacted(self)
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """Return a copy with overrides applied; keys are top-level fields or engine fields.
 
-        `store=` accepts a StoreConfig or a mapping. Unknown keys raise ValueError listing
-        the valid ones.
+        `store=` accepts a StoreConfig or a mapping. Unknown keys or bad values raise
+        ValueError (unknown keys list the valid ones).
         """
-        top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"engine", "store"}
-        engine_fields = {f.name for f in dataclasses.fields(BlendConfig)}
-        top: dict[str, Any] = {}
-        engine: dict[str, Any] = {}
-        store = self.store
-        for key, value in overrides.items():
-            if key in top_fields:
-                top[key] = value
-            elif key in engine_fields:
-                engine[key] = tuple(value) if isinstance(value, list) else value
-            elif key == "store":
-                store = value if isinstance(value, StoreConfig) else StoreConfig.from_mapping(value)
-            else:
-                raise ValueError(
-                    f"unknown override {key!r}; valid keys are: {', '.join(sorted(top_fields | engine_fields | {'store'}))}"
-                )
-        return dataclasses.replace(self, **top, engine=dataclasses.replace(self.engine, **engine), store=store)
+        return _override(self, overrides, "override")
 
 
-def load_config(path: str | Path, **overrides: Any) -> EngineConfig:
-    """Read a YAML config file; overrides (top-level or engine keys, or store=) win."""
-    config = EngineConfig.from_mapping(load_yaml(path), where=str(path))
+def _override(config: EngineConfig, overrides: dict[str, Any], where: str) -> EngineConfig:
+    top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"engine", "store"}
+    engine_fields = {f.name for f in dataclasses.fields(BlendConfig)}
+    top: dict[str, Any] = {}
+    engine: dict[str, Any] = {}
+    store = config.store
+    for key, value in overrides.items():
+        if key in top_fields:
+            top[key] = value
+        elif key in engine_fields:
+            engine[key] = tuple(value) if isinstance(value, list) else value
+        elif key == "store":
+            store = value if isinstance(value, StoreConfig) else StoreConfig.from_mapping(value, where=f"{where}: store")
+        else:
+            valid = ", ".join(sorted(top_fields | engine_fields | {"store"}))
+            raise ValueError(f"{where}: unknown key {key!r}; valid keys are: {valid}")
+    try:
+        return dataclasses.replace(config, **top, engine=dataclasses.replace(config.engine, **engine), store=store)
+    except ValueError as err:  # "BlendConfig: recompute_ratio: ..." -> "{where}: recompute_ratio: ..."
+        raise ValueError(re.sub(r"(?m)^(EngineConfig|BlendConfig): ", f"{where}: ", str(err))) from None
+
+
+def _set_redis_url(config: EngineConfig, url: str) -> EngineConfig:
+    """Point every redis tier at `url`; without one, add a redis tier after the others."""
+    tiers = config.store.tiers
+    if any(t.kind == "redis" for t in tiers):
+        tiers = tuple(dataclasses.replace(t, url=url) if t.kind == "redis" else t for t in tiers)
+    else:
+        tiers = (*tiers, RedisTierConfig(url=url))
+    return _override(config, {"store": dataclasses.replace(config.store, tiers=tiers)}, "KVBLEND_REDIS_URL")
+
+
+def _set_ratio(config: EngineConfig, text: str) -> EngineConfig:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"KVBLEND_RECOMPUTE_RATIO: expected a number within [0, 1], got {text!r}") from None
+    return _override(config, {"recompute_ratio": value}, "KVBLEND_RECOMPUTE_RATIO")
+
+
+def _setter(key: str, var: str) -> Callable[[EngineConfig, str], EngineConfig]:
+    return lambda config, value: _override(config, {key: value}, var)
+
+
+# Environment variables that override a config (documented in README.md), applied in this order.
+ENV_OVERRIDES: dict[str, Callable[[EngineConfig, str], EngineConfig]] = {
+    "KVBLEND_MODEL": _setter("model", "KVBLEND_MODEL"),
+    "KVBLEND_DEVICE": _setter("device", "KVBLEND_DEVICE"),
+    "KVBLEND_DTYPE": _setter("dtype", "KVBLEND_DTYPE"),
+    "KVBLEND_RECOMPUTE_RATIO": _set_ratio,
+    "KVBLEND_REDIS_URL": _set_redis_url,
+    "KVBLEND_STORE_SECRET": lambda config, secret: _override(
+        config, {"store": dataclasses.replace(config.store, secret=secret)}, "KVBLEND_STORE_SECRET"),
+}
+
+
+def apply_env(config: EngineConfig, environ: dict[str, str] | None = None) -> EngineConfig:
+    """`config` with the KVBLEND_* overrides that are set (non-empty) in `environ` (default os.environ)."""
+    environ = os.environ if environ is None else environ
+    for var, apply in ENV_OVERRIDES.items():
+        if environ.get(var):
+            try:
+                config = apply(config, environ[var])
+            except ValueError as err:  # "RedisTierConfig: url: ..." -> "KVBLEND_REDIS_URL: url: ..."
+                raise ValueError(re.sub(r"(?m)^[A-Z]\w*Config: ", f"{var}: ", str(err))) from None
+    return config
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> EngineConfig:
+    """The effective config: the YAML file at `path` (else $KVBLEND_CONFIG, else the packaged
+    default), then the KVBLEND_* environment overrides, then `overrides` (top-level or engine
+    keys, or store=). Reads files only; creates nothing. ValueError/FileNotFoundError, one
+    line per problem, naming the file and key."""
+    source = str(path) if path else os.environ.get(CONFIG_ENV) or None
+    if source is None:
+        config = EngineConfig()
+    else:
+        try:
+            data = load_yaml(source)
+        except FileNotFoundError as err:
+            if path:
+                raise
+            raise FileNotFoundError(f"{CONFIG_ENV}: {err}") from None
+        config = EngineConfig.from_mapping(data, where=source, base_dir=Path(source).resolve().parent)
+    config = apply_env(config)
     return config.with_overrides(**overrides) if overrides else config

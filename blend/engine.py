@@ -51,6 +51,7 @@ class BlendEngine:
         self.config = config
         cfg = config.engine
         self.lm = model or load_model(config.model, device=config.device, dtype=config.dtype)
+        cfg.check_model_layers(self.lm.dims.num_layers)
         self.runner = Runner(self.lm)
         self.prompts = PromptBuilder(self.lm.tokenizer, cfg.system_prompt, cfg.query_template, cfg.chunk_tokens)
         entry_bytes = self.lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * cfg.chunk_tokens
@@ -65,8 +66,9 @@ class BlendEngine:
         self.sessions = SessionManager(cfg, self.prefix_cache, self.decoder)
 
     @classmethod
-    def from_config(cls, path: str | Path, **overrides: Any) -> BlendEngine:
-        """Build from a YAML config; overrides (e.g. recompute_ratio=0.3, model=...) win over the file."""
+    def from_config(cls, path: str | Path | None = None, **overrides: Any) -> BlendEngine:
+        """Build from a YAML config (None: $KVBLEND_CONFIG, else the packaged default; see
+        blend.config.load_config); overrides (e.g. recompute_ratio=0.3, model=...) win over it."""
         return cls(load_config(path, **overrides))
 
     def close(self) -> None:

@@ -218,8 +218,10 @@ def wrap_model(model: torch.nn.Module, tokenizer, source: str = "<in-memory>", w
 
 
 def cache_home() -> Path:
-    """Where kvblend keeps converted models: $KVBLEND_HOME or ~/.cache/kvblend."""
-    return Path(os.environ.get("KVBLEND_HOME") or Path.home() / ".cache" / "kvblend")
+    """Where kvblend keeps converted models: blend.config.kvblend_home() ($KVBLEND_HOME or the XDG cache dir)."""
+    from blend.config import kvblend_home
+
+    return kvblend_home()
 
 
 def _converted_gguf_dir(directory: str, gguf_file: str, digest: str) -> Path:

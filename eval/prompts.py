@@ -4,21 +4,22 @@ Loading rejects unknown keys and placeholders other than {question}."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import Field
+
 from blend.prompt import QA, SUMMARIZATION, PromptTemplate
-from storage.config import from_mapping, load_yaml
+from storage.config import config_dataclass, from_mapping, load_yaml
 
 __all__ = ["PromptTemplate", "Prompts", "load_prompts"]
 
 
-@dataclass(frozen=True)
+@config_dataclass
 class Prompts:
     """All task templates; a task missing from the YAML keeps its built-in default."""
 
-    qa: PromptTemplate = field(default_factory=lambda: QA)
-    summarization: PromptTemplate = field(default_factory=lambda: SUMMARIZATION)
+    qa: PromptTemplate = Field(default_factory=lambda: QA)
+    summarization: PromptTemplate = Field(default_factory=lambda: SUMMARIZATION)
 
 
 def load_prompts(path: str | Path | None = None) -> dict[str, PromptTemplate]:

@@ -1,176 +1,121 @@
-"""Configuration plumbing shared by every component: frozen dataclasses built from YAML
-mappings that reject unknown keys, and human-friendly byte sizes ("512MiB").
+"""Configuration models shared by every component, and the YAML loader.
 
-Component configs (tiers, the store, the engine) are frozen dataclasses; `from_mapping`
-builds one from a plain dict, checking every key against the dataclass fields and
-naming the valid ones when a key is unknown.
+Component configs are frozen pydantic dataclasses (`config_dataclass`): every construction
+validates, unknown keys are rejected, and `dataclasses.replace` / `dataclasses.fields` keep
+working. `from_mapping(cls, data, where)` builds one from a YAML mapping; each problem is
+one line naming its key path, e.g. `configs/x.yaml: store.tiers[1].budget: must be > 0, got 0`.
+Byte sizes accept "2GiB" (storage.units). Tiers are chosen by their `kind`; each tier config
+names the class that implements it (`storage.tier.tier_class` imports it on demand).
+Importing this module imports neither torch nor redis.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
+import pydantic.dataclasses
 import yaml
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+)
 
-from storage.dtypes import check_dtype
-from storage.units import format_bytes, parse_bytes  # noqa: F401 - re-exported for config users
+from storage.dtypes import DTYPE_NAMES
+from storage.keys import check_namespace
+from storage.units import GIB, format_bytes, parse_bytes  # noqa: F401 - re-exported for config users
 
 T = TypeVar("T")
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+
+# ----------------------------------------------------------------------------- models
+def config_dataclass(cls: type[T]) -> type[T]:
+    """Make `cls` a frozen, validating, keyword-only dataclass that rejects unknown keys and
+    NaN/inf; a failed construction raises ValueError with one line per problem."""
+    cls = pydantic.dataclasses.dataclass(frozen=True, kw_only=True,
+                                         config=ConfigDict(extra="forbid", allow_inf_nan=False))(cls)
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except ValidationError as err:
+            raise ValueError(format_errors(err, cls, cls.__name__)) from None
+
+    cls.__init__ = __init__
+    return cls
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Coerce a YAML value into the annotated type (nested dataclasses, tuples, Optional)."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        if len(args) == 1:
-            return _coerce(value, args[0], where)
-        if isinstance(value, dict) and all(dataclasses.is_dataclass(a) for a in args):
-            return _coerce_tagged(value, args, where)
-        return value
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected a mapping, got {type(value).__name__}")
-        return from_mapping(tp, value, where)
-    if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise ValueError(f"{where}: expected a list, got {value!r}")
-        args = typing.get_args(tp)
-        inner = args[0] if args else Any
-        return tuple(_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{where}: expected a string, got {value!r}")
-        return value
+def _local_path(value: str, info: ValidationInfo) -> str:
+    """A directory path: `~` expanded, a relative path resolved against the config file's
+    directory (validation context `base_dir`); an existing non-directory is an error."""
+    if not value:
+        raise ValueError("is empty; give a directory (created if missing)")
+    path = Path(value).expanduser()
+    base = (info.context or {}).get("base_dir")
+    if base is not None and not path.is_absolute():
+        path = Path(base) / path
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{str(path)!r} exists and is not a directory; point it at a directory (created if missing)")
+    return str(path)
+
+
+def _redis_url(url: str) -> str:
+    if not url.startswith(("redis://", "rediss://")):
+        raise ValueError(f"{url!r} is not a Redis URL; use redis://[user:password@]host:port[/db] or rediss:// for TLS")
+    return url
+
+
+def _tier_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{0,64}", name):
+        raise ValueError(f"{name!r}: use up to 64 characters from A-Z a-z 0-9 _ . -")
+    return name
+
+
+def _secret(value: str) -> str:
+    if len(value) < 16:
+        raise ValueError("must be at least 16 characters (a random string, e.g. `openssl rand -hex 32`), or omitted")
     return value
 
 
-def _coerce_tagged(value: dict[str, Any], classes: list[Any], where: str) -> Any:
-    """Pick one of several dataclasses by the mapping's `kind` (each class's `kind` default)."""
-    by_kind: dict[str, Any] = {}
-    for c in classes:
-        kind_field = {f.name: f for f in dataclasses.fields(c)}.get("kind")
-        if kind_field is None or not isinstance(kind_field.default, str):
-            raise TypeError(f"{where}: union member {c.__name__} needs a `kind: str` field with a default")
-        by_kind[kind_field.default] = c
-    kind = value.get("kind")
-    if kind not in by_kind:
-        problem = "missing `kind`" if kind is None else f"unknown kind {kind!r}"
-        raise ValueError(f"{where}: {problem}; valid kinds are: {', '.join(by_kind)}")
-    return from_mapping(by_kind[kind], value, where)
+# Field types: numbers are strict (no bools, no numeric strings; ints are accepted as floats).
+PositiveInt = Annotated[int, Strict(), Field(ge=1)]
+PositiveFloat = Annotated[float, Strict(), Field(gt=0)]
+NonNegativeFloat = Annotated[float, Strict(), Field(ge=0)]
+Ratio = Annotated[float, Strict(), Field(ge=0, le=1)]
+Bytes = Annotated[int, BeforeValidator(lambda v: parse_bytes(v, "")), Field(gt=0)]  # 4096, "16KiB", "2GiB"
+LocalPath = Annotated[StrictStr, AfterValidator(_local_path)]
+DType = Literal[DTYPE_NAMES]  # type: ignore[valid-type]
+Section = BeforeValidator(lambda v: {} if v is None else v)  # an empty YAML section means defaults
+TierName = Annotated[StrictStr, AfterValidator(_tier_name)]
+RedisUrl = Annotated[StrictStr, AfterValidator(_redis_url)]
 
 
-def from_mapping(cls: type[T], data: dict[str, Any] | None, where: str = "config") -> T:
-    """Build the frozen dataclass `cls` from `data`, rejecting unknown keys.
-
-    Nested dataclass fields accept mappings; tuple fields accept lists. Fields whose
-    metadata has `"bytes": True` accept sizes like "2GiB". Missing keys take the
-    dataclass defaults; a missing key without a default is an error naming it.
-    """
-    data = dict(data or {})
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ValueError(
-            f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys are: "
-            f"{', '.join(sorted(fields))}"
-        )
-    hints = _field_types(cls)
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        f = fields[name]
-        if f.metadata.get("bytes"):
-            kwargs[name] = parse_bytes(value, f"{where}.{name}")
-        else:
-            kwargs[name] = _coerce(value, hints[name], f"{where}.{name}")
-    missing = [
-        n for n, f in fields.items()
-        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise ValueError(f"{where}: missing required key(s): {', '.join(missing)}")
-    return cls(**kwargs)
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into a dict; errors name the file."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"config file {str(p)!r} not found; pass --config with a path such as configs/default.yaml")
-    with p.open() as fh:
-        data = yaml.safe_load(fh) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{p}: the top level of a config must be a mapping, got {type(data).__name__}")
-    return data
-
-
-# --------------------------------------------------------------------------------------
-# Store configuration: one frozen dataclass per tier kind plus the store itself.
-# --------------------------------------------------------------------------------------
-
-FSYNC_POLICIES = ("always", "never")
-_NAMESPACE_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{0,63})?$")
-_TIER_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{0,64}$")
-_REDIS_SCHEMES = ("redis://", "rediss://")
-
-
-def _check_tier_common(cfg: Any, expected_kind: str) -> None:
-    if cfg.kind != expected_kind:
-        raise ValueError(f"{type(cfg).__name__}.kind must be {expected_kind!r}, got {cfg.kind!r}")
-    if not _TIER_NAME_RE.match(cfg.name):
-        raise ValueError(f"tier name {cfg.name!r}: use up to 64 characters from A-Z a-z 0-9 _ . -")
-
-
-def _check_redis_url(url: str, where: str) -> None:
-    if not isinstance(url, str) or not url.startswith(_REDIS_SCHEMES):
-        raise ValueError(
-            f"{where}: {url!r} is not a Redis URL; use redis://[user:password@]host:port[/db] "
-            "or rediss:// for TLS"
-        )
-
-
-@dataclass(frozen=True)
+# ------------------------------------------------------------------------------ tiers
+@config_dataclass
 class CpuTierConfig:
     """CPU-memory tier: entries kept as tensors, LRU eviction past `budget` bytes."""
 
-    kind: str = "cpu"
-    budget: int = field(default=2 * 1024**3, metadata={"bytes": True})
-    name: str = ""  # display/stats name; defaults to the kind
-
-    def __post_init__(self) -> None:
-        _check_tier_common(self, "cpu")
-        if self.budget <= 0:
-            raise ValueError(f"cpu tier: budget must be > 0, got {self.budget}; set e.g. budget: 2GiB")
+    TIER: ClassVar[str] = "storage.memory:CpuTier"
+    kind: Literal["cpu"] = "cpu"
+    budget: Bytes = 2 * GIB
+    name: TierName = ""  # display/stats name; defaults to the kind
 
 
-@dataclass(frozen=True)
+@config_dataclass
 class DiskTierConfig:
     """Local-disk tier: one file per entry under `path`, LRU eviction past `budget` bytes.
 
@@ -179,101 +124,68 @@ class DiskTierConfig:
     and the directory before publishing it (durable, several ms per entry).
     """
 
-    path: str
-    kind: str = "disk"
-    budget: int = field(default=20 * 1024**3, metadata={"bytes": True})
-    fsync: str = "never"
-    required: bool = False  # true: failed writes raise StoreUnavailable instead of being counted
-    name: str = ""
+    TIER: ClassVar[str] = "storage.disk:DiskTier"
+    kind: Literal["disk"] = "disk"
+    path: LocalPath
+    budget: Bytes = 20 * GIB
+    fsync: Literal["always", "never"] = "never"
+    required: StrictBool = False  # true: failed writes raise StoreUnavailable instead of being counted
+    name: TierName = ""
+
+
+@config_dataclass
+class _RedisOptions:
+    """What the Redis and Redis Cluster tiers share: key prefix, expiry, timeouts, pool, backoff."""
+
+    key_prefix: StrictStr = "kvblend:"
+    ttl_s: PositiveFloat | None = None  # expire entries after this many seconds; None: never
+    required: StrictBool = False  # true: an unreachable server raises StoreUnavailable
+    socket_timeout_s: PositiveFloat = 2.0
+    connect_timeout_s: PositiveFloat = 1.0
+    pool_size: PositiveInt = 16
+    backoff_initial_s: PositiveFloat = 0.5
+    backoff_max_s: PositiveFloat = 30.0
+    name: TierName = ""
 
     def __post_init__(self) -> None:
-        _check_tier_common(self, "disk")
-        if not self.path:
-            raise ValueError("disk tier: path is empty; set path: .kvblend-cache/disk")
-        if self.budget <= 0:
-            raise ValueError(f"disk tier: budget must be > 0, got {self.budget}; set e.g. budget: 20GiB")
-        if self.fsync not in FSYNC_POLICIES:
-            raise ValueError(f"disk tier: fsync must be one of {', '.join(FSYNC_POLICIES)}, got {self.fsync!r}")
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise ValueError(f"need backoff_initial_s <= backoff_max_s, got {self.backoff_initial_s} and "
+                             f"{self.backoff_max_s}")
 
 
-@dataclass(frozen=True)
-class RedisTierConfig:
+@config_dataclass
+class RedisTierConfig(_RedisOptions):
     """Redis tier: per-layer keys, pipelined writes, down-marking with exponential backoff."""
 
-    kind: str = "redis"
-    url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "kvblend:"
-    ttl_s: float | None = None  # expire entries after this many seconds; None: never
-    required: bool = False  # true: an unreachable server raises StoreUnavailable
-    socket_timeout_s: float = 2.0
-    connect_timeout_s: float = 1.0
-    pool_size: int = 16
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        _check_tier_common(self, "redis")
-        _check_redis_url(self.url, "redis tier url")
-        _check_redis_common(self)
+    TIER: ClassVar[str] = "storage.redis_tier:RedisTier"
+    kind: Literal["redis"] = "redis"
+    url: RedisUrl = "redis://127.0.0.1:6379/0"
 
 
-@dataclass(frozen=True)
-class RedisClusterTierConfig:
+@config_dataclass
+class RedisClusterTierConfig(_RedisOptions):
     """Redis Cluster tier: startup node URLs; keys of one entry share a hash slot."""
 
-    urls: tuple[str, ...]
-    kind: str = "redis-cluster"
-    key_prefix: str = "kvblend:"
-    ttl_s: float | None = None
-    required: bool = False
-    socket_timeout_s: float = 2.0
-    connect_timeout_s: float = 1.0
-    pool_size: int = 16
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
-    name: str = ""
+    TIER: ClassVar[str] = "storage.cluster:RedisClusterTier"
+    kind: Literal["redis-cluster"] = "redis-cluster"
+    urls: tuple[RedisUrl, ...]  # startup nodes, e.g. [redis://127.0.0.1:7000, redis://127.0.0.1:7001]
 
     def __post_init__(self) -> None:
-        _check_tier_common(self, "redis-cluster")
+        super().__post_init__()
         if not self.urls:
-            raise ValueError(
-                "redis-cluster tier: urls is empty; list one or more node URLs, "
-                "e.g. urls: [redis://127.0.0.1:7000, redis://127.0.0.1:7001]"
-            )
-        for i, url in enumerate(self.urls):
-            _check_redis_url(url, f"redis-cluster tier urls[{i}]")
-        _check_redis_common(self)
-
-
-def _check_redis_common(cfg: RedisTierConfig | RedisClusterTierConfig) -> None:
-    if cfg.ttl_s is not None and cfg.ttl_s <= 0:
-        raise ValueError(f"{cfg.kind} tier: ttl_s must be > 0 or omitted (no expiry), got {cfg.ttl_s}")
-    if cfg.pool_size < 1:
-        raise ValueError(f"{cfg.kind} tier: pool_size must be >= 1, got {cfg.pool_size}")
-    if cfg.socket_timeout_s <= 0 or cfg.connect_timeout_s <= 0:
-        raise ValueError(f"{cfg.kind} tier: socket_timeout_s and connect_timeout_s must be > 0")
-    if not 0 < cfg.backoff_initial_s <= cfg.backoff_max_s:
-        raise ValueError(
-            f"{cfg.kind} tier: need 0 < backoff_initial_s <= backoff_max_s, "
-            f"got {cfg.backoff_initial_s} and {cfg.backoff_max_s}"
-        )
+            raise ValueError("urls is empty; list one or more node URLs, e.g. urls: [redis://127.0.0.1:7000]")
 
 
 TierConfig = CpuTierConfig | DiskTierConfig | RedisTierConfig | RedisClusterTierConfig
-TIER_CONFIGS: dict[str, type] = {
-    "cpu": CpuTierConfig,
-    "disk": DiskTierConfig,
-    "redis": RedisTierConfig,
-    "redis-cluster": RedisClusterTierConfig,
-}
+AnyTier = Annotated[TierConfig, Field(discriminator="kind")]
+TIER_CONFIGS: dict[str, type] = {cls.kind: cls for cls in typing.get_args(TierConfig)}  # kind -> config class
 
 
 def tier_config_class(kind: str) -> type:
     """The config class of a tier kind; ValueError lists the valid kinds."""
     try:
         return TIER_CONFIGS[kind]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ValueError(f"unknown tier kind {kind!r}; valid kinds are: {', '.join(TIER_CONFIGS)}") from None
 
 
@@ -282,42 +194,39 @@ def tier_display_name(cfg: TierConfig) -> str:
     return cfg.name or cfg.kind
 
 
-@dataclass(frozen=True)
+# ------------------------------------------------------------------------------ store
+@config_dataclass
 class StoreConfig:
     """The tiered KV store: tiers are consulted in order (fastest first)."""
 
-    namespace: str = ""  # prefix of every key; separates caches sharing a tier
-    kv_dtype: str = "float16"  # storage dtype: float16 | bfloat16 | float32
-    tiers: tuple[TierConfig, ...] = (CpuTierConfig(),)
-    write_queue: int = 64  # background writes queued before put() blocks
-    promote: bool = True  # copy hits in lower tiers into the tiers above
+    namespace: Annotated[StrictStr, AfterValidator(check_namespace)] = ""  # prefix of every key; separates caches
+    kv_dtype: DType = "float16"  # storage dtype: float16 | bfloat16 | float32
+    tiers: tuple[AnyTier, ...] = (CpuTierConfig(),)
+    write_queue: PositiveInt = 64  # background writes queued before put() blocks
+    promote: StrictBool = True  # copy hits in lower tiers into the tiers above
+    # key of the optional HMAC over each entry (env KVBLEND_STORE_SECRET); never printed
+    secret: Annotated[StrictStr, AfterValidator(_secret)] | None = Field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        check_dtype(self.kv_dtype, "store.kv_dtype")
-        if not _NAMESPACE_RE.match(self.namespace):
-            raise ValueError(
-                f"store.namespace: {self.namespace!r} must be up to 64 characters from A-Z a-z 0-9 _ . (not starting with .)"
-            )
-        if self.write_queue < 1:
-            raise ValueError(f"store.write_queue must be >= 1, got {self.write_queue}")
         if not self.tiers:
-            raise ValueError("store.tiers is empty; configure at least one tier, e.g. - {kind: cpu, budget: 2GiB}")
+            raise ValueError("tiers is empty; configure at least one tier, e.g. - {kind: cpu, budget: 2GiB}")
         seen: dict[str, int] = {}
         for i, tier in enumerate(self.tiers):
-            if not isinstance(tier, tuple(TIER_CONFIGS.values())):
-                raise ValueError(f"store.tiers[{i}]: expected a tier config, got {tier!r}")
             name = tier_display_name(tier)
             if name in seen:
-                raise ValueError(
-                    f"store.tiers[{i}]: tier name {name!r} is already used by store.tiers[{seen[name]}]; "
-                    "give one of them a distinct `name:`"
-                )
+                raise ValueError(f"tiers[{i}]: tier name {name!r} is already used by tiers[{seen[name]}]; "
+                                 "give one of them a distinct `name:`")
             seen[name] = i
 
     @classmethod
-    def from_mapping(cls, data: dict[str, Any] | None, where: str = "store") -> StoreConfig:
-        """Build from the YAML `store:` mapping; each tier is chosen by its `kind`."""
-        return from_mapping(cls, data, where)
+    def from_mapping(cls, data: dict[str, Any] | None, where: str = "store", base_dir: Path | None = None) -> StoreConfig:
+        """Build from the YAML `store:` mapping; each tier is chosen by its `kind`. Relative
+        disk paths are resolved against `base_dir` (the config file's directory) if given."""
+        return from_mapping(cls, data, where, base_dir)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for JSON, with the secret redacted."""
+        return redacted(self)
 
     def validate_for(self, entry_bytes: int) -> None:
         """Check that every budgeted tier can hold one entry of `entry_bytes` bytes.
@@ -335,3 +244,135 @@ class StoreConfig:
                     f"to at least {format_bytes(entry_bytes)} (a useful cache holds many entries, e.g. "
                     f"{format_bytes(entry_bytes * 64)}) or remove the tier"
                 )
+
+
+def redacted(config: Any) -> dict[str, Any]:
+    """`dataclasses.asdict(config)` with every `secret` that is set shown as "<redacted>"."""
+
+    def scrub(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: "<redacted>" if k == "secret" and v is not None else scrub(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [scrub(v) for v in value]
+        return value
+
+    return scrub(dataclasses.asdict(config))
+
+
+# ------------------------------------------------------------------- building, errors
+@functools.cache
+def _adapter(cls: type) -> TypeAdapter:
+    return TypeAdapter(cls)
+
+
+def from_mapping(cls: type[T], data: Any, where: str = "config", base_dir: Path | None = None) -> T:
+    """Build the config dataclass `cls` from a YAML mapping (None: all defaults).
+
+    Nested dataclasses accept mappings, tuples accept lists, byte sizes accept "2GiB",
+    relative directory paths are resolved against `base_dir` when given. Raises ValueError
+    with one line per problem, each `{where}: {key path}: {what is wrong}`.
+    """
+    try:
+        return _adapter(cls).validate_python({} if data is None else data, context={"base_dir": base_dir})
+    except ValidationError as err:
+        raise ValueError(format_errors(err, cls, where)) from None
+
+
+def format_errors(err: ValidationError, root: type, where: str) -> str:
+    """One line per error of `err` (raised validating `root`): `{where}: {key path}: {message}`."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        if e["type"] in ("unexpected_keyword_argument", "extra_forbidden", "missing", "missing_argument"):
+            loc, key = loc[:-1], loc[-1]  # reported at the mapping that has (or lacks) the key
+        else:
+            key = None
+        path, tp = _walk(root, loc)
+        message = _message(e, tp, key)
+        lines.append(f"{where}: {path}: {message}" if path else f"{where}: {message}")
+    return "\n".join(lines)
+
+
+_EXPECTED = {"int": "an integer", "float": "a number", "finite": "a finite number", "bool": "true or false",
+             "string": "a string", "tuple": "a list", "list": "a list", "dataclass": "a mapping", "dict": "a mapping"}
+_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
+           "less_than_equal": ("le", "<=")}
+
+
+def _message(e: dict[str, Any], tp: Any, key: Any) -> str:
+    kind, ctx, got = e["type"], e.get("ctx") or {}, _show(e.get("input"))
+    if key is not None and kind in ("missing", "missing_argument"):
+        return f"missing required key {key!r}"
+    if key is not None:
+        return f"unknown key {key!r}; valid keys are: {', '.join(sorted(f.name for f in dataclasses.fields(tp)))}"
+    if kind.startswith("union_tag"):
+        found = "missing `kind`" if kind == "union_tag_not_found" else f"unknown kind {ctx.get('tag')!r}"
+        return f"{found}; valid kinds are: {', '.join(_kinds(tp))}"
+    if kind == "value_error":
+        return str(ctx["error"])
+    if kind in _BOUNDS:
+        return f"must be {_BOUNDS[kind][1]} {ctx[_BOUNDS[kind][0]]}, got {got}"
+    if kind == "literal_error":
+        return f"must be one of {ctx['expected']}, got {got}"
+    expected = _EXPECTED.get(kind.split("_")[0])
+    return f"expected {expected}, got {got}" if expected else f"{e['msg']}, got {got}"
+
+
+def _show(value: Any) -> str:
+    return "a mapping" if isinstance(value, dict) else repr(value)[:80]
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=True) if dataclasses.is_dataclass(cls) else {}
+
+
+def _data_type(tp: Any) -> Any:
+    """Annotated[X, ...] -> X and X | None -> X."""
+    while typing.get_origin(tp) is Annotated or type(None) in typing.get_args(tp):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def _kinds(tp: Any) -> dict[str, type]:
+    """{kind: class} of a discriminated union of config dataclasses (empty for other types)."""
+    return {cls.kind: cls for cls in typing.get_args(tp) if dataclasses.is_dataclass(cls)}
+
+
+def _walk(root: type, loc: tuple) -> tuple[str, Any]:
+    """The key path (`store.tiers[1].budget`) of pydantic location `loc` under `root`, and the type there."""
+    path, tp = "", root
+    for item in loc:
+        tp = _data_type(tp)
+        if isinstance(item, int):
+            path, tp = f"{path}[{item}]", (typing.get_args(tp) or (None,))[0]
+        elif item in _kinds(tp):
+            tp = _kinds(tp)[item]  # a union tag: part of pydantic's location, not of the file
+        else:
+            path, tp = f"{path}.{item}".lstrip("."), _hints(tp).get(item)
+    return path, _data_type(tp)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a dict; every error is one line naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        problem = "is not a file" if p.exists() else "not found"
+        raise FileNotFoundError(f"config file {str(p)!r} {problem}; pass --config with the path of a YAML file")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{p}: not UTF-8 text; save the config as UTF-8") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{p}: invalid YAML{at}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: the top level of a config must be a mapping of keys, got {data!r:.80}")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise ValueError(f"{p}: key {bad[0]!r} is not a name; keys are words such as model, engine, store")
+    return data

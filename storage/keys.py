@@ -48,9 +48,15 @@ def _field(h: hashlib._Hash, value: str | bytes) -> None:
     h.update(data)
 
 
-def _with_namespace(namespace: str, kind: str, digest: str) -> str:
-    if not _NAMESPACE_RE.match(namespace):
+def check_namespace(namespace: str) -> str:
+    """`namespace` if it is valid (the one rule, used by keys and configs); ValueError otherwise."""
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
         raise ValueError(f"namespace {namespace!r} must be up to 64 characters from A-Z a-z 0-9 _ . (not starting with .)")
+    return namespace
+
+
+def _with_namespace(namespace: str, kind: str, digest: str) -> str:
+    check_namespace(namespace)
     return f"{namespace}-{kind}{digest}" if namespace else f"{kind}{digest}"
 
 

@@ -140,7 +140,7 @@ class RedisTier:
             self._retry_at = time.monotonic() + self._backoff
             backoff = self._backoff
         self._stats.add(errors=1)
-        if first:
+        if first and not self.config.required:  # a required tier raises instead: one message, not two
             log.warning(
                 "%s tier at %s is down (%s failed: %s); serving misses, retrying in %.1fs with backoff",
                 self.name, self.target, what, err, backoff,

@@ -16,35 +16,21 @@ import logging
 import queue
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from storage.cluster import RedisClusterTier
 from storage.config import StoreConfig, TierConfig
-from storage.disk import DiskTier
 from storage.entry import EntryHeader, KVEntry
-from storage.memory import CpuTier
-from storage.redis_tier import RedisTier
-from storage.tier import Layer, StoreUnavailable, Tier
+from storage.tier import Layer, StoreUnavailable, Tier, tier_class
 
 log = logging.getLogger("kvblend.storage")
 
-TIER_CLASSES: dict[str, Callable[..., Tier]] = {
-    "cpu": CpuTier,
-    "disk": DiskTier,
-    "redis": RedisTier,
-    "redis-cluster": RedisClusterTier,
-}
 MAX_PENDING_PROMOTIONS = 16
 
 
 def build_tier(config: TierConfig) -> Tier:
-    """Instantiate the tier for `config.kind`; ValueError lists the valid kinds."""
-    try:
-        cls = TIER_CLASSES[config.kind]
-    except KeyError:
-        raise ValueError(f"unknown tier kind {config.kind!r}; valid kinds are: {', '.join(TIER_CLASSES)}") from None
-    return cls(config)
+    """Instantiate the tier for `config.kind` (storage.tier.tier_class); ValueError lists the valid kinds."""
+    return tier_class(config.kind)(config)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ A tier stores entries under string keys and serves single layers. Contract:
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -115,6 +116,16 @@ class TierStats:
         return out
 
 
+def tier_class(kind: str) -> type[Tier]:
+    """The class implementing tier `kind`: the registry is storage.config.TIER_CONFIGS (kind ->
+    config class), whose `TIER` names the implementation ("module:Class"), imported here on
+    first use so that loading a config imports neither torch nor redis. ValueError lists the kinds."""
+    from storage.config import tier_config_class
+
+    module, _, name = tier_config_class(kind).TIER.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def report_corrupt(tier: Tier, stats: TierStats, key: str, err: Exception) -> None:
     """Log a corrupt entry, count it and delete it so it is recomputed. Never raises."""
     log.warning("%s tier: entry %s is corrupt (%s); deleted, it will be recomputed", tier.name, key, err)
@@ -145,4 +156,5 @@ def read_entry(tier: Tier, key: str) -> KVEntry | None:
     return KVEntry(header=header, layers=list(layers))
 
 
-__all__ = ["CorruptEntry", "Layer", "StoreUnavailable", "Tier", "TierStats", "read_entry", "report_corrupt"]
+__all__ = ["CorruptEntry", "Layer", "StoreUnavailable", "Tier", "TierStats", "read_entry", "report_corrupt",
+           "tier_class"]

@@ -20,13 +20,14 @@ _UNITS = {
 def parse_bytes(value: int | str, what: str = "size") -> int:
     """Parse a byte size: an int, or a string such as "4096", "16KiB", "1.5GiB", "10MB".
 
-    Raises ValueError naming the accepted forms.
+    Raises ValueError naming the accepted forms, prefixed with `what: ` unless `what` is empty.
     """
+    where = f"{what}: " if what else ""
     if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a byte size such as 4096, '16KiB' or '2GiB', got {value!r}")
+        raise ValueError(f"{where}expected a byte size such as 4096, '16KiB' or '2GiB', got {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"{what}: a byte size must be >= 0, got {value}")
+            raise ValueError(f"{where}a byte size must be >= 0, got {value}")
         return value
     if isinstance(value, float) and value.is_integer():
         return parse_bytes(int(value), what)
@@ -37,7 +38,7 @@ def parse_bytes(value: int | str, what: str = "size") -> int:
             if unit in _UNITS:
                 return int(float(number) * _UNITS[unit])
     raise ValueError(
-        f"{what}: cannot parse {value!r} as a byte size; use an integer number of bytes "
+        f"{where}cannot parse {value!r} as a byte size; use an integer number of bytes "
         "or a number with a unit: B, KB, KiB, MB, MiB, GB, GiB, TB, TiB (e.g. '16KiB', '2GiB')"
     )
 

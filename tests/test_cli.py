@@ -1,13 +1,21 @@
-"""The kvblend CLI end to end on a tiny model saved to a local directory."""
+"""The kvblend CLI end to end on a tiny model saved to a local directory: requests, the
+store commands, --json everywhere, confirmation, the default config outside the repository,
+a parser that imports nothing heavy, quiet model loading, and a closed stdout."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from blend.cli import main
 from tests.models import smollm2_tokenizer, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +69,13 @@ def test_ingest_ask_and_store(config_file, capsys):
     assert main(["store", "ls", "--config", cfg]) == 0
     listing = capsys.readouterr().out
     assert chunks[0] in listing
-    assert main(["store", "clear", "--config", cfg]) == 0
+    assert main(["store", "clear", "--config", cfg, "--yes"]) == 0
 
 
 def test_bad_input_is_a_clear_error(config_file, capsys):
     cfg = str(config_file / "c.yaml")
-    assert main(["ask", "--config", cfg, "--question", "q", "--mode", "blend", "--ratio", "2"]) == 2
+    with pytest.raises(SystemExit, match="2"):
+        main(["ask", "--config", cfg, "--question", "q", "--mode", "blend", "--ratio", "2"])
     assert "within [0, 1]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["ask", "--config", cfg, "--question", "q", "--mode", "fast"])
@@ -77,3 +86,107 @@ def test_bad_input_is_a_clear_error(config_file, capsys):
     assert main(["ask", "--config", str(config_file / "bad.yaml"), "--question", "q"]) == 2
     err = capsys.readouterr().err
     assert "chunk_tokenz" in err and "chunk_tokens" in err  # names the valid keys
+
+
+def run_cli(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+    """`python -m blend.cli ARGS` in a fresh process running this checkout's code."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVBLEND_")}
+    full_env |= {"PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "blend.cli", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+def test_json_is_the_only_stdout_line_in_every_subcommand(config_file, capsys):
+    cfg = str(config_file / "c.yaml")
+    doc = str(config_file / "a.txt")
+    commands = [
+        ["ingest", "--config", cfg, doc],
+        ["ask", "--config", cfg, "--question", "When?", "--doc", doc],
+        ["chat", "--config", cfg, "--session", "j", "--message", "Hi"],
+        ["store", "stats", "--config", cfg],
+        ["store", "ls", "--config", cfg],
+        ["plan", "--tokens", "512", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--read-mibps", "100",
+         "--prefill-tokens-per-s", "1000"],
+        ["bench", "load", "--size-mb", "0.02", "--layers", "2", "--rounds", "1"],
+        ["store", "clear", "--config", cfg, "--yes"],
+    ]
+    for argv in commands:
+        assert main([*argv, "--json"]) == 0, argv
+        out = capsys.readouterr().out.splitlines()
+        assert len(out) == 1 and isinstance(json.loads(out[0]), dict), (argv, out)
+
+
+def test_store_ls_json_and_clear_confirmation(config_file, capsys, monkeypatch):
+    cfg = str(config_file / "c.yaml")
+    assert main(["ingest", "--config", cfg, str(config_file / "b.txt"), "--json"]) == 0
+    keys = json.loads(capsys.readouterr().out)["chunks"]
+    assert main(["store", "ls", "--config", cfg, "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    assert {e["key"] for e in entries} >= set(keys) and {e["tier"] for e in entries} == {"disk"}  # a new process
+    assert set(entries[0]) == {"key", "tier", "tokens", "bytes", "pos_start"}
+    assert main(["store", "clear", "--config", cfg]) == 2  # stdin is not a terminal and no --yes
+    assert "--yes" in capsys.readouterr().err
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr("builtins.input", lambda prompt: "n")
+    assert main(["store", "clear", "--config", cfg]) == 1
+    assert main(["store", "ls", "--config", cfg, "--json"]) == 0 and json.loads(capsys.readouterr().out)["entries"]
+    monkeypatch.setattr("builtins.input", lambda prompt: "y")
+    assert main(["store", "clear", "--config", cfg]) == 0
+    assert main(["store", "ls", "--config", cfg, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["entries"] == []
+
+
+def test_building_the_parser_imports_nothing_heavy():
+    code = ("import sys; from blend.cli import build_parser; build_parser()\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'redis', 'pydantic', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_store_stats_outside_the_repository(tmp_path):
+    home = tmp_path / "home"
+    proc = run_cli("store", "stats", "--json", cwd=tmp_path, env={"KVBLEND_HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout.splitlines()[-1])
+    assert list(stats) == ["cpu", "disk"] and stats["disk"]["path"] == str(home / "disk")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # nothing in the working directory
+
+
+def test_model_loading_is_quiet_unless_verbose(config_file, capsys):
+    args = ["ask", "--config", str(config_file / "c.yaml"), "--question", "When?", "--mode", "full",
+            "--max-new-tokens", "1"]
+    assert main(args) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["--verbose", *args]) == 0
+    assert "Loading weights" in capsys.readouterr().err
+    assert main(args) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_closed_stdout_is_not_a_traceback(config_file):
+    for args in (["--help"], ["store", "ls", "--config", str(config_file / "c.yaml")]):
+        proc = subprocess.Popen([sys.executable, "-m", "blend.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc.stdout.close()  # like `| head` exiting before kvblend writes
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=120)
+        assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_missing_eval_extra_names_the_install_command(monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["eval", "--dataset", str(tmp_path / "d.json")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvblend: error: this command needs the optional package 'matplotlib': pip install 'kvblend[eval]'")
+
+    def needs_rouge(args):
+        raise ModuleNotFoundError("No module named 'rouge_score'", name="rouge_score")
+
+    monkeypatch.setattr("blend.cli.demo.cmd_demo", needs_rouge)
+    monkeypatch.setattr("blend.cli.demo.register", lambda sub: sub.add_parser("demo").set_defaults(func=needs_rouge))
+    assert main(["demo"]) == 2
+    assert "pip install 'kvblend[eval]'" in capsys.readouterr().err

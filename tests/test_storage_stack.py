@@ -163,7 +163,7 @@ def test_cli_store_stats_ls_clear_and_bench(tmp_path, capsys):
     assert cli_main(["store", "stats", "--config", str(config), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert stats["disk"]["entries"] == 1
-    assert cli_main(["store", "clear", "--config", str(config)]) == 0
+    assert cli_main(["store", "clear", "--config", str(config), "--yes"]) == 0
     assert list((tmp_path / "d").iterdir()) == []
     assert cli_main(["bench", "load", "--tier", "cpu,disk", "--size-mb", "0.05", "--layers", "2", "--rounds", "1",
                      "--config", str(config), "--json"]) == 0

@@ -2,22 +2,43 @@
 storage -> blend -> eval layers.
 
 Subcommands: ask, ingest, chat, demo, eval, store, plan, bench {load, ttft, resume}.
-Commands with --json print one JSON object as the last line of stdout. Bad input is one
-line on stderr and exit code 2. Building the parser imports no torch.
+Conventions, the same in every subcommand:
+- `--config FILE` (default: $KVBLEND_CONFIG, else the packaged default; blend.config.load_config);
+- `--json`: stdout's last line is one JSON object (human-readable lines go to stderr);
+- bad input: one line `kvblend ...: error: ...` on stderr naming the fault and the fix,
+  exit code 2, nothing written; `-v` adds the traceback and transformers' progress bars;
+- building the parser imports no torch, transformers, redis or pydantic (`kvblend --help` is fast).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import traceback
+
+# Errors that are the user's to fix: one line and exit 2. Classes of modules that are not
+# imported yet cannot have been raised, so they are looked up in sys.modules, not imported.
+_USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, TypeError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+_LAZY_USER_ERRORS = (("storage.tier", "StoreUnavailable"), ("blend.session", "SessionBusy"))
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr (exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see `{self.prog} --help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole `kvblend` parser; imports only the light command modules."""
     from blend.cli import bench, demo, eval, plan, requests, store
 
-    parser = argparse.ArgumentParser(prog="kvblend", description="Reuse precomputed document KV caches for fast RAG.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser = Parser(prog="kvblend", description="Reuse precomputed document KV caches for fast RAG.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log at INFO level; show tracebacks and model-loading progress bars")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     requests.register(subparsers)
     demo.register(subparsers)
@@ -28,16 +49,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    lazy = tuple(getattr(sys.modules[m], name) for m, name in _LAZY_USER_ERRORS if m in sys.modules)
+    return _USER_ERRORS + lazy
+
+
+def _progress_bars(show: bool) -> None:
+    """Show or hide transformers / huggingface_hub progress bars (weight loading) in this process."""
+    if show:
+        os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+    else:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when transformers is imported
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.enable_progress_bar() if show else hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one `kvblend` command; returns the exit code (argparse usage errors and --help
+    raise SystemExit, code 2 and 0)."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # stdout closed early (`kvblend store ls | head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+        return 141
+    except KeyboardInterrupt:
+        print("kvblend: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    from blend.session import SessionBusy
-
+    _progress_bars(show=args.verbose)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, SessionBusy) as err:
-        print(f"kvblend: error: {err}", file=sys.stderr)
+    except ModuleNotFoundError as err:
+        from blend.cli.common import EVAL_EXTRA, missing_extra_message
+
+        package = (err.name or "").split(".")[0]
+        if package not in EVAL_EXTRA:
+            raise
+        print(f"kvblend: error: {missing_extra_message(package)}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        if not isinstance(err, _user_errors()) or isinstance(err, BrokenPipeError):
+            raise
+        if args.verbose:
+            traceback.print_exc()
+        for line in str(err).splitlines() or [type(err).__name__]:  # one line per problem
+            print(f"kvblend: error: {line}", file=sys.stderr)
         return 2
 
 

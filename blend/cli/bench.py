@@ -1,5 +1,6 @@
 """`kvblend bench load | ttft | resume`: argument parsing and printing; the measurements
-live in eval/bench."""
+live in eval/bench. Arguments are checked before anything is loaded or written; progress
+and tables go to stdout, or to stderr with --json (stdout then holds the JSON line only)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,25 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from blend.cli.common import config_arg, csv_list, emit_json, json_arg
-from storage.config import TIER_CONFIGS
+from blend.cli.common import (
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    config_arg,
+    csv_list,
+    emit_json,
+    human,
+    json_arg,
+    require_eval_extra,
+)
+from blend.modes import parse_ratio
 from storage.dtypes import DTYPE_NAMES
 
 
-def _tiers(text: str, allowed: tuple[str, ...] = tuple(TIER_CONFIGS)) -> list[str]:
+def _tiers(text: str, allowed: tuple[str, ...] | None = None) -> list[str]:
+    """Tier kinds from "cpu,disk"; ValueError lists the valid ones (default: every kind)."""
+    from storage.config import TIER_CONFIGS
+
+    allowed = allowed or tuple(TIER_CONFIGS)
     kinds = csv_list(text, "--tiers")
     for kind in kinds:
         if kind not in allowed:
@@ -22,58 +36,69 @@ def _tiers(text: str, allowed: tuple[str, ...] = tuple(TIER_CONFIGS)) -> list[st
 
 # ------------------------------------------------------------------- load
 def cmd_load(args: argparse.Namespace) -> int:
-    from eval.bench.load import ChunkShape, run_load
-    from storage.config import StoreConfig, load_yaml
-
+    kinds = _tiers(",".join(args.tier or ["cpu"]))
     config = None
     if args.config:
-        config = StoreConfig.from_mapping(load_yaml(args.config).get("store"), where=f"{args.config}: store")
+        from blend.config import load_config
+
+        config = load_config(args.config).store
+    from eval.bench.load import ChunkShape, run_load
+
     shape = ChunkShape(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, tokens=args.chunk_tokens,
                        kv_dtype=args.kv_dtype)
-    kinds = _tiers(",".join(args.tier or ["cpu"]))
+    say = human(args)
     results = [
         run_load(kind, args.size_mb, shape, config=config, redis_url=args.redis_url,
-                 cluster_urls=args.cluster_urls.split(",") if args.cluster_urls else None, rounds=args.rounds,
-                 log=(lambda _: None) if args.json else print)
+                 cluster_urls=args.cluster_urls.split(",") if args.cluster_urls else None, rounds=args.rounds, log=say)
         for kind in kinds
     ]
-    emit_json({"tiers": results})
+    if args.json:
+        emit_json({"tiers": results})
     return 0
 
 
 def _register_load(sub: Any) -> None:
     p = sub.add_parser("load", help="KV store throughput per tier vs raw reads")
-    p.add_argument("--tier", action="append", default=None,
-                   help=f"{' | '.join(TIER_CONFIGS)}; repeat or comma-separate for several (default cpu)")
-    p.add_argument("--size-mb", type=float, default=256, help="MiB of KV written and read (default 256)")
-    json_arg(p, "print only the JSON result line")
-    p.add_argument("--config", default=None, help="take tier settings (disk path, redis url) from this YAML")
+    p.add_argument("--tier", action="append", default=None, metavar="KIND",
+                   help="a tier kind (cpu, disk, redis, redis-cluster); repeat or comma-separate (default cpu)")
+    p.add_argument("--size-mb", type=POSITIVE_FLOAT, default=256, help="MiB of KV written and read (default 256)")
+    json_arg(p)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="take tier settings (disk path, redis url) from this YAML")
     p.add_argument("--redis-url", default=None, help="redis tier URL (default from --config, else redis://127.0.0.1:6379/0)")
     p.add_argument("--cluster-urls", default=None, help="redis-cluster node URLs, comma-separated")
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--layers", type=POSITIVE_INT, default=30)
+    p.add_argument("--kv-heads", type=POSITIVE_INT, default=3)
+    p.add_argument("--head-dim", type=POSITIVE_INT, default=64)
+    p.add_argument("--chunk-tokens", type=POSITIVE_INT, default=512)
     p.add_argument("--kv-dtype", default="float16", choices=DTYPE_NAMES)
-    p.add_argument("--rounds", type=int, default=5, help="interleaved measured rounds (median reported)")
+    p.add_argument("--rounds", type=POSITIVE_INT, default=5, help="interleaved measured rounds (median reported)")
     p.set_defaults(func=cmd_load)
 
 
 # ------------------------------------------------------------------- ttft
 def cmd_ttft(args: argparse.Namespace) -> int:
+    _tiers(args.tiers)
+    for r in csv_list(args.ratios, "--ratios"):
+        parse_ratio(r, "--ratios")
+    if args.out:
+        require_eval_extra("matplotlib")
+    from blend.config import load_config
+
+    load_config(args.config)  # a bad config fails here, before the model loads
     from eval.bench.ttft import run_ttft, write_report
 
-    _tiers(args.tiers)
     summary = run_ttft(args)
     if args.out:
         write_report(summary, Path(args.out))
+    say = human(args)
     for r in summary["results"]:
         if "error" in r:
-            print(f"{r['tier']:>6}: {r['error']}")
+            say(f"{r['tier']:>6}: {r['error']}")
             continue
-        print(f"{r['tier']:>6} r={r['ratio']:<5} TTFT {r['ttft_s']:.3f} s  speedup {r['speedup']:.2f}x "
-              f"(ideal {r['ideal_speedup']:.2f}x)  exposed load {r['exposed_load_s']:.3f} s  {r['load_gbps']} GB/s")
-    print(f"full prefill TTFT {summary['full_ttft_s']:.3f} s over {summary['context_tokens']} tokens")
+        say(f"{r['tier']:>6} r={r['ratio']:<5} TTFT {r['ttft_s']:.3f} s  speedup {r['speedup']:.2f}x "
+            f"(ideal {r['ideal_speedup']:.2f}x)  exposed load {r['exposed_load_s']:.3f} s  {r['load_gbps']} GB/s")
+    say(f"full prefill TTFT {summary['full_ttft_s']:.3f} s over {summary['context_tokens']} tokens")
     if args.json:
         emit_json(summary)
     return 0
@@ -82,29 +107,37 @@ def cmd_ttft(args: argparse.Namespace) -> int:
 def _register_ttft(sub: Any) -> None:
     p = sub.add_parser("ttft", help="TTFT of full prefill vs blend per tier and ratio")
     config_arg(p)
-    p.add_argument("--chunks", type=int, default=6)
-    p.add_argument("--chunk-tokens", type=int, default=512)
-    p.add_argument("--ratios", default="0,0.05,0.15,0.3,1")
-    p.add_argument("--tiers", default="cpu,disk")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--chunks", type=POSITIVE_INT, default=6)
+    p.add_argument("--chunk-tokens", type=POSITIVE_INT, default=512)
+    p.add_argument("--ratios", default="0,0.05,0.15,0.3,1", help="recompute ratios, comma-separated, each in [0, 1]")
+    p.add_argument("--tiers", default="cpu,disk", help="tier kinds, comma-separated")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3)
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--cluster-urls", default=None)
     json_arg(p)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, metavar="DIR", help="write ttft.json, ttft.md and PNG plots here")
     p.set_defaults(func=cmd_ttft)
 
 
 # ----------------------------------------------------------------- resume
+def _lengths(text: str) -> list[int]:
+    from blend.cli.common import positive_int
+
+    try:
+        return [positive_int(v) for v in csv_list(text, "--history-tokens")]
+    except ValueError as err:
+        raise ValueError(f"--history-tokens: {err}") from None
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
+    lengths = _lengths(args.history_tokens)
     from eval.bench.resume import TIER_KINDS, run_resume_bench
 
-    lengths = [int(v) for v in csv_list(args.history_tokens, "--history-tokens")]
-    if any(n < 1 for n in lengths):
-        raise ValueError(f"--history-tokens must be positive, got {args.history_tokens}")
     tiers = _tiers(args.tiers, TIER_KINDS)
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    say = (lambda _: None) if args.json else print
+    from blend.config import load_config
+
+    load_config(args.config)  # a bad config fails here, before the model loads
+    say = human(args)
     report = run_resume_bench(args.config, lengths, tiers, repeats=args.repeats, redis_url=args.redis_url,
                               disk_path=args.disk_path, cold_disk=not args.warm_disk, log=say)
     for row in report["results"]:
@@ -114,7 +147,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
             say(f"{row['tier']:<6} {row['history_tokens']:>6} tokens  resume {row['resume_ttft_s'] * 1000:8.1f} ms  "
                 f"re-prefill {row['reprefill_ttft_s'] * 1000:8.1f} ms  speedup {row['speedup']:6.2f}x  "
                 f"(loaded {row['loaded_tokens']}, computed {row['computed_tokens']})")
-    emit_json(report)
+    if args.json:
+        emit_json(report)
     return 0
 
 
@@ -123,13 +157,13 @@ def _register_resume(sub: Any) -> None:
     config_arg(p)
     p.add_argument("--history-tokens", default="1024,2048,4096", help="comma-separated history lengths (tokens)")
     p.add_argument("--tiers", default="cpu,disk,redis", help="comma-separated, from cpu, disk, redis")
-    p.add_argument("--repeats", type=int, default=3, help="measured rounds after the warm-up (median reported)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="measured rounds after the warm-up (median reported)")
     p.add_argument("--redis-url", default=None,
                    help="redis tier URL (default: the config's redis tier, else redis://127.0.0.1:6379/0)")
     p.add_argument("--disk-path", default=None,
                    help="scratch directory for the disk tier (default: under the config's disk path, else a temp dir)")
     p.add_argument("--warm-disk", action="store_true", help="leave disk entries in the OS page cache")
-    json_arg(p, "print only the JSON result line")
+    json_arg(p)
     p.set_defaults(func=cmd_resume)
 
 

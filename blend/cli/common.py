@@ -1,19 +1,20 @@
-"""What every `kvblend` subcommand shares: the JSON last line, the --config argument,
-argument types that fail with a one-line message, reading document files.
+"""What every `kvblend` subcommand shares: the --config and --json arguments, the JSON last
+line, argument types that fail with a one-line message, reading document files.
 
-Nothing here imports torch: building the parser must stay fast.
+Nothing here imports torch or pydantic: building the parser must stay fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from blend.config import DEFAULT_CONFIG
+from blend.modes import parse_ratio
 
 
 def emit_json(obj: Any) -> None:
@@ -32,8 +33,18 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def human(args: argparse.Namespace) -> Callable[..., None]:
+    """`print` for human-readable lines: to stdout, or to stderr under --json (whose stdout
+    then holds only the JSON line)."""
+    if getattr(args, "json", False):
+        return lambda *a, **k: print(*a, **k, file=sys.stderr)
+    return print
+
+
 def config_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default: {DEFAULT_CONFIG})")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="YAML config (default: $KVBLEND_CONFIG, else the built-in default: the shipped model, "
+                        "CPU memory + a disk tier under $KVBLEND_HOME or ~/.cache/kvblend)")
 
 
 def json_arg(p: argparse.ArgumentParser, text: str = "print one JSON object as the last line of stdout") -> None:
@@ -63,6 +74,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def csv_list(text: str, what: str) -> list[str]:
     items = [v.strip() for v in text.split(",") if v.strip()]
     if not items:
@@ -70,11 +91,51 @@ def csv_list(text: str, what: str) -> list[str]:
     return items
 
 
+POSITIVE_INT = arg_type(positive_int)
+POSITIVE_FLOAT = arg_type(positive_float)
+RATIO = arg_type(parse_ratio)
+
+
 def read_documents(paths: list[str]) -> list[str]:
+    """The text of each file (UTF-8); ValueError/FileNotFoundError naming the file otherwise."""
     docs = []
     for p in paths:
         path = Path(p)
         if not path.is_file():
-            raise FileNotFoundError(f"document {p!r} not found; pass existing text files")
-        docs.append(path.read_text(encoding="utf-8"))
+            problem = "is not a file" if path.exists() else "not found"
+            raise FileNotFoundError(f"document {p!r} {problem}; pass existing text files")
+        try:
+            docs.append(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(f"document {p!r} is not UTF-8 text (byte {err.start}); convert it to UTF-8") from None
+        except OSError as err:
+            raise ValueError(f"document {p!r} cannot be read ({err.strerror}); check its permissions") from None
     return docs
+
+
+def confirm(question: str, yes: bool) -> bool:
+    """True if `yes`, else ask on the terminal (True on y/yes). Without a terminal on stdin
+    and without `yes`: ValueError (pass --yes)."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise ValueError(f"{question.rstrip('?')}: needs confirmation; pass --yes (stdin is not a terminal)")
+    return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+
+
+EVAL_EXTRA = ("datasets", "rouge_score", "matplotlib")  # the packages of the `eval` extra (pyproject.toml)
+
+
+def missing_extra_message(module: str) -> str:
+    """The one-line fix for an optional package of the `eval` extra that is not installed."""
+    return f"this command needs the optional package {module!r}: pip install 'kvblend[eval]'"
+
+
+def require_eval_extra(*modules: str) -> None:
+    """ValueError naming `pip install 'kvblend[eval]'` if one of `modules` is not installed
+    (checked without importing it)."""
+    import importlib.util
+
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(missing_extra_message(module))

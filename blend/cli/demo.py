@@ -9,19 +9,27 @@ time-to-first-token and the speedup.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
-from blend.cli.common import config_arg, emit_json, json_arg
+from blend.cli.common import RATIO, config_arg, emit_json, json_arg
 
 
-def run_demo(config: str, *, question: str | None = None, ratio: float | None = None, json_out: bool = False) -> int:
+def run_demo(config: str | None, *, question: str | None = None, ratio: float | None = None,
+             json_out: bool = False) -> int:
+    """Run the demo on the config at `config` (None: the default); with `json_out` the human
+    lines go to stderr and the summary is the one stdout line."""
+    from blend.config import load_config
+
+    settings = load_config(config)  # a bad config fails before torch and the model load
     from blend.engine import BlendEngine
     from eval.metrics import kl_divergence
     from eval.samples import sample_documents, sample_questions
 
+    say = (lambda text: print(text, file=sys.stderr)) if json_out else print
     t0 = time.perf_counter()
-    engine = BlendEngine.from_config(config)
+    engine = BlendEngine(settings)
     load_s = time.perf_counter() - t0
     docs = sample_documents()
     qa = sample_questions()[0]
@@ -45,15 +53,15 @@ def run_demo(config: str, *, question: str | None = None, ratio: float | None = 
                   "exposed_load_s": round(blend.stats.exposed_load_s, 4)},
         "speedup": round(speedup, 2), "first_token_kl_to_full": round(kl, 5), "model_load_s": round(load_s, 2), "ingest_s": round(ingest_s, 2),
     }
-    print(f"model loaded in {load_s:.1f} s; {len(docs)} sample documents = {len(keys)} chunks, "
+    say(f"model loaded in {load_s:.1f} s; {len(docs)} sample documents = {len(keys)} chunks, "
           f"{full.stats.context_tokens} context tokens (ingest {ingest_s:.1f} s; a rerun hits the cache)")
-    print(f"question: {question}")
+    say(f"question: {question}")
     if summary["gold"]:
-        print(f"gold answer: {' / '.join(summary['gold'])}")
-    print(f"full prefill : {full.text!r}  TTFT {full.ttft_s * 1000:.0f} ms")
-    print(f"blend r={blend.stats.recompute_ratio:.2f}: {blend.text!r}  TTFT {blend.ttft_s * 1000:.0f} ms "
+        say(f"gold answer: {' / '.join(summary['gold'])}")
+    say(f"full prefill : {full.text!r}  TTFT {full.ttft_s * 1000:.0f} ms")
+    say(f"blend r={blend.stats.recompute_ratio:.2f}: {blend.text!r}  TTFT {blend.ttft_s * 1000:.0f} ms "
           f"(recomputed {blend.stats.recomputed_tokens} tokens, chunks from {dict(blend.stats.hits_by_tier)})")
-    print(f"speedup: {speedup:.2f}x; first-token KL(full || blend) = {kl:.4f}")
+    say(f"speedup: {speedup:.2f}x; first-token KL(full || blend) = {kl:.4f}")
     if json_out:
         emit_json(summary)
     return 0
@@ -67,6 +75,6 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("demo", help="ingest the sample documents and compare full prefill with blend")
     config_arg(p)
     p.add_argument("--question", default=None, help="default: the first sample question")
-    p.add_argument("--ratio", type=float, default=None)
+    p.add_argument("--ratio", type=RATIO, default=None, help="recompute ratio for blend, in [0, 1] (default: config)")
     json_arg(p)
     p.set_defaults(func=cmd_demo)

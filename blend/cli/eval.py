@@ -14,8 +14,17 @@ import argparse
 import logging
 from typing import Any
 
-from blend.cli.common import arg_type, config_arg, emit_json, positive_int
-from blend.config import MODES
+from blend.cli.common import (
+    EVAL_EXTRA,
+    arg_type,
+    config_arg,
+    emit_json,
+    human,
+    json_arg,
+    positive_int,
+    require_eval_extra,
+)
+from blend.modes import MODES
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +44,21 @@ def parse_field_map(text: str) -> dict[str, str]:
     return mapping
 
 
+def _lazy(name: str) -> Any:
+    """An argparse type calling eval.entries.<name>, imported when an argument is parsed (not
+    when the parser is built)."""
+
+    def parse(text: str) -> Any:
+        from eval import entries
+
+        return getattr(entries, name)(text)
+
+    parse.__name__ = name
+    return arg_type(parse)
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `eval` subcommand to the `kvblend` subparsers."""
-    from eval.entries import parse_modes, parse_ratios, parse_selections
-
     p = subparsers.add_parser(
         "eval", help="quality and fidelity to full prefill per mode and recompute ratio over a dataset",
         description="Evaluate every example in every mode (full prefill first, as the reference) and print the "
@@ -53,11 +73,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--field-map", type=arg_type(parse_field_map), default=None, metavar="OURS=THEIRS,...",
                    help="rename source fields, e.g. question=query,answers=gold")
     p.add_argument("--prompts", default=None, metavar="FILE", help="YAML file replacing the built-in prompt templates per task (qa, summarization)")
-    p.add_argument("--modes", type=arg_type(parse_modes), default=MODES, metavar="M,...",
+    p.add_argument("--modes", type=_lazy("parse_modes"), default=MODES, metavar="M,...",
                    help=f"modes to compare, from {','.join(MODES)} (full always runs: it is the reference)")
-    p.add_argument("--ratios", type=arg_type(parse_ratios), default=None, metavar="R,...",
+    p.add_argument("--ratios", type=_lazy("parse_ratios"), default=None, metavar="R,...",
                    help="recompute ratios for blend, each in [0, 1] (default: the config's recompute_ratio)")
-    p.add_argument("--selections", type=arg_type(parse_selections), default=None, metavar="S,...",
+    p.add_argument("--selections", type=_lazy("parse_selections"), default=None, metavar="S,...",
                    help="token selections to compare for blend (deviation, attention, hybrid; "
                         "default: the config's selection)")
     p.add_argument("--max-new-tokens", type=arg_type(positive_int), default=None, metavar="T",
@@ -65,7 +85,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write results.jsonl (resumable), summary.json, summary.md and PNG plots here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+    json_arg(p, "print the summary as one JSON object on the last line (tables go to stderr)")
     p.set_defaults(func=cmd_eval)
     return p
 
@@ -79,6 +99,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from eval.report import summary_table, write_reports
     from eval.runner import run_eval
 
+    require_eval_extra(*EVAL_EXTRA)
     config = load_config(args.config)  # validates the file before anything is loaded
     entries = plan_entries(args.modes, args.ratios or (config.engine.recompute_ratio,), args.selections)
     prompts = load_prompts(args.prompts)
@@ -92,12 +113,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     with engine:
         run = run_eval(engine, examples, entries=entries, dataset=str(args.dataset), max_new_tokens=args.max_new_tokens,
                        prompts=prompts, out_dir=args.out, run_settings=run_settings, progress=not args.no_progress)
-    print(f"{args.dataset}: {len(run.records)} example(s)"
-          + (f", {len(run.skipped)} skipped (prompt too long)" if run.skipped else ""))
-    print(summary_table(run.summary), end="")
+    say = human(args)
+    say(f"{args.dataset}: {len(run.records)} example(s)"
+        + (f", {len(run.skipped)} skipped (prompt too long)" if run.skipped else ""))
+    say(summary_table(run.summary), end="")
     if args.out is not None:
         paths = write_reports(run, args.out)
-        print(f"wrote {run.results_path} and {', '.join(str(p) for p in paths.values())}")
+        say(f"wrote {run.results_path} and {', '.join(str(p) for p in paths.values())}")
     if args.json:
         emit_json(run.to_json())
     return 0

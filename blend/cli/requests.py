@@ -1,4 +1,7 @@
-"""`kvblend ask`, `kvblend ingest`, `kvblend chat`: requests to one engine built from a config."""
+"""`kvblend ask`, `kvblend ingest`, `kvblend chat`: requests to one engine built from a config.
+
+Every argument and the config are checked before the model is loaded.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +9,19 @@ import argparse
 import sys
 from typing import Any
 
-from blend.cli.common import config_arg, emit_json, json_arg, read_documents
+from blend.cli.common import POSITIVE_INT, RATIO, config_arg, emit_json, human, json_arg, read_documents
+from blend.modes import MODES
 
 
 def _engine(args: argparse.Namespace, **overrides: Any):
+    """The engine of `args.config` with the non-None overrides; the config is validated
+    before torch and the model are loaded."""
+    from blend.config import load_config
+
+    config = load_config(args.config, **{k: v for k, v in overrides.items() if v is not None})
     from blend.engine import BlendEngine
 
-    return BlendEngine.from_config(args.config, **{k: v for k, v in overrides.items() if v is not None})
+    return BlendEngine(config)
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -41,35 +50,41 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from blend.session import check_session_id
+
+    check_session_id(args.session)
+    say = human(args)
+
+    def turn(engine: Any, message: str) -> None:
+        result = engine.chat(args.session, message, max_new_tokens=args.max_new_tokens)
+        if args.json:  # one JSON line per turn: the last stdout line is always a JSON object
+            emit_json({"text": result.text, "ttft_s": result.ttft_s, "stats": result.stats.to_dict()})
+            return
+        print(result.text)
+        if args.message is None:
+            print(f"[ttft {result.ttft_s * 1000:.0f} ms, loaded {result.stats.loaded_tokens} "
+                  f"/ {result.stats.context_tokens} tokens]", flush=True)
+
     with _engine(args) as engine:
         if args.message is not None:
-            result = engine.chat(args.session, args.message, max_new_tokens=args.max_new_tokens)
-            if args.json:
-                emit_json({"text": result.text, "ttft_s": result.ttft_s, "stats": result.stats.to_dict()})
-            else:
-                print(result.text)
+            turn(engine, args.message)
             return 0
-        print(f"session {args.session}: type a message, empty line or Ctrl-D to quit")
+        say(f"session {args.session}: type a message, empty line or Ctrl-D to quit")
         for line in sys.stdin:
             if not line.strip():
                 break
-            result = engine.chat(args.session, line.strip(), max_new_tokens=args.max_new_tokens)
-            print(result.text)
-            print(f"[ttft {result.ttft_s * 1000:.0f} ms, loaded {result.stats.loaded_tokens} "
-                  f"/ {result.stats.context_tokens} tokens]", flush=True)
+            turn(engine, line.strip())
     return 0
 
 
 def register(subparsers: Any) -> None:
-    from blend.config import MODES
-
     p = subparsers.add_parser("ask", help="answer a question over documents")
     config_arg(p)
-    p.add_argument("--doc", action="append", metavar="FILE", help="a document (repeatable)")
+    p.add_argument("--doc", action="append", metavar="FILE", help="a document, UTF-8 text (repeatable)")
     p.add_argument("--question", required=True)
     p.add_argument("--mode", default="blend", choices=MODES)
-    p.add_argument("--ratio", type=float, default=None, help="recompute ratio for blend (default: config)")
-    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--ratio", type=RATIO, default=None, help="recompute ratio for blend, in [0, 1] (default: config)")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=None)
     json_arg(p)
     p.set_defaults(func=cmd_ask)
 
@@ -83,6 +98,6 @@ def register(subparsers: Any) -> None:
     config_arg(p)
     p.add_argument("--session", required=True, help="session id (a new one starts if unknown)")
     p.add_argument("--message", default=None, help="one turn, then exit (otherwise read lines from stdin)")
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    json_arg(p)
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=None)
+    json_arg(p, "print one JSON object per turn (the last stdout line is JSON)")
     p.set_defaults(func=cmd_chat)

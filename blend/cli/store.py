@@ -1,69 +1,93 @@
-"""`kvblend store stats|ls|clear`: inspect or empty the tiers of a config's `store:` section."""
+"""`kvblend store stats|ls|clear`: inspect or empty the tiers of a config's `store:` section
+(the same store the engine would use: KVBLEND_* overrides apply)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
-from blend.cli.common import config_arg, emit_json, json_arg
-from storage.config import StoreConfig, load_yaml
+from blend.cli.common import config_arg, confirm, emit_json, json_arg
 
 
-def _store_config(path: str) -> StoreConfig:
-    data = load_yaml(path)
-    return StoreConfig.from_mapping(data.get("store"), where=f"{path}: store")
+def _store_config(args: argparse.Namespace) -> Any:
+    from blend.config import load_config
+
+    return load_config(args.config).store
 
 
-def _open_store(path: str) -> Any:
+def _open_store(args: argparse.Namespace, config: Any = None) -> Any:
+    """The TieredStore of the config (validated before any tier is opened or created)."""
+    config = config or _store_config(args)
     from storage.stack import TieredStore
 
-    return TieredStore.from_config(_store_config(path))
+    return TieredStore.from_config(config)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    with _open_store(args.config) as store:
+    with _open_store(args) as store:
         stats = store.stats()
-    for name, s in stats.items():
-        down = " DOWN" if s.get("down") else ""
-        print(
-            f"{name:<14} {s['kind']:<14} entries {s['entries']:>7}  used {s['bytes_used'] / 2**20:>10.1f} MiB"
-            f"  corrupt {s['corrupt']}  errors {s['errors']}{down}"
-        )
     if args.json:
         emit_json(stats)
+        return 0
+    for name, s in stats.items():
+        down = " DOWN" if s.get("down") else ""
+        print(f"{name:<14} {s['kind']:<14} entries {s['entries']:>7}  used {s['bytes_used'] / 2**20:>10.1f} MiB"
+              f"  corrupt {s['corrupt']}  errors {s['errors']}{down}")
     return 0
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    with _open_store(args.config) as store:
-        print(f"{'key':<48} {'tier':<14} {'tokens':>7} {'bytes':>11} {'pos_start':>9}")
+    rows = []
+    with _open_store(args) as store:
+        if not args.json:
+            print(f"{'key':<48} {'tier':<14} {'tokens':>7} {'bytes':>11} {'pos_start':>9}", flush=True)
         for tier in store.tiers:
             for key in tier.keys():
                 header = tier.get_header(key)
-                if header is not None:
+                if header is None:
+                    continue
+                row = {"key": key, "tier": tier.name, "tokens": header.num_tokens, "bytes": header.nbytes,
+                       "pos_start": header.pos_start}
+                if args.json:
+                    rows.append(row)
+                else:
                     print(f"{key:<48} {tier.name:<14} {header.num_tokens:>7} {header.nbytes:>11} {header.pos_start:>9}")
+    if args.json:
+        emit_json({"entries": rows})
     return 0
 
 
 def _cmd_clear(args: argparse.Namespace) -> int:
-    with _open_store(args.config) as store:
+    from storage.config import tier_display_name
+
+    config = _store_config(args)
+    names = [tier_display_name(t) for t in config.tiers]
+    if not confirm(f"delete every entry of the tiers {', '.join(names)}?", args.yes):  # before opening any tier
+        print("nothing deleted", file=sys.stderr)
+        return 1
+    with _open_store(args, config) as store:
         store.clear()
-        print(f"cleared {', '.join(t.name for t in store.tiers)}")
+    if args.json:
+        emit_json({"cleared": names})
+    else:
+        print(f"cleared {', '.join(names)}")
     return 0
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `store stats|ls|clear --config C` (the config file's `store:` section)."""
+    """Add `store stats|ls|clear [--config C] [--json]` (the config's `store:` section)."""
     parser = subparsers.add_parser("store", help="inspect or empty the tiered KV store")
-    sub = parser.add_subparsers(dest="store_command", required=True)
+    sub = parser.add_subparsers(dest="store_command", required=True, metavar="ACTION")
     for name, func, text in (
         ("stats", _cmd_stats, "per-tier counters and usage"),
         ("ls", _cmd_ls, "list entries: key, tier, tokens, bytes, pos_start"),
-        ("clear", _cmd_clear, "delete every entry from every tier"),
+        ("clear", _cmd_clear, "delete every entry from every tier (asks, or pass --yes)"),
     ):
         p = sub.add_parser(name, help=text)
         config_arg(p)
-        if name == "stats":
-            json_arg(p, "also print one JSON object as the last line")
+        json_arg(p)
+        if name == "clear":
+            p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
         p.set_defaults(func=func)
     return parser

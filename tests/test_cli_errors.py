@@ -1,0 +1,239 @@
+"""Bad input through the command line: every case exits 2 with exactly one line on stderr
+naming the fault, no traceback, and nothing written (the working directory, $KVBLEND_HOME
+and the files of the case are compared before and after). Run in-process through
+blend.cli.main, and a few through a real `python -m blend.cli` process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blend.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = ("KVBLEND_CONFIG", "KVBLEND_MODEL", "KVBLEND_DEVICE", "KVBLEND_DTYPE", "KVBLEND_RECOMPUTE_RATIO",
+       "KVBLEND_REDIS_URL", "KVBLEND_STORE_SECRET", "XDG_CACHE_HOME")
+CPU_STORE = "store:\n  tiers:\n    - {kind: cpu, budget: 64MiB}\n"
+DOWN_REDIS = ("store:\n  tiers:\n    - {kind: redis, url: 'redis://127.0.0.1:1/0', required: true, "
+              "connect_timeout_s: 0.3}\n")
+
+
+def cfg(text: str) -> dict[str, str | bytes]:
+    return {"c.yaml": text}
+
+
+def engine(extra: str = "", device: str = "cpu") -> dict[str, str | bytes]:
+    """A config on the tiny model saved by the `model_dir` fixture, CPU tier only."""
+    return cfg(f"model: '{{model}}'\ndevice: {device}\n{extra}{CPU_STORE}")
+
+
+STATS = ["store", "stats", "--config", "{tmp}/c.yaml"]
+ASK = ["ask", "--config", "{tmp}/c.yaml", "--question", "q"]
+BAD_UTF8 = b"caf\xe9 \xff\xfe\n"
+
+# (case id, argv, files of the case, environment)
+CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
+    # ---- the config file
+    ("yaml-syntax", STATS, cfg("a: [\n"), {}),
+    ("yaml-top-list", STATS, cfg("- 1\n- 2\n"), {}),
+    ("yaml-int-key", STATS, cfg("1: 2\n"), {}),
+    ("yaml-not-utf8", STATS, {"c.yaml": b"model: caf\xe9\n"}, {}),
+    ("config-missing", ["store", "stats", "--config", "{tmp}/none.yaml"], {}, {}),
+    ("config-is-dir", ["store", "stats", "--config", "{tmp}"], {}, {}),
+    ("engine-list", STATS, cfg("engine: [1, 2]\n"), {}),
+    ("store-int", STATS, cfg("store: 5\n"), {}),
+    ("device-banana", STATS, cfg("device: banana\n"), {}),
+    ("dtype-fp8", STATS, cfg("dtype: fp8\n"), {}),
+    ("model-empty", STATS, cfg("model: ''\n"), {}),
+    ("model-number", STATS, cfg("model: 5\n"), {}),
+    ("unknown-top-key", STATS, cfg("modle: x\n"), {}),
+    ("unknown-engine-key", STATS, cfg("engine:\n  chunk_tokenz: 3\n"), {}),
+    ("idle-negative", STATS, cfg("engine:\n  idle_seconds: -5\n"), {}),
+    ("ratio-above-1", STATS, cfg("engine:\n  recompute_ratio: 1.5\n"), {}),
+    ("ratio-nan", STATS, cfg("engine:\n  recompute_ratio: .nan\n"), {}),
+    ("ratio-bool", STATS, cfg("engine:\n  recompute_ratio: true\n"), {}),
+    ("ratio-string", STATS, cfg("engine:\n  recompute_ratio: 'high'\n"), {}),
+    ("chunk-tokens-0", STATS, cfg("engine:\n  chunk_tokens: 0\n"), {}),
+    ("chunk-tokens-float", STATS, cfg("engine:\n  chunk_tokens: 2.5\n"), {}),
+    ("chunk-tokens-bool", STATS, cfg("engine:\n  chunk_tokens: false\n"), {}),
+    ("check-layers-empty", STATS, cfg("engine:\n  check_layers: []\n"), {}),
+    ("check-layers-order", STATS, cfg("engine:\n  check_layers: [3, 1]\n  filter_schedule: [1.0, 1.0]\n"), {}),
+    ("check-layers-negative", STATS, cfg("engine:\n  check_layers: [-1]\n"), {}),
+    ("filter-schedule-length", STATS, cfg("engine:\n  filter_schedule: [1.0, 0.5]\n"), {}),
+    ("filter-schedule-end", STATS, cfg("engine:\n  filter_schedule: [0.5]\n"), {}),
+    ("selection-unknown", STATS, cfg("engine:\n  selection: magic\n"), {}),
+    ("deviation-unknown", STATS, cfg("engine:\n  deviation: q\n"), {}),
+    ("chunk-context-unknown", STATS, cfg("engine:\n  chunk_context: all\n"), {}),
+    ("max-new-tokens-0", STATS, cfg("engine:\n  max_new_tokens: 0\n"), {}),
+    ("temperature-negative", STATS, cfg("engine:\n  temperature: -1\n"), {}),
+    ("temperature-inf", STATS, cfg("engine:\n  temperature: .inf\n"), {}),
+    ("top-p-0", STATS, cfg("engine:\n  top_p: 0\n"), {}),
+    ("query-template", STATS, cfg("engine:\n  query_template: '{foo}'\n"), {}),
+    ("active-budget", STATS, cfg("engine:\n  active_budget: lots\n"), {}),
+    ("prefetch-depth-0", STATS, cfg("engine:\n  prefetch_depth: 0\n"), {}),
+    ("sessions-dir-file", STATS, {"c.yaml": "engine:\n  sessions_dir: f.txt\n", "f.txt": "x"}, {}),
+    ("store-unknown-key", STATS, cfg("store:\n  kvdtype: float16\n"), {}),
+    ("kv-dtype-int8", STATS, cfg("store:\n  kv_dtype: int8\n"), {}),
+    ("namespace", STATS, cfg("store:\n  namespace: .hidden\n"), {}),
+    ("write-queue-0", STATS, cfg("store:\n  write_queue: 0\n"), {}),
+    ("promote-string", STATS, cfg("store:\n  promote: 'yes'\n"), {}),
+    ("tiers-empty", STATS, cfg("store:\n  tiers: []\n"), {}),
+    ("tiers-mapping", STATS, cfg("store:\n  tiers: {kind: cpu}\n"), {}),
+    ("tier-kind-unknown", STATS, cfg("store:\n  tiers:\n    - {kind: s3}\n"), {}),
+    ("tier-kind-missing", STATS, cfg("store:\n  tiers:\n    - {budget: 1GiB}\n"), {}),
+    ("tier-unknown-key", STATS, cfg("store:\n  tiers:\n    - {kind: cpu, budgte: 1GiB}\n"), {}),
+    ("budget-0", STATS, cfg("store:\n  tiers:\n    - {kind: cpu, budget: 0}\n"), {}),
+    ("budget-negative", STATS, cfg("store:\n  tiers:\n    - {kind: cpu, budget: -5}\n"), {}),
+    ("budget-words", STATS, cfg("store:\n  tiers:\n    - {kind: cpu, budget: 2 lots}\n"), {}),
+    ("budget-bool", STATS, cfg("store:\n  tiers:\n    - {kind: cpu, budget: true}\n"), {}),
+    ("tier-names-clash", STATS, cfg("store:\n  tiers:\n    - {kind: cpu}\n    - {kind: cpu}\n"), {}),
+    ("tier-name-chars", STATS, cfg("store:\n  tiers:\n    - {kind: cpu, name: 'a b!'}\n"), {}),
+    ("disk-path-missing", STATS, cfg("store:\n  tiers:\n    - {kind: disk}\n"), {}),
+    ("disk-path-file", STATS, {"c.yaml": "store:\n  tiers:\n    - {kind: disk, path: f.txt}\n", "f.txt": "x"}, {}),
+    ("disk-fsync", STATS, cfg("store:\n  tiers:\n    - {kind: disk, path: d, fsync: sometimes}\n"), {}),
+    ("redis-url-scheme", STATS, cfg("store:\n  tiers:\n    - {kind: redis, url: 'http://h:6379'}\n"), {}),
+    ("redis-ttl-negative", STATS, cfg("store:\n  tiers:\n    - {kind: redis, ttl_s: -1}\n"), {}),
+    ("redis-backoff", STATS, cfg("store:\n  tiers:\n    - {kind: redis, backoff_initial_s: 60}\n"), {}),
+    ("redis-pool-0", STATS, cfg("store:\n  tiers:\n    - {kind: redis, pool_size: 0}\n"), {}),
+    ("cluster-urls-empty", STATS, cfg("store:\n  tiers:\n    - {kind: redis-cluster, urls: []}\n"), {}),
+    ("secret-short", STATS, cfg("store:\n  secret: short\n"), {}),
+    ("model-config-json-corrupt", ASK, {"c.yaml": "model: '{tmp}/m'\n" + CPU_STORE, "m/config.json": "{not json"}, {}),
+    ("redis-required-down", STATS, cfg(DOWN_REDIS), {}),
+    # ---- needs the model: fails at engine construction, before anything is written
+    ("check-layers-beyond-model", ASK, engine("engine:\n  check_layers: [99]\n"), {}),
+    ("device-cuda-on-cpu", ASK, engine(device="cuda"), {}),
+    # ---- the environment
+    ("env-device", STATS, cfg(CPU_STORE), {"KVBLEND_DEVICE": "banana"}),
+    ("env-dtype", STATS, cfg(CPU_STORE), {"KVBLEND_DTYPE": "fp8"}),
+    ("env-ratio-word", STATS, cfg(CPU_STORE), {"KVBLEND_RECOMPUTE_RATIO": "lots"}),
+    ("env-ratio-range", STATS, cfg(CPU_STORE), {"KVBLEND_RECOMPUTE_RATIO": "1.5"}),
+    ("env-redis-url", STATS, cfg(CPU_STORE), {"KVBLEND_REDIS_URL": "http://x"}),
+    ("env-secret-short", STATS, cfg(CPU_STORE), {"KVBLEND_STORE_SECRET": "short"}),
+    ("env-config-missing", ["store", "stats"], {}, {"KVBLEND_CONFIG": "{tmp}/none.yaml"}),
+    # ---- arguments
+    ("no-command", [], {}, {}),
+    ("unknown-command", ["frobnicate"], {}, {}),
+    ("unknown-flag", ["--frobnicate", "store", "stats"], {}, {}),
+    ("ask-no-question", ["ask"], {}, {}),
+    ("ask-ratio-1.5", ASK + ["--ratio", "1.5"], cfg(CPU_STORE), {}),
+    ("ask-ratio-nan", ASK + ["--ratio", "nan"], cfg(CPU_STORE), {}),
+    ("ask-ratio-word", ASK + ["--ratio", "half"], cfg(CPU_STORE), {}),
+    ("ask-mode", ASK + ["--mode", "fast"], cfg(CPU_STORE), {}),
+    ("ask-max-new-tokens-0", ASK + ["--max-new-tokens", "0"], cfg(CPU_STORE), {}),
+    ("ask-max-new-tokens-float", ASK + ["--max-new-tokens", "2.9"], cfg(CPU_STORE), {}),
+    ("ask-doc-missing", ASK + ["--doc", "{tmp}/none.txt"], engine(), {}),
+    ("ask-doc-dir", ASK + ["--doc", "{tmp}"], engine(), {}),
+    ("ask-doc-not-utf8", ASK + ["--doc", "{tmp}/bad.txt"], {**engine(), "bad.txt": BAD_UTF8}, {}),
+    ("ingest-missing", ["ingest", "--config", "{tmp}/c.yaml", "{tmp}/none.txt"], engine(), {}),
+    ("ingest-not-utf8", ["ingest", "--config", "{tmp}/c.yaml", "{tmp}/bad.txt"], {**engine(), "bad.txt": BAD_UTF8}, {}),
+    ("ingest-no-files", ["ingest"], {}, {}),
+    ("chat-session-path", ["chat", "--config", "{tmp}/c.yaml", "--session", "../x", "--message", "hi"], engine(), {}),
+    ("chat-max-new-tokens", ["chat", "--session", "s", "--max-new-tokens", "-1"], {}, {}),
+    ("demo-ratio", ["demo", "--ratio", "2"], {}, {}),
+    ("store-no-action", ["store"], {}, {}),
+    ("store-clear-no-tty", ["store", "clear", "--config", "{tmp}/c.yaml"],
+     cfg("store:\n  tiers:\n    - {kind: disk, path: d}\n"), {}),
+    ("bench-load-size-negative", ["bench", "load", "--size-mb", "-5"], {}, {}),
+    ("bench-load-size-nan", ["bench", "load", "--size-mb", "nan"], {}, {}),
+    ("bench-load-tier", ["bench", "load", "--tier", "s3"], {}, {}),
+    ("bench-load-layers-0", ["bench", "load", "--layers", "0"], {}, {}),
+    ("bench-load-kv-dtype", ["bench", "load", "--kv-dtype", "int8"], {}, {}),
+    ("bench-load-bad-config", ["bench", "load", "--config", "{tmp}/c.yaml"], cfg("store: 5\n"), {}),
+    ("bench-ttft-ratios", ["bench", "ttft", "--ratios", "0.1,2"], {}, {}),
+    ("bench-ttft-tiers", ["bench", "ttft", "--tiers", "cpu,s3"], {}, {}),
+    ("bench-ttft-chunks", ["bench", "ttft", "--chunks", "0"], {}, {}),
+    ("bench-resume-history", ["bench", "resume", "--history-tokens", "0"], {}, {}),
+    ("bench-resume-tiers", ["bench", "resume", "--tiers", "redis-cluster"], {}, {}),
+    ("bench-resume-repeats", ["bench", "resume", "--repeats", "0"], {}, {}),
+    ("eval-limit", ["eval", "--dataset", "{tmp}/d.json", "--limit", "0"], {}, {}),
+    ("eval-modes", ["eval", "--dataset", "{tmp}/d.json", "--modes", "full,turbo"], {}, {}),
+    ("eval-ratios", ["eval", "--dataset", "{tmp}/d.json", "--ratios", "0.1,1.5"], {}, {}),
+    ("eval-dataset-missing", ["eval", "--config", "{tmp}/c.yaml", "--dataset", "{tmp}/none.json"], cfg(CPU_STORE), {}),
+    ("plan-tokens-0", ["plan", "--tokens", "0"], {}, {}),
+    ("plan-no-stage", ["plan", "--tokens", "10", "--layers", "2", "--kv-heads", "2", "--head-dim", "8"], {}, {}),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny random model (4 layers) saved with the shipped tokenizer."""
+    from tests.models import smollm2_tokenizer, tiny_model
+
+    root = tmp_path_factory.mktemp("model")
+    tiny_model("llama", tokenizer=smollm2_tokenizer()).model.save_pretrained(root)
+    smollm2_tokenizer().save_pretrained(root)
+    return root
+
+
+def snapshot(root: Path) -> dict[str, int]:
+    """Every path under `root` with its size (directories: -1)."""
+    return {str(p.relative_to(root)): (-1 if p.is_dir() else p.stat().st_size) for p in root.rglob("*")}
+
+
+def prepare(tmp_path: Path, model: Path, files: dict[str, str | bytes], env: dict[str, str], monkeypatch) -> None:
+    for var in ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path / "home"))
+    for name, content in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content.replace("{model}", str(model)).replace("{tmp}", str(tmp_path)))
+    for var, value in env.items():
+        monkeypatch.setenv(var, value.replace("{tmp}", str(tmp_path)))
+    monkeypatch.chdir(tmp_path)
+
+
+def needs_model(files: dict[str, str | bytes]) -> bool:
+    return any(isinstance(c, str) and "{model}" in c for c in files.values())
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) >= 60 and len({case[0] for case in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("argv, files, env", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(argv, files, env, tmp_path, monkeypatch, capsys, request):
+    if "cuda" in request.node.callspec.id:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU")
+    model = request.getfixturevalue("model_dir") if needs_model(files) else tmp_path / "no-model"
+    prepare(tmp_path, model, files, env, monkeypatch)
+    before, home_before = snapshot(tmp_path), snapshot(model) if model.exists() else {}
+    try:
+        code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    except SystemExit as exit_info:  # argparse usage errors
+        code = exit_info.code
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert code == 2, (out, err)
+    assert len(lines) == 1 and "error: " in lines[0], err
+    assert "Traceback" not in err and len(lines[0]) < 400
+    assert snapshot(tmp_path) == before, "the command wrote files"
+    if model.exists():
+        assert snapshot(model) == home_before
+
+
+SUBPROCESS_CASES = ["yaml-syntax", "engine-list", "ask-ratio-1.5", "bench-load-size-negative", "ask-doc-missing",
+                    "ask-doc-not-utf8", "model-config-json-corrupt", "redis-required-down", "no-command"]
+
+
+@pytest.mark.parametrize("case", SUBPROCESS_CASES)
+def test_no_traceback_reaches_stderr_of_a_real_process(case, tmp_path, monkeypatch):
+    _, argv, files, env = next(c for c in CASES if c[0] == case)
+    prepare(tmp_path, tmp_path / "no-model", files, env, monkeypatch)
+    before = snapshot(tmp_path)
+    run_env = {k: v for k, v in os.environ.items() if k not in ENV} | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "blend.cli", *[a.replace("{tmp}", str(tmp_path)) for a in argv]],
+                          cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == "" and snapshot(tmp_path) == before

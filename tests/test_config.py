@@ -1,0 +1,269 @@
+"""Config models: key-path errors (one line each), byte sizes, the tier union, frozen
+dataclasses that `dataclasses.replace` re-validates, the packaged default, relative paths,
+KVBLEND_* overrides, the secret kept out of reprs and JSON, and the tier registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blend.config import BlendConfig, EngineConfig, apply_env, kvblend_home, load_config
+from storage.config import (
+    TIER_CONFIGS,
+    CpuTierConfig,
+    DiskTierConfig,
+    RedisClusterTierConfig,
+    RedisTierConfig,
+    StoreConfig,
+    load_yaml,
+    tier_config_class,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = ("KVBLEND_CONFIG", "KVBLEND_HOME", "XDG_CACHE_HOME", "KVBLEND_MODEL", "KVBLEND_DEVICE", "KVBLEND_DTYPE",
+       "KVBLEND_RECOMPUTE_RATIO", "KVBLEND_REDIS_URL", "KVBLEND_STORE_SECRET")
+SECRET = "s3cr3t-value-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    for var in ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path / "home"))
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error_of(tmp_path: Path, text: str) -> str:
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError) as info:
+        load_config(path)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("store:\n  tiers:\n    - {kind: cpu}\n    - {kind: disk, path: d, budget: 0}\n",
+     "store.tiers[1].budget: must be > 0, got 0"),
+    ("store:\n  tiers:\n    - {kind: cpu, budgte: 1GiB}\n",
+     "store.tiers[0]: unknown key 'budgte'; valid keys are: budget, kind, name"),
+    ("store:\n  tiers:\n    - {kind: s3}\n", "store.tiers[0]: unknown kind 's3'; valid kinds are: cpu, disk, redis, redis-cluster"),
+    ("store:\n  tiers:\n    - {budget: 1GiB}\n", "store.tiers[0]: missing `kind`; valid kinds are: cpu, disk"),
+    ("store:\n  tiers:\n    - {kind: disk}\n", "store.tiers[0]: missing required key 'path'"),
+    ("engine: [1, 2]\n", "engine: expected a mapping, got [1, 2]"),
+    ("store: 5\n", "store: expected a mapping, got 5"),
+    ("device: banana\n", "device: unknown device 'banana'; use auto, cpu, cuda"),
+    ("engine:\n  idle_seconds: -5\n", "engine.idle_seconds: must be >= 0"),
+    ("engine:\n  recompute_ratio: .nan\n", "engine.recompute_ratio: expected a finite number, got nan"),
+    ("engine:\n  recompute_ratio: true\n", "engine.recompute_ratio: expected a number, got True"),
+    ("engine:\n  chunk_tokens: '512'\n", "engine.chunk_tokens: expected an integer, got '512'"),
+    ("engine:\n  check_layers: [1, 1]\n", "engine: check_layers must be increasing"),
+    ("store:\n  kv_dtype: int8\n", "store.kv_dtype: must be one of 'float32', 'bfloat16' or 'float16', got 'int8'"),
+    ("store:\n  namespace: .x\n", "store.namespace: namespace '.x' must be up to 64 characters"),
+    ("store:\n  tiers:\n    - {kind: redis, url: 'http://h'}\n", "store.tiers[0].url: 'http://h' is not a Redis URL"),
+    ("store:\n  tiers:\n    - {kind: cpu, budget: 2 lots}\n", "store.tiers[0].budget: cannot parse '2 lots' as a byte size"),
+    ("modle: x\n", "unknown key 'modle'; valid keys are: device, dtype, engine, model, store"),
+])
+def test_errors_name_the_file_and_key_path_on_one_line(tmp_path, text, expected):
+    message = error_of(tmp_path, text)
+    assert message.startswith(f"{tmp_path / 'c.yaml'}: ") and expected in message
+    assert "\n" not in message and "pydantic" not in message
+
+
+def test_several_problems_give_one_line_each(tmp_path):
+    lines = error_of(tmp_path, "device: banana\nengine:\n  chunk_tokens: 0\n  top_p: 2\n").splitlines()
+    assert len(lines) == 3
+    assert all(line.startswith(str(tmp_path / "c.yaml")) for line in lines)
+    assert {line.split(": ")[1] for line in lines} == {"device", "engine.chunk_tokens", "engine.top_p"}
+
+
+def test_yaml_problems_are_one_line_naming_the_file(tmp_path):
+    for text, expected in (("a: [\n", "invalid YAML at line 2"), ("- 1\n", "top level of a config must be a mapping"),
+                           ("1: 2\n", "key 1 is not a name")):
+        with pytest.raises(ValueError, match=expected) as info:
+            load_yaml(write(tmp_path, text))
+        assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)
+    (tmp_path / "latin1.yaml").write_bytes(b"model: caf\xe9\n")
+    with pytest.raises(ValueError, match="latin1.yaml: not UTF-8"):
+        load_yaml(tmp_path / "latin1.yaml")
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        load_yaml(tmp_path)
+    assert load_yaml(write(tmp_path, "# only a comment\n")) == {}
+
+
+def test_byte_sizes_and_strict_numbers():
+    cfg = StoreConfig.from_mapping({"tiers": [{"kind": "cpu", "budget": "1.5GiB"}, {"kind": "disk", "path": "d",
+                                                                                      "budget": 4096}]})
+    assert cfg.tiers[0].budget == 3 * 2**29 and cfg.tiers[1].budget == 4096
+    assert BlendConfig(recompute_ratio=1).recompute_ratio == 1.0  # an int is a number
+    for bad in ({"recompute_ratio": True}, {"recompute_ratio": "0.1"}, {"chunk_tokens": 1.0}, {"temperature": float("inf")}):
+        with pytest.raises(ValueError, match=f"BlendConfig: {next(iter(bad))}: "):
+            BlendConfig(**bad)
+
+
+def test_frozen_dataclasses_that_replace_revalidates():
+    cfg = StoreConfig()
+    assert [f.name for f in dataclasses.fields(cfg)][:3] == ["namespace", "kv_dtype", "tiers"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.write_queue = 3  # type: ignore[misc]
+    assert dataclasses.replace(cfg, write_queue=3).write_queue == 3
+    with pytest.raises(ValueError, match="StoreConfig: write_queue: must be >= 1, got 0"):
+        dataclasses.replace(cfg, write_queue=0)
+    with pytest.raises(ValueError, match="kind: must be one of 'cpu'"):
+        CpuTierConfig(kind="disk")  # type: ignore[arg-type]
+
+
+def test_tier_union_and_registry():
+    assert list(TIER_CONFIGS) == ["cpu", "disk", "redis", "redis-cluster"]
+    assert tier_config_class("redis") is RedisTierConfig
+    with pytest.raises(ValueError, match="valid kinds are: cpu, disk, redis, redis-cluster"):
+        tier_config_class("s3")
+    cfg = StoreConfig.from_mapping({"tiers": [{"kind": "redis-cluster", "urls": ["redis://h:7000"]}]})
+    assert isinstance(cfg.tiers[0], RedisClusterTierConfig) and cfg.tiers[0].urls == ("redis://h:7000",)
+    from storage.tier import tier_class
+
+    assert [tier_class(k).__name__ for k in TIER_CONFIGS] == ["CpuTier", "DiskTier", "RedisTier", "RedisClusterTier"]
+
+
+def run_python(code: str, **env: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_loading_a_config_imports_neither_torch_nor_redis(tmp_path):
+    # (naming `selection:` or `deviation:` checks them against blend.selector, which imports torch)
+    path = write(tmp_path, "engine:\n  chunk_tokens: 64\nstore:\n  tiers:\n    - {kind: cpu}\n"
+                           "    - {kind: redis-cluster, urls: [redis://h:7000]}\n")
+    out = run_python(
+        "import sys\n"
+        "from blend.config import load_config\n"
+        f"load_config({str(path)!r}); load_config()\n"
+        "print(sorted(m for m in ('torch', 'redis', 'transformers') if m in sys.modules))\n")
+    assert out.strip() == "[]"
+
+
+def test_a_cpu_and_disk_store_does_not_import_redis(tmp_path):
+    out = run_python(
+        "import sys\n"
+        "from storage.config import StoreConfig, CpuTierConfig, DiskTierConfig\n"
+        "from storage.stack import TieredStore\n"
+        f"TieredStore.from_config(StoreConfig(tiers=(CpuTierConfig(), DiskTierConfig(path={str(tmp_path / 'd')!r})))).close()\n"
+        "print('redis' in sys.modules)\n")
+    assert out.strip() == "False"
+
+
+def test_packaged_default_lives_under_kvblend_home(tmp_path, monkeypatch):
+    cfg = load_config()
+    assert [t.kind for t in cfg.store.tiers] == ["cpu", "disk"]
+    assert cfg.store.tiers[1].path == str(tmp_path / "home" / "disk")
+    assert cfg.engine.sessions_dir == str(tmp_path / "home" / "sessions")
+    assert cfg == EngineConfig() and not (tmp_path / "home").exists()  # nothing created
+    monkeypatch.delenv("KVBLEND_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kvblend_home() == tmp_path / "xdg" / "kvblend"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert kvblend_home() == Path.home() / ".cache" / "kvblend"
+
+
+def test_relative_paths_resolve_against_the_config_file(tmp_path, monkeypatch):
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    path = write(conf, "engine:\n  sessions_dir: s\nstore:\n  tiers:\n    - {kind: disk, path: ../cache/d}\n"
+                       "    - {kind: disk, name: abs, path: /tmp/abs-kv}\n")
+    monkeypatch.chdir("/")  # not the config's directory
+    cfg = load_config(path)
+    assert cfg.engine.sessions_dir == str(conf / "s")
+    assert Path(cfg.store.tiers[0].path).resolve() == tmp_path / "cache" / "d"
+    assert cfg.store.tiers[1].path == "/tmp/abs-kv"
+    shipped = load_config(ROOT / "configs" / "default.yaml")
+    assert Path(shipped.store.tiers[1].path).resolve() == ROOT / ".kvblend-cache" / "disk"
+
+
+def test_disk_path_that_is_a_file_is_rejected(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match=r"store.tiers\[0\].path: .* exists and is not a directory"):
+        load_config(write(tmp_path, f"store:\n  tiers:\n    - {{kind: disk, path: {tmp_path / 'f'}}}\n"))
+
+
+def test_environment_overrides(tmp_path, monkeypatch):
+    path = write(tmp_path, "model: a\ndevice: cpu\nstore:\n  tiers:\n    - {kind: cpu}\n")
+    monkeypatch.setenv("KVBLEND_CONFIG", str(path))
+    assert load_config().model == "a"
+    monkeypatch.setenv("KVBLEND_MODEL", "b")
+    monkeypatch.setenv("KVBLEND_DTYPE", "bfloat16")
+    monkeypatch.setenv("KVBLEND_RECOMPUTE_RATIO", "0.3")
+    monkeypatch.setenv("KVBLEND_REDIS_URL", "redis://cache:6380/1")
+    cfg = load_config()
+    assert (cfg.model, cfg.device, cfg.dtype, cfg.engine.recompute_ratio) == ("b", "cpu", "bfloat16", 0.3)
+    assert [t.kind for t in cfg.store.tiers] == ["cpu", "redis"] and cfg.store.tiers[1].url == "redis://cache:6380/1"
+    assert load_config(recompute_ratio=0.5).engine.recompute_ratio == 0.5  # explicit overrides win
+    redis_cfg = apply_env(load_config(ROOT / "configs" / "redis.yaml"))
+    assert [t.kind for t in redis_cfg.store.tiers] == ["cpu", "disk", "redis"]  # the configured tier is repointed
+    assert redis_cfg.store.tiers[2].url == "redis://cache:6380/1"
+    for var, value, expected in (("KVBLEND_DEVICE", "banana", "KVBLEND_DEVICE: device: unknown device"),
+                                 ("KVBLEND_RECOMPUTE_RATIO", "lots", "KVBLEND_RECOMPUTE_RATIO: expected a number"),
+                                 ("KVBLEND_RECOMPUTE_RATIO", "1.5", "KVBLEND_RECOMPUTE_RATIO: recompute_ratio: must be <= 1"),
+                                 ("KVBLEND_REDIS_URL", "http://x", "KVBLEND_REDIS_URL: url: 'http://x' is not a Redis URL")):
+        with monkeypatch.context() as m:
+            m.setenv(var, value)
+            with pytest.raises(ValueError, match=expected):
+                load_config()
+    monkeypatch.setenv("KVBLEND_CONFIG", str(tmp_path / "missing.yaml"))
+    with pytest.raises(FileNotFoundError, match="KVBLEND_CONFIG: config file .* not found"):
+        load_config()
+
+
+def test_secret_is_never_printed(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBLEND_STORE_SECRET", SECRET)
+    cfg = load_config()
+    assert cfg.store.secret == SECRET
+    shown = repr(cfg) + str(cfg.store) + json.dumps(cfg.to_dict()) + json.dumps(cfg.store.to_dict())
+    assert SECRET not in shown and cfg.to_dict()["store"]["secret"] == "<redacted>"
+    from_file = load_config(write(tmp_path, f"store:\n  secret: {SECRET}\n"))
+    assert from_file.store.secret == SECRET and SECRET not in repr(from_file)
+    monkeypatch.setenv("KVBLEND_STORE_SECRET", "short")
+    with pytest.raises(ValueError, match="KVBLEND_STORE_SECRET: secret: must be at least 16 characters") as info:
+        load_config()
+    assert "short" not in str(info.value)
+
+
+def test_overrides_reject_unknown_keys_and_bad_values():
+    with pytest.raises(ValueError, match="override: unknown key 'ratio'; valid keys are: .*recompute_ratio"):
+        EngineConfig().with_overrides(ratio=0.3)
+    with pytest.raises(ValueError, match="override: recompute_ratio: must be <= 1"):
+        EngineConfig().with_overrides(recompute_ratio=1.5)
+    with pytest.raises(ValueError, match=r"override: store: tiers\[0\]: unknown kind"):
+        EngineConfig().with_overrides(store={"tiers": [{"kind": "tape"}]})
+    cfg = EngineConfig().with_overrides(check_layers=[1, 2], filter_schedule=[2.0, 1.0], model="m")
+    assert cfg.engine.check_layers == (1, 2) and cfg.model == "m"
+
+
+def test_check_layers_beyond_the_model():
+    BlendConfig(check_layers=(1, 3), filter_schedule=(1.5, 1.0)).check_model_layers(4)
+    with pytest.raises(ValueError, match=r"engine.check_layers \[99\] is beyond the model's 4 layers \(0..3\)"):
+        BlendConfig(check_layers=(99,)).check_model_layers(4)
+
+
+def test_corrupt_model_config_json_is_named(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"model: .*m/config.json: not a valid model config.json") as info:
+        EngineConfig.from_mapping({"model": str(tmp_path / "m")}, where="c.yaml")
+    assert "\n" not in str(info.value)
+
+
+def test_shipped_configs_load(monkeypatch):
+    for name in ("default.yaml", "redis.yaml", "redis-cluster.yaml"):
+        cfg = load_config(ROOT / "configs" / name)
+        assert cfg.store.tiers[0].kind == "cpu" and cfg.engine.chunk_tokens == 512
+    assert DiskTierConfig(path="~/kv").path == str(Path.home() / "kv")
