@@ -291,6 +291,7 @@ class StoreConfig:
     tiers: tuple[TierConfig, ...] = (CpuTierConfig(),)
     write_queue: int = 64  # background writes queued before put() blocks
     promote: bool = True  # copy hits in lower tiers into the tiers above
+    secret: str | None = field(default=None, repr=False)  # HMAC key: entries must carry a valid tag (never printed)
 
     def __post_init__(self) -> None:
         check_dtype(self.kv_dtype, "store.kv_dtype")
