@@ -17,6 +17,7 @@ from eval.bench.load import ChunkShape, random_entry
 from storage.config import CpuTierConfig, DiskTierConfig, RedisTierConfig, StoreConfig
 from storage.entry import Expected, entry_nbytes
 from storage.keys import chunk_key
+from storage.signature import verify
 from storage.stack import TieredStore
 from storage.tier import StoreUnavailable
 
@@ -84,6 +85,42 @@ def test_expected_mismatch_names_the_field():
     assert "checksum algorithm 'md5'" in expect(tokens).mismatch(bad_algorithm)
     short = dataclasses.replace(entry.header, layer_checksums=entry.header.layer_checksums[:-1])
     assert "2 layer checksums" in expect(tokens).mismatch(short)
+
+
+def test_store_with_a_secret_seals_writes_and_refuses_untagged_entries(tmp_path):
+    key, tokens, entry = keyed()
+    key2, tokens2, entry2 = keyed(seed=1)
+    with cpu_disk(tmp_path, secret="s3cret") as store:
+        store.put(key, entry, sync=True)
+        stored = store.tiers[1].get_header(key)
+        assert stored.checksum == "sha256" and verify(stored, key, "s3cret")
+        assert store.lookup(key, expect(tokens)).header == stored
+        store.tiers[1].put(key2, entry2)  # planted without the secret
+        assert store.lookup(key2, expect(tokens2)) is None
+        assert store.stats()["disk"]["unauthenticated"] == 1 and not store.tiers[1].contains(key2)
+        store.tiers[0].clear()  # a promotion from disk keeps the tag (and does not re-hash)
+        located = store.lookup(key, expect(tokens))
+        assert located.tier_name == "disk" and store.get(located) is not None
+        store.flush()
+        assert store.tiers[0].get_header(key) == stored
+    with cpu_disk(tmp_path) as plain:  # without a secret, tags are not required
+        assert plain.lookup(key, expect(tokens)) is not None
+    with pytest.raises(ValueError, match="secret is empty"):
+        cpu_disk(tmp_path, secret="")
+
+
+def test_repair_rewrites_a_broken_entry(tmp_path):
+    key, tokens, entry = keyed()
+    with cpu_disk(tmp_path) as store:
+        store.tiers[1].put(key, entry)
+        located = store.lookup(key, expect(tokens))
+        path = store.tiers[1].path / f"{key}.kv"
+        path.write_bytes(path.read_bytes()[:-10])  # cut inside the last layer
+        assert store.get_layer(located, 2) is None and not path.exists()
+        store.repair(located, entry)
+        store.flush()
+        assert store.stats()["disk"]["repairs"] == 1
+        assert store.get(store.lookup(key, expect(tokens))) is not None and path.exists()
 
 
 def test_hit_in_disk_is_promoted_to_cpu(tmp_path):

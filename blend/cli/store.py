@@ -1,4 +1,8 @@
-"""`kvblend store stats|ls|clear`: inspect or empty the tiers of a config's `store:` section."""
+"""`kvblend store stats|ls|clear`: inspect or empty the tiers of a config's `store:` section.
+
+Every command sees only the config's namespace: the tiers are built for it, so another
+namespace's entries on a shared server or directory are never listed, counted or deleted.
+"""
 
 from __future__ import annotations
 
@@ -48,7 +52,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 def _cmd_clear(args: argparse.Namespace) -> int:
     with _open_store(args.config) as store:
         store.clear()
-        print(f"cleared {', '.join(t.name for t in store.tiers)}")
+        where = f"namespace {store.namespace!r}" if store.namespace else "the default namespace"
+        print(f"cleared {where} in {', '.join(t.name for t in store.tiers)}")
     return 0
 
 
@@ -59,7 +64,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     for name, func, text in (
         ("stats", _cmd_stats, "per-tier counters and usage"),
         ("ls", _cmd_ls, "list entries: key, tier, tokens, bytes, pos_start"),
-        ("clear", _cmd_clear, "delete every entry from every tier"),
+        ("clear", _cmd_clear, "delete every entry of the config's namespace from every tier"),
     ):
         p = sub.add_parser(name, help=text)
         config_arg(p)
