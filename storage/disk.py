@@ -234,9 +234,13 @@ class DiskTier:
         """Rebuild the index from the directory's regular entry files, oldest mtime first
         (links and other non-regular files are ignored), and clean up temp files."""
         found: list[tuple[float, str, int]] = []
+        temps: list[str] = []
         try:
             with os.scandir(self.path) as it:
                 for de in it:
+                    if de.name.startswith(TMP_PREFIX):
+                        temps.append(de.name)
+                        continue
                     key = de.name[: -len(SUFFIX)]
                     if not de.name.endswith(SUFFIX) or not _KEY_RE.match(key):
                         continue
@@ -257,9 +261,9 @@ class DiskTier:
             )
             self._bytes = sum(info.size for info in self._index.values())
             self._last_rescan = time.monotonic()
-        self._clean_temp_files()
+        self._clean_temp_files(temps)
 
-    def _clean_temp_files(self) -> None:
+    def _clean_temp_files(self, names: list[str] | None = None) -> None:
         """Remove temp files whose writer is gone (its flock is free) and anything that is not
         a regular file under a temp name; count the bytes of live writers' temp files.
 
@@ -267,11 +271,12 @@ class DiskTier:
         its name still refers to it, so a live writer's file is never removed.
         """
         live = 0
-        try:
-            with os.scandir(self.path) as it:
-                names = [de.name for de in it if de.name.startswith(TMP_PREFIX)]
-        except OSError:
-            names = []
+        if names is None:
+            try:
+                with os.scandir(self.path) as it:
+                    names = [de.name for de in it if de.name.startswith(TMP_PREFIX)]
+            except OSError:
+                names = []
         for name in names:
             path = self.path / name
             try:

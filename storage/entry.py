@@ -93,8 +93,8 @@ class Expected:
     def of(cls, token_ids: Sequence[int], *, fingerprint: str, num_layers: int, kv_heads: int, head_dim: int,
            kv_dtype: str, pos_start: int) -> Expected:
         """The expectation for the KV of `token_ids` with keys rotated from `pos_start`."""
-        return cls(fingerprint, _tokens_digest(token_ids), len(token_ids), num_layers, kv_heads, head_dim,
-                   check_dtype(kv_dtype, "kv_dtype"), pos_start)
+        return cls(fingerprint, _tokens_digest(token_ids), len(token_ids), int(num_layers), int(kv_heads),
+                   int(head_dim), check_dtype(kv_dtype, "kv_dtype"), int(pos_start))
 
     @property
     def layer_nbytes(self) -> int:
@@ -106,7 +106,7 @@ class Expected:
         for name in ("fingerprint", "tokens_digest", "kv_dtype", "num_layers", "kv_heads", "head_dim",
                      "num_tokens", "pos_start", "layer_nbytes"):
             got, want = getattr(header, name), getattr(self, name)
-            if type(got) is not type(want) or got != want:
+            if got != want:
                 return f"{name} {got!r}, expected {want!r}"
         if len(header.layer_checksums) != self.num_layers:
             return f"{len(header.layer_checksums)} layer checksums, expected {self.num_layers}"
