@@ -149,3 +149,33 @@ def test_temp_files_of_a_killed_writer_are_counted_then_reclaimed(tmp_path):
     assert not temps[0].exists()
     live._clean_temp_files()  # and so does the periodic cleaning of a running tier
     assert live.stats()["bytes_used"] == 0
+
+
+def test_entries_partly_evicted_by_redis_are_counted_deleted_misses(tmp_path):
+    server = RedisServer(tmp_path / "evicting", _free_port(), "--maxmemory-policy", "allkeys-random")
+    server.start()
+    client = redis.Redis(port=server.port)
+    try:
+        client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + (2 << 20))
+        tier = RedisTier(RedisTierConfig(url=server.url, socket_timeout_s=5.0))
+        shape = ChunkShape(layers=8, kv_heads=2, head_dim=64, tokens=64)  # 32 KiB layers
+        entries = {f"k{i}": random_entry(shape, seed=i)[1] for i in range(30)}  # 7.5 MiB into 2 MiB
+        for key, entry in entries.items():
+            tier.put(key, entry)
+        partial = whole = 0
+        for key, entry in entries.items():
+            header = tier.get_header(key)
+            if header is None:
+                continue
+            layers = tier.get_layers(key, range(shape.layers), header)
+            if all(layer is not None for layer in layers):
+                whole += 1
+                assert all(a[0].equal(b[0]) for a, b in zip(layers, entry.layers, strict=True))
+            else:
+                partial += 1
+                assert all(layer is None for layer in layers) and not client.exists(tier._hkey(key))
+        assert partial >= 1 and tier.stats()["partial"] == partial
+        tier.close()
+    finally:
+        client.close()
+        server.stop()
