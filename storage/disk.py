@@ -203,12 +203,27 @@ class DiskTier:
         self._last_warning = 0.0
         self._suppressed = 0
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self._make_directory()
         except OSError as e:
             self._failed("cannot create the cache directory", e)
         self._rescan()
 
     # ----------------------------------------------------------------- helpers
+    def _make_directory(self) -> None:
+        """Create the directory; a namespace's subdirectory must be a real directory: a link
+        or file planted at its name is removed first (the configured path itself is the
+        user's choice and may be a link)."""
+        if self.namespace:
+            try:
+                mode = os.stat(self.path, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                mode = None
+            if mode is not None and not stat.S_ISDIR(mode):
+                log.warning("%s tier: %s is not a directory (mode %s); replacing it", self.name, self.path,
+                            stat.filemode(mode))
+                os.unlink(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
     def _file(self, key: str) -> Path:
         if not _KEY_RE.match(key):
             raise ValueError(f"disk tier: key {key!r} is not a safe file name; use keys from storage.keys")

@@ -291,3 +291,15 @@ def test_cpu_read_of_a_replaced_entry_is_a_miss(tmp_path):
     tier.put("k", a)
     tier.put("k", b)  # replaced between a lookup of `a` and its layer reads
     assert tier.get_layer("k", 2, a.header) is None and tier.get_layer("k", 1, b.header) is not None
+
+
+def test_disk_namespace_directory_is_never_a_link(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "disk" / "alpha").symlink_to(outside)
+    tier = DiskTier(DiskTierConfig(path=str(tmp_path / "disk")), namespace="alpha")
+    _, entry = random_entry(SMALL)
+    tier.put("k", entry)
+    assert (tmp_path / "disk" / "alpha").is_dir() and not (tmp_path / "disk" / "alpha").is_symlink()
+    assert os.listdir(outside) == [] and tier.get("k") is not None
