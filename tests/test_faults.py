@@ -57,7 +57,7 @@ QUESTION = "Who built the lighthouse at Carrow Point?"
 CHUNK_TOKENS = 16
 TIMEOUT_S = 30.0
 SECRET = "correct horse battery staple"
-JUNK_BYTES = 8 << 20
+JUNK_BYTES = 4 << 20
 HEADER_FIELDS = {f.name for f in dataclasses.fields(EntryHeader)}
 
 
