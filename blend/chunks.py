@@ -41,8 +41,7 @@ class ChunkCache:
         for seg in segments:
             key, pos_start, context = self.key(seg, prompt)
             kind = "system" if seg.kind == "prefix" else "documents"
-            located = self.store.lookup(key, tokens_digest=tokens_digest(seg.token_ids),
-                                        fingerprint=self.maker.fingerprint)
+            located = self.store.lookup(key, self.maker.expected(seg.token_ids, pos_start))
 
             def recompute(seg: Segment = seg, context: list[int] = context):
                 return self.maker.compute(seg.token_ids, context)
@@ -64,11 +63,10 @@ class ChunkCache:
         for seg in prompt.segments:
             if seg.kind == "query":
                 continue
-            key, _, context = self.key(seg, prompt)
+            key, pos_start, context = self.key(seg, prompt)
             if seg.kind == "chunk":
                 keys.append(key)
-            found = self.store.lookup(key, tokens_digest=tokens_digest(seg.token_ids),
-                                      fingerprint=self.maker.fingerprint)
+            found = self.store.lookup(key, self.maker.expected(seg.token_ids, pos_start))
             if found is None:
                 self.store.put(key, self.maker.compute(seg.token_ids, context))
         return keys

@@ -4,8 +4,10 @@ verifies it (the tiers check checksums), converts it to the compute dtype, re-ro
 its keys to the segment's prompt positions and writes it into the request's KVCache.
 
 The compute path calls `wait(layer)` before it needs a layer; only the time spent
-there is exposed load time. A segment whose layer cannot be read (entry vanished or
-corrupt) is recomputed standalone once, in the loader thread, and the request goes on.
+there is exposed load time. A segment whose layer cannot be read (entry vanished, partly
+evicted or corrupt) is recomputed standalone once, in the loader thread, and the request
+goes on; the recomputed entry is written back (`TieredStore.repair`), so the next request
+hits a whole entry instead of recomputing again.
 On CUDA the copies run on a separate stream and `wait` orders the compute stream after them.
 """
 
@@ -84,10 +86,13 @@ class LayerLoader:
             if kv is not None:
                 self.bytes_by_tier[p.located.tier_name] += kv[0].numel() * kv[0].element_size() * 2
                 return kv
-            log.warning("cached layer %d of %s unreadable; recomputing that chunk", layer, p.located.key[:16])
+            log.warning("cached layer %d of %s unreadable; recomputing that chunk and rewriting its entry",
+                        layer, p.located.key[:16])
         if p.entry is None:
             p.entry = p.recompute()
             self.recomputed_segments += 1
+            if p.located is not None and self.store is not None:
+                self.store.repair(p.located, p.entry)
         return p.entry.layers[layer]
 
     def _place(self, layer: int) -> None:

@@ -19,8 +19,8 @@ import torch
 from blend.pipeline import LayerLoader, Placement
 from blend.runner import KVCache, Runner
 from blend.stats import LoadReport
-from storage.entry import KVEntry
-from storage.keys import prefix_block_key, tokens_digest
+from storage.entry import Expected, KVEntry
+from storage.keys import prefix_block_key
 from storage.stack import TieredStore
 
 
@@ -29,6 +29,12 @@ class EntryMaker:
 
     def __init__(self, runner: Runner, fingerprint: str, kv_dtype: str):
         self.runner, self.fingerprint, self.kv_dtype = runner, fingerprint, kv_dtype
+
+    def expected(self, token_ids: Sequence[int], pos_start: int) -> Expected:
+        """What a stored entry of `token_ids` (keys rotated from `pos_start`) must look like."""
+        r = self.runner
+        return Expected.of(token_ids, fingerprint=self.fingerprint, num_layers=r.num_layers, kv_heads=r.kv_heads,
+                           head_dim=r.head_dim, kv_dtype=self.kv_dtype, pos_start=pos_start)
 
     def compute(self, token_ids: Sequence[int], context: Sequence[int] = ()) -> KVEntry:
         """KV of `token_ids` computed after `context` (positions len(context)..), as an entry."""
@@ -91,9 +97,8 @@ class PrefixCache:
 
     def _find(self, ids: list[int], start: int, end: int) -> Placement | None:
         """The stored block ids[start:end], verified, or None."""
-        located = self.store.lookup(self.key(ids, end), tokens_digest=tokens_digest(ids[start:end]),
-                                    fingerprint=self.maker.fingerprint)
-        if located is None or located.header.pos_start != start:
+        located = self.store.lookup(self.key(ids, end), self.maker.expected(ids[start:end], start))
+        if located is None:
             return None
         return Placement(start, end - start, start, located, None,
                          lambda: self.maker.compute(ids[start:end], ids[:start]))

@@ -21,8 +21,8 @@ class RedisClusterTier(RedisTier):
 
     kind = "redis-cluster"
 
-    def __init__(self, config: RedisClusterTierConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: RedisClusterTierConfig, *, namespace: str = "") -> None:
+        super().__init__(config, namespace=namespace)
 
     @property
     def target(self) -> str:

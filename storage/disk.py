@@ -11,6 +11,16 @@ complete one. A file deleted or evicted while another process reads it is a miss
 Failed writes (disk full, permission denied) are logged, counted in `errors`, leave no
 file behind and do not raise unless the tier is `required`.
 
+The tier stays inside its directory: entries are opened with O_NOFOLLOW | O_NONBLOCK and
+used only if fstat says they are regular files (a symlink, FIFO, socket or directory at
+an entry path is a corrupt entry: a miss, removed without following it); temp files get
+an unpredictable name and are created with O_EXCL | O_NOFOLLOW; publishing renames over
+the entry name (a rename never follows a link). A writer holds an flock on its temp file
+until the file is published, so temp files of writers that died (kill -9) are recognised
+by their free lock and removed at start and every few minutes; until then they count
+against the budget. A namespace gets its own subdirectory: its entries, budget, listing
+and clearing never touch another namespace's.
+
 LRU recency is the file mtime (refreshed on every header hit), so the index rebuilt from
 the directory on start keeps the order across restarts. Each process keeps its own index
 and rescans the directory before evicting, so the budget holds approximately when
@@ -20,9 +30,12 @@ several processes share one directory.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import re
+import secrets
+import stat
 import struct
 import threading
 import time
@@ -43,7 +56,11 @@ log = logging.getLogger("kvblend.storage")
 SUFFIX = ".kv"
 TMP_PREFIX = ".tmp."
 ALIGN = 4096
-_STALE_TMP_S = 3600.0
+_CLEAN_INTERVAL_S = 300.0  # how often a running tier looks for temp files of dead writers
+_TEMP_ATTEMPTS = 3
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_NOT_A_FILE = {errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EOPNOTSUPP}  # link (Linux, BSD), socket
 _RESCAN_MIN_INTERVAL_S = 2.0
 _WARN_INTERVAL_S = 30.0
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
@@ -52,7 +69,34 @@ _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
 @dataclass
 class _FileInfo:
     size: int
-    offsets: tuple[int, ...] | None = None  # layer offsets, once a header was read
+    header: EntryHeader | None = None  # once read: the header the offsets belong to
+    offsets: tuple[int, ...] | None = None
+
+
+def _random_token() -> str:
+    return secrets.token_hex(8)
+
+
+def temp_name(key: str, token: str) -> str:
+    """File name of a writer's temp file for `key` (never a valid entry name)."""
+    return f"{TMP_PREFIX}{key}.{token}"
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of the regular file at `path`, never following a link and
+    never blocking (a FIFO). FileNotFoundError if absent; CorruptEntry if something else
+    than a regular file is there; other OSErrors as raised."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as e:
+        if e.errno in _NOT_A_FILE:
+            raise CorruptEntry(f"{path.name} is a symbolic link or a socket, not a file") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CorruptEntry(f"{path.name} is not a regular file (mode {stat.filemode(mode)})")
+    return fd
 
 
 class _Handle:
@@ -78,7 +122,8 @@ class _Handles:
     def acquire(self, key: str, path: Path, fresh: bool) -> tuple[_Handle, bool]:
         """A held descriptor for `path` and whether it was just opened; `fresh` forces a reopen.
 
-        Raises OSError (FileNotFoundError: the entry is gone). Pair with `release`.
+        Raises OSError (FileNotFoundError: the entry is gone) or CorruptEntry (not a
+        regular file). Pair with `release`.
         """
         if not fresh:
             with self._lock:
@@ -87,7 +132,7 @@ class _Handles:
                     self._open.move_to_end(key)
                     handle.refs += 1
                     return handle, False
-        handle = _Handle(os.open(path, os.O_RDONLY))
+        handle = _Handle(open_regular(path))
         with self._lock:
             handle.refs += 1  # one reference for the cache, one for the caller
             old = self._open.pop(key, None)
@@ -140,10 +185,11 @@ def file_layout(header: EntryHeader) -> tuple[bytes, tuple[int, ...]]:
 class DiskTier:
     """Directory-backed tier; thread-safe, multi-process safe on one directory."""
 
-    def __init__(self, config: DiskTierConfig) -> None:
+    def __init__(self, config: DiskTierConfig, *, namespace: str = "") -> None:
         self.config = config
         self.name = tier_display_name(config)
-        self.path = Path(config.path)
+        self.namespace = namespace
+        self.path = Path(config.path) / namespace if namespace else Path(config.path)
         self.budget = config.budget
         self._fsync = config.fsync == "always"
         self._stats = TierStats()
@@ -151,16 +197,33 @@ class DiskTier:
         self._handles = _Handles()
         self._index: OrderedDict[str, _FileInfo] = OrderedDict()  # LRU order, oldest first
         self._bytes = 0
+        self._temp_bytes = 0  # temp files of live writers in other processes (or of dead ones not yet removed)
+        self._last_clean = 0.0
         self._last_rescan = 0.0
         self._last_warning = 0.0
         self._suppressed = 0
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self._make_directory()
         except OSError as e:
             self._failed("cannot create the cache directory", e)
-        self._rescan(clean_tmp=True)
+        self._rescan()
 
     # ----------------------------------------------------------------- helpers
+    def _make_directory(self) -> None:
+        """Create the directory; a namespace's subdirectory must be a real directory: a link
+        or file planted at its name is removed first (the configured path itself is the
+        user's choice and may be a link)."""
+        if self.namespace:
+            try:
+                mode = os.stat(self.path, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                mode = None
+            if mode is not None and not stat.S_ISDIR(mode):
+                log.warning("%s tier: %s is not a directory (mode %s); replacing it", self.name, self.path,
+                            stat.filemode(mode))
+                os.unlink(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
     def _file(self, key: str) -> Path:
         if not _KEY_RE.match(key):
             raise ValueError(f"disk tier: key {key!r} is not a safe file name; use keys from storage.keys")
@@ -182,31 +245,82 @@ class DiskTier:
         else:
             self._suppressed += 1
 
-    def _rescan(self, clean_tmp: bool = False) -> None:
-        """Rebuild the index from the directory, oldest mtime first. Removes stale temp files."""
+    def _rescan(self) -> None:
+        """Rebuild the index from the directory's regular entry files, oldest mtime first
+        (links and other non-regular files are ignored), and clean up temp files."""
         found: list[tuple[float, str, int]] = []
-        now = time.time()
+        temps: list[str] = []
         try:
             with os.scandir(self.path) as it:
                 for de in it:
+                    if de.name.startswith(TMP_PREFIX):
+                        temps.append(de.name)
+                        continue
+                    key = de.name[: -len(SUFFIX)]
+                    if not de.name.endswith(SUFFIX) or not _KEY_RE.match(key):
+                        continue
                     try:
-                        st = de.stat()
+                        st = de.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    if de.name.endswith(SUFFIX) and not de.name.startswith(TMP_PREFIX):
-                        found.append((st.st_mtime, de.name[: -len(SUFFIX)], st.st_size))
-                    elif clean_tmp and de.name.startswith(TMP_PREFIX) and now - st.st_mtime > _STALE_TMP_S:
-                        _unlink_quiet(de.path)
+                    if stat.S_ISREG(st.st_mode):
+                        found.append((st.st_mtime, key, st.st_size))
         except OSError:
             found = []
         found.sort()
         with self._lock:
             old = self._index
             self._index = OrderedDict(
-                (key, _FileInfo(size, old[key].offsets if key in old else None)) for _, key, size in found
+                (key, _FileInfo(size, old[key].header, old[key].offsets) if key in old else _FileInfo(size))
+                for _, key, size in found
             )
             self._bytes = sum(info.size for info in self._index.values())
             self._last_rescan = time.monotonic()
+        self._clean_temp_files(temps)
+
+    def _clean_temp_files(self, names: list[str] | None = None) -> None:
+        """Remove temp files whose writer is gone (its flock is free) and anything that is not
+        a regular file under a temp name; count the bytes of live writers' temp files.
+
+        Never follows a link; a file is removed only while this process holds its lock and
+        its name still refers to it, so a live writer's file is never removed.
+        """
+        live = 0
+        if names is None:
+            try:
+                with os.scandir(self.path) as it:
+                    names = [de.name for de in it if de.name.startswith(TMP_PREFIX)]
+            except OSError:
+                names = []
+        for name in names:
+            path = self.path / name
+            try:
+                fd = open_regular(path)
+            except FileNotFoundError:
+                continue
+            except CorruptEntry:
+                _unlink_quiet(path)  # a link, FIFO, socket or directory planted at a temp name
+                continue
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    live += st.st_size  # a writer is busy with it
+                    continue
+                if os.stat(path, follow_symlinks=False).st_ino == st.st_ino:
+                    os.unlink(path)
+                    log.info("%s tier: removed %s (%d bytes) left by a writer that no longer runs",
+                             self.name, name, st.st_size)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)  # releases the lock after the unlink
+        with self._lock:
+            self._temp_bytes = live
+            self._last_clean = time.monotonic()
 
     def _read_prelude(self, fd: int) -> tuple[EntryHeader, tuple[int, ...], int]:
         """Header, layer offsets and file size of an open entry file. Raises CorruptEntry."""
@@ -230,14 +344,15 @@ class DiskTier:
             raise CorruptEntry(f"file is {size} bytes, expected {expected} (truncated or padded)")
         return header, offsets, size
 
-    def _remember(self, key: str, size: int, offsets: tuple[int, ...], touch: bool) -> None:
+    def _remember(self, key: str, size: int, header: EntryHeader, offsets: tuple[int, ...], touch: bool) -> None:
         with self._lock:
             info = self._index.get(key)
             if info is None:
-                self._index[key] = _FileInfo(size, offsets)
+                self._index[key] = _FileInfo(size, header, offsets)
                 self._bytes += size
             else:
-                info.offsets = offsets
+                self._bytes += size - info.size
+                info.size, info.header, info.offsets = size, header, offsets
                 if touch:
                     self._index.move_to_end(key)
 
@@ -250,7 +365,10 @@ class DiskTier:
 
     # ------------------------------------------------------------------- reads
     def contains(self, key: str) -> bool:
-        return self._file(key).exists()
+        try:
+            return stat.S_ISREG(os.stat(self._file(key), follow_symlinks=False).st_mode)
+        except OSError:
+            return False
 
     def get_header(self, key: str) -> EntryHeader | None:
         """Read and verify the entry's header; refreshes the file's mtime (LRU recency).
@@ -263,6 +381,10 @@ class DiskTier:
         except FileNotFoundError:
             self._forget(key)
             self._stats.add(misses=1)
+            return None
+        except CorruptEntry as e:
+            self._stats.add(misses=1)
+            report_corrupt(self, self._stats, key, e)
             return None
         except OSError as e:
             self._failed(f"cannot open {key}{SUFFIX}", e)
@@ -284,7 +406,7 @@ class DiskTier:
             return None
         finally:
             self._handles.release(handle)
-        self._remember(key, size, offsets, touch=True)
+        self._remember(key, size, header, offsets, touch=True)
         self._stats.add(hits=1)
         return header
 
@@ -297,6 +419,10 @@ class DiskTier:
             except FileNotFoundError:
                 self._forget(key)
                 self._stats.add(layer_misses=1)
+                return None
+            except CorruptEntry as e:
+                self._stats.add(layer_misses=1)
+                report_corrupt(self, self._stats, key, e)
                 return None
             except OSError as e:
                 self._failed(f"cannot open {key}{SUFFIX}", e)
@@ -327,13 +453,13 @@ class DiskTier:
         """Read and verify one layer from an open entry file (None if the entry changed)."""
         with self._lock:
             info = self._index.get(key)
-            offsets = info.offsets if info is not None else None
-        if header is None or offsets is None:
+            offsets = info.offsets if info is not None and header is not None and info.header == header else None
+        if offsets is None:
             file_header, offsets, size = self._read_prelude(fd)
             if header is not None and file_header != header:
                 return None  # replaced by a different entry since `header` was read
             header = file_header
-            self._remember(key, size, offsets, touch=False)
+            self._remember(key, size, header, offsets, touch=False)
         if not 0 <= layer < header.num_layers:
             raise IndexError(f"layer {layer} out of range: entry has {header.num_layers} layers")
         n = header.layer_nbytes
@@ -353,12 +479,14 @@ class DiskTier:
     def _make_room(self, need: int) -> None:
         """Evict least recently used files until `need` more bytes fit the budget."""
         with self._lock:
-            over = self._bytes + need > self.budget
+            over = self._bytes + self._temp_bytes + need > self.budget
         if over and time.monotonic() - self._last_rescan >= _RESCAN_MIN_INTERVAL_S:
             self._rescan()  # account for files other processes wrote or removed
+        elif time.monotonic() - self._last_clean >= _CLEAN_INTERVAL_S:
+            self._clean_temp_files()
         victims: list[str] = []
         with self._lock:
-            while self._bytes + need > self.budget and self._index:
+            while self._bytes + self._temp_bytes + need > self.budget and self._index:
                 key, info = self._index.popitem(last=False)
                 self._bytes -= info.size
                 victims.append(key)
@@ -382,10 +510,9 @@ class DiskTier:
             return
         self._forget(key)
         self._make_room(size)
-        tmp = self.path / f"{TMP_PREFIX}{key}.{os.getpid()}.{threading.get_ident()}"
-        fd = -1
+        fd, tmp = -1, None
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd, tmp = self._create_temp(key)
             parts: list[memoryview] = [memoryview(head)]
             for k, v in entry.layers:
                 parts.append(memoryview(k.view(torch.uint8).reshape(-1).numpy()))
@@ -393,30 +520,58 @@ class DiskTier:
             _write_all(fd, parts)
             if self._fsync:
                 os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, final)
+            os.replace(tmp, final)  # renames over a link or file at `final`, never through it
+            tmp = None
             if self._fsync:
                 _fsync_dir(self.path)
         except OSError as e:
-            if fd >= 0:
-                os.close(fd)
-            _unlink_quiet(tmp)
+            if tmp is not None:
+                _unlink_quiet(tmp)
             self._failed(f"cannot write entry {key}", e)
             return
-        self._remember(key, size, offsets, touch=True)
+        finally:
+            if fd >= 0:
+                os.close(fd)  # releases the writer's lock, after publishing
+        self._remember(key, size, entry.header, offsets, touch=True)
         self._stats.add(puts=1, bytes_written=size, write_seconds=time.perf_counter() - t0)
+
+    def _create_temp(self, key: str) -> tuple[int, Path]:
+        """A new, locked temp file for `key` (descriptor, path): O_EXCL | O_NOFOLLOW under an
+        unpredictable name, so nothing planted in the directory is ever written through.
+        Raises OSError after a few names were taken."""
+        err: OSError = FileExistsError(errno.EEXIST, "temp file names taken")
+        for _ in range(_TEMP_ATTEMPTS):
+            path = self.path / temp_name(key, _random_token())
+            try:
+                fd = os.open(path, _CREATE_FLAGS, 0o644)
+            except FileExistsError as e:
+                err = e
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # held until published: marks the file as being written
+                if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                    return fd, path
+            except OSError as e:  # removed by a cleaner between open and flock: try another name
+                err = e
+            os.close(fd)
+        raise err
 
     def delete(self, key: str) -> None:
         self._forget(key)
         _unlink_quiet(self._file(key))
 
     def keys(self) -> Iterator[str]:
+        """Keys of the regular entry files in this namespace's directory."""
+        out = []
         try:
-            names = os.listdir(self.path)
+            with os.scandir(self.path) as it:
+                for de in it:
+                    key = de.name[: -len(SUFFIX)]
+                    if de.name.endswith(SUFFIX) and _KEY_RE.match(key) and de.is_file(follow_symlinks=False):
+                        out.append(key)
         except OSError:
-            names = []
-        return iter([n[: -len(SUFFIX)] for n in names if n.endswith(SUFFIX) and not n.startswith(TMP_PREFIX)])
+            pass
+        return iter(out)
 
     def clear(self) -> None:
         for key in list(self.keys()):
@@ -432,9 +587,11 @@ class DiskTier:
         return [self._file(k) for k in self.keys()]
 
     def stats(self) -> dict:
+        """Counters; bytes_used includes `temp_bytes` (temp files of other writers, live or dead)."""
         with self._lock:
-            entries, used = len(self._index), self._bytes
-        return self._stats.snapshot(entries, used) | {"budget": self.budget, "path": str(self.path)}
+            entries, used, temp = len(self._index), self._bytes, self._temp_bytes
+        return self._stats.snapshot(entries, used + temp) | {"budget": self.budget, "path": str(self.path),
+                                                             "temp_bytes": temp}
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:
@@ -461,9 +618,16 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _unlink_quiet(path: str | os.PathLike) -> None:
+    """Remove the name `path` (a file, link, FIFO or socket; an empty directory), never
+    what a link points to. Logs instead of raising."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except (IsADirectoryError, PermissionError) as e:
+        try:
+            os.rmdir(path)
+        except OSError:
+            log.warning("cannot remove %s: %s", path, e)
     except OSError as e:
         log.warning("cannot remove %s: %s", path, e)

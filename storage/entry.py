@@ -2,6 +2,10 @@
 
 K and V of every layer are shaped (kv_heads, num_tokens, head_dim) in the storage dtype.
 Keys were rotated at positions pos_start .. pos_start + num_tokens - 1.
+
+`Expected` is what a reader knows before it reads: the model's KV dims, the storage
+dtype, the tokens and their positions. A stored header is used only if it matches all of
+it, so no tensor is ever built from a header the reader did not expect.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class EntryHeader:
     layer_checksums: tuple[int, ...]
     layer_nbytes: int  # bytes of one layer = K + V
     checksum: str = _checksum.DEFAULT_ALGORITHM
+    tag: str = ""  # HMAC-SHA256 (hex) by a store with a secret, see storage.signature; "" unsigned
 
     @property
     def dtype(self) -> torch.dtype:
@@ -68,6 +73,46 @@ class EntryHeader:
     def nbytes(self) -> int:
         """Bytes of all layers (K and V)."""
         return self.num_layers * self.layer_nbytes
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the reader of an entry knows: `mismatch(header)` is None only for a header
+    that describes exactly this entry (model, tokens, positions, dims, dtype, sizes)."""
+
+    fingerprint: str
+    tokens_digest: str
+    num_tokens: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    pos_start: int  # the position of the first token's key
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], *, fingerprint: str, num_layers: int, kv_heads: int, head_dim: int,
+           kv_dtype: str, pos_start: int) -> Expected:
+        """The expectation for the KV of `token_ids` with keys rotated from `pos_start`."""
+        return cls(fingerprint, _tokens_digest(token_ids), len(token_ids), int(num_layers), int(kv_heads),
+                   int(head_dim), check_dtype(kv_dtype, "kv_dtype"), int(pos_start))
+
+    @property
+    def layer_nbytes(self) -> int:
+        """Bytes of one stored layer (K and V)."""
+        return kv_bytes_per_token(1, self.kv_heads, self.head_dim, self.kv_dtype) * self.num_tokens
+
+    def mismatch(self, header: EntryHeader) -> str | None:
+        """None if `header` matches every expectation, else the first difference (for logs)."""
+        for name in ("fingerprint", "tokens_digest", "kv_dtype", "num_layers", "kv_heads", "head_dim",
+                     "num_tokens", "pos_start", "layer_nbytes"):
+            got, want = getattr(header, name), getattr(self, name)
+            if got != want:
+                return f"{name} {got!r}, expected {want!r}"
+        if len(header.layer_checksums) != self.num_layers:
+            return f"{len(header.layer_checksums)} layer checksums, expected {self.num_layers}"
+        if header.checksum not in _checksum.ALGORITHMS:
+            return f"checksum algorithm {header.checksum!r} unknown here"
+        return None
 
 
 @dataclass

@@ -24,8 +24,9 @@ log = logging.getLogger("kvblend.storage")
 class CpuTier:
     """LRU tier in process memory; thread-safe."""
 
-    def __init__(self, config: CpuTierConfig) -> None:
+    def __init__(self, config: CpuTierConfig, *, namespace: str = "") -> None:
         self.config = config
+        self.namespace = namespace  # process memory is private: nothing to separate
         self.name = tier_display_name(config)
         self.budget = config.budget
         self._entries: OrderedDict[str, KVEntry] = OrderedDict()
@@ -53,10 +54,10 @@ class CpuTier:
         return entry.header
 
     def get_layer(self, key: str, layer: int, header: EntryHeader | None = None) -> Layer | None:
-        """A copy of layer `layer` (K, V); None on miss. Refreshes recency."""
+        """A copy of layer `layer` (K, V); None on miss or if the entry is not `header`'s. Refreshes recency."""
         t0 = time.perf_counter()
         entry = self._touch(key)
-        if entry is None:
+        if entry is None or (header is not None and entry.header != header):
             self._stats.add(layer_misses=1)
             return None
         if not 0 <= layer < entry.header.num_layers:

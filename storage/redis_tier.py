@@ -1,11 +1,21 @@
 """Redis tier: one key for the header and one per layer, pipelined writes and batched reads.
 
-Key scheme, with `P` the configured key_prefix:
+Key scheme, with `P` the configured key_prefix followed by `<namespace>:` when the store
+has a namespace:
     P{<key>}:h     header bytes            P{<key>}:l<i>  layer i (K bytes then V bytes)
 The braces are a Redis Cluster hash tag: all keys of one entry live in one slot, so the
-same scheme works for the cluster tier and an entry can be written in one pipeline.
-The header is written last and deleted first, so a reader that sees a header finds the
-layers (unless the server evicted them under maxmemory: that read is a miss).
+same scheme works for the cluster tier. Listing, stats and `clear` scan `P{*`, so tenants
+with different namespaces (or prefixes) never see or delete each other's keys.
+
+Publication: the old header is deleted and the layers written in one pipeline; only if
+every layer was stored is the header written, in a second round trip, so a header is
+never visible without its layers (under `noeviction` a full server rejects some layers:
+then nothing is published and the written layers are removed). A header found later
+without a layer (evicted under maxmemory) is a partial entry: counted, deleted, a miss.
+
+Reads are bounded before any value travels: a header is read with GETRANGE up to
+MAX_HEADER_BYTES, a layer up to the header's layer_nbytes (one byte more reveals a value
+that is too long), so junk under a key costs at most that much.
 
 Faults: a connection error or timeout marks the tier `down`. While down, operations
 return misses at once (puts are dropped) without touching the network; after an
@@ -30,7 +40,13 @@ from redis.retry import Retry
 
 from storage.config import RedisTierConfig, tier_display_name
 from storage.entry import CorruptEntry, EntryHeader, KVEntry
-from storage.serialization import decode_header, encode_header, layer_from_bytes, layer_to_bytes
+from storage.serialization import (
+    MAX_HEADER_BYTES,
+    decode_header,
+    encode_header,
+    layer_from_bytes,
+    layer_to_bytes,
+)
 from storage.tier import Layer, StoreUnavailable, TierStats, read_entry, report_corrupt
 
 log = logging.getLogger("kvblend.storage")
@@ -47,6 +63,7 @@ DOWN_ERRORS: tuple[type[BaseException], ...] = (
 )
 SOCKET_READ_SIZE = 1 << 20  # large values: fewer recv() calls per layer
 _STATS_CACHE_S = 10.0
+DELETE_BATCH = 128  # layer keys deleted per round trip (more than the layers of most models)
 
 
 def redact(url: str) -> str:
@@ -69,10 +86,11 @@ class RedisTier:
 
     kind = "redis"
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, *, namespace: str = "") -> None:
         self.config = config
         self.name = tier_display_name(config)
-        self._prefix = config.key_prefix
+        self.namespace = namespace
+        self._prefix = f"{config.key_prefix}{namespace}:" if namespace else config.key_prefix
         self._ttl = None if config.ttl_s is None else max(1, int(round(config.ttl_s * 1000)))  # ms
         self._stats = TierStats()
         self._state_lock = threading.Lock()
@@ -191,17 +209,30 @@ class RedisTier:
     def contains(self, key: str) -> bool:
         return bool(self._run("exists", lambda c: c.exists(self._hkey(key)), 0))
 
-    def _decode_header(self, key: str, data: bytes | None) -> EntryHeader | None:
-        if data is None:
+    def _header_bytes(self, c: Any, key: str) -> bytes | redis.ResponseError:
+        """At most MAX_HEADER_BYTES + 1 bytes of the header value (b"" if absent), or the
+        server's error (a key of another type)."""
+        try:
+            return c.getrange(self._hkey(key), 0, MAX_HEADER_BYTES)
+        except redis.ResponseError as e:
+            return e
+
+    def _decode_header(self, key: str, data: bytes | redis.ResponseError | None) -> EntryHeader | None:
+        """The header in `data`, or None (absent, or corrupt: then deleted and counted)."""
+        if data is None or data == b"":
             return None
         try:
+            if isinstance(data, redis.ResponseError):
+                raise CorruptEntry(f"header key unreadable: {data}")
+            if len(data) > MAX_HEADER_BYTES:
+                raise CorruptEntry(f"header value is larger than {MAX_HEADER_BYTES} bytes")
             return decode_header(data)
         except CorruptEntry as e:
             report_corrupt(self, self._stats, key, e)
             return None
 
     def get_header(self, key: str) -> EntryHeader | None:
-        header = self._decode_header(key, self._run("get header", lambda c: c.get(self._hkey(key)), None))
+        header = self._decode_header(key, self._run("get header", lambda c: self._header_bytes(c, key), None))
         if header is None:
             self._stats.add(misses=1)
         else:
@@ -213,42 +244,52 @@ class RedisTier:
         return self.get_layers(key, [layer], header)[0]
 
     def get_layers(self, key: str, layers: Sequence[int], header: EntryHeader | None = None) -> list[Layer | None]:
-        """Fetch several layers in one pipelined round trip; a missing or corrupt layer is None."""
+        """Fetch several layers in one pipelined round trip (without `header`: the header
+        first, in one more). A missing or corrupt layer makes the whole entry a miss: it is
+        deleted (counted in `partial` or `corrupt`) and every requested layer is None."""
         t0 = time.perf_counter()
         layers = list(layers)
+        if header is None:
+            header = self._decode_header(key, self._run("get header", lambda c: self._header_bytes(c, key), None))
+            if header is None:
+                self._stats.add(layer_misses=len(layers))
+                return [None] * len(layers)
+        for i in layers:
+            if not 0 <= i < header.num_layers:
+                raise IndexError(f"layer {i} out of range: entry has {header.num_layers} layers")
+        end = header.layer_nbytes  # inclusive: a value one byte longer than a layer shows as too long
 
         def fetch(c: Any) -> list[Any]:
-            if header is not None and len(layers) == 1:
-                return [c.get(self._lkey(key, layers[0]))]  # no pipeline machinery for one GET
+            if len(layers) == 1:  # no pipeline machinery for one command
+                try:
+                    return [c.getrange(self._lkey(key, layers[0]), 0, end)]
+                except redis.ResponseError as e:
+                    return [e]
             pipe = c.pipeline(transaction=False)
-            if header is None:
-                pipe.get(self._hkey(key))
             for i in layers:
-                pipe.get(self._lkey(key, i))
-            return pipe.execute()
+                pipe.getrange(self._lkey(key, i), 0, end)
+            return pipe.execute(raise_on_error=False)
 
         replies = self._run("get layers", fetch, None)
         if replies is None:
             self._stats.add(layer_misses=len(layers))
             return [None] * len(layers)
-        if header is None:
-            header = self._decode_header(key, replies[0])
-            replies = replies[1:]
-            if header is None:
-                self._stats.add(layer_misses=len(layers))
-                return [None] * len(layers)
         out: list[Layer | None] = []
         nbytes = 0
         for i, data in zip(layers, replies, strict=True):
-            if not 0 <= i < header.num_layers:
-                raise IndexError(f"layer {i} out of range: entry has {header.num_layers} layers")
-            if data is None:
-                out.append(None)
-                continue
             try:
+                if isinstance(data, redis.ResponseError):
+                    raise CorruptEntry(f"layer {i} unreadable: {data}")
+                if data is None or data == b"":
+                    self._stats.add(partial=1, layer_misses=len(layers))
+                    log.warning("%s tier: entry %s lost layer %d (evicted?); deleted, it will be recomputed",
+                                self.name, key, i)
+                    self.delete(key)
+                    return [None] * len(layers)
                 out.append(layer_from_bytes(data, header, i, owned=True))
                 nbytes += len(data)
             except CorruptEntry as e:
+                self._stats.add(layer_misses=len(layers))
                 report_corrupt(self, self._stats, key, e)
                 return [None] * len(layers)
         hits = sum(x is not None for x in out)
@@ -262,18 +303,32 @@ class RedisTier:
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, entry: KVEntry) -> None:
-        """Write all layers then the header in one pipeline (with the configured TTL)."""
+        """Delete the old header and write all layers in one pipeline, then, only if every
+        layer was stored, the header (with the configured TTL). On a refused layer (e.g.
+        out of memory) the written layers are removed and nothing is published."""
         t0 = time.perf_counter()
         values = [layer_to_bytes(k, v) for k, v in entry.layers]
         head = encode_header(entry.header)
+        names = [self._lkey(key, i) for i in range(len(values))]
 
         def write(c: Any) -> bool:
             pipe = c.pipeline(transaction=False)
-            for i, value in enumerate(values):
-                pipe.set(self._lkey(key, i), value, px=self._ttl)
-            pipe.set(self._hkey(key), head, px=self._ttl)
-            pipe.execute()
-            return True
+            pipe.delete(self._hkey(key))
+            for name, value in zip(names, values, strict=True):
+                pipe.set(name, value, px=self._ttl)
+            replies = pipe.execute(raise_on_error=False)
+            refused = next((r for r in replies if isinstance(r, Exception)), None)
+            if refused is None:
+                try:
+                    c.set(self._hkey(key), head, px=self._ttl)
+                    return True
+                except redis.ResponseError as e:
+                    refused = e
+            cleanup = c.pipeline(transaction=False)
+            for name in names:
+                cleanup.delete(name)
+            cleanup.execute(raise_on_error=False)
+            raise refused
 
         if self._run("put", write, False):
             self._stats.add(
@@ -282,23 +337,23 @@ class RedisTier:
             self._stats_cache = None
 
     def delete(self, key: str) -> None:
-        """Delete header first, then the layers (found through the header, else by SCAN)."""
+        """Delete the header, then layers l0, l1, ... in batches of DELETE_BATCH in the same
+        pipeline (one round trip for up to DELETE_BATCH layers), continuing while a batch's
+        last layer existed. Reads nothing, scans nothing: deleting a junk or forged entry
+        costs the same as deleting a good one."""
 
         def remove(c: Any) -> None:
-            data = c.get(self._hkey(key))
-            c.delete(self._hkey(key))
-            try:
-                n = decode_header(data).num_layers if data is not None else None
-            except CorruptEntry:
-                n = None
-            if n is None:
-                names = list(c.scan_iter(match=_glob_escape(f"{self._prefix}{{{key}}}:") + "*", count=1000))
-            else:
-                names = [self._lkey(key, i) for i in range(n)]
-            pipe = c.pipeline(transaction=False)
-            for name in names:
-                pipe.delete(name)
-            pipe.execute()
+            start = 0
+            while True:
+                pipe = c.pipeline(transaction=False)
+                if start == 0:
+                    pipe.delete(self._hkey(key))
+                for i in range(start, start + DELETE_BATCH):
+                    pipe.delete(self._lkey(key, i))
+                replies = pipe.execute(raise_on_error=False)
+                if replies[-1] != 1:
+                    return
+                start += DELETE_BATCH
 
         self._run("delete", remove, None)
         self._stats_cache = None
@@ -343,9 +398,9 @@ class RedisTier:
             for start in range(0, len(keys), 500):
                 pipe = c.pipeline(transaction=False)
                 for key in keys[start : start + 500]:
-                    pipe.get(self._hkey(key))
-                for data in pipe.execute():
-                    if data is not None:
+                    pipe.getrange(self._hkey(key), 0, MAX_HEADER_BYTES - 1)
+                for data in pipe.execute(raise_on_error=False):
+                    if isinstance(data, bytes) and data:
                         try:
                             total += decode_header(data).nbytes + len(data)
                         except CorruptEntry:

@@ -3,7 +3,9 @@
 Header bytes: MAGIC (8) | format version (u32 LE) | JSON length (u32 LE) | UTF-8 JSON.
 Layer bytes:  raw K bytes then raw V bytes, C order, storage dtype, no framing.
 Never pickle, never torch.load: decoding untrusted bytes can only fail with CorruptEntry.
-How bytes travel (files, Redis keys) is each tier's business.
+A header is at most MAX_HEADER_BYTES and a layer at most MAX_LAYER_BYTES, so a tier can
+bound every read before it fetches a value. How bytes travel (files, Redis keys) is each
+tier's business.
 """
 
 from __future__ import annotations
@@ -25,14 +27,20 @@ from storage.entry import FORMAT_VERSION, TORCH_DTYPES, CorruptEntry, EntryHeade
 MAGIC = b"KVBLEND\x00"
 _PRELUDE = struct.Struct("<8sII")  # magic, format version, JSON length
 PRELUDE_SIZE = _PRELUDE.size  # 16
-_MAX_HEADER_JSON = 1 << 20
+MAX_HEADER_BYTES = 64 << 10  # ~3000 layers of checksums; tiers never read more for a header
+MAX_LAYER_BYTES = 1 << 30
 _FIELDS = {f.name: f for f in dataclasses.fields(EntryHeader)}
+_OPTIONAL = {"tag"}  # absent in unsigned entries (and in entries written before signing existed)
+_INTS = ("format_version", "num_layers", "kv_heads", "num_tokens", "head_dim", "pos_start", "layer_nbytes")
+_STRS = ("fingerprint", "kv_dtype", "tokens_digest", "checksum", "tag")
 
 
 def encode_header(header: EntryHeader) -> bytes:
     """Serialize a header to bytes (magic + version + length-prefixed JSON)."""
     body = dataclasses.asdict(header)
     body["layer_checksums"] = list(header.layer_checksums)
+    if not header.tag:
+        del body["tag"]
     data = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
     return _PRELUDE.pack(MAGIC, header.format_version, len(data)) + data
 
@@ -46,8 +54,8 @@ def header_size(prelude: bytes | bytearray | memoryview) -> int:
         raise CorruptEntry(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise CorruptEntry(f"unsupported format version {version} (this build reads {FORMAT_VERSION})")
-    if length > _MAX_HEADER_JSON:
-        raise CorruptEntry(f"header JSON length {length} is implausible")
+    if PRELUDE_SIZE + length > MAX_HEADER_BYTES:
+        raise CorruptEntry(f"header of {PRELUDE_SIZE + length} bytes exceeds {MAX_HEADER_BYTES}")
     return PRELUDE_SIZE + length
 
 
@@ -60,29 +68,40 @@ def decode_header(data: bytes | bytearray | memoryview) -> EntryHeader:
         body: dict[str, Any] = json.loads(bytes(data[PRELUDE_SIZE:total]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptEntry(f"header JSON unreadable: {e}") from None
-    if not isinstance(body, dict) or set(body) != set(_FIELDS):
+    if not isinstance(body, dict) or not set(_FIELDS) - _OPTIONAL <= set(body) <= set(_FIELDS):
         raise CorruptEntry(f"header fields {sorted(body) if isinstance(body, dict) else body!r} do not match")
-    try:
-        body["layer_checksums"] = tuple(int(c) for c in body["layer_checksums"])
-        header = EntryHeader(**body)
-    except (TypeError, ValueError) as e:
-        raise CorruptEntry(f"header fields malformed: {e}") from None
+    sums = body["layer_checksums"]
+    if not isinstance(sums, list) or not all(_is_uint(c) for c in sums):
+        raise CorruptEntry("header layer_checksums is not a list of non-negative integers")
+    body["layer_checksums"] = tuple(sums)
+    _check_types(body)
+    header = EntryHeader(**body)
     _check_header(header)
     return header
 
 
+def _is_uint(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_types(body: dict[str, Any]) -> None:
+    for name in _INTS:
+        if not _is_uint(body[name]):
+            raise CorruptEntry(f"header {name} is {body[name]!r}, not a non-negative integer")
+    for name in _STRS:
+        if not isinstance(body.get(name, ""), str):
+            raise CorruptEntry(f"header {name} is not a string")
+
+
 def _check_header(h: EntryHeader) -> None:
-    ints = (h.format_version, h.num_layers, h.kv_heads, h.num_tokens, h.head_dim, h.pos_start, h.layer_nbytes)
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints):
-        raise CorruptEntry("header has a non-integer or negative size field")
     if h.kv_dtype not in TORCH_DTYPES:
         raise CorruptEntry(f"header kv_dtype {h.kv_dtype!r} unknown")
     if h.layer_nbytes != kv_bytes_per_token(1, h.kv_heads, h.head_dim, h.kv_dtype) * h.num_tokens or h.layer_nbytes == 0:
         raise CorruptEntry("header layer_nbytes does not match its shape and dtype")
+    if h.layer_nbytes > MAX_LAYER_BYTES:
+        raise CorruptEntry(f"header layer_nbytes {h.layer_nbytes} exceeds {MAX_LAYER_BYTES}")
     if len(h.layer_checksums) != h.num_layers or h.num_layers == 0:
         raise CorruptEntry("header has the wrong number of layer checksums")
-    if not isinstance(h.fingerprint, str) or not isinstance(h.tokens_digest, str):
-        raise CorruptEntry("header fingerprint/tokens_digest are not strings")
 
 
 def layer_parts(k: torch.Tensor, v: torch.Tensor) -> tuple[memoryview, memoryview]:

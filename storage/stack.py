@@ -1,13 +1,20 @@
 """TieredStore: the tiers in configured order behind one lookup / read / write API.
 
-Request flow: `lookup` walks the tiers fastest-first and returns a `Located` for the
-first header whose fingerprint and tokens digest match (a mismatch is a miss, never a
-wrong cache). `get_layer` / `get_layers` read from that tier, falling back to a lower
-tier holding an identical header if the entry vanished meanwhile. `put` writes to every
-tier through a bounded background writer. A hit in a lower tier is promoted: the layers
-the request reads are collected and, once all are seen, written to the tiers above in
-the background; `flush` (or overflow of the pending table) completes partially read
-promotions by reading the remaining layers in the background.
+Request flow: `lookup(key, expected)` walks the tiers fastest-first and returns a
+`Located` for the first header that matches everything the reader expects (model,
+tokens, positions, dims, dtype, sizes: `storage.entry.Expected`) and, in a store with a
+secret, carries a valid tag (`storage.signature`). Any other header is a miss, counted
+per tier (`mismatches`, `unauthenticated`), and deleted from that tier, so no tensor is
+ever built from a header the reader did not expect. `get_layer` / `get_layers` read from
+that tier, falling back to a lower tier holding an identical header if the entry
+vanished meanwhile. A request that still finds a layer missing recomputes the segment and
+hands it to `repair`, which rewrites the entry once. `put` writes to every tier through a
+bounded background writer (sealing entries first when the store has a secret). A hit in
+a lower tier is promoted: the layers the request reads are collected and, once all are
+seen, written to the tiers above in the background; `flush` (or overflow of the pending
+table) completes partially read promotions by reading the remaining layers.
+Tiers are built for the store's namespace: listing, stats, clearing and budgets never
+reach another namespace's entries.
 """
 
 from __future__ import annotations
@@ -20,17 +27,21 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from storage.config import StoreConfig, TierConfig
-from storage.entry import EntryHeader, KVEntry
+from storage.entry import EntryHeader, Expected, KVEntry
+from storage.signature import seal, verify
 from storage.tier import Layer, StoreUnavailable, Tier, tier_class
 
 log = logging.getLogger("kvblend.storage")
 
 MAX_PENDING_PROMOTIONS = 16
+LOOKUP_COUNTERS = ("lookup_hits", "lookup_misses", "mismatches", "unauthenticated", "repairs", "promotions",
+                   "promotions_dropped")
 
 
-def build_tier(config: TierConfig) -> Tier:
-    """Instantiate the tier for `config.kind` (storage.tier.tier_class); ValueError lists the valid kinds."""
-    return tier_class(config.kind)(config)
+def build_tier(config: TierConfig, namespace: str = "") -> Tier:
+    """Instantiate the tier for `config.kind` (storage.tier.tier_class), scoped to `namespace`;
+    ValueError lists the valid kinds."""
+    return tier_class(config.kind)(config, namespace=namespace)
 
 
 @dataclass(frozen=True)
@@ -63,11 +74,15 @@ class TieredStore:
         promote: bool = True,
         namespace: str = "",
         kv_dtype: str = "float16",
+        secret: str | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier")
+        if secret is not None and not secret:
+            raise ValueError("store secret is empty; set a long random string or leave it unset")
         self.tiers: list[Tier] = list(tiers)
         self.namespace = namespace
+        self._secret = secret
         self.kv_dtype = kv_dtype
         self.promote = promote
         self._queue: queue.Queue = queue.Queue(maxsize=write_queue)
@@ -88,7 +103,7 @@ class TieredStore:
         tiers: list[Tier] = []
         try:
             for tier_config in config.tiers:
-                tiers.append(build_tier(tier_config))
+                tiers.append(build_tier(tier_config, config.namespace))
         except BaseException:
             for tier in tiers:
                 tier.close()
@@ -99,6 +114,7 @@ class TieredStore:
             promote=config.promote,
             namespace=config.namespace,
             kv_dtype=config.kv_dtype,
+            secret=config.secret,
         )
 
     def __enter__(self) -> TieredStore:
@@ -112,19 +128,34 @@ class TieredStore:
             self._counts[self.tiers[tier_index].name].update(deltas)
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, key: str, *, tokens_digest: str, fingerprint: str) -> Located | None:
-        """First tier whose header for `key` matches `fingerprint` and `tokens_digest`.
+    @property
+    def signed(self) -> bool:
+        """True when this store has a secret (entries are sealed and verified)."""
+        return self._secret is not None
 
-        A header that does not match (hash collision, other model) is counted as a
-        `mismatches` miss. A hit below the top tier registers a promotion.
+    def lookup(self, key: str, expected: Expected) -> Located | None:
+        """First tier whose header for `key` matches `expected` (and has a valid tag when the
+        store has a secret).
+
+        Any other header is a miss counted in that tier's `mismatches` (or
+        `unauthenticated`) and deleted from that tier (the recompute rewrites it). A hit
+        below the top tier registers a promotion.
         """
         for i, tier in enumerate(self.tiers):
             header = tier.get_header(key)
             if header is None:
                 self._count(i, lookup_misses=1)
                 continue
-            if header.fingerprint != fingerprint or header.tokens_digest != tokens_digest:
+            problem = expected.mismatch(header)
+            if problem is None and self._secret is not None and not verify(header, key, self._secret):
+                self._count(i, lookup_misses=1, unauthenticated=1)
+                log.warning("%s tier: entry %s has no valid tag for this store's secret; deleted", tier.name, key)
+                tier.delete(key)
+                continue
+            if problem is not None:
                 self._count(i, lookup_misses=1, mismatches=1)
+                log.warning("%s tier: entry %s does not match the request (%s); deleted", tier.name, key, problem)
+                tier.delete(key)
                 continue
             self._count(i, lookup_hits=1)
             located = Located(key=key, tier_index=i, tier_name=tier.name, header=header)
@@ -167,6 +198,14 @@ class TieredStore:
                 if got is not None:
                     return got
         return None
+
+    def repair(self, located: Located, entry: KVEntry) -> None:
+        """Rewrite the entry `located` points at with `entry` (recomputed by a request that
+        found a layer missing or corrupt), in the background; counted in `repairs`."""
+        self._count(located.tier_index, repairs=1)
+        with self._lock:
+            self._pending.pop(located.key, None)  # the broken entry is not worth promoting
+        self.put(located.key, entry)
 
     def get(self, located: Located) -> KVEntry | None:
         """The whole located entry, or None if any layer is gone."""
@@ -236,16 +275,22 @@ class TieredStore:
         """
         self._raise_background_error()
         if sync:
+            sealed = self._seal(key, entry)
             for tier in self.tiers:
-                tier.put(key, entry)
+                tier.put(key, sealed)
             return
 
         def job() -> None:
+            sealed = self._seal(key, entry)
             for tier in self.tiers:
-                tier.put(key, entry)
+                tier.put(key, sealed)
 
         self._ensure_writer()
         self._queue.put(job)
+
+    def _seal(self, key: str, entry: KVEntry) -> KVEntry:
+        """`entry` with a tag for `key` when the store has a secret (sha256 checksums: ~1.4 GB/s)."""
+        return seal(entry, key, self._secret) if self._secret is not None else entry
 
     def _ensure_writer(self) -> None:
         if self._closed:
@@ -324,12 +369,11 @@ class TieredStore:
                     yield key
 
     def stats(self) -> dict[str, dict]:
-        """{tier name: tier counters + lookup_hits, lookup_misses, mismatches, promotions, promotions_dropped}."""
+        """{tier name: tier counters + LOOKUP_COUNTERS}, for this store's namespace only."""
         out: dict[str, dict] = {}
         for tier in self.tiers:
             with self._lock:
                 counts = dict(self._counts[tier.name])
-            extra = {k: counts.get(k, 0) for k in
-                     ("lookup_hits", "lookup_misses", "mismatches", "promotions", "promotions_dropped")}
+            extra = {k: counts.get(k, 0) for k in LOOKUP_COUNTERS}
             out[tier.name] = {"kind": getattr(tier.config, "kind", tier.name)} | tier.stats() | extra
         return out

@@ -5,7 +5,11 @@ A tier stores entries under string keys and serves single layers. Contract:
 - a corrupt entry is logged (warning), deleted, counted in `corrupt`, and read as a miss:
   a tier never returns bad data;
 - `put` never raises for I/O trouble unless the tier is configured `required: true`
-  (then StoreUnavailable); failures are logged and counted in `errors`.
+  (then StoreUnavailable); failures are logged and counted in `errors`;
+- reads given a `header` serve only layers of that very entry: if the stored entry was
+  replaced meanwhile, the read is a miss;
+- a tier built with a `namespace` stores, lists, counts, evicts and clears only the keys
+  of that namespace (tenants sharing a server or a directory never touch each other).
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ class TierStats:
     evictions: int = 0
     errors: int = 0
     corrupt: int = 0
+    partial: int = 0  # entries found without some of their layers (evicted or cut), deleted
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()

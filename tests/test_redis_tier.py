@@ -15,6 +15,7 @@ from eval.bench.load import ChunkShape, random_entry
 from storage.cluster import RedisClusterTier
 from storage.config import RedisClusterTierConfig, RedisTierConfig
 from storage.redis_tier import RedisTier, redact
+from storage.serialization import MAX_HEADER_BYTES, encode_header
 from storage.tier import StoreUnavailable
 
 pytestmark = pytest.mark.redis
@@ -156,3 +157,32 @@ def test_cluster_unreachable_is_down_or_required_error():
     assert tier.down and tier.get_header("k") is None
     with pytest.raises(StoreUnavailable, match="redis-cluster tier at redis://127.0.0.1:1"):
         RedisClusterTier(dataclasses.replace(cfg, required=True))
+
+
+def test_redis_delete_reads_nothing_and_removes_every_layer(redis_url):
+    tier = redis_tier(redis_url)
+    _, entry = random_entry(dataclasses.replace(SMALL, layers=130), seed=1)  # more layers than one delete batch
+    tier.put("k", entry)
+    client = redis.Redis.from_url(redis_url)
+    client.set("kvblend:{k}:h", b"junk" * (1 << 20))  # 4 MiB under the header: deleting must not fetch it
+    sent = int(client.info("stats")["total_net_output_bytes"])
+    tier.delete("k")
+    assert int(client.info("stats")["total_net_output_bytes"]) - sent < 64 << 10
+    assert client.dbsize() == 0
+
+
+def test_redis_reads_are_bounded_before_values_travel(redis_url):
+    tier = redis_tier(redis_url)
+    _, entry = random_entry(SMALL)
+    tier.put("k", entry)
+    client = redis.Redis.from_url(redis_url)
+    client.set("kvblend:{k}:l1", client.get("kvblend:{k}:l1") + b"\0" * (4 << 20))  # a layer 4 MiB too long
+    sent = int(client.info("stats")["total_net_output_bytes"])
+    assert tier.get_layers("k", [0, 1], entry.header) == [None, None]
+    assert int(client.info("stats")["total_net_output_bytes"]) - sent < 64 << 10
+    assert tier.stats()["corrupt"] == 1 and client.dbsize() == 0
+    tier.put("k", entry)
+    client.set("kvblend:{k}:h", encode_header(entry.header) + b"\0" * (4 << 20))
+    sent = int(client.info("stats")["total_net_output_bytes"])
+    assert tier.get_header("k") is None  # longer than any header may be
+    assert int(client.info("stats")["total_net_output_bytes"]) - sent < 2 * MAX_HEADER_BYTES + (16 << 10)

@@ -199,8 +199,9 @@ def test_corrupt_middle_block_is_recomputed_exactly(tmp_path):
         assert stats.loaded_tokens == cached - BLOCK  # the bad block counts as computed
         assert engine.store.stats()["disk"]["corrupt"] == 1
         engine.store.flush()
-        assert engine.store.lookup(keys[1], tokens_digest=engine.store.tiers[0].get_header(keys[1]).tokens_digest,
-                                   fingerprint=engine.fingerprint) is not None  # stored again, readable
+        ids = engine.sessions.sessions["s"].cache_ids
+        expected = engine.prefix_cache.maker.expected(ids[BLOCK : 2 * BLOCK], BLOCK)
+        assert engine.store.lookup(keys[1], expected) is not None  # stored again, readable
 
 
 def test_concurrent_turns_on_one_session_are_rejected(tmp_path):

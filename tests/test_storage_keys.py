@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import struct
 
 import pytest
 import torch
@@ -11,7 +13,17 @@ from eval.bench.load import ChunkShape, random_entry
 from storage.config import StoreConfig, load_yaml
 from storage.entry import CorruptEntry, KVEntry, entry_nbytes
 from storage.keys import LAYOUT_VERSION, chunk_key, prefix_block_key, tokens_digest
-from storage.serialization import decode_header, encode_header, layer_from_bytes, layer_to_bytes
+from storage.serialization import (
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PRELUDE_SIZE,
+    decode_header,
+    encode_header,
+    header_size,
+    layer_from_bytes,
+    layer_to_bytes,
+)
+from storage.signature import seal, verify
 
 SMALL = ChunkShape(layers=3, kv_heads=2, head_dim=8, tokens=16)
 
@@ -45,7 +57,6 @@ def test_keys_are_safe_short_ascii():
 
 def test_tokens_digest_is_little_endian_32bit():
     import hashlib
-    import struct
 
     ids = [0, 1, 49151, 2**31 - 1]
     assert tokens_digest(ids) == hashlib.sha256(struct.pack("<4I", *ids)).hexdigest()
@@ -77,6 +88,51 @@ def test_serialization_rejects_damage():
         decode_header(b"X" + bytes(head[1:]))
     with pytest.raises(CorruptEntry):
         decode_header(bytes(head[:-5]))
+
+
+def _encoded(header, **changes) -> bytes:
+    """Header bytes with JSON fields replaced by arbitrary values (no validation)."""
+    body = json.loads(encode_header(header)[PRELUDE_SIZE:])
+    body.update(changes)
+    data = json.dumps(body).encode()
+    return MAGIC + struct.pack("<II", header.format_version, len(data)) + data
+
+
+@pytest.mark.parametrize("changes", [
+    dict(kv_heads="2"), dict(kv_heads=True), dict(num_tokens=-1), dict(head_dim=2.0), dict(fingerprint=5),
+    dict(tag=7), dict(layer_checksums=[1, "2", 3]), dict(layer_checksums=[1, 2, -3]), dict(layer_checksums="x"),
+    dict(num_layers=0, layer_checksums=[]), dict(kv_dtype="int8"), dict(owner="mallory"),
+])
+def test_decode_header_rejects_wrong_types_and_values(changes):
+    _, entry = random_entry(SMALL)
+    with pytest.raises(CorruptEntry):
+        decode_header(_encoded(entry.header, **changes))
+
+
+def test_header_size_is_bounded_and_tag_optional():
+    _, entry = random_entry(SMALL)
+    assert b'"tag"' not in encode_header(entry.header)  # unsigned entries keep the format they always had
+    tagged = dataclasses.replace(entry.header, tag="ab" * 32)
+    assert decode_header(encode_header(tagged)) == tagged
+    with pytest.raises(CorruptEntry, match="exceeds"):
+        header_size(MAGIC + struct.pack("<II", 1, MAX_HEADER_BYTES))
+
+
+def test_seal_binds_entry_key_and_secret():
+    _, entry = random_entry(SMALL)
+    sealed = seal(entry, "c1", "s3cret")
+    assert sealed.header.checksum == "sha256" and len(sealed.header.tag) == 64
+    assert sealed.layers is entry.layers  # no copy
+    assert verify(sealed.header, "c1", "s3cret")
+    assert seal(sealed, "c1", "s3cret") is sealed  # a promotion does not re-hash
+    assert not verify(sealed.header, "c2", "s3cret")  # bound to the key (namespace, content address)
+    assert not verify(sealed.header, "c1", "other")
+    assert not verify(entry.header, "c1", "s3cret")  # unsigned
+    for change in (dict(pos_start=1), dict(fingerprint="x"), dict(layer_checksums=(1, 2, 3)),
+                   dict(checksum="xxh3_64")):
+        assert not verify(dataclasses.replace(sealed.header, **change), "c1", "s3cret"), change
+    for i, (k, v) in enumerate(sealed.layers):  # the sha256 checksums verify the layers
+        layer_from_bytes(layer_to_bytes(k, v), sealed.header, i)
 
 
 def test_from_tensors_copies_and_converts():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -14,8 +15,9 @@ import yaml
 from blend.cli import main as cli_main
 from eval.bench.load import ChunkShape, random_entry
 from storage.config import CpuTierConfig, DiskTierConfig, RedisTierConfig, StoreConfig
-from storage.entry import entry_nbytes
-from storage.keys import chunk_key, tokens_digest
+from storage.entry import Expected, entry_nbytes
+from storage.keys import chunk_key
+from storage.signature import verify
 from storage.stack import TieredStore
 from storage.tier import StoreUnavailable
 
@@ -27,6 +29,12 @@ def keyed(seed: int = 0, fingerprint: str = "bench"):
     return chunk_key(fingerprint, token_ids, "float16"), token_ids, entry
 
 
+def expect(token_ids, fingerprint: str = "bench", **changes) -> Expected:
+    fields = dict(fingerprint=fingerprint, num_layers=SMALL.layers, kv_heads=SMALL.kv_heads, head_dim=SMALL.head_dim,
+                  kv_dtype=SMALL.kv_dtype, pos_start=0) | changes
+    return Expected.of(token_ids, **fields)
+
+
 def cpu_disk(tmp_path: Path, **kw) -> TieredStore:
     cfg = StoreConfig(tiers=(CpuTierConfig(budget=1 << 20), DiskTierConfig(path=str(tmp_path / "disk"))), **kw)
     return TieredStore.from_config(cfg)
@@ -35,11 +43,11 @@ def cpu_disk(tmp_path: Path, **kw) -> TieredStore:
 def test_put_lookup_and_read_layers(tmp_path):
     key, tokens, entry = keyed()
     with cpu_disk(tmp_path) as store:
-        assert store.lookup(key, tokens_digest=tokens_digest(tokens), fingerprint="bench") is None
+        assert store.lookup(key, expect(tokens)) is None
         store.put(key, entry)  # background
         store.flush()
         assert store.contains(key) == "cpu" and list(store.keys()) == [key]
-        located = store.lookup(key, tokens_digest=tokens_digest(tokens), fingerprint="bench")
+        located = store.lookup(key, expect(tokens))
         assert located is not None and located.tier_name == "cpu" and located.header == entry.header
         k, v = store.get_layer(located, 1)
         assert torch.equal(k, entry.layers[1][0]) and torch.equal(v, entry.layers[1][1])
@@ -52,14 +60,67 @@ def test_put_lookup_and_read_layers(tmp_path):
         assert stats["disk"]["lookup_misses"] == 1 and stats["disk"]["bytes_written"] > 0
 
 
-def test_mismatched_tokens_or_fingerprint_is_a_miss(tmp_path):
+@pytest.mark.parametrize("change", [
+    dict(fingerprint="other-model"), dict(token_ids="reversed"), dict(num_layers=4), dict(kv_heads=1, head_dim=16),
+    dict(head_dim=16), dict(kv_dtype="bfloat16"), dict(kv_dtype="float32"), dict(pos_start=3),
+])
+def test_header_not_matching_the_expectation_is_a_counted_deleted_miss(tmp_path, change):
     key, tokens, entry = keyed()
+    if change.pop("token_ids", None):
+        tokens = tokens[::-1]
     with cpu_disk(tmp_path) as store:
         store.put(key, entry, sync=True)
-        assert store.lookup(key, tokens_digest=tokens_digest(tokens[::-1]), fingerprint="bench") is None
-        assert store.lookup(key, tokens_digest=tokens_digest(tokens), fingerprint="other-model") is None
+        assert store.lookup(key, expect(tokens, **change)) is None
         stats = store.stats()
-        assert stats["cpu"]["mismatches"] == 2 and stats["disk"]["mismatches"] == 2
+        assert stats["cpu"]["mismatches"] == 1 and stats["disk"]["mismatches"] == 1
+        assert stats["cpu"]["lookup_misses"] == 1 and stats["disk"]["lookup_misses"] == 1
+        assert store.contains(key) is None  # deleted from every tier that held it: the recompute rewrites it
+
+
+def test_expected_mismatch_names_the_field():
+    _, tokens, entry = keyed()
+    assert expect(tokens).mismatch(entry.header) is None
+    assert expect(tokens, kv_heads=1).mismatch(entry.header) == "kv_heads 2, expected 1"
+    bad_algorithm = dataclasses.replace(entry.header, checksum="md5")
+    assert "checksum algorithm 'md5'" in expect(tokens).mismatch(bad_algorithm)
+    short = dataclasses.replace(entry.header, layer_checksums=entry.header.layer_checksums[:-1])
+    assert "2 layer checksums" in expect(tokens).mismatch(short)
+
+
+def test_store_with_a_secret_seals_writes_and_refuses_untagged_entries(tmp_path):
+    key, tokens, entry = keyed()
+    key2, tokens2, entry2 = keyed(seed=1)
+    with cpu_disk(tmp_path, secret="s3cret-0123456789abcdef") as store:
+        store.put(key, entry, sync=True)
+        stored = store.tiers[1].get_header(key)
+        assert stored.checksum == "sha256" and verify(stored, key, "s3cret-0123456789abcdef")
+        assert store.lookup(key, expect(tokens)).header == stored
+        store.tiers[1].put(key2, entry2)  # planted without the secret
+        assert store.lookup(key2, expect(tokens2)) is None
+        assert store.stats()["disk"]["unauthenticated"] == 1 and not store.tiers[1].contains(key2)
+        store.tiers[0].clear()  # a promotion from disk keeps the tag (and does not re-hash)
+        located = store.lookup(key, expect(tokens))
+        assert located.tier_name == "disk" and store.get(located) is not None
+        store.flush()
+        assert store.tiers[0].get_header(key) == stored
+    with cpu_disk(tmp_path) as plain:  # without a secret, tags are not required
+        assert plain.lookup(key, expect(tokens)) is not None
+    with pytest.raises(ValueError, match="secret: must be at least 16 characters"):
+        cpu_disk(tmp_path, secret="")
+
+
+def test_repair_rewrites_a_broken_entry(tmp_path):
+    key, tokens, entry = keyed()
+    with cpu_disk(tmp_path) as store:
+        store.tiers[1].put(key, entry)
+        located = store.lookup(key, expect(tokens))
+        path = store.tiers[1].path / f"{key}.kv"
+        path.write_bytes(path.read_bytes()[:-10])  # cut inside the last layer
+        assert store.get_layer(located, 2) is None and not path.exists()
+        store.repair(located, entry)
+        store.flush()
+        assert store.stats()["disk"]["repairs"] == 1
+        assert store.get(store.lookup(key, expect(tokens))) is not None and path.exists()
 
 
 def test_hit_in_disk_is_promoted_to_cpu(tmp_path):
@@ -69,7 +130,7 @@ def test_hit_in_disk_is_promoted_to_cpu(tmp_path):
         cpu, disk = store.tiers
         disk.put(key, entry)
         disk.put(key2, entry2)
-        located = store.lookup(key, tokens_digest=tokens_digest(tokens), fingerprint="bench")
+        located = store.lookup(key, expect(tokens))
         assert located.tier_name == "disk"
         for i in range(SMALL.layers):
             store.get_layer(located, i)[0].zero_()  # the caller may modify its copies
@@ -78,18 +139,18 @@ def test_hit_in_disk_is_promoted_to_cpu(tmp_path):
         got = cpu.get(key)
         assert all(torch.equal(a[0], b[0]) for a, b in zip(got.layers, entry.layers, strict=True))
         # partly read: flush() completes the promotion by reading the rest in the background
-        located2 = store.lookup(key2, tokens_digest=tokens_digest(tokens2), fingerprint="bench")
+        located2 = store.lookup(key2, expect(tokens2))
         store.get_layer(located2, 0)
         store.flush()
         assert cpu.get(key2) is not None and store.stats()["cpu"]["promotions"] == 2
-        assert store.lookup(key2, tokens_digest=tokens_digest(tokens2), fingerprint="bench").tier_name == "cpu"
+        assert store.lookup(key2, expect(tokens2)).tier_name == "cpu"
 
 
 def test_no_promotion_when_disabled(tmp_path):
     key, tokens, entry = keyed()
     with cpu_disk(tmp_path, promote=False) as store:
         store.tiers[1].put(key, entry)
-        located = store.lookup(key, tokens_digest=tokens_digest(tokens), fingerprint="bench")
+        located = store.lookup(key, expect(tokens))
         store.get(located)
         store.flush()
         assert not store.tiers[0].contains(key)
@@ -99,7 +160,7 @@ def test_entry_vanishing_from_upper_tier_falls_back(tmp_path):
     key, tokens, entry = keyed()
     with cpu_disk(tmp_path) as store:
         store.put(key, entry, sync=True)
-        located = store.lookup(key, tokens_digest=tokens_digest(tokens), fingerprint="bench")
+        located = store.lookup(key, expect(tokens))
         store.tiers[0].delete(key)  # evicted between lookup and read
         k, _ = store.get_layer(located, 2)
         assert torch.equal(k, entry.layers[2][0])
@@ -128,7 +189,7 @@ def test_stack_survives_redis_going_down(tmp_path, redis_server, redis_url, capl
                 for key, _, entry in entries:
                     store.put(key, entry)  # redis writes fail quietly; cpu keeps the last four
                 store.flush()
-                hits = [store.lookup(k, tokens_digest=tokens_digest(t), fingerprint="bench") for k, t, _ in entries]
+                hits = [store.lookup(k, expect(t)) for k, t, _ in entries]
             assert [h is not None for h in hits] == [False, False, True, True, True, True]
             assert store.stats()["redis"]["down"] is True and "is down" in caplog.text
         finally:
@@ -140,7 +201,7 @@ def test_stack_survives_redis_going_down(tmp_path, redis_server, redis_url, capl
             time.sleep(0.05)
         assert store.stats()["redis"]["down"] is False
         store.tiers[0].clear()
-        located = store.lookup(key, tokens_digest=tokens_digest(tokens), fingerprint="bench")
+        located = store.lookup(key, expect(tokens))
         assert located.tier_name == "redis" and store.get(located) is not None
 
 

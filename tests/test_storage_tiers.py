@@ -257,3 +257,49 @@ def test_disk_fsync_always_round_trip_and_bad_keys(tmp_path):
     assert_same(tier.get_layer("k", 0), entry.layers[0])
     with pytest.raises(ValueError, match="safe file name"):
         tier.put("../escape", entry)
+
+
+def test_disk_index_and_reads_ignore_links_fifos_and_directories(tmp_path):
+    tier = make_tier("disk", tmp_path)
+    _, entry = random_entry(SMALL)
+    tier.put("real", entry)
+    outside = tmp_path / "outside"
+    other = DiskTier(DiskTierConfig(path=str(outside)))
+    other.put("elsewhere", entry)
+    (tier.path / f"link{SUFFIX}").symlink_to(outside / f"elsewhere{SUFFIX}")
+    os.mkfifo(tier.path / f"fifo{SUFFIX}")
+    (tier.path / f"dir{SUFFIX}").mkdir()
+    fresh = make_tier("disk", tmp_path)
+    assert sorted(fresh.keys()) == ["real"] and fresh.stats()["entries"] == 1
+    assert not fresh.contains("link") and not fresh.contains("fifo")
+    for key in ("link", "fifo", "dir"):
+        assert fresh.get_header(key) is None and fresh.get_layer(key, 0) is None
+    assert fresh.stats()["corrupt"] == 3  # found by the header reads, removed (an empty directory too)
+    assert sorted(os.listdir(tier.path)) == [f"real{SUFFIX}"]
+    assert (outside / f"elsewhere{SUFFIX}").exists()  # a link is removed, never what it points to
+    victim = outside / "victim"
+    victim.write_bytes(b"keep")
+    (tier.path / f"k{SUFFIX}").symlink_to(victim)
+    fresh.put("k", entry)  # publishing renames over the link
+    assert victim.read_bytes() == b"keep" and fresh.get("k") is not None
+
+
+def test_cpu_read_of_a_replaced_entry_is_a_miss(tmp_path):
+    tier = make_tier("cpu", tmp_path)
+    _, a = random_entry(SMALL, seed=1)
+    _, b = random_entry(dataclasses.replace(SMALL, layers=2), seed=2)
+    tier.put("k", a)
+    tier.put("k", b)  # replaced between a lookup of `a` and its layer reads
+    assert tier.get_layer("k", 2, a.header) is None and tier.get_layer("k", 1, b.header) is not None
+
+
+def test_disk_namespace_directory_is_never_a_link(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "disk" / "alpha").symlink_to(outside)
+    tier = DiskTier(DiskTierConfig(path=str(tmp_path / "disk")), namespace="alpha")
+    _, entry = random_entry(SMALL)
+    tier.put("k", entry)
+    assert (tmp_path / "disk" / "alpha").is_dir() and not (tmp_path / "disk" / "alpha").is_symlink()
+    assert os.listdir(outside) == [] and tier.get("k") is not None

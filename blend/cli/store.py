@@ -1,5 +1,8 @@
-"""`kvblend store stats|ls|clear`: inspect or empty the tiers of a config's `store:` section
-(the same store the engine would use: KVBLEND_* overrides apply)."""
+"""`kvblend store stats|ls|clear`: inspect or empty the tiers of a config's `store:` section.
+
+Every command sees only the config's namespace: the tiers are built for it, so another
+namespace's entries on a shared server or directory are never listed, counted or deleted.
+"""
 
 from __future__ import annotations
 
@@ -68,10 +71,11 @@ def _cmd_clear(args: argparse.Namespace) -> int:
         return 1
     with _open_store(args, config) as store:
         store.clear()
+        where = f"namespace {store.namespace!r}" if store.namespace else "the default namespace"
     if args.json:
-        emit_json({"cleared": names})
+        emit_json({"cleared": names, "namespace": config.namespace})
     else:
-        print(f"cleared {', '.join(names)}")
+        print(f"cleared {where} in {', '.join(names)}")
     return 0
 
 
@@ -82,7 +86,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     for name, func, text in (
         ("stats", _cmd_stats, "per-tier counters and usage"),
         ("ls", _cmd_ls, "list entries: key, tier, tokens, bytes, pos_start"),
-        ("clear", _cmd_clear, "delete every entry from every tier (asks, or pass --yes)"),
+        ("clear", _cmd_clear, "delete every entry of the config's namespace from every tier (asks, or pass --yes)"),
     ):
         p = sub.add_parser(name, help=text)
         config_arg(p)
