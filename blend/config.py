@@ -35,6 +35,9 @@ class BlendConfig:
     # costs no memory, and a loader that runs ahead finishes early and stops competing for CPU
     prefetch_depth: int = 32
     chunk_context: str = "none"
+    # load-or-compute split (blend.split): auto computes a prefix instead of loading it when loads
+    # would take longer than compute; off always loads every cached segment
+    split: str = "auto"
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
@@ -72,6 +75,8 @@ class BlendConfig:
             raise ValueError(f"engine.selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
         if self.chunk_context not in CHUNK_CONTEXTS:
             raise ValueError(f"engine.chunk_context must be one of {', '.join(CHUNK_CONTEXTS)}, got {self.chunk_context!r}")
+        if self.split not in ("auto", "off"):
+            raise ValueError(f"engine.split must be one of auto, off, got {self.split!r}")
         if self.prefetch_depth < 1:
             raise ValueError(f"engine.prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.max_new_tokens < 1:

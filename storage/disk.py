@@ -35,7 +35,7 @@ import torch
 
 from storage.config import DiskTierConfig, tier_display_name
 from storage.entry import CorruptEntry, EntryHeader, KVEntry
-from storage.serialization import decode_header, encode_header, header_size, layer_from_bytes
+from storage.serialization import decode_header, encode_header, header_size, layer_from_bytes, verify_layer
 from storage.tier import Layer, StoreUnavailable, TierStats, over_budget, read_entry, report_corrupt
 
 log = logging.getLogger("kvblend.storage")
@@ -345,6 +345,69 @@ class DiskTier:
 
     def get_layers(self, key: str, layers: Sequence[int], header: EntryHeader | None = None) -> list[Layer | None]:
         return [self.get_layer(key, i, header) for i in layers]
+
+    def read_layer_into(self, key: str, layer: int, header: EntryHeader | None, out: torch.Tensor) -> bool:
+        """Read layer `layer` (K bytes then V bytes) with one preadv straight into `out`, a
+        contiguous (layer_nbytes,) uint8 CPU tensor (e.g. a pinned staging buffer), and verify it.
+
+        False on a miss or a corrupt layer (counted like `get_layer`; `out` then holds garbage).
+        """
+        t0 = time.perf_counter()
+        for fresh in (False, True):
+            try:
+                handle, opened = self._handles.acquire(key, self._file(key), fresh=fresh)
+            except FileNotFoundError:
+                self._forget(key)
+                self._stats.add(layer_misses=1)
+                return False
+            except OSError as e:
+                self._failed(f"cannot open {key}{SUFFIX}", e)
+                self._stats.add(layer_misses=1)
+                return False
+            try:
+                ok = self._read_layer_into(key, handle.fd, layer, header, out)
+            except CorruptEntry as e:
+                if not opened:
+                    continue  # a descriptor kept from before a replacement: retry on the current file
+                self._stats.add(layer_misses=1)
+                report_corrupt(self, self._stats, key, e)
+                return False
+            except OSError as e:
+                self._failed(f"cannot read {key}{SUFFIX}", e)
+                self._stats.add(layer_misses=1)
+                return False
+            finally:
+                self._handles.release(handle)
+            if not ok:
+                self._stats.add(layer_misses=1)
+                return False
+            self._stats.add(layer_reads=1, bytes_read=out.numel(), read_seconds=time.perf_counter() - t0)
+            return True
+        raise AssertionError("unreachable")
+
+    def _read_layer_into(self, key: str, fd: int, layer: int, header: EntryHeader | None, out: torch.Tensor) -> bool:
+        """preadv one layer of an open entry file into `out` and verify it (False if the entry changed)."""
+        with self._lock:
+            info = self._index.get(key)
+            offsets = info.offsets if info is not None else None
+        if header is None or offsets is None:
+            file_header, offsets, size = self._read_prelude(fd)
+            if header is not None and file_header != header:
+                return False  # replaced by a different entry since `header` was read
+            header = file_header
+            self._remember(key, size, offsets, touch=False)
+        if not 0 <= layer < header.num_layers:
+            raise IndexError(f"layer {layer} out of range: entry has {header.num_layers} layers")
+        n = header.layer_nbytes
+        if out.dtype != torch.uint8 or out.numel() != n or not out.is_contiguous():
+            raise ValueError(f"read_layer_into: out must be a contiguous ({n},) uint8 tensor, got "
+                             f"{tuple(out.shape)} {out.dtype}")
+        buf = out.numpy()
+        got = os.preadv(fd, [buf], offsets[layer])
+        if got != n:
+            raise CorruptEntry(f"layer {layer}: read {got} of {n} bytes (file truncated)")
+        verify_layer(buf, header, layer)
+        return True
 
     def get(self, key: str) -> KVEntry | None:
         return read_entry(self, key)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException
@@ -30,7 +31,7 @@ from redis.retry import Retry
 
 from storage.config import RedisTierConfig, tier_display_name
 from storage.entry import CorruptEntry, EntryHeader, KVEntry
-from storage.serialization import decode_header, encode_header, layer_from_bytes, layer_to_bytes
+from storage.serialization import decode_header, encode_header, layer_from_bytes, layer_to_bytes, verify_layer
 from storage.tier import Layer, StoreUnavailable, TierStats, read_entry, report_corrupt
 
 log = logging.getLogger("kvblend.storage")
@@ -256,6 +257,31 @@ class RedisTier:
             layer_reads=hits, layer_misses=len(out) - hits, bytes_read=nbytes, read_seconds=time.perf_counter() - t0
         )
         return out
+
+    def read_layer_into(self, key: str, layer: int, header: EntryHeader | None, out: Any) -> bool:
+        """GET layer `layer`, verify the reply and copy it once into `out`, a contiguous
+        (layer_nbytes,) uint8 CPU tensor (e.g. a pinned staging buffer). False on a miss."""
+        t0 = time.perf_counter()
+        if header is None:
+            header = self.get_header(key)
+            if header is None:
+                self._stats.add(layer_misses=1)
+                return False
+        if not 0 <= layer < header.num_layers:
+            raise IndexError(f"layer {layer} out of range: entry has {header.num_layers} layers")
+        data = self._run("get layer", lambda c: c.get(self._lkey(key, layer)), None)
+        if data is None:
+            self._stats.add(layer_misses=1)
+            return False
+        try:
+            verify_layer(data, header, layer)
+        except CorruptEntry as e:
+            report_corrupt(self, self._stats, key, e)
+            self._stats.add(layer_misses=1)
+            return False
+        out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        self._stats.add(layer_reads=1, bytes_read=len(data), read_seconds=time.perf_counter() - t0)
+        return True
 
     def get(self, key: str) -> KVEntry | None:
         return read_entry(self, key)
