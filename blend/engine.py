@@ -30,7 +30,7 @@ from blend.config import EngineConfig, check_mode, check_ratio, load_config
 from blend.generation import Decoder, GenerationResult, Prefilled
 from blend.model import LoadedModel, load_model
 from blend.pipeline import LayerLoader
-from blend.planner import CostModel
+from blend.planner import LoadCosts, PrefillCosts
 from blend.prefix import EntryMaker, PrefixCache
 from blend.prompt import Prompt, PromptBuilder
 from blend.recompute import plan_recompute, run_layers
@@ -65,7 +65,7 @@ class BlendEngine:
                                         block_tokens=cfg.chunk_tokens, prefetch_depth=cfg.prefetch_depth)
         self.decoder = Decoder(self.lm, self.runner)
         # load-or-compute split: the model's live cost model, fed by every request (blend.split)
-        self.splitter = Splitter(CostModel.for_model(self.lm.model, self.runner.device.type),
+        self.splitter = Splitter(PrefillCosts.for_model(self.lm.model), LoadCosts(self.runner.device.type),
                                  {t.name: getattr(t.config, "kind", t.name) for t in self.store.tiers}, mode=cfg.split)
         self.sessions = SessionManager(cfg, self.prefix_cache, self.decoder)
 

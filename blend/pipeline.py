@@ -56,6 +56,7 @@ STAGING_SLOTS = 3  # pinned staging buffers per device: a layer being read, one 
 STAGING_SLOT_MAX = 256 << 20  # a layer whose staged bytes exceed this is staged in several fills
 READ_THREADS = 4  # disk / Redis reads in flight per layer
 DEVICE_BUFFERS = 3  # device-side landing buffers per request, reused round robin on the copy stream
+FORCE_STAGED: bool | None = None  # tests: run the staged path on CPU caches (None: by device)
 
 
 @dataclass
@@ -212,7 +213,9 @@ class LayerLoader:
         self.recomputed_segments = 0
         self.layers_done = 0
         dtypes = {p.header.dtype for p in self.placements}
-        self.staged = (self._cuda if staged is None else staged) and len(dtypes) == 1
+        if staged is None:
+            staged = self._cuda if FORCE_STAGED is None else FORCE_STAGED
+        self.staged = staged and len(dtypes) == 1
         self._scratch: torch.Tensor | None = None
         self._held: list[object] = []  # tier views copied asynchronously: kept until close()
         self._thread = threading.Thread(target=self._run, name="kvblend-loader", daemon=True)

@@ -272,7 +272,7 @@ def measure_prefill_tokens_per_s(model_name: str, tokens: int = PROFILE_TOKENS) 
 
 # ------------------------------------------------------------ live cost model
 EMA_WEIGHT = 0.5  # weight of the newest observation in the running bandwidth estimates
-MIN_OBSERVED_BYTES = 1 << 20  # smaller reads say more about per-call overhead than bandwidth
+MIN_OBSERVED_BYTES = 256 << 10  # smaller loads say more about per-call overhead than bandwidth
 COMPUTE_SAMPLES = 16
 # Bandwidth assumed before a tier was ever read from (GB/s). Memory reads hand out views (a
 # copy happens in placement); disk and Redis figures are modest cold reads.
@@ -280,61 +280,36 @@ PRIOR_READ_GBPS: dict[str, float] = {"cpu": 50.0, "computed": 10.0, "disk": 1.5,
 PRIOR_PLACE_GBPS: dict[str, float] = {"cuda": 20.0, "cpu": 4.0}
 
 
-class CostModel:
-    """How long a request's parts take on this model and machine, kept current from the
-    requests it serves (the planner's model, live).
+class PrefillCosts:
+    """How long the model takes to compute, kept current from the requests it serves (the
+    planner's prefill rate, live).
 
-    Compute: seconds per layer = c0 + c1 x rows computed in that layer, fitted by least
-    squares over the last `COMPUTE_SAMPLES` requests (proportional, c0 = 0, until their
-    row counts differ enough to separate the two). Loads: per tier, the host time its
-    reads take (bytes / read bandwidth); then placement (copies into the cache, on the
-    device when it is a GPU). On a GPU the reads, the copies and compute overlap; on a
-    CPU the loader reads then places, overlapping compute only while it reads.
-    Thread-safe. One per model (`for_model`): engines sharing a model share it.
+    Seconds per layer = c0 + c1 x rows computed in that layer, fitted by least squares over
+    the last `COMPUTE_SAMPLES` requests (proportional, c0 = 0, until their row counts differ
+    enough to separate the two). Thread-safe. One per model (`for_model`): engines sharing a
+    model share it.
     """
 
-    def __init__(self, device_type: str = "cpu"):
-        self.device_type = device_type
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=COMPUTE_SAMPLES)  # (layers, rows, seconds)
-        self._read_bps: dict[str, float] = {}
-        self._place_bps: float | None = None
 
     @classmethod
-    def for_model(cls, model: Any, device_type: str) -> CostModel:
-        """The cost model of a loaded model (an nn.Module), created on first use."""
+    def for_model(cls, model: Any) -> PrefillCosts:
+        """The prefill costs of a loaded model (an nn.Module), created on first use."""
         with _COST_LOCK:
-            found = _COST_MODELS.get(model)
+            found = _PREFILL_COSTS.get(model)
             if found is None:
-                found = _COST_MODELS[model] = cls(device_type)
+                found = _PREFILL_COSTS[model] = cls()
             return found
 
-    @property
-    def pipelined(self) -> bool:
-        """Whether placement overlaps reads and compute (a copy engine does it)."""
-        return self.device_type == "cuda"
-
-    # ---------------------------------------------------------- observations
-    def observe_compute(self, rows_per_layer: Sequence[int], seconds: float) -> None:
+    def observe(self, rows_per_layer: Sequence[int], seconds: float) -> None:
         """One request computed `rows_per_layer[l]` rows in layer l in `seconds` (not waiting for loads)."""
         if seconds <= 0 or not rows_per_layer or sum(rows_per_layer) <= 0:
             return
         with self._lock:
             self._samples.append((len(rows_per_layer), int(sum(rows_per_layer)), float(seconds)))
 
-    def observe_load(self, tier_kinds: dict[str, str], bytes_by_tier: dict[str, int],
-                     read_s_by_tier: dict[str, float], place_s: float) -> None:
-        """One request's loads: bytes and host read time per tier name, and placement time."""
-        with self._lock:
-            for name, nbytes in bytes_by_tier.items():
-                seconds = read_s_by_tier.get(name, 0.0)
-                if nbytes >= MIN_OBSERVED_BYTES and seconds > 0:
-                    self._read_bps[name] = _ema(self._read_bps.get(name), nbytes / seconds)
-            total = sum(bytes_by_tier.values())
-            if total >= MIN_OBSERVED_BYTES and place_s > 0:
-                self._place_bps = _ema(self._place_bps, total / place_s)
-
-    # ----------------------------------------------------------- predictions
     def layer_cost(self) -> tuple[float, float] | None:
         """(c0 seconds per layer, c1 seconds per row per layer), or None before any observation."""
         with self._lock:
@@ -354,11 +329,40 @@ class CostModel:
         if det <= 0:
             return proportional
         c0, c1 = (b0 * a11 - b1 * a01) / det, (a00 * b1 - a01 * b0) / det
-        if c1 <= 0:
-            return proportional
-        if c0 < 0:  # no fixed cost is visible: proportional through the origin
+        if c1 <= 0 or c0 < 0:  # no fixed cost visible, or noise: proportional through the origin
             return proportional
         return c0, c1
+
+
+class LoadCosts:
+    """How long loads take from one tier stack into one device, kept current from the
+    requests that load: per tier, the host time its reads take (bytes / read bandwidth);
+    then placement (copies into the cache, on the device when it is a GPU). On a GPU the
+    reads, the copies and compute overlap; on a CPU the loader reads then places, and only
+    its reads overlap compute. Thread-safe. One per engine (tiers are the engine's).
+    """
+
+    def __init__(self, device_type: str = "cpu"):
+        self.device_type = device_type
+        self._lock = threading.Lock()
+        self._read_bps: dict[str, float] = {}
+        self._place_bps: float | None = None
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether placement overlaps reads and compute (a copy engine does it)."""
+        return self.device_type == "cuda"
+
+    def observe(self, bytes_by_tier: dict[str, int], read_s_by_tier: dict[str, float], place_s: float) -> None:
+        """One request's loads: bytes and host read time per tier name, and placement time."""
+        with self._lock:
+            for name, nbytes in bytes_by_tier.items():
+                seconds = read_s_by_tier.get(name, 0.0)
+                if nbytes >= MIN_OBSERVED_BYTES and seconds > 0:
+                    self._read_bps[name] = _ema_rate(self._read_bps.get(name), nbytes / seconds)
+            total = sum(bytes_by_tier.values())
+            if total >= MIN_OBSERVED_BYTES and place_s > 0:
+                self._place_bps = _ema_rate(self._place_bps, total / place_s)
 
     def read_seconds(self, name: str, kind: str, nbytes: int) -> float:
         """Host time to read `nbytes` from the tier `name` (of `kind`)."""
@@ -377,21 +381,20 @@ class CostModel:
         return nbytes / bps
 
     def snapshot(self) -> dict[str, Any]:
-        """The current estimates, for stats and benchmarks."""
-        cost = self.layer_cost()
+        """The current estimates (GB/s), for stats and benchmarks."""
         with self._lock:
-            return {"layer_c0_s": cost[0] if cost else None, "row_layer_s": cost[1] if cost else None,
-                    "compute_samples": len(self._samples),
-                    "read_gbps": {k: v / 1e9 for k, v in self._read_bps.items()},
+            return {"read_gbps": {k: v / 1e9 for k, v in self._read_bps.items()},
                     "place_gbps": self._place_bps / 1e9 if self._place_bps else None}
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new
+def _ema_rate(old: float | None, new: float) -> float:
+    """Running average of a rate, taken over its inverse (time per byte): one slow observation
+    weighs as much as it costs, so a tier that turned slow is believed at once."""
+    return new if old is None else 1.0 / ((1 - EMA_WEIGHT) / old + EMA_WEIGHT / new)
 
 
 _COST_LOCK = threading.Lock()
-_COST_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PREFILL_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # ---------------------------------------------------------------- CLI

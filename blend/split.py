@@ -7,7 +7,7 @@ longer than a full prefill. Then a prefix of the prompt is computed with plain p
 that both finish together. Blend's selective recompute then applies to the loaded part
 only.
 
-The decision uses the live `CostModel` (blend.planner): seconds per layer as a function
+The decision uses the live cost models of blend.planner (`PrefillCosts`, `LoadCosts`): seconds per layer as a function
 of the rows it computes, and per tier the time its reads and the placement take. For
 every segment boundary s the prefill is simulated layer by layer (compute of layer l
 starts when layer l-1 is done and layer l's KV is placed) and the s with the smallest
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blend.pipeline import Placement
-from blend.planner import CostModel
+from blend.planner import LoadCosts, PrefillCosts
 from blend.prompt import Prompt
 from blend.selector import schedule_counts
 from blend.stats import RequestStats, SplitReport
@@ -101,10 +101,10 @@ def simulate(rows: Sequence[int], load_per_layer: float, load_from: int, cost: t
 class Splitter:
     """Chooses the split of each request from the live cost model."""
 
-    def __init__(self, costs: CostModel, tier_kinds: dict[str, str], *, mode: str = "auto"):
+    def __init__(self, prefill: PrefillCosts, loads: LoadCosts, tier_kinds: dict[str, str], *, mode: str = "auto"):
         if mode not in SPLIT_MODES:
             raise ValueError(f"engine.split must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
-        self.costs, self.tier_kinds, self.mode = costs, dict(tier_kinds), mode
+        self.prefill, self.loads, self.tier_kinds, self.mode = prefill, loads, dict(tier_kinds), mode
 
     def _load_per_layer(self, placements: Sequence[Placement], num_layers: int) -> tuple[float, float]:
         """(seconds per layer of the pipelined load, seconds per layer of placement on the compute threads)."""
@@ -114,9 +114,9 @@ class Splitter:
             nbytes = p.header.layer_nbytes
             reads[p.source] = reads.get(p.source, 0) + nbytes
             total += nbytes
-        read = sum(self.costs.read_seconds(name, self.tier_kinds.get(name, name), b) for name, b in reads.items())
-        place = self.costs.place_seconds(total)
-        if self.costs.pipelined:
+        read = sum(self.loads.read_seconds(name, self.tier_kinds.get(name, name), b) for name, b in reads.items())
+        place = self.loads.place_seconds(total)
+        if self.loads.pipelined:
             return max(read, place), 0.0
         return read, place
 
@@ -133,7 +133,7 @@ class Splitter:
             return unsplit("off (engine.split)")
         if not ordered:
             return unsplit("nothing to load")
-        cost = self.costs.layer_cost()
+        cost = self.prefill.layer_cost()
         if cost is None:
             return unsplit("no compute estimate yet (the first requests measure it)")
         n, query = len(prompt), len(prompt) - prompt.query.start
@@ -177,9 +177,9 @@ class Splitter:
         misses = stats.documents.misses + stats.system.misses + stats.prefix_blocks.misses
         load = stats.load
         if rows is not None and not (stats.mode in ("blend", "reuse") and misses):
-            self.costs.observe_compute(rows, stats.compute_s)
+            self.prefill.observe(rows, stats.compute_s)
         if load.bytes_by_tier:
-            self.costs.observe_load(self.tier_kinds, dict(load.bytes_by_tier), dict(load.read_s_by_tier), load.place_s)
+            self.loads.observe(dict(load.bytes_by_tier), dict(load.read_s_by_tier), load.place_s)
 
 
 def rows_per_layer(stats: RequestStats, num_layers: int) -> list[int] | None:

@@ -90,7 +90,7 @@ class SplitReport:
 
     When loading every cached segment would take longer than computing, a prefix of the
     prompt is computed with plain prefill while the rest loads; `computed_tokens` is that
-    prefix. Predictions come from the live cost model (blend.planner.CostModel).
+    prefix. Predictions come from the live cost models (blend.planner: PrefillCosts, LoadCosts).
     """
 
     taken: bool = False

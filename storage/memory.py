@@ -34,7 +34,7 @@ log = logging.getLogger("kvblend.storage")
 
 MIB = 1 << 20
 SLAB_BYTES = 256 * MIB  # pinned memory is taken from the OS in slabs of this size, lazily
-BLOCK_ALIGN = 4096  # block offsets inside a slab (page aligned: DMA and O_DIRECT friendly)
+BLOCK_ALIGN = 512  # block offsets inside a slab
 
 
 def _align(n: int, to: int = BLOCK_ALIGN) -> int:
@@ -46,7 +46,8 @@ class PinnedPool:
 
     `allocate(n)` returns a uint8 tensor of n bytes with its own storage; the block goes
     back to the pool when the last tensor (or view) referring to it is gone. Slabs are
-    allocated on first need, never more than the budget. Thread-safe.
+    allocated on first need up to the budget rounded up to whole slabs (below one slab: to
+    a power of two). Thread-safe.
 
     pin=False uses ordinary memory with the same bookkeeping (tests on CPU-only machines).
     """
@@ -96,9 +97,12 @@ class PinnedPool:
         """Index of a newly allocated slab holding at least `size` bytes, or None (budget, pinning)."""
         if self._failed:
             return None
-        room = self.budget - self.capacity
-        # powers of two: the host allocator behind pin_memory rounds every request up to one
-        want = self.slab_bytes if size <= self.slab_bytes <= room else 1 << (size - 1).bit_length()
+        # slabs are powers of two (the host allocator behind pin_memory rounds every request up to
+        # one): the budget rounded up to whole slabs, or to one power of two below a slab
+        limit = (1 << (self.budget - 1).bit_length() if self.budget < self.slab_bytes
+                 else -(-self.budget // self.slab_bytes) * self.slab_bytes)
+        room = limit - self.capacity
+        want = max(self.slab_bytes if self.budget >= self.slab_bytes else limit, 1 << (size - 1).bit_length())
         if want > room:
             return None
         try:
