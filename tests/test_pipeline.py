@@ -143,7 +143,7 @@ def _placements(runner: Runner, store: TieredStore, maker: EntryMaker, tokens: i
     ids = [torch.randint(0, 1000, (tokens,), generator=g).tolist() for _ in range(3)]
     entries = [maker.compute(x) for x in ids]
     out = []
-    for i, (x, entry) in enumerate(zip(ids, entries, strict=True)):
+    for i, entry in enumerate(entries):
         start = i * tokens
         if i == 2:
             out.append(Placement(start, tokens, 0, None, entry, lambda e=entry: e))
