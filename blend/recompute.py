@@ -88,16 +88,20 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
     h = runner.embed(token_ids[active])  # (T, hidden)
     selected: list[torch.Tensor] = []
     recomputed, selection_s = 0, 0.0
+    # the active rows change only at check layers: their device copy, RoPE rows and attention
+    # plan (runner.attend caches it for this `active` tensor) are made once per change
+    rows = active.to(dev)
+    cos, sin = cos_all[rows], sin_all[rows]
     for layer in range(runner.num_layers):
         loader.wait(layer)
-        rows = active.to(dev)
-        q, k, v = runner.qkv(layer, h, cos_all[rows], sin_all[rows])  # (H, T, D), (Hkv, T, D) x2
+        q, k, v = runner.qkv(layer, h, cos, sin)  # (H, T, D), (Hkv, T, D) x2
+        changed = False
         if layer in plan.check_layers:
             t0 = time.perf_counter()
-            cand_rows = rows[is_ctx[active].to(dev)]  # active context rows: the candidates
+            cand = is_ctx[active].to(dev)
+            cand_rows = rows[cand]  # active context rows: the candidates
             count = plan.counts[plan.check_layers.index(layer)]
             if count < cand_rows.numel():
-                cand = is_ctx[active].to(dev)
                 prior = (cache.k[layer][:, cand_rows], cache.v[layer][:, cand_rows])  # copies, before overwriting
                 cache.write(layer, rows, k, v, n)
                 q_rows = torch.searchsorted(active, plan.query_rows).to(dev)
@@ -109,14 +113,18 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
             selected.append(chosen)
             recomputed = int(chosen.numel())
             keep = torch.searchsorted(active, torch.cat([plan.fresh_rows, chosen, plan.query_rows]).unique(sorted=True))
-            q, h, active = q[:, keep.to(dev)], h[keep.to(dev)], active[keep]
+            keep_dev = keep.to(dev)
+            q, h, active, changed = q[:, keep_dev], h[keep_dev], active[keep], True
             selection_s += time.perf_counter() - t0
         else:
             cache.write(layer, rows, k, v, n)
         if layer == runner.num_layers - 1:  # only the last row's output is needed
-            q, h, active = q[:, -1:], h[-1:], active[-1:]
-        attn = runner.attend(q, active.to(dev), cache.k[layer][:, :n], cache.v[layer][:, :n])
+            q, h, active, changed = q[:, -1:], h[-1:], active[-1:], True
+        attn = runner.attend(q, active, cache.k[layer][:, :n], cache.v[layer][:, :n])  # host positions: no sync
         h = runner.finish(layer, h, attn)
+        if changed:
+            rows = active.to(dev)
+            cos, sin = cos_all[rows], sin_all[rows]
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected),
                              recomputed if plan.check_layers else 0, selection_s, tuple(selected))
     return runner.logits(h[-1:])[0], report
