@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from eval import metrics
+from eval.bench.common import LoadWatch
 from eval.entries import Entry, entry_name, parse_modes, parse_ratios, parse_selections, plan_entries
 from eval.loaders import Example
 from eval.prompts import PromptTemplate, load_prompts
@@ -58,11 +59,12 @@ class EvalRun:
     summary: dict[str, dict[str, Any]]
     skipped: list[str] = field(default_factory=list)
     results_path: Path | None = None
+    hygiene: dict[str, Any] = field(default_factory=dict)  # load average at start/end, cores, contended
 
     def to_json(self) -> dict[str, Any]:
         """The object printed as the last line of `kvblend eval --json`."""
         return jsonable({"dataset": self.dataset, "n": len(self.records), "summary": self.summary,
-                         "skipped": len(self.skipped),
+                         "skipped": len(self.skipped), **self.hygiene,
                          "results": str(self.results_path) if self.results_path else None})
 
 
@@ -117,6 +119,7 @@ def run_eval(
                     results.path, len(examples) - len(todo), len(examples), len(todo))
     original_prompts = engine.prompts
     skipped: list[str] = []
+    watch = LoadWatch.begin()
     try:
         if todo:
             _warm_up(engine, todo[0], templates[todo[0].task])
@@ -142,7 +145,7 @@ def run_eval(
                     "example(s): its TTFT there is that of a repeated prompt, not of a first-seen one. For a "
                     "first-seen baseline use a fresh store.namespace in the config", repeated)
     return EvalRun(dataset, entries, settings, records, summarize(records, entries), skipped,
-                   results.path if results is not None else None)
+                   results.path if results is not None else None, watch.finish("evaluation"))
 
 
 def engine_settings(engine: Any) -> dict[str, Any]:
@@ -241,6 +244,7 @@ def summarize(records: Sequence[Mapping[str, Any]], entries: Sequence[Entry]) ->
             **{k: means.get(k) for k in METRICS},
             "n": len(rows), "mode": entry.mode, "ratio": entry.ratio,
             "ttft_s_median": statistics.median(ttfts) if ttfts else None,
+            "ttft_s_min": min(ttfts) if ttfts else None, "ttft_s_max": max(ttfts) if ttfts else None,
             "chunk_hit_rate": metrics.mean(row.get("chunk_hit_rate") for row in rows),
             "exposed_load_s": metrics.mean(row.get("exposed_load_s") for row in rows),
             "speedup": _median_speedup(records, entry.name),
