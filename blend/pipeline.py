@@ -260,10 +260,10 @@ class LayerLoader:
                 event.set()
 
     def _loop(self) -> None:
-        placer = _StagedPlacer(self) if self.staged else _HostPlacer(self)
         if self._cuda:
             self._start_event = torch.cuda.Event(enable_timing=True)
             self._start_event.record()
+        placer = _StagedPlacer(self) if self.staged else _HostPlacer(self)
         for layer in self.layers:
             self._slots.acquire()
             if self._stop:

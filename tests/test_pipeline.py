@@ -196,6 +196,26 @@ def test_staged_placement_equals_host_placement_bit_for_bit(tiny_setup):
     assert set(staged_report.bytes_by_tier) == {"cpu", "disk"}
 
 
+def test_staged_placement_converts_and_rotates_in_float32(tmp_path):
+    lm = tiny_model("llama")
+    lm.model.to(torch.bfloat16)
+    runner = Runner(lm)
+    maker = EntryMaker(runner, lm.fingerprint, "float16")  # stored in another dtype than computed
+    tiers = [CpuTier(CpuTierConfig(budget=1 << 26), pinned=True),
+             DiskTier(DiskTierConfig(path=str(tmp_path / "disk"), budget=1 << 28))]
+    with TieredStore(tiers, kv_dtype="float16", promote=False) as store:
+        placements, _ = _placements(runner, store, maker, 16)
+        placements[1] = dataclasses.replace(placements[1], start=16)
+        placements[2] = dataclasses.replace(placements[2], pos_start=3)
+        host, _ = _loaded_cache(runner, store, placements, 48, staged=False)
+        staged, _ = _loaded_cache(runner, store, placements, 48, staged=True)
+    assert staged.k[1].dtype == torch.bfloat16
+    for layer in range(1, runner.num_layers):
+        ref = host.k[layer][:, :48].float()
+        assert (staged.k[layer][:, :48].float() - ref).abs().max() <= 0.02 * ref.abs().max()
+        assert torch.equal(staged.v[layer][:, :48], host.v[layer][:, :48])
+
+
 def test_scattered_positions_are_placed_too(tiny_setup):
     runner, store, maker = tiny_setup
     placements, _ = _placements(runner, store, maker, 8)
