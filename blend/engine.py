@@ -196,11 +196,14 @@ class BlendEngine:
             for pl in chain:
                 tally.hit_from("prefix_blocks", pl.source)
         cache = self.runner.new_cache(capacity)
-        logits, load = self.prefix_cache.prefill(ids, chain, cache)
-        loaded = max((pl.start + pl.length for pl in chain), default=0)
+        # hook: the load-or-compute split (blend.split) may compute the chain's first blocks instead
+        split = self.splitter.plan_prefix(len(ids), chain, self.runner.num_layers)
+        logits, load = self.prefix_cache.prefill(ids, chain, cache, computed=split.computed_tokens)
+        end = max((pl.start + pl.length for pl in chain), default=0)
+        loaded = end - split.computed_tokens
         stored = self.prefix_cache.store_blocks(ids, cache, skip_below=chain_len)
         stats = self._stats(prompt, "prefix", 0.0, loaded_tokens=loaded, recomputed_tokens=max(0, prompt.query.start - loaded),
-                            load=load, stored_blocks=stored, **tally_fields(tally))
+                            load=load, stored_blocks=stored, split=split.report, **tally_fields(tally))
         return Prefilled(logits, cache, stats)
 
     # ------------------------------------------------------------------- chat

@@ -509,21 +509,19 @@ class _StagedPlacer:
         stored = [i for i in fill if ld.placements[i].entry is None and ld.placements[i].located is not None
                   and ld.store is not None]
 
-        def read(i: int) -> tuple[bool, float]:
+        def read(i: int) -> bool:
             p = ld.placements[i]
-            t0 = time.perf_counter()
             assert ld.store is not None and p.located is not None
-            ok = ld.store.read_layer_into(p.located, layer, buf[where[i] : where[i] + self.numel[i] * self.elem])
-            return ok, time.perf_counter() - t0
+            return ld.store.read_layer_into(p.located, layer, buf[where[i] : where[i] + self.numel[i] * self.elem])
 
-        if len(stored) > 1:
-            results = list(read_pool().map(read, stored))
-        else:
-            results = [read(i) for i in stored]
-        ok = {i: r[0] for i, r in zip(stored, results, strict=True)}
-        for i, (good, seconds) in zip(stored, results, strict=True):
+        t0 = time.perf_counter()
+        results = list(read_pool().map(read, stored)) if len(stored) > 1 else [read(i) for i in stored]
+        wall = time.perf_counter() - t0  # reads overlap: each is charged its share of the wall time
+        ok = dict(zip(stored, results, strict=True))
+        total = sum(self.numel[i] for i in stored) or 1
+        for i, good in ok.items():
             if good:
-                ld._count_read(ld.placements[i], self.numel[i] * self.elem, seconds)
+                ld._count_read(ld.placements[i], self.numel[i] * self.elem, wall * self.numel[i] / total)
         for i in fill:
             if ok.get(i):
                 continue

@@ -77,16 +77,16 @@ def load_from_layer(ratio: float, loaded_tokens: int, check_layers: Sequence[int
 
 
 def simulate(rows: Sequence[int], load_per_layer: float, load_from: int, cost: tuple[float, float],
-             place_in_compute: float = 0.0) -> tuple[float, float, float]:
+             place_in_compute: float = 0.0, start: float = 0.0) -> tuple[float, float, float]:
     """Predicted (prefill seconds, compute seconds, load seconds) of a layer loop.
 
     Layer l computes `rows[l]` rows in c0 + c1 x rows seconds, after layer l-1 and after its
-    KV is loaded (layers >= load_from each take `load_per_layer`, back to back from the
-    start). `place_in_compute` is per-layer placement work that runs on the compute
-    threads (CPU) rather than beside them.
+    KV is loaded (layers >= load_from each take `load_per_layer`, back to back from time
+    0); the loop itself starts at `start` (after other compute). `place_in_compute` is
+    per-layer placement work that runs on the compute threads (CPU) rather than beside them.
     """
     c0, c1 = cost
-    done = loaded = compute = 0.0
+    done, loaded, compute = start, 0.0, 0.0
     for layer, r in enumerate(rows):
         t = c0 + c1 * r
         if layer >= load_from:
@@ -166,6 +166,43 @@ class Splitter:
         report = SplitReport(True, reason, s, tokens, predicted_s=total, predicted_load_s=load,
                              predicted_compute_s=compute, **predicted)
         return Split(s, loaded, report)
+
+    def plan_prefix(self, n: int, chain: Sequence[Placement], num_layers: int) -> Split:
+        """The split of a prefix-mode prefill of n tokens whose exact cached prefix is `chain`:
+        the first blocks may be computed (a plain prefill, before the tail) instead of loaded."""
+        ordered = sorted(chain, key=lambda p: p.start)
+        end = max((p.start + p.length for p in ordered), default=0)
+
+        def unsplit(reason: str, **predicted: float | None) -> Split:
+            return Split(0, tuple(ordered), SplitReport(False, reason, 0, end, **predicted))
+
+        if self.mode == "off":
+            return unsplit("off (engine.split)")
+        if not ordered:
+            return unsplit("nothing to load")
+        cost = self.prefill.layer_cost()
+        if cost is None:
+            return unsplit("no compute estimate yet (the first requests measure it)")
+        results: list[tuple[float, float, float, int]] = []
+        for s in [0] + [p.start + p.length for p in ordered]:
+            loaded = [p for p in ordered if p.start >= s]
+            first = simulate([s] * num_layers, 0.0, num_layers, cost)[0] if s else 0.0
+            per_layer, in_compute = self._load_per_layer(loaded, num_layers) if loaded else (0.0, 0.0)
+            tail = [n - end] * num_layers
+            total, compute, load = simulate(tail, per_layer, 0 if loaded else num_layers, cost, in_compute, first)
+            results.append((total, compute + first, load, s))
+        full = simulate([n] * num_layers, 0.0, num_layers, cost)[0]
+        base, best = results[0], min(results, key=lambda r: (r[0], r[3]))
+        predicted = dict(predicted_unsplit_s=base[0], predicted_full_s=full)
+        if best[3] == 0 or best[0] > (1 - MIN_GAIN) * base[0]:
+            return unsplit("loads hidden or no split saves enough", predicted_s=base[0], predicted_load_s=base[2],
+                           predicted_compute_s=base[1], **predicted)
+        total, compute, load, s = best
+        loaded = tuple(p for p in ordered if p.start >= s)
+        reason = (f"load-bound: loading the prefix predicted {base[0]:.4f} s (load {base[2]:.4f} s), full prefill "
+                  f"{full:.4f} s; computing its first {s} tokens while the rest loads: {total:.4f} s")
+        return Split(s, loaded, SplitReport(True, reason, s, end - s, predicted_s=total, predicted_load_s=load,
+                                            predicted_compute_s=compute, **predicted))
 
     # ---------------------------------------------------------- observations
     def observe(self, stats: RequestStats, num_layers: int) -> None:

@@ -128,6 +128,28 @@ def test_slow_tier_takes_the_split_and_answers_like_the_unsplit_path(ratio, one_
     assert split.ttft_s < unsplit.ttft_s
 
 
+def test_prefix_mode_computes_the_first_blocks_while_the_rest_loads(one_thread):
+    slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
+    with make_engine(slow, "auto") as engine, make_engine(slow, "off") as unsplit_engine:
+        for _ in range(2):
+            full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=4)
+        first = engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=1)  # stores the prefix blocks
+        engine.store.flush()
+        nbytes = unsplit_engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=1).stats.bytes_loaded
+        slow.bytes_per_s = nbytes / (3 * full.ttft_s)  # loading the blocks: ~3x a full prefill
+        unsplit = unsplit_engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=4)
+        engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=1)  # measures the slow reads
+        split = engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=4)
+    assert first.stats.stored_blocks > 0 and unsplit.stats.loaded_tokens > 0
+    report = split.stats.split
+    assert report.taken and report.computed_tokens > 0 and report.computed_tokens % 48 == 0, report
+    assert split.stats.loaded_tokens == unsplit.stats.loaded_tokens - report.computed_tokens
+    assert report.predicted_s <= 1.1 * report.predicted_full_s < report.predicted_unsplit_s
+    # prefix blocks are exact: computing them or loading them gives the same answer
+    assert split.token_ids == unsplit.token_ids == full.token_ids
+    assert (split.first_token_logprobs - unsplit.first_token_logprobs).abs().max() < 1e-4
+
+
 def test_fast_tier_keeps_loading_everything(one_thread):
     slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
     with make_engine(slow, "auto") as engine:
