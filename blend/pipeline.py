@@ -203,6 +203,7 @@ class LayerLoader:
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._start_event: torch.cuda.Event | None = None
+        self._begin: torch.cuda.Event | None = None
         self._last_event: torch.cuda.Event | None = None
         self.load_s = 0.0  # time the loader spent fetching, converting, placing
         self.exposed_load_s = 0.0  # time compute waited for a layer
@@ -241,6 +242,12 @@ class LayerLoader:
             self.recomputed_segments += 1
         return p.entry
 
+    def _begin_span(self) -> None:
+        """Mark where this layer's device work (copies, placement) starts on the copy stream."""
+        if self._cuda:
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._begin.record()
+
     def _run(self) -> None:
         try:  # a lower priority keeps this thread from stalling the compute threads' parallel regions
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICE)
@@ -269,16 +276,14 @@ class LayerLoader:
             if self._stop:
                 return
             t0 = time.perf_counter()
+            self._begin = None
+            placer.place(layer)
             if self._cuda:
-                begin = torch.cuda.Event(enable_timing=True)
-                begin.record()
-                placer.place(layer)
                 event = torch.cuda.Event(enable_timing=True)
                 event.record()
-                self._spans.append((begin, event))
+                if self._begin is not None:
+                    self._spans.append((self._begin, event))
                 self._cuda_events[layer] = self._last_event = event
-            else:
-                placer.place(layer)
             self.load_s += time.perf_counter() - t0
             self.layers_done += 1
             self._ready[layer].set()
@@ -380,6 +385,7 @@ class _HostPlacer:
     def place(self, layer: int) -> None:
         ld = self.loader
         runner, cache = ld.runner, ld.cache
+        ld._begin_span()
         for p in ld.placements:
             k, v = self._fetch(p, layer)
             t0 = time.perf_counter()
@@ -428,7 +434,7 @@ class _StagedPlacer:
             cos, sin = ld.runner.rotation(delta)  # (N, D) float32 each, on the device
             half = d // 2
             dtype = ld.cache.k[0].dtype
-            # the host path's math: cos/sin in the cache dtype (float32 math for half-precision caches)
+            # float32 caches: the host path's math exactly; half-precision ones: float32 math, rounded once
             math = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
             self.cos, self.sin = cos[:, :half].to(math), sin[:, :half].to(math)  # (N, D/2)
             self.math = math
@@ -449,54 +455,64 @@ class _StagedPlacer:
 
     def place(self, layer: int) -> None:
         ld = self.loader
-        ps = ld.placements
         raw = self.buffers[self.turn % len(self.buffers)]  # (E,) in the storage dtype
         self.turn += 1
-        staged: list[int] = []
+        staged = [i for i in range(len(ld.placements)) if i not in self.direct]
+        fills = self._fills(staged)
+        # the first fill is read before the layer's device work starts: the device span measures copies only
+        first = self._fill(layer, fills[0]) if fills else None
+        ld._begin_span()
         li = ld.layers.index(layer) if self.direct else 0
-        for i, p in enumerate(ps):
-            flats = self.direct.get(i)
-            if flats is None:
-                staged.append(i)
-                continue
+        for i, flats in self.direct.items():
             t0 = time.perf_counter()
             raw[self.offset[i] : self.offset[i] + self.numel[i]].copy_(flats[li], non_blocking=True)
             ld.copies += 1
-            ld._count_read(p, self.numel[i] * self.elem, time.perf_counter() - t0)
-        if staged:
-            self._stage(layer, staged, raw)
+            ld._count_read(ld.placements[i], self.numel[i] * self.elem, time.perf_counter() - t0)
+        for n, fill in enumerate(fills):
+            slot, where = first if n == 0 and first is not None else self._fill(layer, fill)
+            self._upload(fill, slot, where, raw)
         self._spread(layer, raw)
 
-    def _stage(self, layer: int, staged: list[int], raw: torch.Tensor) -> None:
-        """Read the staged segments of `layer` into ring slots and copy them to `raw`, one copy
-        per run of segments adjacent in both."""
-        fills: list[list[int]] = [[]]
+    def _fills(self, staged: list[int]) -> list[list[int]]:
+        """The staged segments in slot-sized groups (in order)."""
+        fills: list[list[int]] = []
         size = 0
         for i in staged:
             nbytes = self.numel[i] * self.elem
-            if fills[-1] and size + nbytes > STAGING_SLOT_MAX:
+            if not fills or size + nbytes > STAGING_SLOT_MAX:
                 fills.append([])
                 size = 0
             fills[-1].append(i)
             size += nbytes
-        raw_bytes = raw.view(torch.uint8)
-        for fill in fills:
-            need = sum(self.numel[i] for i in fill) * self.elem
-            slot = self.ring.acquire(need)
-            event = None
-            try:
-                assert slot.buf is not None
-                where = self._read(layer, fill, slot.buf)
-                for a, b in _runs(fill, where, self.numel, self.elem):
-                    src = slot.buf[where[a] : where[b] + self.numel[b] * self.elem]
-                    dst0 = self.offset[a] * self.elem
-                    raw_bytes[dst0 : dst0 + src.numel()].copy_(src, non_blocking=True)
-                    self.loader.copies += 1
-                if self.loader._cuda:
-                    event = torch.cuda.Event()
-                    event.record()
-            finally:
-                self.ring.release(slot, event)
+        return fills
+
+    def _fill(self, layer: int, fill: list[int]) -> tuple[_Slot, dict[int, int]]:
+        """A staging slot holding the layer bytes of every segment of `fill`, and their offsets there."""
+        slot = self.ring.acquire(sum(self.numel[i] for i in fill) * self.elem)
+        try:
+            assert slot.buf is not None
+            return slot, self._read(layer, fill, slot.buf)
+        except BaseException:
+            self.ring.release(slot, None)
+            raise
+
+    def _upload(self, fill: list[int], slot: _Slot, where: dict[int, int], raw: torch.Tensor) -> None:
+        """Copy a filled slot to `raw`, one copy per run of segments adjacent in both; release
+        the slot with the event of those copies."""
+        event = None
+        try:
+            assert slot.buf is not None
+            raw_bytes = raw.view(torch.uint8)
+            for a, b in _runs(fill, where, self.numel, self.elem):
+                src = slot.buf[where[a] : where[b] + self.numel[b] * self.elem]
+                dst0 = self.offset[a] * self.elem
+                raw_bytes[dst0 : dst0 + src.numel()].copy_(src, non_blocking=True)
+                self.loader.copies += 1
+            if self.loader._cuda:
+                event = torch.cuda.Event()
+                event.record()
+        finally:
+            self.ring.release(slot, event)
 
     def _read(self, layer: int, fill: list[int], buf: torch.Tensor) -> dict[int, int]:
         """Bytes of every segment of `fill` into `buf`, back to back; their byte offsets there."""

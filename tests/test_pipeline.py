@@ -216,6 +216,17 @@ def test_staged_placement_converts_and_rotates_in_float32(tmp_path):
         assert torch.equal(staged.v[layer][:, :48], host.v[layer][:, :48])
 
 
+def test_layers_larger_than_a_staging_slot_are_staged_in_several_fills(tiny_setup, monkeypatch):
+    runner, store, maker = tiny_setup
+    placements, _ = _placements(runner, store, maker, 16)
+    monkeypatch.setattr(pipeline, "STAGING_SLOT_MAX", 1)  # one segment per fill
+    host, _ = _loaded_cache(runner, store, placements, 48, staged=False)
+    staged, report = _loaded_cache(runner, store, placements, 48, staged=True)
+    for layer in range(1, runner.num_layers):
+        assert torch.equal(host.k[layer], staged.k[layer]) and torch.equal(host.v[layer], staged.v[layer])
+    assert report.copies == 3 * report.layers_loaded
+
+
 def test_scattered_positions_are_placed_too(tiny_setup):
     runner, store, maker = tiny_setup
     placements, _ = _placements(runner, store, maker, 8)
