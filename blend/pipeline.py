@@ -444,8 +444,10 @@ class _StagedPlacer:
             for i, p in enumerate(ps):
                 tier = ld.store.tiers[p.located.tier_index] if p.entry is None and p.located is not None else None
                 if isinstance(tier, CpuTier) and tier.pool is not None:
-                    got = ld.store.get_layers(p.located, ld.layers)
-                    flats = [_flat_kv(kv, pinned=ld._cuda) for kv in got]
+                    views = tier.get_views(p.located.key, ld.layers)  # one call for every layer
+                    if not views or (ld._cuda and not views[0][0].is_pinned()):  # one block: pinned or not
+                        continue
+                    flats = [_flat_kv(kv) for kv in views]
                     if all(f is not None for f in flats):
                         self.direct[i] = flats  # type: ignore[assignment]
                         ld._held.append(flats)
@@ -580,15 +582,12 @@ class _StagedPlacer:
             cache_v[:, self.pos] = dst_v.to(cache_v.dtype)
 
 
-def _flat_kv(kv: tuple[torch.Tensor, torch.Tensor] | None, *, pinned: bool) -> torch.Tensor | None:
-    """K and V of one layer as one flat tensor when they are adjacent in memory (and pinned, when
-    asked: a copy to a GPU from other memory is not asynchronous), else None."""
-    if kv is None:
-        return None
+def _flat_kv(kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+    """K and V of one layer as one flat tensor when they are adjacent in memory, else None."""
     k, v = kv
     n = k.numel()
     if not (k.is_contiguous() and v.is_contiguous() and v.dtype == k.dtype and v.numel() == n
-            and v.data_ptr() == k.data_ptr() + n * k.element_size() and (k.is_pinned() or not pinned)):
+            and v.data_ptr() == k.data_ptr() + n * k.element_size()):
         return None
     return torch.as_strided(k, (2 * n,), (1,))  # (2 * H * T * D,) K then V
 

@@ -217,6 +217,19 @@ class CpuTier:
     def get_layers(self, key: str, layers: Sequence[int], header: EntryHeader | None = None) -> list[Layer | None]:
         return [self.get_layer(key, i, header) for i in layers]
 
+    def get_views(self, key: str, layers: Sequence[int]) -> list[Layer] | None:
+        """(K, V) views of the stored memory for several layers of one entry, in one call (the
+        loader's zero-copy path); None on a miss. Counts the layer reads; refreshes recency."""
+        t0 = time.perf_counter()
+        entry = self._touch(key)
+        if entry is None:
+            self._stats.add(layer_misses=len(layers))
+            return None
+        out = [entry.layers[i] for i in layers]
+        self._stats.add(layer_reads=len(out), bytes_read=entry.header.layer_nbytes * len(out),
+                        read_seconds=time.perf_counter() - t0)
+        return out
+
     def read_layer_into(self, key: str, layer: int, header: EntryHeader | None, out: torch.Tensor) -> bool:
         """Copy layer `layer` (K bytes then V bytes) into `out`, a (layer_nbytes,) uint8 CPU tensor.
         False on a miss (out untouched)."""
