@@ -124,10 +124,12 @@ class PrefixCache:
 
         `computed` (a block boundary, from the load-or-compute split in blend.split): the
         tokens before it are computed with a plain prefill while the rest of the chain
-        loads, instead of being loaded. Returns the last position's logits (vocab,) and
+        loads, instead of being loaded (the whole chain: one full prefill). Returns the last position's logits (vocab,) and
         the loader's report.
         """
         p = max((pl.start + pl.length for pl in chain), default=0)
+        if chain and computed >= p:  # the whole chain computed: one full prefill, nothing loaded
+            return self.runner.prefill(torch.tensor(list(token_ids)), cache)[0], LoadReport()
         loaded = [pl for pl in chain if pl.start >= computed]
         with LayerLoader(self.store, self.runner, cache, loaded, range(self.runner.num_layers),
                          self.prefetch_depth) as loader:

@@ -169,7 +169,8 @@ class Splitter:
 
     def plan_prefix(self, n: int, chain: Sequence[Placement], num_layers: int) -> Split:
         """The split of a prefix-mode prefill of n tokens whose exact cached prefix is `chain`:
-        the first blocks may be computed (a plain prefill, before the tail) instead of loaded."""
+        the first blocks may be computed (a plain prefill, before the tail) instead of loaded;
+        computing the whole chain means one full prefill."""
         ordered = sorted(chain, key=lambda p: p.start)
         end = max((p.start + p.length for p in ordered), default=0)
 
@@ -183,16 +184,16 @@ class Splitter:
         cost = self.prefill.layer_cost()
         if cost is None:
             return unsplit("no compute estimate yet (the first requests measure it)")
-        results: list[tuple[float, float, float, int]] = []
-        for s in [0] + [p.start + p.length for p in ordered]:
+        full = simulate([n] * num_layers, 0.0, num_layers, cost)[0]
+        results: list[tuple[float, float, float, int]] = [(full, full, 0.0, end)]  # everything in one prefill
+        for s in [0] + [p.start + p.length for p in ordered if p.start + p.length < end]:
             loaded = [p for p in ordered if p.start >= s]
             first = simulate([s] * num_layers, 0.0, num_layers, cost)[0] if s else 0.0
             per_layer, in_compute = self._load_per_layer(loaded, num_layers) if loaded else (0.0, 0.0)
             tail = [n - end] * num_layers
             total, compute, load = simulate(tail, per_layer, 0 if loaded else num_layers, cost, in_compute, first)
             results.append((total, compute + first, load, s))
-        full = simulate([n] * num_layers, 0.0, num_layers, cost)[0]
-        base, best = results[0], min(results, key=lambda r: (r[0], r[3]))
+        base, best = results[1], min(results, key=lambda r: (r[0], r[3]))
         predicted = dict(predicted_unsplit_s=base[0], predicted_full_s=full)
         if best[3] == 0 or best[0] > (1 - MIN_GAIN) * base[0]:
             return unsplit("loads hidden or no split saves enough", predicted_s=base[0], predicted_load_s=base[2],
