@@ -14,7 +14,8 @@ Per example and entry (a row):
     greedy_match  the greedy answer text equals full prefill's
     answer_nll    mean NLL of the first gold answer, teacher-forced after the prompt
     ttft_s        time to first token; recomputed_fraction: share of the context computed
-Quality metrics and answer_nll are None for an example without gold answers.
+Quality metrics and answer_nll are None for an example without gold answers. The
+engine's load-or-compute split is off during a run, so every mode computes what it says.
 The summary is the mean of every metric per entry (None values ignored).
 """
 
@@ -118,6 +119,11 @@ def run_eval(
         log.warning("%s: %d of %d example(s) already done; evaluating the other %d",
                     results.path, len(examples) - len(todo), len(examples), len(todo))
     original_prompts = engine.prompts
+    # modes are compared as defined: no load-or-compute split (blend.split) during an evaluation
+    splitter = getattr(engine, "splitter", None)
+    original_split = splitter.mode if splitter is not None else None
+    if splitter is not None:
+        splitter.mode = "off"
     skipped: list[str] = []
     watch = LoadWatch.begin()
     try:
@@ -135,6 +141,8 @@ def run_eval(
                 done[ex.id] = jsonable(record)
     finally:
         engine.prompts = original_prompts
+        if splitter is not None:
+            splitter.mode = original_split
         if results is not None:
             results.close()
     records = [done[ex.id] for ex in examples if ex.id in done]
