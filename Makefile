@@ -10,7 +10,7 @@ TORCH_VERSION   ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS     ?=
 
-.PHONY: setup demo test lint redis clean-cache bench-ttft
+.PHONY: setup demo test lint redis clean-cache bench-ttft bench-gpu
 
 setup: $(STAMPS)/install
 
@@ -48,6 +48,12 @@ lint: setup
 
 bench-ttft: setup
 	$(BIN)/kvblend bench ttft --config configs/default.yaml --out out/bench-ttft
+
+# `kvblend bench ttft` on one CUDA GPU: random-weight Llama-3-8B in bf16, 6 and 24 chunks of 512
+# tokens, ratios 0 / 0.15 / 1, cpu and disk tiers; JSON, tables and plots under out/bench-gpu.
+# Exit code 2 with a one-line error where torch sees no CUDA GPU.
+bench-gpu: setup
+	$(BIN)/python -m eval.bench.gpu --out out/bench-gpu
 
 clean-cache:
 	rm -rf .kvblend-cache

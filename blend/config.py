@@ -94,6 +94,9 @@ class BlendConfig:
     # costs no memory, and a loader that runs ahead finishes early and stops competing for CPU
     prefetch_depth: PositiveInt = 32
     chunk_context: Literal[CHUNK_CONTEXTS] = "none"  # type: ignore[valid-type]
+    # load-or-compute split (blend.split): auto computes a prefix instead of loading it when loads
+    # would take longer than compute; off always loads every cached segment
+    split: Literal["auto", "off"] = "auto"
     max_new_tokens: PositiveInt = 32
     temperature: NonNegativeFloat = 0.0
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0

@@ -30,12 +30,14 @@ from blend.config import EngineConfig, check_mode, check_ratio, load_config
 from blend.generation import Decoder, GenerationResult, Prefilled
 from blend.model import LoadedModel, load_model
 from blend.pipeline import LayerLoader
+from blend.planner import LoadCosts, PrefillCosts
 from blend.prefix import EntryMaker, PrefixCache
 from blend.prompt import Prompt, PromptBuilder
 from blend.recompute import plan_recompute, run_layers
 from blend.runner import Runner, SamplingParams
 from blend.selector import check_policy
 from blend.session import SessionManager
+from blend.split import Splitter
 from blend.stats import LookupTally, RequestStats, tally_fields
 from storage.dtypes import dtype_bytes
 from storage.stack import TieredStore
@@ -63,6 +65,9 @@ class BlendEngine:
         self.prefix_cache = PrefixCache(self.store, maker, namespace=config.store.namespace,
                                         block_tokens=cfg.chunk_tokens, prefetch_depth=cfg.prefetch_depth)
         self.decoder = Decoder(self.lm, self.runner)
+        # load-or-compute split: the model's live cost model, fed by every request (blend.split)
+        self.splitter = Splitter(PrefillCosts.for_model(self.lm.model), LoadCosts(self.runner.device.type),
+                                 {t.name: getattr(t.config, "kind", t.name) for t in self.store.tiers}, mode=cfg.split)
         self.sessions = SessionManager(cfg, self.prefix_cache, self.decoder)
 
     @classmethod
@@ -137,7 +142,10 @@ class BlendEngine:
         else:
             pre = self._blend(prompt, 0.0 if mode == "reuse" else ratio, capacity, mode,
                               check_policy(selection or self.config.engine.selection))
+        if pre.logits.device.type == "cuda":  # timed to the logits, as TTFT is
+            torch.cuda.synchronize(pre.logits.device)
         pre.stats = pre.stats.replace(prefill_s=time.perf_counter() - t0)
+        self.splitter.observe(pre.stats, self.runner.num_layers)
         return pre
 
     def _stats(self, prompt: Prompt, mode: str, ratio: float, **fields: Any) -> RequestStats:
@@ -155,16 +163,20 @@ class BlendEngine:
         cfg = self.config.engine
         tally = LookupTally([t.name for t in self.store.tiers])
         placements = self.chunks.resolve(prompt, [s for s in prompt.segments if s.kind != "query"], tally)
-        plan = plan_recompute(prompt, ratio, cfg.check_layers, cfg.filter_schedule, self.runner.num_layers)
+        # hook: the load-or-compute split (blend.split) may compute a prefix instead of loading it
+        split = self.splitter.plan(prompt, placements, ratio, cfg.check_layers, cfg.filter_schedule,
+                                   self.runner.num_layers)
+        plan = plan_recompute(prompt, ratio, cfg.check_layers, cfg.filter_schedule, self.runner.num_layers,
+                              fresh=split.computed_tokens)
         cache = self.runner.new_cache(capacity)
         cache.length = plan.n
-        with LayerLoader(self.store, self.runner, cache, placements, range(plan.load_from, self.runner.num_layers),
+        with LayerLoader(self.store, self.runner, cache, split.loaded, range(plan.load_from, self.runner.num_layers),
                          cfg.prefetch_depth) as loader:
             logits, chosen = run_layers(self.runner, cache, torch.tensor(prompt.token_ids), plan, loader,
                                         policy=selection, deviation_kind=cfg.deviation)
         stats = self._stats(prompt, mode, ratio, loaded_tokens=int(plan.ctx_rows.numel()),
-                            recomputed_tokens=chosen.recomputed_tokens, load=loader.report(),
-                            selection=chosen, **tally_fields(tally))
+                            recomputed_tokens=chosen.recomputed_tokens + split.computed_tokens, load=loader.report(),
+                            selection=chosen, split=split.report, **tally_fields(tally))
         return Prefilled(logits, cache, stats)
 
     def _prefix(self, prompt: Prompt, capacity: int) -> Prefilled:
@@ -186,11 +198,14 @@ class BlendEngine:
             for pl in chain:
                 tally.hit_from("prefix_blocks", pl.source)
         cache = self.runner.new_cache(capacity)
-        logits, load = self.prefix_cache.prefill(ids, chain, cache)
-        loaded = max((pl.start + pl.length for pl in chain), default=0)
+        # hook: the load-or-compute split (blend.split) may compute the chain's first blocks instead
+        split = self.splitter.plan_prefix(len(ids), chain, self.runner.num_layers)
+        logits, load = self.prefix_cache.prefill(ids, chain, cache, computed=split.computed_tokens)
+        end = max((pl.start + pl.length for pl in chain), default=0)
+        loaded = end - split.computed_tokens
         stored = self.prefix_cache.store_blocks(ids, cache, skip_below=chain_len)
         stats = self._stats(prompt, "prefix", 0.0, loaded_tokens=loaded, recomputed_tokens=max(0, prompt.query.start - loaded),
-                            load=load, stored_blocks=stored, **tally_fields(tally))
+                            load=load, stored_blocks=stored, split=split.report, **tally_fields(tally))
         return Prefilled(logits, cache, stats)
 
     # ------------------------------------------------------------------- chat

@@ -1,14 +1,36 @@
 """Pipelined layerwise retrieval: while layer i is computed, a background thread fetches
-layer i+1 (up to `depth` layers ahead) of every cached segment from the tier stack,
-verifies it (the tiers check checksums), converts it to the compute dtype, re-rotates
-its keys to the segment's prompt positions and writes it into the request's KVCache.
+layer i+1 (up to `depth` layers ahead) of every cached segment from the tier stack and
+places it into the request's KVCache: converted to the compute dtype, keys re-rotated
+to the segment's prompt positions.
 
-The compute path calls `wait(layer)` before it needs a layer; only the time spent
+The compute path calls `wait(layer)` before it needs a layer; only the time it waits
 there is exposed load time. A segment whose layer cannot be read (entry vanished, partly
 evicted or corrupt) is recomputed standalone once, in the loader thread, and the request
 goes on; the recomputed entry is written back (`TieredStore.repair`), so the next request
 hits a whole entry instead of recomputing again.
-On CUDA the copies run on a separate stream and `wait` orders the compute stream after them.
+
+Two ways to place a layer, chosen by the cache's device:
+
+host (CPU caches): per segment, the tier's read (a view of cpu-tier memory, or a disk /
+Redis read into a reused scratch buffer) is copied into the cache slice with dtype
+conversion, and its keys are re-rotated there in place.
+
+staged (CUDA caches): every segment's layer bytes reach the device with as few copies
+as possible, then one batched step places them all.
+  - cpu-tier entries in pinned memory are copied straight from the tier's views (one
+    DMA per segment: K and V are adjacent there); the loader keeps those views until
+    the request ends, so the tier cannot reuse that memory under a copy in flight;
+  - disk and Redis layers are read into a slot of a small ring of pinned staging
+    buffers (disk: preadv straight into it, several reads in flight from a thread
+    pool; Redis: the reply copied once), entries computed in this request are copied
+    into it; segments adjacent in the slot go up in one copy; a slot is reused only
+    after its copy event has completed;
+  - the copies land in a device buffer laid out segment after segment; one gather per
+    K and V, one re-rotation by each token's position shift (float32 math) and one
+    write into the cache slots place every segment of the layer at once;
+  - all of it runs on a dedicated copy stream and ends with an event per layer:
+    `wait(layer)` makes the compute stream wait for exactly that event.
+Both produce the same cache contents (bit-identical in float32).
 """
 
 from __future__ import annotations
@@ -19,17 +41,24 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from blend.runner import KVCache, Runner
 from blend.stats import LoadReport
-from storage.entry import KVEntry
+from storage.entry import EntryHeader, KVEntry
+from storage.memory import CpuTier
 from storage.stack import Located, TieredStore
 
 log = logging.getLogger(__name__)
 LOADER_NICE = 5
+STAGING_SLOTS = 3  # pinned staging buffers per device: a layer being read, one being copied, one spare
+STAGING_SLOT_MAX = 256 << 20  # a layer whose staged bytes exceed this is staged in several fills
+READ_THREADS = 4  # disk / Redis reads in flight per layer
+DEVICE_BUFFERS = 3  # device-side landing buffers per request, reused round robin on the copy stream
+FORCE_STAGED: bool | None = None  # tests: run the staged path on CPU caches (None: by device)
 
 
 @dataclass
@@ -52,27 +81,149 @@ class Placement:
     def source(self) -> str:
         return self.located.tier_name if self.entry is None and self.located is not None else "computed"
 
+    @property
+    def header(self) -> EntryHeader:
+        if self.entry is not None:
+            return self.entry.header
+        assert self.located is not None
+        return self.located.header
 
+
+# ------------------------------------------------------------ shared per device
+_shared_lock = threading.Lock()
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+_rings: dict[tuple[str, int | None], StagingRing] = {}
+_read_pool: ThreadPoolExecutor | None = None
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream every loader of this process copies to `device` on."""
+    with _shared_lock:
+        stream = _copy_streams.get(device)
+        if stream is None:
+            stream = _copy_streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+
+def staging_ring(device: torch.device) -> StagingRing:
+    """The staging ring shared by the loaders copying to `device` (pinned where it is CUDA)."""
+    key = (device.type, device.index)
+    with _shared_lock:
+        ring = _rings.get(key)
+        if ring is None:
+            ring = _rings[key] = StagingRing(STAGING_SLOTS, pinned=device.type == "cuda")
+        return ring
+
+
+def read_pool() -> ThreadPoolExecutor:
+    global _read_pool
+    with _shared_lock:
+        if _read_pool is None:
+            _read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvblend-read")
+        return _read_pool
+
+
+class _Slot:
+    __slots__ = ("buf", "event", "busy", "uses")
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None  # (capacity,) uint8
+        self.event: torch.cuda.Event | None = None  # the last copy out of it
+        self.busy = False
+        self.uses = 0
+
+
+class StagingRing:
+    """A few host buffers (pinned for CUDA) that reads land in before going to the device.
+
+    `acquire(n)` hands out a free slot of at least n bytes after waiting for the event of
+    its previous copy, so a slot is never overwritten under a copy in flight; `release`
+    returns it with the event of the copy just issued from it. Slots grow on demand.
+    Thread-safe (loaders of several engines may share one ring).
+    """
+
+    def __init__(self, slots: int, *, pinned: bool):
+        self.pinned = pinned
+        self._slots = [_Slot() for _ in range(max(1, slots))]
+        self._next = 0
+        self._cond = threading.Condition()
+        self.waits = 0  # acquisitions that had to wait for a copy event (for tests and stats)
+
+    def acquire(self, nbytes: int) -> _Slot:
+        with self._cond:
+            while True:
+                for i in range(len(self._slots)):
+                    slot = self._slots[(self._next + i) % len(self._slots)]
+                    if not slot.busy:
+                        self._next = (self._next + i + 1) % len(self._slots)
+                        slot.busy = True
+                        break
+                else:
+                    self._cond.wait()
+                    continue
+                break
+        if slot.event is not None:
+            if not slot.event.query():
+                self.waits += 1
+                slot.event.synchronize()
+            slot.event = None
+        if slot.buf is None or slot.buf.numel() < nbytes:
+            size = 1 << max(20, (nbytes - 1).bit_length())  # powers of two: what the pinned allocator hands out
+            slot.buf = None
+            slot.buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)  # (size,)
+        slot.uses += 1
+        return slot
+
+    def release(self, slot: _Slot, event: torch.cuda.Event | None) -> None:
+        with self._cond:
+            slot.event = event
+            slot.busy = False
+            self._cond.notify()
+
+
+# ------------------------------------------------------------------ the loader
 class LayerLoader:
-    """Background loader for one request. Use as a context manager or call close()."""
+    """Background loader for one request. Use as a context manager or call close().
+
+    staged: None picks by the cache's device (CUDA: staged, else host); True/False force
+    a path (tests run the staged path on the CPU).
+    """
 
     def __init__(self, store: TieredStore | None, runner: Runner, cache: KVCache, placements: Sequence[Placement],
-                 layers: Sequence[int], depth: int = 2):
+                 layers: Sequence[int], depth: int = 2, *, staged: bool | None = None):
         self.store, self.runner, self.cache = store, runner, cache
-        self.placements = list(placements)
+        self.placements = sorted(placements, key=lambda p: p.start)
         self.layers = list(layers)
+        self.device = cache.k[0].device
+        self._cuda = self.device.type == "cuda"
         self._ready = {layer: threading.Event() for layer in self.layers}
         self._slots = threading.Semaphore(max(1, depth))
         self._stop = False
         self._error: BaseException | None = None
-        self._cuda = cache.k[0].device.type == "cuda"
-        self._stream = torch.cuda.Stream(device=cache.k[0].device) if self._cuda else None
+        self._stream = copy_stream(self.device) if self._cuda else None
         self._cuda_events: dict[int, torch.cuda.Event] = {}
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._start_event: torch.cuda.Event | None = None
+        self._begin: torch.cuda.Event | None = None
+        self._last_event: torch.cuda.Event | None = None
         self.load_s = 0.0  # time the loader spent fetching, converting, placing
         self.exposed_load_s = 0.0  # time compute waited for a layer
         self.bytes_by_tier: Counter[str] = Counter()
+        self.read_s_by_tier: Counter[str] = Counter()  # host time spent reading, per tier
+        self.place_s = 0.0  # time spent moving bytes into the cache (device time on CUDA)
+        self.copies = 0  # copy operations into the cache or onto the device
         self.recomputed_segments = 0
+        self.layers_done = 0
+        dtypes = {p.header.dtype for p in self.placements}
+        if staged is None:
+            staged = self._cuda if FORCE_STAGED is None else FORCE_STAGED
+        self.staged = staged and len(dtypes) == 1
+        self._scratch: torch.Tensor | None = None
+        self._held: list[object] = []  # tier views copied asynchronously: kept until close()
         self._thread = threading.Thread(target=self._run, name="kvblend-loader", daemon=True)
+        if self._cuda:  # the cache was allocated on the compute stream: copies must come after that
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         if self.layers and self.placements:
             self._thread.start()
         else:
@@ -80,29 +231,26 @@ class LayerLoader:
                 event.set()
 
     # ------------------------------------------------------------- loader side
-    def _fetch(self, p: Placement, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if p.entry is None and p.located is not None and self.store is not None:
-            kv = self.store.get_layer(p.located, layer)
-            if kv is not None:
-                self.bytes_by_tier[p.located.tier_name] += kv[0].numel() * kv[0].element_size() * 2
-                return kv
-            log.warning("cached layer %d of %s unreadable; recomputing that chunk and rewriting its entry",
-                        layer, p.located.key[:16])
+    def _count_read(self, p: Placement, nbytes: int, seconds: float) -> None:
+        self.bytes_by_tier[p.source] += nbytes
+        self.read_s_by_tier[p.source] += seconds
+
+    def _recompute(self, p: Placement, layer: int) -> KVEntry:
+        """The in-memory entry of `p`, recomputing it when a stored layer was unreadable."""
         if p.entry is None:
+            assert p.located is not None
+            log.warning("cached layer %d of %s unreadable; recomputing that chunk", layer, p.located.key[:16])
             p.entry = p.recompute()
             self.recomputed_segments += 1
             if p.located is not None and self.store is not None:
                 self.store.repair(p.located, p.entry)
-        return p.entry.layers[layer]
+        return p.entry
 
-    def _place(self, layer: int) -> None:
-        runner, cache = self.runner, self.cache
-        for p in self.placements:
-            k, v = self._fetch(p, layer)
-            dst_k = cache.k[layer][:, p.start : p.start + p.length]
-            dst_k.copy_(k, non_blocking=True)  # converts to the compute dtype in place
-            runner.rerotate_(dst_k, p.start - p.pos_start)
-            cache.v[layer][:, p.start : p.start + p.length].copy_(v, non_blocking=True)
+    def _begin_span(self) -> None:
+        """Mark where this layer's device work (copies, placement) starts on the copy stream."""
+        if self._cuda:
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._begin.record()
 
     def _run(self) -> None:
         try:  # a lower priority keeps this thread from stalling the compute threads' parallel regions
@@ -111,56 +259,350 @@ class LayerLoader:
             pass
         try:
             with torch.inference_mode():
-                for layer in self.layers:
-                    self._slots.acquire()
-                    if self._stop:
-                        return
-                    t0 = time.perf_counter()
-                    if self._stream is not None:
-                        with torch.cuda.stream(self._stream):
-                            self._place(layer)
-                            event = torch.cuda.Event()
-                            event.record(self._stream)
-                            self._cuda_events[layer] = event
-                    else:
-                        self._place(layer)
-                    self.load_s += time.perf_counter() - t0
-                    self._ready[layer].set()
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        self._loop()
+                else:
+                    self._loop()
         except BaseException as err:  # surfaced to the compute thread in wait()
             self._error = err
         finally:
             for event in self._ready.values():
                 event.set()
 
+    def _loop(self) -> None:
+        if self._cuda:
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record()
+        placer = _StagedPlacer(self) if self.staged else _HostPlacer(self)
+        for layer in self.layers:
+            self._slots.acquire()
+            if self._stop:
+                return
+            t0 = time.perf_counter()
+            self._begin = None
+            placer.place(layer)
+            if self._cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                if self._begin is not None:
+                    self._spans.append((self._begin, event))
+                self._cuda_events[layer] = self._last_event = event
+            self.load_s += time.perf_counter() - t0
+            self.layers_done += 1
+            self._ready[layer].set()
+
     # ------------------------------------------------------------ compute side
     def report(self) -> LoadReport:
-        """What the loader did so far (call after close() for the final figures)."""
-        return LoadReport(self.load_s, self.exposed_load_s, dict(self.bytes_by_tier), self.recomputed_segments)
+        """What the loader did so far (call after close() for the final figures).
+
+        On CUDA this waits for the loader's copies to finish (the caller is about to
+        synchronise for the logits anyway) so that device-side times are known."""
+        load_s, exposed, place_s = self.load_s, self.exposed_load_s, self.place_s
+        if self._cuda and self._last_event is not None and self._start_event is not None:
+            self._last_event.synchronize()
+            load_s = self._start_event.elapsed_time(self._last_event) / 1e3
+            place_s = sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
+        if self._cuda and self._stalls:
+            self._stalls[-1][1].synchronize()
+            exposed = sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3
+        return LoadReport(load_s, exposed, dict(self.bytes_by_tier), self.recomputed_segments, copies=self.copies,
+                          layers_loaded=self.layers_done, read_s_by_tier=dict(self.read_s_by_tier), place_s=place_s)
 
     def wait(self, layer: int) -> None:
-        """Block until `layer` is placed in the cache (no-op for layers not loaded)."""
+        """Block until `layer` is placed in the cache (no-op for layers not loaded).
+
+        On CUDA the compute stream is made to wait for that layer's copies (the host does
+        not block on them); the GPU time it idles there is the exposed load."""
         event = self._ready.get(layer)
         if event is None:
             return
+        before = None
+        if self._cuda:
+            before = torch.cuda.Event(enable_timing=True)
+            before.record()
         if not event.is_set():
             t0 = time.perf_counter()
             event.wait()
-            self.exposed_load_s += time.perf_counter() - t0
+            if not self._cuda:
+                self.exposed_load_s += time.perf_counter() - t0
         if self._error is not None:
             raise self._error
         if layer in self._cuda_events:
-            torch.cuda.current_stream().wait_event(self._cuda_events.pop(layer))
+            torch.cuda.current_stream(self.device).wait_event(self._cuda_events.pop(layer))
+            if before is not None:
+                after = torch.cuda.Event(enable_timing=True)
+                after.record()
+                self._stalls.append((before, after))
         self._slots.release()
 
     def close(self) -> None:
+        """Stop the loader thread; on CUDA, order the compute stream after every copy issued and
+        release the tier memory the copies read."""
         self._stop = True
         for _ in self.layers:
             self._slots.release()
         if self._thread.is_alive():
             self._thread.join()
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            if self._last_event is not None:
+                self._last_event.synchronize()  # DMA from the held tier views has finished
+        self._held.clear()
 
     def __enter__(self) -> LayerLoader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------ host path
+class _HostPlacer:
+    """Per segment: read, copy into the cache slice (dtype conversion), re-rotate in place."""
+
+    def __init__(self, loader: LayerLoader):
+        self.loader = loader
+
+    def _fetch(self, p: Placement, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ld = self.loader
+        if p.entry is None and p.located is not None and ld.store is not None:
+            t0 = time.perf_counter()
+            header = p.located.header
+            tier = ld.store.tiers[p.located.tier_index]
+            if not isinstance(tier, CpuTier) and hasattr(tier, "read_layer_into"):
+                # disk / Redis: into a reused buffer (no allocation and page faults per layer)
+                if ld._scratch is None or ld._scratch.numel() < header.layer_nbytes:
+                    ld._scratch = torch.empty(max(p.header.layer_nbytes for p in ld.placements), dtype=torch.uint8)
+                buf = ld._scratch[: header.layer_nbytes]
+                if ld.store.read_layer_into(p.located, layer, buf):
+                    ld._count_read(p, header.layer_nbytes, time.perf_counter() - t0)
+                    k, v = buf.view(header.dtype).view(2, *header.shape).unbind(0)
+                    return k, v
+            else:
+                kv = ld.store.get_layer(p.located, layer)
+                if kv is not None:
+                    ld._count_read(p, header.layer_nbytes, time.perf_counter() - t0)
+                    return kv
+        return ld._recompute(p, layer).layers[layer]
+
+    def place(self, layer: int) -> None:
+        ld = self.loader
+        runner, cache = ld.runner, ld.cache
+        ld._begin_span()
+        for p in ld.placements:
+            k, v = self._fetch(p, layer)
+            t0 = time.perf_counter()
+            dst_k = cache.k[layer][:, p.start : p.start + p.length]
+            dst_k.copy_(k, non_blocking=True)  # converts to the compute dtype in place
+            runner.rerotate_(dst_k, p.start - p.pos_start)
+            cache.v[layer][:, p.start : p.start + p.length].copy_(v, non_blocking=True)
+            ld.copies += 2
+            ld.place_s += time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- staged path
+class _StagedPlacer:
+    """All segments of a layer: bytes to the device in few copies, then one batched placement."""
+
+    def __init__(self, loader: LayerLoader):
+        self.loader = ld = loader
+        ps = ld.placements
+        self.dtype = ps[0].header.dtype
+        self.elem = torch.empty(0, dtype=self.dtype).element_size()
+        h, d = ld.runner.kv_heads, ld.runner.head_dim
+        self.heads, self.head_dim = h, d
+        self.numel = [2 * h * p.length * d for p in ps]  # K and V elements per segment
+        self.offset = [sum(self.numel[:i]) for i in range(len(ps))]  # element offsets in the device buffer
+        self.total = sum(self.numel)
+        dev = ld.device
+        # gather rows (rows of head_dim elements in the device buffer) of K and V, in prompt order
+        k_rows, v_rows, positions, deltas = [], [], [], []
+        for p, off in zip(ps, self.offset, strict=True):
+            base = off // d
+            grid = (torch.arange(h)[:, None] * p.length + torch.arange(p.length)[None, :])  # (H, T)
+            k_rows.append(base + grid)
+            v_rows.append(base + h * p.length + grid)
+            positions.append(torch.arange(p.start, p.start + p.length))
+            deltas.append(torch.full((p.length,), p.start - p.pos_start))
+        self.k_idx = torch.cat(k_rows, dim=1).reshape(-1).to(dev)  # (H * N,)
+        self.v_idx = torch.cat(v_rows, dim=1).reshape(-1).to(dev)  # (H * N,)
+        pos = torch.cat(positions)  # (N,)
+        self.n = pos.numel()
+        first = int(pos[0])
+        self.span = (first, first + self.n) if bool((pos == torch.arange(first, first + self.n)).all()) else None
+        self.pos = None if self.span is not None else pos.to(dev)
+        delta = torch.cat(deltas)  # (N,)
+        self.rotate = bool(delta.any())
+        if self.rotate:
+            cos, sin = ld.runner.rotation(delta)  # (N, D) float32 each, on the device
+            half = d // 2
+            dtype = ld.cache.k[0].dtype
+            # float32 caches: the host path's math exactly; half-precision ones: float32 math, rounded once
+            math = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+            self.cos, self.sin = cos[:, :half].to(math), sin[:, :half].to(math)  # (N, D/2)
+            self.math = math
+        # direct sources: pinned cpu-tier views, read once for every layer and kept until close()
+        self.direct: dict[int, list[torch.Tensor]] = {}
+        if ld.store is not None:
+            for i, p in enumerate(ps):
+                tier = ld.store.tiers[p.located.tier_index] if p.entry is None and p.located is not None else None
+                if isinstance(tier, CpuTier) and tier.pool is not None:
+                    views = tier.get_views(p.located.key, ld.layers)  # one call for every layer
+                    if not views or (ld._cuda and not views[0][0].is_pinned()):  # one block: pinned or not
+                        continue
+                    flats = [_flat_kv(kv) for kv in views]
+                    if all(f is not None for f in flats):
+                        self.direct[i] = flats  # type: ignore[assignment]
+                        ld._held.append(flats)
+        self.buffers = [torch.empty(self.total, dtype=self.dtype, device=dev) for _ in range(min(DEVICE_BUFFERS, len(ld.layers)))]
+        self.turn = 0
+        self.ring = staging_ring(dev if ld._cuda else torch.device("cpu"))
+
+    def place(self, layer: int) -> None:
+        ld = self.loader
+        raw = self.buffers[self.turn % len(self.buffers)]  # (E,) in the storage dtype
+        self.turn += 1
+        staged = [i for i in range(len(ld.placements)) if i not in self.direct]
+        fills = self._fills(staged)
+        # the first fill is read before the layer's device work starts: the device span measures copies only
+        first = self._fill(layer, fills[0]) if fills else None
+        ld._begin_span()
+        li = ld.layers.index(layer) if self.direct else 0
+        for i, flats in self.direct.items():
+            t0 = time.perf_counter()
+            raw[self.offset[i] : self.offset[i] + self.numel[i]].copy_(flats[li], non_blocking=True)
+            ld.copies += 1
+            ld._count_read(ld.placements[i], self.numel[i] * self.elem, time.perf_counter() - t0)
+        for n, fill in enumerate(fills):
+            slot, where = first if n == 0 and first is not None else self._fill(layer, fill)
+            self._upload(fill, slot, where, raw)
+        self._spread(layer, raw)
+
+    def _fills(self, staged: list[int]) -> list[list[int]]:
+        """The staged segments in slot-sized groups (in order)."""
+        fills: list[list[int]] = []
+        size = 0
+        for i in staged:
+            nbytes = self.numel[i] * self.elem
+            if not fills or size + nbytes > STAGING_SLOT_MAX:
+                fills.append([])
+                size = 0
+            fills[-1].append(i)
+            size += nbytes
+        return fills
+
+    def _fill(self, layer: int, fill: list[int]) -> tuple[_Slot, dict[int, int]]:
+        """A staging slot holding the layer bytes of every segment of `fill`, and their offsets there."""
+        slot = self.ring.acquire(sum(self.numel[i] for i in fill) * self.elem)
+        try:
+            assert slot.buf is not None
+            return slot, self._read(layer, fill, slot.buf)
+        except BaseException:
+            self.ring.release(slot, None)
+            raise
+
+    def _upload(self, fill: list[int], slot: _Slot, where: dict[int, int], raw: torch.Tensor) -> None:
+        """Copy a filled slot to `raw`, one copy per run of segments adjacent in both; release
+        the slot with the event of those copies."""
+        event = None
+        try:
+            assert slot.buf is not None
+            raw_bytes = raw.view(torch.uint8)
+            for a, b in _runs(fill, where, self.numel, self.elem):
+                src = slot.buf[where[a] : where[b] + self.numel[b] * self.elem]
+                dst0 = self.offset[a] * self.elem
+                raw_bytes[dst0 : dst0 + src.numel()].copy_(src, non_blocking=True)
+                self.loader.copies += 1
+            if self.loader._cuda:
+                event = torch.cuda.Event()
+                event.record()
+        finally:
+            self.ring.release(slot, event)
+
+    def _read(self, layer: int, fill: list[int], buf: torch.Tensor) -> dict[int, int]:
+        """Bytes of every segment of `fill` into `buf`, back to back; their byte offsets there."""
+        ld = self.loader
+        where: dict[int, int] = {}
+        at = 0
+        for i in fill:
+            where[i] = at
+            at += self.numel[i] * self.elem
+        stored = [i for i in fill if ld.placements[i].entry is None and ld.placements[i].located is not None
+                  and ld.store is not None]
+
+        def read(i: int) -> bool:
+            p = ld.placements[i]
+            assert ld.store is not None and p.located is not None
+            return ld.store.read_layer_into(p.located, layer, buf[where[i] : where[i] + self.numel[i] * self.elem])
+
+        t0 = time.perf_counter()
+        results = list(read_pool().map(read, stored)) if len(stored) > 1 else [read(i) for i in stored]
+        wall = time.perf_counter() - t0  # reads overlap: each is charged its share of the wall time
+        ok = dict(zip(stored, results, strict=True))
+        total = sum(self.numel[i] for i in stored) or 1
+        for i, good in ok.items():
+            if good:
+                ld._count_read(ld.placements[i], self.numel[i] * self.elem, wall * self.numel[i] / total)
+        for i in fill:
+            if ok.get(i):
+                continue
+            entry = ld._recompute(ld.placements[i], layer)  # in memory: computed this request
+            k, v = entry.layers[layer]
+            view = buf[where[i] : where[i] + self.numel[i] * self.elem].view(self.dtype)
+            half = self.numel[i] // 2
+            view[:half].view(k.shape).copy_(k)
+            view[half:].view(v.shape).copy_(v)
+        return where
+
+    def _spread(self, layer: int, raw: torch.Tensor) -> None:
+        """Gather every segment's K and V from `raw`, convert, re-rotate K, write into the cache."""
+        ld = self.loader
+        h, d, n = self.heads, self.head_dim, self.n
+        rows = raw.view(-1, d)  # (E / D, D)
+        k = rows.index_select(0, self.k_idx).view(h, n, d)  # (H, N, D) storage dtype
+        v = rows.index_select(0, self.v_idx).view(h, n, d)  # (H, N, D)
+        cache_k, cache_v = ld.cache.k[layer], ld.cache.v[layer]
+        if self.span is not None:
+            a, b = self.span
+            dst_k, dst_v = cache_k[:, a:b], cache_v[:, a:b]  # (H, N, D) views of the cache
+        else:
+            dst_k = torch.empty((h, n, d), dtype=cache_k.dtype, device=cache_k.device)
+            dst_v = v
+        if self.rotate:
+            half = d // 2
+            x = k.to(self.math)  # (H, N, D)
+            x1, x2 = x[..., :half], x[..., half:]
+            first = torch.mul(x1, self.cos)
+            torch.addcmul(first, x2, self.sin, value=-1, out=dst_k[..., :half])  # x1 cos - x2 sin
+            second = torch.mul(x2, self.cos)
+            torch.addcmul(second, x1, self.sin, out=dst_k[..., half:])  # x2 cos + x1 sin
+        else:
+            dst_k.copy_(k)
+        if self.span is not None:
+            dst_v.copy_(v)
+        else:
+            cache_k[:, self.pos] = dst_k
+            cache_v[:, self.pos] = dst_v.to(cache_v.dtype)
+
+
+def _flat_kv(kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+    """K and V of one layer as one flat tensor when they are adjacent in memory, else None."""
+    k, v = kv
+    n = k.numel()
+    if not (k.is_contiguous() and v.is_contiguous() and v.dtype == k.dtype and v.numel() == n
+            and v.data_ptr() == k.data_ptr() + n * k.element_size()):
+        return None
+    return torch.as_strided(k, (2 * n,), (1,))  # (2 * H * T * D,) K then V
+
+
+def _runs(fill: list[int], where: dict[int, int], numel: list[int], elem: int) -> list[tuple[int, int]]:
+    """(first, last) segment indices of the runs of `fill` that are adjacent both in the slot and
+    in the device buffer (consecutive segments)."""
+    runs: list[tuple[int, int]] = []
+    for i in fill:
+        if runs and runs[-1][1] == i - 1 and where[i - 1] + numel[i - 1] * elem == where[i]:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs

@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from storage.dtypes import kv_bytes_per_token
 from storage.units import GIB, MIB, format_bytes
@@ -263,6 +268,133 @@ def profile_prefill(model_name: str, tokens: int = PROFILE_TOKENS, repeats: int 
 def measure_prefill_tokens_per_s(model_name: str, tokens: int = PROFILE_TOKENS) -> float:
     """Prefill throughput of `model_name` in tokens/s, measured by `profile_prefill`."""
     return profile_prefill(model_name, tokens).tokens_per_s
+
+
+# ------------------------------------------------------------ live cost model
+EMA_WEIGHT = 0.5  # weight of the newest observation in the running bandwidth estimates
+MIN_OBSERVED_BYTES = 256 << 10  # smaller loads say more about per-call overhead than bandwidth
+COMPUTE_SAMPLES = 16
+# Bandwidth assumed before a tier was ever read from (GB/s). Memory reads hand out views (a
+# copy happens in placement); disk and Redis figures are modest cold reads.
+PRIOR_READ_GBPS: dict[str, float] = {"cpu": 50.0, "computed": 10.0, "disk": 1.5, "redis": 1.0, "redis-cluster": 1.0}
+PRIOR_PLACE_GBPS: dict[str, float] = {"cuda": 20.0, "cpu": 4.0}
+
+
+class PrefillCosts:
+    """How long the model takes to compute, kept current from the requests it serves (the
+    planner's prefill rate, live).
+
+    Seconds per layer = c0 + c1 x rows computed in that layer, fitted by least squares over
+    the last `COMPUTE_SAMPLES` requests (proportional, c0 = 0, until their row counts differ
+    enough to separate the two). Thread-safe. One per model (`for_model`): engines sharing a
+    model share it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._samples: deque[tuple[int, int, float]] = deque(maxlen=COMPUTE_SAMPLES)  # (layers, rows, seconds)
+
+    @classmethod
+    def for_model(cls, model: Any) -> PrefillCosts:
+        """The prefill costs of a loaded model (an nn.Module), created on first use."""
+        with _COST_LOCK:
+            found = _PREFILL_COSTS.get(model)
+            if found is None:
+                found = _PREFILL_COSTS[model] = cls()
+            return found
+
+    def observe(self, rows_per_layer: Sequence[int], seconds: float) -> None:
+        """One request computed `rows_per_layer[l]` rows in layer l in `seconds` (not waiting for loads)."""
+        if seconds <= 0 or not rows_per_layer or sum(rows_per_layer) <= 0:
+            return
+        with self._lock:
+            self._samples.append((len(rows_per_layer), int(sum(rows_per_layer)), float(seconds)))
+
+    def layer_cost(self) -> tuple[float, float] | None:
+        """(c0 seconds per layer, c1 seconds per row per layer), or None before any observation."""
+        with self._lock:
+            samples = list(self._samples)
+        if not samples:
+            return None
+        x0 = [float(n) for n, _, _ in samples]  # layers
+        x1 = [float(r) for _, r, _ in samples]  # rows summed over layers
+        y = [t for _, _, t in samples]
+        proportional = (0.0, sum(y) / sum(x1))
+        spread = max(r / n for n, r, _ in samples) / min(r / n for n, r, _ in samples)
+        if len(samples) < 2 or spread < 1.5:
+            return proportional
+        a00, a01, a11 = sum(v * v for v in x0), sum(a * b for a, b in zip(x0, x1, strict=True)), sum(v * v for v in x1)
+        b0, b1 = sum(a * b for a, b in zip(x0, y, strict=True)), sum(a * b for a, b in zip(x1, y, strict=True))
+        det = a00 * a11 - a01 * a01
+        if det <= 0:
+            return proportional
+        c0, c1 = (b0 * a11 - b1 * a01) / det, (a00 * b1 - a01 * b0) / det
+        if c1 <= 0 or c0 < 0:  # no fixed cost visible, or noise: proportional through the origin
+            return proportional
+        return c0, c1
+
+
+class LoadCosts:
+    """How long loads take from one tier stack into one device, kept current from the
+    requests that load: per tier, the host time its reads take (bytes / read bandwidth);
+    then placement (copies into the cache, on the device when it is a GPU). On a GPU the
+    reads, the copies and compute overlap; on a CPU the loader reads then places, and only
+    its reads overlap compute. Thread-safe. One per engine (tiers are the engine's).
+    """
+
+    def __init__(self, device_type: str = "cpu"):
+        self.device_type = device_type
+        self._lock = threading.Lock()
+        self._read_bps: dict[str, float] = {}
+        self._place_bps: float | None = None
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether placement overlaps reads and compute (a copy engine does it)."""
+        return self.device_type == "cuda"
+
+    def observe(self, bytes_by_tier: dict[str, int], read_s_by_tier: dict[str, float], place_s: float) -> None:
+        """One request's loads: bytes and host read time per tier name, and placement time."""
+        with self._lock:
+            for name, nbytes in bytes_by_tier.items():
+                seconds = read_s_by_tier.get(name, 0.0)
+                if nbytes >= MIN_OBSERVED_BYTES and seconds > 0:
+                    self._read_bps[name] = _ema_rate(self._read_bps.get(name), nbytes / seconds)
+            total = sum(bytes_by_tier.values())
+            if total >= MIN_OBSERVED_BYTES and place_s > 0:
+                self._place_bps = _ema_rate(self._place_bps, total / place_s)
+
+    def read_seconds(self, name: str, kind: str, nbytes: int) -> float:
+        """Host time to read `nbytes` from the tier `name` (of `kind`)."""
+        with self._lock:
+            bps = self._read_bps.get(name)
+        if bps is None:
+            bps = PRIOR_READ_GBPS.get(kind, 1.0) * 1e9
+        return nbytes / bps
+
+    def place_seconds(self, nbytes: int) -> float:
+        """Time to move `nbytes` into the cache (device copies and placement on a GPU)."""
+        with self._lock:
+            bps = self._place_bps
+        if bps is None:
+            bps = PRIOR_PLACE_GBPS.get(self.device_type, 4.0) * 1e9
+        return nbytes / bps
+
+    def snapshot(self) -> dict[str, Any]:
+        """The current estimates (GB/s), for stats and benchmarks."""
+        with self._lock:
+            return {"read_gbps": {k: v / 1e9 for k, v in self._read_bps.items()},
+                    "place_gbps": self._place_bps / 1e9 if self._place_bps else None}
+
+
+def _ema_rate(old: float | None, new: float) -> float:
+    """Running average of a rate, taken over its inverse (time per byte): one slow observation
+    weighs as much as it costs, so a tier that turned slow is believed at once."""
+    return new if old is None else 1.0 / ((1 - EMA_WEIGHT) / old + EMA_WEIGHT / new)
+
+
+_COST_LOCK = threading.Lock()
+_PREFILL_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # ---------------------------------------------------------------- CLI

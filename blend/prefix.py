@@ -123,15 +123,23 @@ class PrefixCache:
         return queued
 
     # ----------------------------------------------------------------- prefill
-    def prefill(self, token_ids: Sequence[int], chain: list[Placement], cache: KVCache
+    def prefill(self, token_ids: Sequence[int], chain: list[Placement], cache: KVCache, computed: int = 0
                 ) -> tuple[torch.Tensor, LoadReport]:
         """Load `chain` (an exact cached prefix) layer by layer while computing the rest.
 
-        Returns the last position's logits (vocab,) and the loader's report.
+        `computed` (a block boundary, from the load-or-compute split in blend.split): the
+        tokens before it are computed with a plain prefill while the rest of the chain
+        loads, instead of being loaded (the whole chain: one full prefill). Returns the last position's logits (vocab,) and
+        the loader's report.
         """
         p = max((pl.start + pl.length for pl in chain), default=0)
-        with LayerLoader(self.store, self.runner, cache, chain, range(self.runner.num_layers),
+        if chain and computed >= p:  # the whole chain computed: one full prefill, nothing loaded
+            return self.runner.prefill(torch.tensor(list(token_ids)), cache)[0], LoadReport()
+        loaded = [pl for pl in chain if pl.start >= computed]
+        with LayerLoader(self.store, self.runner, cache, loaded, range(self.runner.num_layers),
                          self.prefetch_depth) as loader:
+            if computed:
+                self.runner.prefill(torch.tensor(list(token_ids[:computed])), cache, start=0)
             logits = self.runner.prefill(torch.tensor(list(token_ids[p:])), cache, start=p,
                                          before_layer=loader.wait)[0]
         return logits, loader.report()

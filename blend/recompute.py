@@ -41,18 +41,21 @@ class RecomputePlan:
     check_layers: tuple[int, ...]  # layers where rows are selected
     counts: tuple[int, ...]  # context rows kept at each check layer (non-increasing)
     load_from: int  # first layer whose cached K/V is read (num_layers: none)
+    # load-or-compute split (blend.split): positions [0, fresh) are computed in every layer, never loaded
+    fresh_rows: torch.Tensor = torch.zeros(0, dtype=torch.long)  # (F,)
 
     @property
     def first_active(self) -> torch.Tensor:
-        """Rows computed at layer 0: all of them when a check layer comes, else the query."""
-        return torch.arange(self.n) if self.check_layers else self.query_rows
+        """Rows computed at layer 0: all of them when a check layer comes, else the fresh rows and the query."""
+        return torch.arange(self.n) if self.check_layers else torch.cat([self.fresh_rows, self.query_rows])
 
 
 def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], schedule: tuple[float, ...],
-                   num_layers: int) -> RecomputePlan:
+                   num_layers: int, fresh: int = 0) -> RecomputePlan:
     """Plan blend at `ratio` (0: reuse). Check layers beyond the model are dropped; the
-    last one kept then takes the final budget."""
-    cached = [s for s in prompt.segments if s.kind != "query"]
+    last one kept then takes the final budget. `fresh` (a segment boundary) is the split's
+    computed prefix: those rows are computed everywhere, the ratio applies to the rest."""
+    cached = [s for s in prompt.segments if s.kind != "query" and s.start >= fresh]
     ctx_rows = torch.cat([torch.arange(s.start, s.end) for s in cached]) if cached else torch.zeros(0, dtype=torch.long)
     n_ctx = ctx_rows.numel()
     layers: list[int] = []
@@ -67,7 +70,7 @@ def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], 
     partial = [c for c, kept in zip(layers, counts, strict=True) if kept < n_ctx]
     load_from = partial[0] if partial else (num_layers if layers else 0)
     return RecomputePlan(len(prompt), ctx_rows, torch.arange(prompt.query.start, len(prompt)), tuple(layers),
-                         tuple(counts), load_from)
+                         tuple(counts), load_from, torch.arange(fresh))
 
 
 @torch.inference_mode()
@@ -85,16 +88,20 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
     h = runner.embed(token_ids[active])  # (T, hidden)
     selected: list[torch.Tensor] = []
     recomputed, selection_s = 0, 0.0
+    # the active rows change only at check layers: their device copy, RoPE rows and attention
+    # plan (runner.attend caches it for this `active` tensor) are made once per change
+    rows = active.to(dev)
+    cos, sin = cos_all[rows], sin_all[rows]
     for layer in range(runner.num_layers):
         loader.wait(layer)
-        rows = active.to(dev)
-        q, k, v = runner.qkv(layer, h, cos_all[rows], sin_all[rows])  # (H, T, D), (Hkv, T, D) x2
+        q, k, v = runner.qkv(layer, h, cos, sin)  # (H, T, D), (Hkv, T, D) x2
+        changed = False
         if layer in plan.check_layers:
             t0 = time.perf_counter()
-            cand_rows = rows[is_ctx[active].to(dev)]  # active context rows: the candidates
+            cand = is_ctx[active].to(dev)
+            cand_rows = rows[cand]  # active context rows: the candidates
             count = plan.counts[plan.check_layers.index(layer)]
             if count < cand_rows.numel():
-                cand = is_ctx[active].to(dev)
                 prior = (cache.k[layer][:, cand_rows], cache.v[layer][:, cand_rows])  # copies, before overwriting
                 cache.write(layer, rows, k, v, n)
                 q_rows = torch.searchsorted(active, plan.query_rows).to(dev)
@@ -105,15 +112,19 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
                 chosen = cand_rows.cpu()
             selected.append(chosen)
             recomputed = int(chosen.numel())
-            keep = torch.searchsorted(active, torch.cat([chosen, plan.query_rows]).unique(sorted=True))
-            q, h, active = q[:, keep.to(dev)], h[keep.to(dev)], active[keep]
+            keep = torch.searchsorted(active, torch.cat([plan.fresh_rows, chosen, plan.query_rows]).unique(sorted=True))
+            keep_dev = keep.to(dev)
+            q, h, active, changed = q[:, keep_dev], h[keep_dev], active[keep], True
             selection_s += time.perf_counter() - t0
         else:
             cache.write(layer, rows, k, v, n)
         if layer == runner.num_layers - 1:  # only the last row's output is needed
-            q, h, active = q[:, -1:], h[-1:], active[-1:]
-        attn = runner.attend(q, active.to(dev), cache.k[layer][:, :n], cache.v[layer][:, :n])
+            q, h, active, changed = q[:, -1:], h[-1:], active[-1:], True
+        attn = runner.attend(q, active, cache.k[layer][:, :n], cache.v[layer][:, :n])  # host positions: no sync
         h = runner.finish(layer, h, attn)
+        if changed:
+            rows = active.to(dev)
+            cos, sin = cos_all[rows], sin_all[rows]
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected),
                              recomputed if plan.check_layers else 0, selection_s, tuple(selected))
     return runner.logits(h[-1:])[0], report

@@ -103,6 +103,23 @@ class KVCache:
 
 
 @dataclass(frozen=True)
+class AttentionPlan:
+    """How `Runner.attend` computes one set of query rows (see `Runner.plan_attention`).
+
+    kind: flash (flash-attn, queries are the last rows), causal (every row), all (one query
+    that sees every key), pad (most rows: causal over a zero-padded full block), groups
+    (position-sorted query groups with truncated keys and a mask each).
+    """
+
+    kind: str
+    tq: int
+    tk: int
+    rows: torch.Tensor | None = None  # pad: (Tq,) query positions on the device
+    groups: tuple[tuple[int, int, int, torch.Tensor], ...] = ()  # groups: (first, end row, keys, mask)
+    fold: int = 1  # groups: query heads per KV head folded into the rows (CUDA)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Greedy when temperature == 0; otherwise temperature + nucleus (top-p) sampling."""
 
@@ -143,6 +160,7 @@ class Runner:
         self.use_flash = (use_flash and flash_attn_func is not None and self.device.type == "cuda"
                           and self.dtype in (torch.float16, torch.bfloat16))
         self._shifts: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plan: tuple[torch.Tensor, AttentionPlan] | None = None  # the last attention plan and its q_pos
 
     # ----------------------------------------------------------------- helpers
     def new_cache(self, capacity: int) -> KVCache:
@@ -247,51 +265,98 @@ class Runner:
         k = apply_rope(k.transpose(0, 1), cos, sin)  # (Hkv, T, D)
         return q, k, v.transpose(0, 1)
 
-    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def plan_attention(self, q_pos: torch.Tensor, tk: int, fold: int | None = None) -> AttentionPlan:
+        """How `attend` computes queries at positions q_pos (Tq,), sorted, over tk keys.
+
+        Built once per set of query rows (`attend` keeps the last plan and reuses it while it
+        is called with the same q_pos tensor and key count): the kernel choice, the query
+        groups and their masks on the device. Reads q_pos on the host (one copy from the
+        device if it lives there). `fold`: query heads per KV head folded into the rows of
+        the masked groups (default: all of them on CUDA, none elsewhere).
+        """
+        pos = q_pos.cpu() if q_pos.device.type != "cpu" else q_pos  # (Tq,)
+        tq = pos.numel()
+        first, last = int(pos[0]), int(pos[-1])
+        contiguous = last - first + 1 == tq
+        if self.use_flash and contiguous and last == tk - 1:
+            return AttentionPlan("flash", tq, tk)
+        if contiguous and first == 0 and last == tk - 1:
+            return AttentionPlan("causal" if tq > 1 else "all", tq, tk)
+        if tq == 1 and last >= tk - 1:
+            return AttentionPlan("all", tq, tk)
+        if tq >= PAD_TO_CAUSAL * tk:
+            return AttentionPlan("pad", tq, tk, rows=pos.to(self.device))
+        # A masked kernel visits every (query, key) pair it is given; grouping the sorted
+        # queries and giving each group only the keys up to its last position skips most of
+        # the invisible upper triangle.
+        groups = max(1, min(ATTN_GROUPS, tq // ATTN_GROUP_MIN))
+        bounds = torch.linspace(0, tq, groups + 1).long().tolist()
+        if fold is None:  # fold GQA into the query rows where masked SDPA has no GQA kernel
+            fold = self.num_heads // self.kv_heads if self.device.type == "cuda" else 1
+        parts = []
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            end = int(pos[b - 1]) + 1
+            mask = torch.arange(end)[None, :] <= pos[a:b, None]  # (Tg, end) bool
+            if fold > 1:
+                mask = mask.repeat_interleave(fold, dim=0)  # (Tg * g, end): one row per folded query head
+            parts.append((a, b, end, mask.to(self.device)))
+        return AttentionPlan("groups", tq, tk, groups=tuple(parts), fold=fold)
+
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               plan: AttentionPlan | None = None) -> torch.Tensor:
         """Exact causal attention by position.
 
         q (H, Tq, D) at positions q_pos (Tq,), sorted ascending; k, v (Hkv, Tk, D) hold
         positions 0..Tk-1. A query at position p sees exactly the keys at positions <= p.
-        Returns (Tq, H*D).
+        `plan` (from `plan_attention`) is found or built when not given. Returns (Tq, H*D).
         """
         tq, tk = q.shape[1], k.shape[1]
-        first, last = int(q_pos[0]), int(q_pos[-1])
-        contiguous = last - first + 1 == tq
-        if self.use_flash and contiguous and last == tk - 1:
+        if plan is None:
+            cached = self._plan
+            if cached is not None and cached[0] is q_pos and cached[1].tk == tk and cached[1].tq == tq:
+                plan = cached[1]
+            else:
+                plan = self.plan_attention(q_pos, tk)
+                self._plan = (q_pos, plan)  # keeps q_pos alive: its identity stays unique
+        if plan.kind == "flash":
             # bottom-right aligned causal mask == exact when the queries are the last rows
             out = flash_attn_func(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                   softmax_scale=self.scaling, causal=True)[0]  # (Tq, H, D)
             return out.reshape(tq, -1)
-        if contiguous and first == 0 and last == tk - 1:
-            causal = tq > 1  # full causal range: no materialised mask
-        elif tq == 1 and last >= tk - 1:
-            causal = False  # one query that sees every key
-        elif tq >= PAD_TO_CAUSAL * tk:
-            # Most rows: causal attention on a full-length block (the kernel skips the
-            # upper triangle); the queries sit at their positions, their rows are kept.
+        if plan.kind == "pad":
+            # Most rows: causal attention on a full-length block (the kernel skips the upper
+            # triangle); the queries sit at their positions, their rows are kept.
             full = q.new_zeros((q.shape[0], tk, q.shape[2]))
-            rows = q_pos.to(q.device)
-            full[:, rows] = q
+            full[:, plan.rows] = q
             out = F.scaled_dot_product_attention(full[None], k[None], v[None], is_causal=True, scale=self.scaling,
                                                  enable_gqa=True)[0]  # (H, Tk, D)
-            return out[:, rows].transpose(0, 1).reshape(tq, -1)
-        else:
-            # A masked kernel visits every (query, key) pair it is given; grouping the
-            # sorted queries and giving each group only the keys up to its last position
-            # skips most of the invisible upper triangle.
-            groups = max(1, min(ATTN_GROUPS, tq // ATTN_GROUP_MIN))
-            bounds = torch.linspace(0, tq, groups + 1).long().tolist()
-            pos = q_pos.to(q.device)
-            outs = []
-            for a, b in zip(bounds, bounds[1:], strict=False):
-                end = int(pos[b - 1]) + 1
-                mask = torch.arange(end, device=q.device)[None, :] <= pos[a:b, None]  # (Tg, end) bool
-                outs.append(F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, :end], v[None, :, :end],
-                                                           attn_mask=mask, scale=self.scaling, enable_gqa=True)[0])
-            return torch.cat(outs, dim=1).transpose(0, 1).reshape(tq, -1)  # (Tq, H*D)
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=causal,
+            return out[:, plan.rows].transpose(0, 1).reshape(tq, -1)
+        if plan.kind == "groups":
+            return self._attend_groups(q, k, v, plan)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=plan.kind == "causal",
                                              scale=self.scaling, enable_gqa=True)[0]  # (H, Tq, D)
         return out.transpose(0, 1).reshape(tq, -1)
+
+    def _attend_groups(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """Masked attention per query group, keys truncated to the group's last position.
+
+        On CUDA the query heads sharing a KV head are folded into the query rows, so the
+        kernel sees plain multi-head attention: a mask together with `enable_gqa` would send
+        SDPA to its slow math backend.
+        """
+        tq, g = q.shape[1], plan.fold
+        if g == 1:
+            outs = [F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, :end], v[None, :, :end],
+                                                   attn_mask=mask, scale=self.scaling, enable_gqa=True)[0]
+                    for a, b, end, mask in plan.groups]  # (H, Tg, D) each
+            return torch.cat(outs, dim=1).transpose(0, 1).reshape(tq, -1)  # (Tq, H*D)
+        hkv, d = k.shape[0], k.shape[2]
+        qf = q.transpose(0, 1).reshape(tq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, tq * g, d)  # (Hkv, Tq*g, D)
+        outs = [F.scaled_dot_product_attention(qf[None, :, a * g:b * g], k[None, :, :end], v[None, :, :end],
+                                               attn_mask=mask, scale=self.scaling)[0]
+                for a, b, end, mask in plan.groups]  # (Hkv, Tg*g, D) each
+        out = torch.cat(outs, dim=1).view(hkv, tq, g, d)  # (Hkv, Tq, g, D)
+        return out.permute(1, 0, 2, 3).reshape(tq, -1)  # (Tq, H*D): head = kv head * g + member
 
     def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then post-attention norm + MLP + residual, for rows h (T, hidden)."""
@@ -318,7 +383,7 @@ class Runner:
         self.check_length(start + t)
         cache.ensure_capacity(start + t)
         rows = [t - 1] if logit_rows is None else list(logit_rows)
-        positions = torch.arange(start, start + t, device=self.device)
+        positions = torch.arange(start, start + t)  # (T,) on the host: attention plans need no device sync
         cos, sin = self.rope(positions)
         h = self.embed(token_ids)
         end = start + t
@@ -331,8 +396,8 @@ class Runner:
             keys, values = cache.layer(layer, end)
             if layer == self.num_layers - 1 and len(rows) < t:
                 # only the rows whose logits are wanted need the last layer's output
-                sel = torch.tensor(rows, device=self.device)
-                attn = self.attend(q[:, sel], positions[sel], keys, values)
+                sel = torch.tensor(rows)
+                attn = self.attend(q[:, sel.to(self.device)], positions[sel], keys, values)
                 h = self.finish(layer, h[sel], attn)
                 rows = list(range(len(rows)))
             else:

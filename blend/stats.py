@@ -74,10 +74,37 @@ class LookupTally:
 class LoadReport:
     """What a request's layer loader did."""
 
-    load_s: float = 0.0  # time the loader spent fetching, converting, placing
-    exposed_load_s: float = 0.0  # time compute waited for a layer
+    load_s: float = 0.0  # time the loader spent fetching, converting, placing (CUDA: first copy to last layer placed)
+    exposed_load_s: float = 0.0  # time compute waited for a layer (CUDA: GPU time the compute stream idled)
     bytes_by_tier: Mapping[str, int] = field(default_factory=dict)
     recomputed_segments: int = 0  # segments whose stored layers were unreadable and were recomputed
+    copies: int = 0  # copy operations that moved KV into the cache or onto the device
+    layers_loaded: int = 0
+    read_s_by_tier: Mapping[str, float] = field(default_factory=dict)  # host time spent in tier reads
+    place_s: float = 0.0  # time spent moving bytes into the cache (CUDA: device time)
+
+
+@dataclass(frozen=True)
+class SplitReport:
+    """The load-or-compute split of one request (blend.split).
+
+    When loading every cached segment would take longer than computing, a prefix of the
+    prompt is computed with plain prefill while the rest loads; `computed_tokens` is that
+    prefix. Predictions come from the live cost models (blend.planner: PrefillCosts, LoadCosts).
+    """
+
+    taken: bool = False
+    reason: str = ""  # why it was (not) taken, one line
+    computed_tokens: int = 0  # prompt tokens [0, computed_tokens) computed instead of loaded
+    loaded_tokens: int = 0  # cached tokens still loaded
+    predicted_s: float | None = None  # predicted prefill time of the chosen plan
+    predicted_unsplit_s: float | None = None  # ... of loading every cached segment
+    predicted_full_s: float | None = None  # ... of a full prefill
+    predicted_load_s: float | None = None  # load time of the chosen plan
+    predicted_compute_s: float | None = None  # compute time of the chosen plan
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -115,6 +142,7 @@ class RequestStats:
     answer_nll: float | None = None  # with generate(answer=...): mean NLL of that text
     source: str | None = None  # chat: where the history's KV came from (device | store | computed)
     stored_blocks: int = 0  # prefix blocks queued for the store by this request
+    split: SplitReport = SplitReport()
 
     @property
     def load_s(self) -> float:
@@ -160,6 +188,8 @@ class RequestStats:
             "prefill_s": self.prefill_s, "compute_s": self.compute_s, "ttft_s": self.ttft_s,
             "total_s": self.total_s, "new_tokens": self.new_tokens, "answer_nll": self.answer_nll,
             "source": self.source, "stored_blocks": self.stored_blocks,
+            "load_copies": self.load.copies, "place_s": self.load.place_s,
+            "read_s_by_tier": dict(self.load.read_s_by_tier), "split": self.split.to_dict(),
         }
 
 

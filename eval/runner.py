@@ -14,7 +14,8 @@ Per example and entry (a row):
     greedy_match  the greedy answer text equals full prefill's
     answer_nll    mean NLL of the first gold answer, teacher-forced after the prompt
     ttft_s        time to first token; recomputed_fraction: share of the context computed
-Quality metrics and answer_nll are None for an example without gold answers.
+Quality metrics and answer_nll are None for an example without gold answers. The
+engine's load-or-compute split is off during a run, so every mode computes what it says.
 The summary is the mean of every metric per entry (None values ignored).
 """
 
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from eval import metrics
+from eval.bench.common import LoadWatch
 from eval.entries import Entry, entry_name, parse_modes, parse_ratios, parse_selections, plan_entries
 from eval.loaders import Example
 from eval.prompts import PromptTemplate, load_prompts
@@ -58,11 +60,12 @@ class EvalRun:
     summary: dict[str, dict[str, Any]]
     skipped: list[str] = field(default_factory=list)
     results_path: Path | None = None
+    hygiene: dict[str, Any] = field(default_factory=dict)  # load average at start/end, cores, contended
 
     def to_json(self) -> dict[str, Any]:
         """The object printed as the last line of `kvblend eval --json`."""
         return jsonable({"dataset": self.dataset, "n": len(self.records), "summary": self.summary,
-                         "skipped": len(self.skipped),
+                         "skipped": len(self.skipped), **self.hygiene,
                          "results": str(self.results_path) if self.results_path else None})
 
 
@@ -116,7 +119,13 @@ def run_eval(
         log.warning("%s: %d of %d example(s) already done; evaluating the other %d",
                     results.path, len(examples) - len(todo), len(examples), len(todo))
     original_prompts = engine.prompts
+    # modes are compared as defined: no load-or-compute split (blend.split) during an evaluation
+    splitter = getattr(engine, "splitter", None)
+    original_split = splitter.mode if splitter is not None else None
+    if splitter is not None:
+        splitter.mode = "off"
     skipped: list[str] = []
+    watch = LoadWatch.begin()
     try:
         if todo:
             _warm_up(engine, todo[0], templates[todo[0].task])
@@ -132,6 +141,8 @@ def run_eval(
                 done[ex.id] = jsonable(record)
     finally:
         engine.prompts = original_prompts
+        if splitter is not None:
+            splitter.mode = original_split
         if results is not None:
             results.close()
     records = [done[ex.id] for ex in examples if ex.id in done]
@@ -142,7 +153,7 @@ def run_eval(
                     "example(s): its TTFT there is that of a repeated prompt, not of a first-seen one. For a "
                     "first-seen baseline use a fresh store.namespace in the config", repeated)
     return EvalRun(dataset, entries, settings, records, summarize(records, entries), skipped,
-                   results.path if results is not None else None)
+                   results.path if results is not None else None, watch.finish("evaluation"))
 
 
 def engine_settings(engine: Any) -> dict[str, Any]:
@@ -241,6 +252,7 @@ def summarize(records: Sequence[Mapping[str, Any]], entries: Sequence[Entry]) ->
             **{k: means.get(k) for k in METRICS},
             "n": len(rows), "mode": entry.mode, "ratio": entry.ratio,
             "ttft_s_median": statistics.median(ttfts) if ttfts else None,
+            "ttft_s_min": min(ttfts) if ttfts else None, "ttft_s_max": max(ttfts) if ttfts else None,
             "chunk_hit_rate": metrics.mean(row.get("chunk_hit_rate") for row in rows),
             "exposed_load_s": metrics.mean(row.get("exposed_load_s") for row in rows),
             "speedup": _median_speedup(records, entry.name),

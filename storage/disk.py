@@ -412,6 +412,18 @@ class DiskTier:
 
     def get_layer(self, key: str, layer: int, header: EntryHeader | None = None) -> Layer | None:
         """Read one layer with a single preadv; the tensors own a fresh buffer."""
+        return self._read(key, layer, header, None)
+
+    def read_layer_into(self, key: str, layer: int, header: EntryHeader | None, out: torch.Tensor) -> bool:
+        """Read layer `layer` (K bytes then V bytes) with one preadv straight into `out`, a
+        contiguous (layer_nbytes,) uint8 CPU tensor (e.g. a pinned staging buffer), and verify it.
+
+        False on a miss or a corrupt layer (counted like `get_layer`; `out` then holds garbage).
+        """
+        return self._read(key, layer, header, out) is not None
+
+    def _read(self, key: str, layer: int, header: EntryHeader | None, out: torch.Tensor | None) -> Layer | None:
+        """One verified layer read into `out` (or a fresh buffer); None on a miss, counted."""
         t0 = time.perf_counter()
         for fresh in (False, True):
             try:
@@ -429,7 +441,7 @@ class DiskTier:
                 self._stats.add(layer_misses=1)
                 return None
             try:
-                got = self._read_layer(key, handle.fd, layer, header)
+                got = self._read_layer(key, handle.fd, layer, header, out)
             except CorruptEntry as e:
                 if not opened:
                     continue  # a descriptor kept from before a replacement: retry on the current file
@@ -449,8 +461,10 @@ class DiskTier:
             return got
         raise AssertionError("unreachable")
 
-    def _read_layer(self, key: str, fd: int, layer: int, header: EntryHeader | None) -> Layer | None:
-        """Read and verify one layer from an open entry file (None if the entry changed)."""
+    def _read_layer(self, key: str, fd: int, layer: int, header: EntryHeader | None,
+                    out: torch.Tensor | None) -> Layer | None:
+        """Read and verify one layer from an open entry file into `out` (or a fresh buffer);
+        None if the entry changed since `header` was read."""
         with self._lock:
             info = self._index.get(key)
             offsets = info.offsets if info is not None and header is not None and info.header == header else None
@@ -463,11 +477,15 @@ class DiskTier:
         if not 0 <= layer < header.num_layers:
             raise IndexError(f"layer {layer} out of range: entry has {header.num_layers} layers")
         n = header.layer_nbytes
-        buf = torch.empty(n, dtype=torch.uint8)  # (layer_nbytes,) not zero-filled
-        got = os.preadv(fd, [buf.numpy()], offsets[layer])
+        if out is None:
+            out = torch.empty(n, dtype=torch.uint8)  # (layer_nbytes,) not zero-filled
+        elif out.dtype != torch.uint8 or out.numel() != n or not out.is_contiguous():
+            raise ValueError(f"read_layer_into: out must be a contiguous ({n},) uint8 tensor, got "
+                             f"{tuple(out.shape)} {out.dtype}")
+        got = os.preadv(fd, [out.numpy()], offsets[layer])
         if got != n:
             raise CorruptEntry(f"layer {layer}: read {got} of {n} bytes (file truncated)")
-        return layer_from_bytes(buf, header, layer)
+        return layer_from_bytes(out, header, layer)
 
     def get_layers(self, key: str, layers: Sequence[int], header: EntryHeader | None = None) -> list[Layer | None]:
         return [self.get_layer(key, i, header) for i in layers]

@@ -96,6 +96,12 @@ class Expected:
         return cls(fingerprint, _tokens_digest(token_ids), len(token_ids), int(num_layers), int(kv_heads),
                    int(head_dim), check_dtype(kv_dtype, "kv_dtype"), int(pos_start))
 
+    @classmethod
+    def matching(cls, header: EntryHeader) -> Expected:
+        """The expectation a given header meets (tools and tests that hold the header already)."""
+        return cls(header.fingerprint, header.tokens_digest, header.num_tokens, header.num_layers, header.kv_heads,
+                   header.head_dim, header.kv_dtype, header.pos_start)
+
     @property
     def layer_nbytes(self) -> int:
         """Bytes of one stored layer (K and V)."""

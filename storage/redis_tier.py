@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+import torch
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
@@ -297,6 +298,19 @@ class RedisTier:
             layer_reads=hits, layer_misses=len(out) - hits, bytes_read=nbytes, read_seconds=time.perf_counter() - t0
         )
         return out
+
+    def read_layer_into(self, key: str, layer: int, header: EntryHeader | None, out: Any) -> bool:
+        """Layer `layer` read as `get_layers` does (bounded, verified, a partial entry is a
+        miss) and copied once into `out`, a contiguous (layer_nbytes,) uint8 CPU tensor
+        (e.g. a pinned staging buffer). False on a miss."""
+        got = self.get_layers(key, [layer], header)[0]
+        if got is None:
+            return False
+        k, v = got  # (H, T, D) views of one reply buffer: K bytes then V bytes
+        n = k.numel() * k.element_size()
+        out[:n].copy_(k.reshape(-1).view(torch.uint8))
+        out[n : 2 * n].copy_(v.reshape(-1).view(torch.uint8))
+        return True
 
     def get(self, key: str) -> KVEntry | None:
         return read_entry(self, key)

@@ -26,6 +26,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from storage.config import StoreConfig, TierConfig
 from storage.entry import EntryHeader, Expected, KVEntry
 from storage.signature import seal, verify
@@ -61,6 +63,26 @@ class _Promotion:
 
 
 _STOP = object()
+
+
+def layer_views(buf: torch.Tensor, header: EntryHeader) -> Layer:
+    """(K, V) views, each (kv_heads, num_tokens, head_dim), of one layer's bytes in `buf` ((layer_nbytes,) uint8)."""
+    k, v = buf.view(header.dtype).view(2, *header.shape).unbind(0)
+    return k, v
+
+
+def _read_into(tier: Tier, located: Located, layer: int, out: torch.Tensor) -> bool:
+    """One tier's read of a layer into `out`, through its `read_layer_into` where it has one."""
+    reader = getattr(tier, "read_layer_into", None)
+    if reader is not None:
+        return bool(reader(located.key, layer, located.header, out))
+    got = tier.get_layer(located.key, layer, located.header)
+    if got is None:
+        return False
+    k, v = layer_views(out, located.header)
+    k.copy_(got[0])
+    v.copy_(got[1])
+    return True
 
 
 class TieredStore:
@@ -190,6 +212,23 @@ class TieredStore:
         self._collect(located, layers, out)
         return out
 
+    def read_layer_into(self, located: Located, layer: int, out: torch.Tensor) -> bool:
+        """Read layer `layer` of a located entry straight into `out`, a contiguous
+        (layer_nbytes,) uint8 CPU tensor (K bytes then V bytes), verified; False only if no
+        tier can serve it any more. Tiers without their own `read_layer_into` are read with
+        `get_layer` and copied. A promotion keeps its own copy (`out` is the caller's buffer)."""
+        tiers = [(located.tier_index, self.tiers[located.tier_index])]
+        tiers += [(i, t) for i, t in enumerate(self.tiers) if i > located.tier_index]
+        for i, tier in tiers:
+            if i != located.tier_index and tier.get_header(located.key) != located.header:
+                continue
+            if _read_into(tier, located, layer, out):
+                if located.tier_index > 0 and self.promote:
+                    k, v = layer_views(out, located.header)
+                    self._collect(located, [layer], [(k.clone(), v.clone())])
+                return True
+        return False
+
     def _fallback(self, located: Located, layer: int) -> Layer | None:
         """Read `layer` from a lower tier holding the identical entry."""
         for tier in self.tiers[located.tier_index + 1 :]:
@@ -235,7 +274,7 @@ class TieredStore:
                 return
             for i, layer in zip(layers, got, strict=True):
                 if layer is not None and i not in promotion.layers:
-                    promotion.layers[i] = (layer[0].clone(), layer[1].clone())  # caller may modify its copy
+                    promotion.layers[i] = layer  # reads are read-only: readers never modify them
             if len(promotion.layers) < located.header.num_layers:
                 return
             del self._pending[located.key]

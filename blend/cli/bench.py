@@ -98,7 +98,10 @@ def cmd_ttft(args: argparse.Namespace) -> int:
             continue
         say(f"{r['tier']:>6} r={r['ratio']:<5} TTFT {r['ttft_s']:.3f} s  speedup {r['speedup']:.2f}x "
             f"(ideal {r['ideal_speedup']:.2f}x)  exposed load {r['exposed_load_s']:.3f} s  {r['load_gbps']} GB/s")
-    say(f"full prefill TTFT {summary['full_ttft_s']:.3f} s over {summary['context_tokens']} tokens")
+    say(f"full prefill TTFT {summary['full_ttft_s']:.3f} s over {summary['context_tokens']} tokens "
+        f"({summary['model']}, {summary['dtype']}, {summary['device_name']})")
+    if summary["random_weights"]:
+        say("random weights: these figures are timings only")
     if args.json:
         emit_json(summary)
     return 0
@@ -114,6 +117,11 @@ def _register_ttft(sub: Any) -> None:
     p.add_argument("--repeats", type=POSITIVE_INT, default=3)
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--cluster-urls", default=None)
+    p.add_argument("--model", default=None,
+                   help="override the config's model, e.g. random:llama-3-8b (random weights: timing only)")
+    p.add_argument("--dtype", default=None, choices=DTYPE_NAMES, help="override the compute dtype, e.g. bfloat16")
+    p.add_argument("--device", default=None, help="override the device: auto, cpu, cuda, cuda:<index>")
+    p.add_argument("--kv-dtype", default=None, choices=DTYPE_NAMES, help="override the stored KV dtype")
     json_arg(p)
     p.add_argument("--out", default=None, metavar="DIR", help="write ttft.json, ttft.md and PNG plots here")
     p.set_defaults(func=cmd_ttft)

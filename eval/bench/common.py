@@ -1,11 +1,16 @@
 """What the benchmarks share: dropping files from the page cache so a disk tier reads a
-disk, and building a store that holds exactly one tier of a kind."""
+disk, building a store that holds exactly one tier of a kind, and hygiene: the spread of
+repeated timings and whether the machine was busy while they were taken (a number
+measured on a contended machine says so in its JSON and in a warning line)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +71,53 @@ def one_tier(kind: str, configured: StoreConfig | None = None, *, scratch: Path,
 def one_tier_store(kind: str, config: StoreConfig, **kwargs: Any) -> StoreConfig:
     """`config` (namespace, kv_dtype) with `one_tier(kind, config, ...)` as its only tier, no promotion."""
     return dataclasses.replace(config, tiers=(one_tier(kind, config, **kwargs),), promote=False)
+
+
+# ------------------------------------------------------------------ hygiene
+def spread(values: Sequence[float], digits: int = 5) -> dict[str, float | None]:
+    """{"median", "min", "max"} of repeated timings (None for no values), rounded."""
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits)}
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, or None where the OS has none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+@dataclass
+class LoadWatch:
+    """The machine's load average at the start and the end of a measurement.
+
+    `finish()` returns the JSON fields (load_average_start / _end, cpu_cores, contended)
+    and, when the load average exceeded the core count at either end, prints one warning
+    line to stderr: timings taken then are contended."""
+
+    start: float | None
+    cores: int
+
+    @classmethod
+    def begin(cls) -> LoadWatch:
+        return cls(load_average(), cpu_cores())
+
+    def finish(self, what: str = "benchmark") -> dict[str, Any]:
+        end = load_average()
+        contended = any(x is not None and x > self.cores for x in (self.start, end))
+        if contended:
+            print(f"warning: load average {self.start} at start, {end} at end exceeded the {self.cores} cores during "
+                  f"this {what}: its timings are contended", file=sys.stderr)
+        return {"load_average_start": self.start, "load_average_end": end, "cpu_cores": self.cores,
+                "contended": contended}

@@ -9,7 +9,9 @@ tier and, interleaved with it, read the same number of bytes raw:
                  (fsync, then posix_fadvise DONTNEED), so both read from the device
   redis(-cluster) raw = one GET per layer of a plain blob of the layer's size
 Each round reads everything once through the tier and once raw, alternating which goes
-first; a warm-up round is excluded; figures are medians over rounds. Separate passes (not
+first; a warm-up round is excluded; figures are medians over rounds, with min and max;
+the load average at start and end is recorded (`contended: true` when it exceeded the
+core count). Separate passes (not
 entry-by-entry interleaving) because the raw file's background readahead would otherwise
 compete with the tier's reads.
 cpu "write" is a put by reference (no copy), so its write_gbps only measures bookkeeping.
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from eval.bench.common import drop_page_cache, one_tier
+from eval.bench.common import LoadWatch, drop_page_cache, one_tier, spread
 from storage.config import StoreConfig
 from storage.disk import DiskTier
 from storage.entry import KVEntry, dtype_of
@@ -213,6 +215,7 @@ def measure_tier(
         raw_times.append(raw_s)
     read_gbps = total / statistics.median(tier_times) / 1e9
     raw_gbps = total / statistics.median(raw_times) / 1e9
+    tier_spread, raw_spread = spread(tier_times), spread(raw_times)
     return {
         "tier": tier.name,
         "bytes": total,
@@ -221,6 +224,10 @@ def measure_tier(
         "read_gbps": round(read_gbps, 3),
         "raw_read_gbps": round(raw_gbps, 3),
         "ratio": round(read_gbps / raw_gbps, 3),
+        "read_gbps_min": round(total / tier_spread["max"] / 1e9, 3),
+        "read_gbps_max": round(total / tier_spread["min"] / 1e9, 3),
+        "raw_read_gbps_min": round(total / raw_spread["max"] / 1e9, 3),
+        "raw_read_gbps_max": round(total / raw_spread["min"] / 1e9, 3),
         "layer_read_ms_p50": round(_percentile(layer_times, 0.50) * 1e3, 4),
         "layer_read_ms_p99": round(_percentile(layer_times, 0.99) * 1e3, 4),
         "rounds": rounds,
@@ -240,6 +247,7 @@ def run_load(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Benchmark one tier kind; uses its own keys/directory and removes them afterwards."""
+    watch = LoadWatch.begin()
     _, template = random_entry(shape, seed=0)
     n = max(1, math.ceil(size_mb * MiB / template.nbytes))
     keyed: list[tuple[str, KVEntry]] = []
@@ -277,6 +285,7 @@ def run_load(
             os.sync()  # make the tier's pages clean so DONTNEED can drop them
         result = measure_tier(tier, raw, keyed, rounds=rounds, before_pass=before)
         result["tier"] = kind
+        result.update(watch.finish(f"{kind} load benchmark"))
     finally:
         for fn in reversed(cleanup):
             fn()

@@ -12,7 +12,8 @@ Each message differs per repeat, so no block past the history is reused.
 
 Hygiene: a warm-up per tier first (not recorded), then `--repeats` rounds interleaving
 tiers, lengths and the two variants (alternating which goes first); medians are
-reported. Disk entries are evicted from the OS page cache before each disk resume
+reported with min and max, and the load average at start and end (`contended: true`
+and a warning line when it exceeded the core count). Disk entries are evicted from the OS page cache before each disk resume
 (fsync + POSIX_FADV_DONTNEED) unless `--warm-disk`, so the disk row measures a disk.
 The last stdout line is one JSON object: {"results": [{tier, history_tokens,
 resume_ttft_s, reprefill_ttft_s, speedup, ...}, ...]}; a tier that cannot be used
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eval.bench.common import drop_page_cache, one_tier_store
+from eval.bench.common import LoadWatch, drop_page_cache, one_tier_store, spread
 
 TIER_KINDS = ("cpu", "disk", "redis")
 MAX_NEW_TOKENS = 1  # a resume is timed to its first token
@@ -82,6 +83,7 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
     from eval.samples import sample_documents
     from storage.tier import StoreUnavailable
 
+    watch = LoadWatch.begin()
     config = load_config(config_path)
     t0 = time.perf_counter()
     lm = load_model(config.model, device=config.device, dtype=config.dtype)
@@ -190,6 +192,9 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
                     "loaded_tokens": int(statistics.median(s["loaded"])),
                     "computed_tokens": int(statistics.median(s["computed"])),
                     "resume_ttft_s": round(resume, 5), "reprefill_ttft_s": round(reprefill, 5),
+                    "resume_ttft_min_s": spread(s["resume"])["min"], "resume_ttft_max_s": spread(s["resume"])["max"],
+                    "reprefill_ttft_min_s": spread(s["reprefill"])["min"],
+                    "reprefill_ttft_max_s": spread(s["reprefill"])["max"],
                     "speedup": round(reprefill / resume, 2),
                     "resume_load_s": round(statistics.median(s["load_s"]), 5),
                     "resume_exposed_load_s": round(statistics.median(s["exposed"]), 5),
@@ -204,8 +209,10 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
         if not disk_path:
             shutil.rmtree(disk_dir, ignore_errors=True)
     return {
-        "model": config.model, "device": str(lm.device), "dtype": config.dtype, "kv_dtype": config.store.kv_dtype,
+        "model": config.model, "random_weights": bool(getattr(lm, "random_weights", False)), "device": str(lm.device),
+        "dtype": config.dtype, "kv_dtype": config.store.kv_dtype,
         "chunk_tokens": config.engine.chunk_tokens, "repeats": repeats, "cold_disk": cold_disk, "results": results,
+        **watch.finish("resume benchmark"),
     }
 
 

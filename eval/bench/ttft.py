@@ -9,6 +9,12 @@ are dropped from the page cache before each blend run (posix_fadvise) so reads a
 real reads where the kernel honours it. `ideal_speedup` is the compute-bound bound:
 the measured per-layer time of the full prefill weighted by the share of rows each
 layer computes in blend.
+
+Hygiene: two untimed full prefills and one untimed blend per (tier, ratio) first; each
+TTFT is reported as the median with min and max over the repeats; the load average at
+start and end is recorded and `contended: true` (plus a warning line) marks a run taken
+while it exceeded the core count. `--model random:<shape>` runs a random-weight model
+(timing only: `random_weights: true` in the JSON).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import shutil
 import statistics
 import tempfile
 import time
@@ -26,7 +33,7 @@ from typing import Any
 import torch
 
 from blend.stats import RequestStats
-from eval.bench.common import drop_page_cache, one_tier_store
+from eval.bench.common import LoadWatch, drop_page_cache, one_tier_store, spread
 from storage.dtypes import dtype_bytes
 
 log = logging.getLogger(__name__)
@@ -52,15 +59,36 @@ def bench_documents(tokenizer, n_chunks: int, chunk_tokens: int) -> list[str]:
 
 
 def layer_times_full(engine, prompt) -> tuple[float, list[float]]:
-    """TTFT of a full prefill and the time spent in each layer (via the runner's hook)."""
+    """TTFT of a full prefill and the time spent in each layer (via the runner's hook).
+
+    On CUDA the layer times come from a second prefill synchronised before every layer;
+    the TTFT is that of a plain one (synchronised at the end only), as a request runs."""
     runner = engine.runner
+    ids = torch.tensor(prompt.token_ids)
+    cuda = runner.device.type == "cuda"
     marks: list[float] = []
-    cache = runner.new_cache(len(prompt))
-    t0 = time.perf_counter()
-    runner.prefill(torch.tensor(prompt.token_ids), cache, before_layer=lambda _layer: marks.append(time.perf_counter()))
-    end = time.perf_counter()
+
+    def mark(_layer: int) -> None:
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        marks.append(time.perf_counter())
+
+    def timed(hook) -> tuple[float, float]:
+        cache = runner.new_cache(len(prompt))
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        t0 = time.perf_counter()
+        runner.prefill(ids, cache, before_layer=hook)
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        return t0, time.perf_counter()
+
+    t0, end = timed(mark if not cuda else None)
+    ttft = end - t0
+    if cuda:
+        _, end = timed(mark)
     marks.append(end)
-    return end - t0, [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    return ttft, [b - a for a, b in zip(marks, marks[1:], strict=False)]
 
 
 def ideal_speedup(layer_s: list[float], rows_per_layer: list[int], n: int) -> float:
@@ -85,29 +113,63 @@ def blend_rows_per_layer(stats: RequestStats, num_layers: int, n: int) -> list[i
     return rows
 
 
-def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
+def bench_config(args: argparse.Namespace):
+    """The engine config of a run: the YAML file with the command line's overrides
+    (chunk tokens; model, dtype, device and kv dtype when given)."""
     from blend.config import load_config
+
+    overrides: dict[str, Any] = {"chunk_tokens": args.chunk_tokens}
+    for name in ("model", "dtype", "device"):
+        if getattr(args, name, None):
+            overrides[name] = getattr(args, name)
+    config = load_config(args.config, **overrides)
+    if getattr(args, "kv_dtype", None):
+        config = config.with_overrides(store=dataclasses.replace(config.store, kv_dtype=args.kv_dtype))
+    return config
+
+
+def run_ttft(args: argparse.Namespace, lm: Any = None) -> dict[str, Any]:
+    """Measure full prefill against blend per (tier, ratio); see the module doc. `lm`: an
+    already loaded model to reuse (it must be the one the config names)."""
     from blend.engine import BlendEngine
     from blend.model import load_model
 
-    config = load_config(args.config, chunk_tokens=args.chunk_tokens)
+    watch = LoadWatch.begin()
+    config = bench_config(args)
     ratios = [float(r) for r in args.ratios.split(",")]
     tiers = [t for t in args.tiers.split(",") if t]
-    lm = load_model(config.model, device=config.device, dtype=config.dtype)
+    if lm is None:
+        lm = load_model(config.model, device=config.device, dtype=config.dtype)
     workdir = Path(tempfile.mkdtemp(prefix="kvblend-bench-"))
+    entry_bytes = lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * args.chunk_tokens
+    budget = max(2 << 30, int(entry_bytes * (args.chunks + 2) * 1.25))  # every chunk fits its tier
     engines: dict[str, Any] = {}
     errors: dict[str, str] = {}
-    for kind in tiers:
-        try:
-            store = one_tier_store(kind, dataclasses.replace(config.store, namespace="bench"),
-                                   scratch=workdir / "disk", redis_url=args.redis_url,
-                                   cluster_urls=[u for u in (args.cluster_urls or "").split(",") if u] or None)
-            engines[kind] = BlendEngine(config.with_overrides(store=store), model=lm)
-        except Exception as err:  # noqa: BLE001 - an unreachable tier becomes an error row, not a crash
-            errors[kind] = f"{type(err).__name__}: {err}"
-            log.warning("tier %s unavailable: %s", kind, err)
-    if not engines:
-        raise ValueError(f"no tier could be opened: {errors}")
+    try:
+        for kind in tiers:
+            try:
+                store = one_tier_store(kind, dataclasses.replace(config.store, namespace="bench"),
+                                       scratch=workdir / "disk", redis_url=args.redis_url, budget=budget,
+                                       cluster_urls=[u for u in (args.cluster_urls or "").split(",") if u] or None)
+                engines[kind] = BlendEngine(config.with_overrides(store=store), model=lm)
+            except Exception as err:  # noqa: BLE001 - an unreachable tier becomes an error row, not a crash
+                errors[kind] = f"{type(err).__name__}: {err}"
+                log.warning("tier %s unavailable: %s", kind, err)
+        if not engines:
+            raise ValueError(f"no tier could be opened: {errors}")
+        summary = _measure(args, config, lm, engines, ratios, workdir)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    for kind, err in errors.items():
+        summary["results"].append({"tier": kind, "error": err})
+    summary.update(watch.finish("ttft benchmark"))
+    return summary
+
+
+def _measure(args: argparse.Namespace, config: Any, lm: Any, engines: dict[str, Any], ratios: list[float],
+             workdir: Path) -> dict[str, Any]:
     first = next(iter(engines.values()))
     docs = bench_documents(lm.tokenizer, args.chunks, args.chunk_tokens)
     prompt = first.build_prompt(QUESTION, docs)
@@ -115,13 +177,18 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
     for engine in engines.values():
         engine.store.clear()
         engine.ingest(docs)
-    # warm-up: one of each path
-    first.generate(QUESTION, docs, mode="full", max_new_tokens=1)
-    for engine in engines.values():
-        engine.generate(QUESTION, docs, mode="blend", recompute_ratio=ratios[0], max_new_tokens=1)
+    # warm-up: every path once (kernels, allocator, pinned pools, the engine's cost model), not timed
+    for _ in range(2):
+        layer_times_full(first, prompt)
+        first.generate(QUESTION, docs, mode="full", max_new_tokens=1)
+    for kind, engine in engines.items():
+        for ratio in ratios:
+            if kind == "disk":
+                drop_page_cache(workdir / "disk")
+            engine.generate(QUESTION, docs, mode="blend", recompute_ratio=ratio, max_new_tokens=1)
     full_ttfts: list[float] = []
     layer_runs: list[list[float]] = []
-    samples: dict[tuple[str, float], list[dict[str, Any]]] = {(k, r): [] for k in engines for r in ratios}
+    samples: dict[tuple[str, float], list[Any]] = {(k, r): [] for k in engines for r in ratios}
     dropped = False
     for _ in range(args.repeats):
         ttft, layer_s = layer_times_full(first, prompt)
@@ -133,36 +200,50 @@ def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
                     dropped = drop_page_cache(workdir / "disk") or dropped
                 result = engine.generate(QUESTION, docs, mode="blend", recompute_ratio=ratio, max_new_tokens=1)
                 samples[(kind, ratio)].append(result.stats)
-    full_ttft = statistics.median(full_ttfts)
+    full = spread(full_ttfts)
+    full_ttft = full["median"]
     layer_s = [statistics.median(col) for col in zip(*layer_runs, strict=True)]
     num_layers = len(layer_s)
     entry_layer_bytes = lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) // num_layers
     results = []
     for (kind, ratio), runs in samples.items():
-        ttft = statistics.median(r.ttft_s for r in runs)
+        ttfts = spread([r.ttft_s for r in runs])
+        ttft = ttfts["median"]
         mid = sorted(runs, key=lambda r: r.ttft_s)[len(runs) // 2]
         loaded = mid.bytes_loaded
         results.append({
-            "tier": kind, "ratio": ratio, "ttft_s": round(ttft, 4), "speedup": round(full_ttft / ttft, 3),
+            "tier": kind, "ratio": ratio, "ttft_s": round(ttft, 4), "ttft_min_s": ttfts["min"],
+            "ttft_max_s": ttfts["max"], "speedup": round(full_ttft / ttft, 3),
             "ideal_speedup": round(ideal_speedup(layer_s, blend_rows_per_layer(mid, num_layers, n), n), 3),
             "exposed_load_s": round(statistics.median(r.exposed_load_s for r in runs), 4),
             "load_s": round(statistics.median(r.load_s for r in runs), 4),
             "bytes_loaded": int(loaded),
             "load_gbps": round(loaded / mid.load_s / 1e9, 3) if mid.load_s > 0 else None,
+            "load_copies": mid.load.copies,
             "recomputed_tokens": mid.recomputed_tokens, "hit_rate": round(mid.documents.hit_rate or 0.0, 3),
+            "split_taken": sum(r.split.taken for r in runs), "split_computed_tokens": mid.split.computed_tokens,
+            "split_reason": mid.split.reason,
         })
-    for kind, err in errors.items():
-        results.append({"tier": kind, "error": err})
-    for engine in engines.values():
-        engine.close()
     return {
-        "full_ttft_s": round(full_ttft, 4), "context_tokens": n, "chunks": args.chunks,
+        "full_ttft_s": round(full_ttft, 4), "full_ttft_min_s": full["min"], "full_ttft_max_s": full["max"],
+        "context_tokens": n, "chunks": args.chunks,
         "chunk_tokens": args.chunk_tokens, "io_block_bytes": entry_layer_bytes * args.chunk_tokens,
         "prefetch_depth": config.engine.prefetch_depth, "queue_depth": config.store.write_queue,
         "kv_dtype": config.store.kv_dtype, "repeats": args.repeats, "page_cache_dropped": dropped,
-        "device": str(lm.device), "torch_threads": torch.get_num_threads(),
+        "model": config.model, "random_weights": bool(getattr(lm, "random_weights", False)),
+        "dtype": str(lm.dtype).removeprefix("torch."), "split": config.engine.split,
+        "device": str(lm.device), "device_name": _device_name(lm.device), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
         "full_layer_ms": [round(t * 1000, 2) for t in layer_s], "results": results,
     }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def write_report(summary: dict[str, Any], out: Path) -> None:

@@ -1,0 +1,245 @@
+"""The load-or-compute split: never slower than full prefill.
+
+Loading cached KV only pays when it arrives faster than the model could compute it.
+From a slow tier (a cold disk, a remote Redis) loading every cached segment can take
+longer than a full prefill. Then a prefix of the prompt is computed with plain prefill
+(exact, nothing loaded) while the KV of the rest loads; the split point is chosen so
+that both finish together. Blend's selective recompute then applies to the loaded part
+only.
+
+The decision uses the live cost models of blend.planner (`PrefillCosts`, `LoadCosts`): seconds per layer as a function
+of the rows it computes, and per tier the time its reads and the placement take. For
+every segment boundary s the prefill is simulated layer by layer (compute of layer l
+starts when layer l-1 is done and layer l's KV is placed) and the s with the smallest
+predicted time wins; a split is taken only when it is predicted to save at least
+`MIN_GAIN` of the unsplit time. The candidates include computing everything (a full
+prefill), so the predicted time never exceeds a full prefill's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from blend.pipeline import Placement
+from blend.planner import LoadCosts, PrefillCosts
+from blend.prompt import Prompt
+from blend.selector import schedule_counts
+from blend.stats import RequestStats, SplitReport
+
+MIN_GAIN = 0.10  # a split must be predicted to save this share of the unsplit time
+SPLIT_MODES = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class Split:
+    """What a request computes and what it loads."""
+
+    computed_tokens: int  # prompt positions [0, computed_tokens) are computed, not loaded
+    loaded: tuple[Placement, ...]  # the placements still loaded
+    report: SplitReport
+
+
+def blend_rows(n: int, fresh: int, query: int, loaded_tokens: int, ratio: float, check_layers: Sequence[int],
+               schedule: Sequence[float], num_layers: int) -> list[int]:
+    """Rows each layer computes in a blend (ratio 0: reuse) of an n-token prompt whose first
+    `fresh` tokens are computed and `loaded_tokens` cached tokens are loaded."""
+    checks = [c for c in check_layers if c < num_layers] if ratio > 0 and loaded_tokens else []
+    if not checks:
+        return [n if not loaded_tokens else fresh + query] * num_layers
+    counts = schedule_counts(ratio, tuple(schedule[: len(checks)]), loaded_tokens)
+    if len(checks) < len(check_layers):
+        counts[-1] = schedule_counts(ratio, (1.0,), loaded_tokens)[0]
+    rows, current = [], n
+    kept = dict(zip(checks, counts, strict=True))
+    for layer in range(num_layers):
+        if layer in kept:
+            current = fresh + query + kept[layer]
+        rows.append(current)
+    return rows
+
+
+def load_from_layer(ratio: float, loaded_tokens: int, check_layers: Sequence[int], schedule: Sequence[float],
+                    num_layers: int) -> int:
+    """The first layer whose cached KV is read (as blend.recompute.plan_recompute fixes it)."""
+    if not loaded_tokens:
+        return num_layers
+    if ratio <= 0:
+        return 0
+    checks = [c for c in check_layers if c < num_layers]
+    if not checks:
+        return 0
+    counts = schedule_counts(ratio, tuple(schedule[: len(checks)]), loaded_tokens)
+    if len(checks) < len(check_layers):
+        counts[-1] = schedule_counts(ratio, (1.0,), loaded_tokens)[0]
+    partial = [c for c, kept in zip(checks, counts, strict=True) if kept < loaded_tokens]
+    return partial[0] if partial else num_layers
+
+
+def simulate(rows: Sequence[int], load_per_layer: float, load_from: int, cost: tuple[float, float],
+             place_in_compute: float = 0.0, start: float = 0.0) -> tuple[float, float, float]:
+    """Predicted (prefill seconds, compute seconds, load seconds) of a layer loop.
+
+    Layer l computes `rows[l]` rows in c0 + c1 x rows seconds, after layer l-1 and after its
+    KV is loaded (layers >= load_from each take `load_per_layer`, back to back from time
+    0); the loop itself starts at `start` (after other compute). `place_in_compute` is
+    per-layer placement work that runs on the compute threads (CPU) rather than beside them.
+    """
+    c0, c1 = cost
+    done, loaded, compute = start, 0.0, 0.0
+    for layer, r in enumerate(rows):
+        t = c0 + c1 * r
+        if layer >= load_from:
+            loaded += load_per_layer
+            t += place_in_compute
+            done = max(done, loaded)
+        done += t
+        compute += t
+    return done, compute, loaded if load_from < len(rows) else 0.0
+
+
+class Splitter:
+    """Chooses the split of each request from the live cost model."""
+
+    def __init__(self, prefill: PrefillCosts, loads: LoadCosts, tier_kinds: dict[str, str], *, mode: str = "auto"):
+        if mode not in SPLIT_MODES:
+            raise ValueError(f"engine.split must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
+        self.prefill, self.loads, self.tier_kinds, self.mode = prefill, loads, dict(tier_kinds), mode
+
+    def _load_per_layer(self, placements: Sequence[Placement], num_layers: int) -> tuple[float, float]:
+        """(seconds per layer of the pipelined load, seconds per layer of placement on the compute threads)."""
+        reads: dict[str, int] = {}
+        total = 0
+        for p in placements:
+            nbytes = p.header.layer_nbytes
+            reads[p.source] = reads.get(p.source, 0) + nbytes
+            total += nbytes
+        read = sum(self.loads.read_seconds(name, self.tier_kinds.get(name, name), b) for name, b in reads.items())
+        place = self.loads.place_seconds(total)
+        if self.loads.pipelined:
+            return max(read, place), 0.0
+        return read, place
+
+    def plan(self, prompt: Prompt, placements: Sequence[Placement], ratio: float, check_layers: Sequence[int],
+             schedule: Sequence[float], num_layers: int) -> Split:
+        """The split of a blend (ratio 0: reuse) of `prompt` whose cached segments are `placements`."""
+        ordered = sorted(placements, key=lambda p: p.start)
+
+        def unsplit(reason: str, **predicted: float | None) -> Split:
+            loaded = sum(p.length for p in ordered)
+            return Split(0, tuple(ordered), SplitReport(False, reason, 0, loaded, **predicted))
+
+        if self.mode == "off":
+            return unsplit("off (engine.split)")
+        if not ordered:
+            return unsplit("nothing to load")
+        cost = self.prefill.layer_cost()
+        if cost is None:
+            return unsplit("no compute estimate yet (the first requests measure it)")
+        n, query = len(prompt), len(prompt) - prompt.query.start
+        # candidates: compute nothing, or every prefix of whole segments (the last one: everything)
+        candidates = [0] + [p.start + p.length for p in ordered if p.start + p.length <= prompt.query.start]
+        results: list[tuple[float, float, float, int]] = []
+        for s in candidates:
+            loaded = [p for p in ordered if p.start >= s]
+            tokens = sum(p.length for p in loaded)
+            fresh = s
+            rows = blend_rows(n, fresh, query, tokens, ratio, check_layers, schedule, num_layers)
+            per_layer, in_compute = self._load_per_layer(loaded, num_layers) if loaded else (0.0, 0.0)
+            start = load_from_layer(ratio, tokens, check_layers, schedule, num_layers)
+            total, compute, load = simulate(rows, per_layer, start, cost, in_compute)
+            results.append((total, compute, load, s))
+        full = simulate([n] * num_layers, 0.0, num_layers, cost)[0]
+        base = results[0]
+        best = min(results, key=lambda r: (r[0], r[3]))
+        predicted = dict(predicted_unsplit_s=base[0], predicted_full_s=full)
+        if best[3] == 0 or best[0] > (1 - MIN_GAIN) * base[0]:
+            why = (f"loads hidden: predicted load {base[2]:.4f} s, compute {base[1]:.4f} s" if base[2] <= base[1]
+                   else f"load-bound but no split saves {MIN_GAIN:.0%}: predicted {base[0]:.4f} s")
+            return unsplit(why, predicted_s=base[0], predicted_load_s=base[2], predicted_compute_s=base[1],
+                           **predicted)
+        total, compute, load, s = best
+        loaded = tuple(p for p in ordered if p.start >= s)
+        tokens = sum(p.length for p in loaded)
+        reason = (f"load-bound: loading everything predicted {base[0]:.4f} s (load {base[2]:.4f} s), full prefill "
+                  f"{full:.4f} s; computing the first {s} tokens while the rest loads: {total:.4f} s")
+        report = SplitReport(True, reason, s, tokens, predicted_s=total, predicted_load_s=load,
+                             predicted_compute_s=compute, **predicted)
+        return Split(s, loaded, report)
+
+    def plan_prefix(self, n: int, chain: Sequence[Placement], num_layers: int) -> Split:
+        """The split of a prefix-mode prefill of n tokens whose exact cached prefix is `chain`:
+        the first blocks may be computed (a plain prefill, before the tail) instead of loaded;
+        computing the whole chain means one full prefill."""
+        ordered = sorted(chain, key=lambda p: p.start)
+        end = max((p.start + p.length for p in ordered), default=0)
+
+        def unsplit(reason: str, **predicted: float | None) -> Split:
+            return Split(0, tuple(ordered), SplitReport(False, reason, 0, end, **predicted))
+
+        if self.mode == "off":
+            return unsplit("off (engine.split)")
+        if not ordered:
+            return unsplit("nothing to load")
+        cost = self.prefill.layer_cost()
+        if cost is None:
+            return unsplit("no compute estimate yet (the first requests measure it)")
+        full = simulate([n] * num_layers, 0.0, num_layers, cost)[0]
+        results: list[tuple[float, float, float, int]] = [(full, full, 0.0, end)]  # everything in one prefill
+        for s in [0] + [p.start + p.length for p in ordered if p.start + p.length < end]:
+            loaded = [p for p in ordered if p.start >= s]
+            first = simulate([s] * num_layers, 0.0, num_layers, cost)[0] if s else 0.0
+            per_layer, in_compute = self._load_per_layer(loaded, num_layers) if loaded else (0.0, 0.0)
+            tail = [n - end] * num_layers
+            total, compute, load = simulate(tail, per_layer, 0 if loaded else num_layers, cost, in_compute, first)
+            results.append((total, compute + first, load, s))
+        base, best = results[1], min(results, key=lambda r: (r[0], r[3]))
+        predicted = dict(predicted_unsplit_s=base[0], predicted_full_s=full)
+        if best[3] == 0 or best[0] > (1 - MIN_GAIN) * base[0]:
+            return unsplit("loads hidden or no split saves enough", predicted_s=base[0], predicted_load_s=base[2],
+                           predicted_compute_s=base[1], **predicted)
+        total, compute, load, s = best
+        loaded = tuple(p for p in ordered if p.start >= s)
+        reason = (f"load-bound: loading the prefix predicted {base[0]:.4f} s (load {base[2]:.4f} s), full prefill "
+                  f"{full:.4f} s; computing its first {s} tokens while the rest loads: {total:.4f} s")
+        return Split(s, loaded, SplitReport(True, reason, s, end - s, predicted_s=total, predicted_load_s=load,
+                                            predicted_compute_s=compute, **predicted))
+
+    # ---------------------------------------------------------- observations
+    def observe(self, stats: RequestStats, num_layers: int) -> None:
+        """Feed one finished request (its prefill timed to the logits) into the cost model.
+
+        Requests that computed chunk misses are skipped for compute (their prefill time
+        includes that work); every request with loads updates the load estimates."""
+        rows = rows_per_layer(stats, num_layers)
+        misses = stats.documents.misses + stats.system.misses + stats.prefix_blocks.misses
+        load = stats.load
+        if rows is not None and not (stats.mode in ("blend", "reuse") and misses):
+            self.prefill.observe(rows, stats.compute_s)
+        if load.bytes_by_tier:
+            self.loads.observe(dict(load.bytes_by_tier), dict(load.read_s_by_tier), load.place_s)
+
+
+def rows_per_layer(stats: RequestStats, num_layers: int) -> list[int] | None:
+    """Rows each layer computed in a finished request, from its stats (None when unknown)."""
+    n = stats.context_tokens + stats.query_tokens
+    if stats.mode == "full":
+        return [n] * num_layers
+    if stats.mode == "prefix":
+        computed = n - stats.loaded_tokens
+        return [computed] * num_layers if computed > 0 else None
+    if stats.mode not in ("blend", "reuse"):
+        return None
+    fresh = stats.split.computed_tokens
+    query = stats.query_tokens
+    sel = stats.selection
+    if not sel.check_layers:
+        loaded = stats.context_tokens - fresh
+        return [n if not loaded else fresh + query] * num_layers
+    kept = dict(zip(sel.check_layers, sel.selected_per_layer, strict=False))
+    rows, current = [], n
+    for layer in range(num_layers):
+        if layer in kept:
+            current = fresh + query + kept[layer]
+        rows.append(current)
+    return rows

@@ -1,0 +1,194 @@
+"""The load-or-compute split: a tier slowed on purpose makes the engine compute a prefix
+while the rest loads; results equal the unsplit path's; the plan never predicts more
+than a full prefill; the cost model's fit."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from blend.config import EngineConfig
+from blend.engine import BlendEngine
+from blend.planner import LoadCosts, PrefillCosts
+from blend.split import blend_rows, load_from_layer, simulate
+from storage.config import CpuTierConfig
+from storage.entry import EntryHeader, KVEntry
+from storage.memory import CpuTier
+from storage.stack import TieredStore
+from tests.models import smollm2_tokenizer, tiny_model
+
+DOCS = [f"Passage {i}: the harbour of Vell Corran shipped {i * 7} tons of slate to Ostend in the year "
+        f"{1800 + i}, and the lighthouse keeper wrote it down in a blue ledger. " * 2 for i in range(6)]
+QUESTION = "How many tons did the harbour ship?"
+
+
+class SlowTier:
+    """A tier whose reads take nbytes / bytes_per_s longer (a test wrapper: a slow disk)."""
+
+    def __init__(self, inner: Any, bytes_per_s: float = float("inf")):
+        self.inner, self.bytes_per_s = inner, bytes_per_s
+        self.name, self.config = inner.name, inner.config
+
+    def _delay(self, nbytes: int) -> None:
+        if self.bytes_per_s != float("inf"):
+            time.sleep(nbytes / self.bytes_per_s)
+
+    def get_layer(self, key: str, layer: int, header: EntryHeader | None = None):
+        got = self.inner.get_layer(key, layer, header)
+        if got is not None:
+            self._delay(got[0].nbytes * 2)
+        return got
+
+    def get_layers(self, key: str, layers: Sequence[int], header: EntryHeader | None = None):
+        return [self.get_layer(key, i, header) for i in layers]
+
+    def read_layer_into(self, key: str, layer: int, header: EntryHeader | None, out: torch.Tensor) -> bool:
+        ok = self.inner.read_layer_into(key, layer, header, out)
+        if ok:
+            self._delay(out.numel())
+        return ok
+
+    def __getattr__(self, name: str) -> Any:  # contains, get_header, put, delete, keys, clear, close, stats
+        return getattr(self.inner, name)
+
+
+def make_engine(slow: SlowTier, split: str) -> BlendEngine:
+    lm = _model()
+    cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [{"kind": "cpu", "budget": "64MiB"}]},
+                                        chunk_tokens=48, split=split)
+    return BlendEngine(cfg, model=lm, store=TieredStore([slow], kv_dtype="float32"))
+
+
+_MODEL: list[Any] = []
+
+
+def _model():
+    if not _MODEL:
+        _MODEL.append(tiny_model("llama", tokenizer=smollm2_tokenizer(), hidden_size=128, intermediate_size=256))
+    return _MODEL[0]
+
+
+def store_exact_entries(engine: BlendEngine) -> None:
+    """Store every cached segment's KV as computed in its place in the prompt, keys rotated back
+    to position 0 as chunk entries are (loading it then equals computing it, to rounding), so
+    that any split and any selection give the full prefill's answer."""
+    prompt = engine.build_prompt(QUESTION, DOCS)
+    ids = prompt.token_ids
+    maker, runner = engine.chunks.maker, engine.runner
+    for seg in prompt.segments:
+        if seg.kind == "query":
+            continue
+        key, pos_start, _ = engine.chunks.key(seg, prompt)
+        exact = maker.compute(seg.token_ids, ids[: seg.start])
+        layers = [(runner.rerotate(k, pos_start - seg.start), v) for k, v in exact.layers]
+        entry = KVEntry.from_tensors(layers, fingerprint=maker.fingerprint, token_ids=seg.token_ids,
+                                     pos_start=pos_start, kv_dtype=maker.kv_dtype)
+        engine.store.put(key, entry, sync=True)
+
+
+@pytest.fixture
+def one_thread():
+    """One compute thread: on a busy 2-core machine spinning thread pools make timings erratic."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def proportional_compute(engine: BlendEngine, full_s: float, n: int) -> None:
+    """Pin the engine's compute estimate to the measured full prefill, proportional to rows (a
+    tiny model's per-layer overhead is noise on a busy machine; the plan is then deterministic)."""
+    per_row = full_s / (engine.runner.num_layers * n)
+    engine.splitter.prefill.layer_cost = lambda: (0.0, per_row)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.3])
+def test_slow_tier_takes_the_split_and_answers_like_the_unsplit_path(ratio, one_thread):
+    slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
+    with make_engine(slow, "auto") as engine, make_engine(slow, "off") as unsplit_engine:
+        store_exact_entries(engine)
+        for _ in range(2):  # warm-up
+            full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=4)
+        proportional_compute(engine, full.ttft_s, full.stats.context_tokens + full.stats.query_tokens)
+        nbytes = engine.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=1).stats.bytes_loaded
+        slow.bytes_per_s = nbytes / (2 * full.ttft_s)  # loading everything: ~2x a full prefill
+        unsplit = unsplit_engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=ratio, max_new_tokens=4)
+        assert not unsplit.stats.split.taken and unsplit.stats.split.reason.startswith("off")
+        engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=ratio, max_new_tokens=1)  # measures the slow reads
+        split = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=ratio, max_new_tokens=4)
+    report = split.stats.split
+    assert report.taken and 0 < report.computed_tokens < split.stats.context_tokens, report
+    assert report.loaded_tokens == split.stats.loaded_tokens > 0
+    assert split.stats.recomputed_tokens >= report.computed_tokens
+    # the plan: loading everything predicted slower than a full prefill, the split within 10% of one
+    assert report.predicted_unsplit_s > report.predicted_full_s
+    assert report.predicted_s <= 1.1 * report.predicted_full_s
+    assert split.stats.to_dict()["split"]["taken"] is True
+    # same answer as the unsplit path (and as full prefill: the stored entries are exact)
+    assert split.token_ids == unsplit.token_ids == full.token_ids
+    assert (split.first_token_logprobs - unsplit.first_token_logprobs).abs().max() < 1e-4
+    assert (split.first_token_logprobs - full.first_token_logprobs).abs().max() < 1e-4
+
+
+def test_prefix_mode_computes_the_first_blocks_while_the_rest_loads(one_thread):
+    slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
+    with make_engine(slow, "auto") as engine, make_engine(slow, "off") as unsplit_engine:
+        for _ in range(2):
+            full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=4)
+        proportional_compute(engine, full.ttft_s, full.stats.context_tokens + full.stats.query_tokens)
+        first = engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=1)  # stores the prefix blocks
+        engine.store.flush()
+        nbytes = unsplit_engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=1).stats.bytes_loaded
+        slow.bytes_per_s = nbytes / (2 * full.ttft_s)  # loading the blocks: ~2x a full prefill
+        unsplit = unsplit_engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=4)
+        engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=1)  # measures the slow reads
+        split = engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=4)
+    assert first.stats.stored_blocks > 0 and unsplit.stats.loaded_tokens > 0
+    report = split.stats.split
+    assert report.taken and report.computed_tokens > 0 and report.computed_tokens % 48 == 0, report
+    assert 0 < split.stats.loaded_tokens == unsplit.stats.loaded_tokens - report.computed_tokens
+    assert report.predicted_s <= 1.1 * report.predicted_full_s < report.predicted_unsplit_s
+    # prefix blocks are exact: computing them or loading them gives the same answer
+    assert split.token_ids == unsplit.token_ids == full.token_ids
+    assert (split.first_token_logprobs - unsplit.first_token_logprobs).abs().max() < 1e-4
+
+
+def test_fast_tier_keeps_loading_everything(one_thread):
+    slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
+    with make_engine(slow, "auto") as engine:
+        engine.ingest(DOCS)
+        engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=1)
+        engine.generate(QUESTION, DOCS, mode="blend", max_new_tokens=1)
+        result = engine.generate(QUESTION, DOCS, mode="blend", max_new_tokens=1)
+    report = result.stats.split
+    assert not report.taken and report.computed_tokens == 0 and report.reason
+    assert result.stats.loaded_tokens == result.stats.context_tokens
+
+
+def test_cost_model_fit_and_plan_arithmetic():
+    prefill = PrefillCosts()
+    assert prefill.layer_cost() is None
+    for rows in (100, 400, 1000):  # 1 ms per layer + 10 us per row
+        prefill.observe([rows] * 4, 4 * (1e-3 + 1e-5 * rows))
+    c0, c1 = prefill.layer_cost()
+    assert c0 == pytest.approx(1e-3, rel=1e-6) and c1 == pytest.approx(1e-5, rel=1e-6)
+    loads = LoadCosts("cpu")
+    loads.observe({"disk": 4 << 20}, {"disk": 0.004}, 0.001)
+    assert loads.read_seconds("disk", "disk", 1 << 20) == pytest.approx(0.001)
+    loads.observe({"disk": 4 << 20}, {"disk": 0.4}, 0.001)  # the tier turned slow: believed at once
+    assert loads.read_seconds("disk", "disk", 1 << 20) > 0.04
+    assert loads.read_seconds("redis", "redis", 10**9) == pytest.approx(1.0)  # the prior
+    # rows: all rows before the check layer, then fresh + query + kept
+    assert blend_rows(100, 20, 10, 70, 0.1, (1,), (1.0,), 4) == [100, 37, 37, 37]
+    assert blend_rows(100, 20, 10, 70, 0.0, (1,), (1.0,), 4) == [30] * 4
+    assert blend_rows(100, 90, 10, 0, 0.1, (1,), (1.0,), 4) == [100] * 4
+    assert load_from_layer(0.1, 70, (1,), (1.0,), 4) == 1 and load_from_layer(0.0, 70, (1,), (1.0,), 4) == 0
+    assert load_from_layer(1.0, 70, (1,), (1.0,), 4) == 4 and load_from_layer(0.1, 0, (1,), (1.0,), 4) == 4
+    # compute 1 s per layer, load 2 s per layer from layer 0: compute waits for every load
+    total, compute, load = simulate([1, 1, 1], 2.0, 0, (0.0, 1.0))
+    assert (total, compute, load) == (7.0, 3.0, 6.0)
+    assert simulate([1, 1, 1], 2.0, 3, (0.0, 1.0)) == (3.0, 3.0, 0.0)
