@@ -174,8 +174,9 @@ class BlendEngine:
                         max_new_tokens: int | None = None, temperature: float | None = None,
                         top_p: float | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
                         selection: str | None = None) -> Iterator[TextDelta | GenerationResult]:
-        """`generate` streamed: yields `TextDelta`s (new text, final) and ends with the
-        `GenerationResult` (the same tokens and text as `generate`).
+        """`generate` streamed: yields a `TextDelta` per generated token (new final text,
+        possibly "") and ends with the `GenerationResult` (the same tokens and text as
+        `generate`; the deltas concatenate to its text).
 
         Arguments are checked now (TypeError/ValueError); the prefill runs at the first
         `next()`. Closing the iterator early stops decoding.

@@ -47,7 +47,8 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class TextDelta:
-    """New text of a streamed generation (final: never revised by a later delta)."""
+    """New text of a streamed generation (final: never revised by a later delta; may be
+    "" while text is held back)."""
 
     text: str
     tokens: int  # tokens generated so far
@@ -146,8 +147,9 @@ class Decoder:
 
     def stream(self, pre: Prefilled, ttft: float, t0: float, max_new_tokens: int, sampling: SamplingParams,
                stop: Sequence[str] = (), answer: str | None = None) -> Iterator[TextDelta | GenerationResult]:
-        """Decode up to `max_new_tokens` from `pre`: yields TextDelta as text becomes final,
-        then the GenerationResult (the last item).
+        """Decode up to `max_new_tokens` from `pre`: yields one TextDelta per generated
+        token but an end-of-sequence one (its text may be "": held back), one more for the
+        held-back rest at the end if any, then the GenerationResult (the last item).
 
         Appends to `pre.cache`. Closing the iterator early stops decoding (no result).
         With `answer`, stats.answer_nll is that text's mean NLL teacher-forced after the
@@ -167,9 +169,7 @@ class Decoder:
             if token in self.eos_ids:
                 finish_reason = "stop"
                 break
-            delta = text.push(token)
-            if delta:
-                yield TextDelta(delta, len(tokens))
+            yield TextDelta(text.push(token), len(tokens))
             if text.stopped:
                 finish_reason = "stop"
                 break

@@ -1,7 +1,7 @@
 """The `kvblend` command line: the command root, the only place that imports across the
 storage -> blend -> eval layers.
 
-Subcommands: ask, ingest, chat, demo, eval, store, plan, bench {load, ttft, resume}.
+Subcommands: ask, ingest, chat, demo, eval, store, plan, serve, bench {load, ttft, resume, serve}.
 Commands with --json print one JSON object as the last line of stdout. Bad input is one
 line on stderr and exit code 2. Building the parser imports no torch.
 """
@@ -14,7 +14,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from blend.cli import bench, demo, eval, plan, requests, store
+    from blend.cli import bench, demo, eval, plan, requests, serve, store
 
     parser = argparse.ArgumentParser(prog="kvblend", description="Reuse precomputed document KV caches for fast RAG.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.register(subparsers)
     plan.register(subparsers)
     bench.register(subparsers)
+    serve.register(subparsers)
     return parser
 
 

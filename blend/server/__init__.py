@@ -1,0 +1,30 @@
+"""`kvblend serve`: an OpenAI-compatible HTTP server over one BlendEngine.
+
+  app.py      the FastAPI application (endpoints, errors, streaming)
+  schemas.py  request bodies (pydantic) and response bodies (OpenAI's shapes)
+  worker.py   the engine's worker thread and bounded queue (the concurrency contract)
+  metrics.py  Prometheus metrics
+
+`serve(engine, settings, host, port)` runs it with uvicorn until SIGINT/SIGTERM, letting
+in-flight requests finish.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from blend.engine import BlendEngine
+    from blend.server.app import ServerSettings
+
+
+def serve(engine: BlendEngine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "warning") -> None:
+    """Serve `engine` over HTTP until interrupted; closes the engine at the end."""
+    import uvicorn
+
+    from blend.server.app import create_app
+
+    config = uvicorn.Config(create_app(engine, settings), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=settings.request_timeout_s, access_log=False)
+    uvicorn.Server(config).run()
