@@ -48,7 +48,7 @@ from blend.generation import Decoder, GenerationResult, Prefilled, TextDelta
 from blend.model import LoadedModel, load_model
 from blend.pipeline import LayerLoader
 from blend.prefix import EntryMaker, PrefixCache
-from blend.prompt import Prompt, PromptBuilder
+from blend.prompt import Prompt, PromptBuilder, Segment
 from blend.recompute import plan_recompute, run_layers
 from blend.request import GenerationRequest
 from blend.runner import Runner, SamplingParams
@@ -56,6 +56,7 @@ from blend.selector import check_policy
 from blend.session import RagTurn, SessionManager
 from blend.stats import LookupTally, RequestStats, tally_fields
 from storage.dtypes import dtype_bytes
+from storage.keys import tokens_digest
 from storage.stack import TieredStore
 
 log = logging.getLogger(__name__)
@@ -232,9 +233,7 @@ class BlendEngine:
             keys[seg.doc_index].append(self.chunks.key(seg, prompt)[0])
         return keys
 
-    def _stored(self, seg, prompt: Prompt) -> bool:
-        from storage.keys import tokens_digest
-
+    def _stored(self, seg: Segment, prompt: Prompt) -> bool:
         key = self.chunks.key(seg, prompt)[0]
         return self.store.lookup(key, tokens_digest=tokens_digest(seg.token_ids), fingerprint=self.fingerprint) is not None
 

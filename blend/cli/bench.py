@@ -1,4 +1,4 @@
-"""`kvblend bench load | ttft | resume`: argument parsing and printing; the measurements
+"""`kvblend bench load | ttft | resume | serve`: argument parsing and printing; the measurements
 live in eval/bench."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from blend.cli import serve
 from blend.cli.common import config_arg, csv_list, emit_json, json_arg
 from storage.config import TIER_CONFIGS
 from storage.dtypes import DTYPE_NAMES
@@ -139,3 +140,4 @@ def register(subparsers: Any) -> None:
     _register_load(sub)
     _register_ttft(sub)
     _register_resume(sub)
+    serve.register_bench(sub)

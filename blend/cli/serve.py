@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 from typing import Any
 
-from blend.cli.common import arg_type, config_arg, positive_int
+from blend.cli.common import arg_type, config_arg, csv_list, emit_json, json_arg, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +62,46 @@ def register(subparsers: Any) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the config's model)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
     p.set_defaults(func=cmd_serve)
+
+
+# ------------------------------------------------------------ bench serve
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from eval.bench.serve import run_serve_bench, write_report
+
+    clients = [positive_int(c) for c in csv_list(args.clients, "--clients")]
+    if args.ratio is not None and not 0.0 <= args.ratio <= 1.0:
+        raise ValueError(f"--ratio must be within [0, 1], got {args.ratio}")
+    say = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
+    summary = run_serve_bench(args.config, clients=clients, requests=args.requests, pool_size=args.pool,
+                              docs_per_request=args.docs_per_request, max_tokens=args.max_tokens,
+                              doc_chars=args.doc_chars, mode=args.mode, ratio=args.ratio, url=args.url,
+                              compare=not args.no_compare, log=say)
+    if args.out:
+        write_report(summary, Path(args.out))
+        say(f"wrote {Path(args.out) / 'serve.json'} and serve.png")
+    emit_json(summary)
+    return 0
+
+
+def register_bench(sub: Any) -> None:
+    """`kvblend bench serve` (registered by blend.cli.bench)."""
+    from blend.config import MODES
+
+    p = sub.add_parser("serve", help="RAG requests through the HTTP server at 1, 4, 16 concurrent clients",
+                       description="Start `kvblend serve` (or use --url), ingest a pool of sample documents, send "
+                       "streamed RAG chat requests from N concurrent clients; report requests/s, TTFT p50/p99, "
+                       "tokens/s, hit rate, and at 1 client the in-process API's TTFT for comparison.")
+    config_arg(p)
+    p.add_argument("--clients", default="1,4,16", help="comma-separated numbers of concurrent clients")
+    p.add_argument("--requests", type=arg_type(positive_int), default=16, help="requests per level (default 16)")
+    p.add_argument("--pool", type=arg_type(positive_int), default=None, help="documents in the pool (default: all samples)")
+    p.add_argument("--docs-per-request", type=arg_type(positive_int), default=3)
+    p.add_argument("--doc-chars", type=arg_type(positive_int), default=None, help="cut each document to this many characters")
+    p.add_argument("--max-tokens", type=arg_type(positive_int), default=16)
+    p.add_argument("--mode", default="blend", choices=MODES)
+    p.add_argument("--ratio", type=float, default=None, help="recompute ratio (default: the config's)")
+    p.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
+    p.add_argument("--no-compare", action="store_true", help="skip the in-process TTFT comparison at 1 client")
+    json_arg(p, "print only the JSON result line")
+    p.add_argument("--out", default=None, help="directory for serve.json and serve.png")
+    p.set_defaults(func=cmd_bench_serve)

@@ -222,15 +222,16 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
     async def _stream(job: Job, endpoint: str, mode: str, rid: str, body: schemas._Generation, request: Request,
                       accepted: float) -> Response:
         """Wait for the first event (errors before it are plain HTTP errors), then stream SSE."""
-        first = None
+        first, client_gone = None, False
         try:
             async with _watch_disconnect(request, job):
                 first = await _next_event(job, job.deadline)
         finally:
             if first is None:
+                client_gone = job.cancelled
                 job.cancel()
         if first is None:
-            metrics().request(endpoint, mode, 504 if not job.cancelled else 499)
+            metrics().request(endpoint, mode, 499 if client_gone else 504)
             raise ApiError(504, f"the request took longer than {settings.request_timeout_s:g} s", "timeout")
         if isinstance(first, Finished) and first.error is not None:
             status = 400 if isinstance(first.error, ValueError | TypeError) else 500
