@@ -293,7 +293,7 @@ def run_serve_bench(config: str, *, clients: list[int], requests: int, pool_size
     return {"config": config, "url": None if server else base, "mode": mode, "recompute_ratio": ratio,
             "pool": len(pool), "docs_per_request": docs_per_request, "doc_chars": doc_chars,
             "requests_per_level": requests, "max_tokens": max_tokens, "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "levels": levels, "in_process": comparison}
+            "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "levels": levels, "in_process": comparison}
 
 
 def write_report(summary: dict[str, Any], out: Path) -> None:
