@@ -418,3 +418,21 @@ def test_timeout_and_graceful_shutdown(setup):
             httpx.get(server.url + "/health", timeout=5)
     finally:
         server.stop()
+
+
+def test_bench_serve_against_the_running_server(server, setup, tmp_path):
+    from eval.bench.serve import compare_ttft, run_serve_bench, write_report
+
+    _, config = setup
+    summary = run_serve_bench(str(config), clients=[1, 3], requests=3, pool_size=4, docs_per_request=2,
+                              max_tokens=3, doc_chars=200, mode="blend", ratio=0.3, url=server.url, compare=False,
+                              log=lambda _: None)
+    assert [lv["clients"] for lv in summary["levels"]] == [1, 3]
+    for level in summary["levels"]:
+        assert level["ok"] == 3 and level["lost"] == 0 and level["hit_rate"] == 1.0
+        assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"] and level["requests_per_s"] > 0
+    write_report(summary, tmp_path)
+    assert json.loads((tmp_path / "serve.json").read_text())["levels"] and (tmp_path / "serve.png").stat().st_size
+    verdict = compare_ttft(1.0, [0.9, 1.0, 2.0])
+    assert verdict["target_s"] == round(1.05 * 1.0 + 0.02, 4) and verdict["within_target"]
+    assert not compare_ttft(1.2, [1.0])["within_target"]

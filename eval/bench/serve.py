@@ -147,9 +147,10 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def send(http: httpx.Client, url: str, req: BenchRequest, max_tokens: int, kvblend: dict[str, Any]) -> Sample:
+def send(http: httpx.Client, url: str, req: BenchRequest, max_tokens: int, kvblend: dict[str, Any],
+         model: str | None = None) -> Sample:
     """One streamed chat completion; the client's timings and the server's stats."""
-    body = {"model": "bench", "messages": [{"role": "user", "content": req.question}], "stream": True,
+    body = {"model": model, "messages": [{"role": "user", "content": req.question}], "stream": True,
             "max_tokens": max_tokens, "documents": list(req.documents), "kvblend": kvblend}
     t0 = time.perf_counter()
     ttft = None
@@ -181,7 +182,7 @@ def send(http: httpx.Client, url: str, req: BenchRequest, max_tokens: int, kvble
 
 
 def run_level(url: str, clients: int, requests: list[BenchRequest], max_tokens: int, kvblend: dict[str, Any],
-              after_each: Callable[[int, BenchRequest], None] | None = None) -> Level:
+              after_each: Callable[[int, BenchRequest], None] | None = None, model: str | None = None) -> Level:
     """`clients` threads share `requests` (each sends its next one when the previous is answered)."""
     level = Level(clients)
     lock = threading.Lock()
@@ -194,7 +195,7 @@ def run_level(url: str, clients: int, requests: list[BenchRequest], max_tokens: 
                     if not queue:
                         return
                     i, req = queue.pop(0)
-                sample = send(http, url, req, max_tokens, kvblend)
+                sample = send(http, url, req, max_tokens, kvblend, model)
                 with lock:
                     level.samples.append(sample)
                 if after_each is not None:
@@ -244,15 +245,16 @@ def run_serve_bench(config: str, *, clients: list[int], requests: int, pool_size
     workdir = Path(tempfile.mkdtemp(prefix="kvblend-bench-serve-"))
     server = None if url else ServerProcess(config, queue_size=max(clients) * 2, log_path=workdir / "server.log")
     base = url or server.url
-    engine = None
+    engine, model = None, None
     try:
         with httpx.Client(timeout=600) as http:
+            model = http.get(base + "/v1/models").json()["data"][0]["id"]
             ingested = http.post(base + "/v1/documents", json={"documents": pool})
             ingested.raise_for_status()
             cached = sum(d["cached"] for d in ingested.json()["data"])
             log(f"pool: {len(pool)} documents ingested ({cached} already cached); server {base}")
             for req in reqs[:2]:  # warm the request path (the server warmed its engine at start)
-                send(http, base, req, max_tokens, kvblend)
+                send(http, base, req, max_tokens, kvblend, model)
         comparison = None
         if compare and 1 in clients:
             from blend.document import Document
@@ -270,7 +272,7 @@ def run_serve_bench(config: str, *, clients: list[int], requests: int, pool_size
             if n == 1 and engine is not None:
                 def after(_i: int, req: BenchRequest) -> None:
                     local.append(in_process_ttft(engine, req, max_tokens, kvblend))
-            level = run_level(base, n, reqs, max_tokens, kvblend, after_each=after)
+            level = run_level(base, n, reqs, max_tokens, kvblend, after_each=after, model=model)
             if after is not None:  # the in-process runs took turns with the HTTP ones: not in the wall time
                 level.wall_s = sum(s.e2e_s for s in level.samples)
             summary = level.summary()
@@ -290,7 +292,7 @@ def run_serve_bench(config: str, *, clients: list[int], requests: int, pool_size
             server.close()
     import torch
 
-    return {"config": config, "url": None if server else base, "mode": mode, "recompute_ratio": ratio,
+    return {"config": config, "url": None if server else base, "model": model, "mode": mode, "recompute_ratio": ratio,
             "pool": len(pool), "docs_per_request": docs_per_request, "doc_chars": doc_chars,
             "requests_per_level": requests, "max_tokens": max_tokens, "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "levels": levels, "in_process": comparison}
@@ -314,15 +316,19 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
         left.axhline(summary["in_process"]["in_process_ttft_p50_s"], color="black", linestyle=":",
                      label="in-process p50 (1 client)")
     left.set_xscale("log", base=2)
+    left.set_ylim(bottom=0)
     left.set_xlabel("concurrent clients")
     left.set_ylabel("seconds")
     left.set_title("time to first token (client)")
     left.legend()
     right.plot(xs, [lv["requests_per_s"] for lv in levels], marker="o", color="tab:green")
     right.set_xscale("log", base=2)
+    right.set_ylim(bottom=0)
     right.set_xlabel("concurrent clients")
     right.set_ylabel("requests / s")
     right.set_title(f"throughput ({summary['mode']}, batch size 1)")
+    for ax in (left, right):
+        ax.set_xticks(xs, [str(x) for x in xs])
     fig.tight_layout()
     fig.savefig(out / "serve.png", dpi=120)
     plt.close(fig)
