@@ -243,16 +243,22 @@ BAD_GENERATE = [
 ]
 
 
-@pytest.mark.parametrize("kwargs,error,match", BAD_GENERATE)
-def test_bad_arguments_are_clean_errors(lm, kwargs, error, match):
+@pytest.fixture(scope="module")
+def idle_engine(lm):
+    """An engine that only ever receives bad requests: its store stays empty."""
     with make_engine(lm) as engine:
-        kwargs = {"documents": DOCS} | kwargs
-        documents = kwargs.pop("documents")
-        with pytest.raises(error, match=match):
-            engine.generate(QUESTION, documents, **kwargs)
-        with pytest.raises(error, match=match):
-            engine.generate_stream(QUESTION, documents, **kwargs)  # checked at the call, before any work
-        assert list(engine.store.keys()) == []  # nothing was computed
+        yield engine
+
+
+@pytest.mark.parametrize("kwargs,error,match", BAD_GENERATE)
+def test_bad_arguments_are_clean_errors(idle_engine, kwargs, error, match):
+    kwargs = {"documents": DOCS} | kwargs
+    documents = kwargs.pop("documents")
+    with pytest.raises(error, match=match):
+        idle_engine.generate(QUESTION, documents, **kwargs)
+    with pytest.raises(error, match=match):
+        idle_engine.generate_stream(QUESTION, documents, **kwargs)  # checked at the call, before any work
+    assert list(idle_engine.store.keys()) == []  # nothing was computed
 
 
 def test_bad_queries_ingests_and_messages(lm, tmp_path):
