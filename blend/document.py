@@ -60,7 +60,7 @@ class IngestedDocument:
 
     id: str  # the document's id, or its content digest (`document_id`)
     keys: tuple[str, ...]  # the store keys of its chunks, in order
-    cached: bool  # every chunk was already in the store (nothing was computed)
+    cached: bool  # every chunk already had an entry in some tier before the ingest
 
     def to_dict(self) -> dict[str, object]:
         return {"id": self.id, "keys": list(self.keys), "cached": self.cached}

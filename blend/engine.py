@@ -56,7 +56,6 @@ from blend.selector import check_policy
 from blend.session import RagTurn, SessionManager
 from blend.stats import LookupTally, RequestStats, tally_fields
 from storage.dtypes import dtype_bytes
-from storage.keys import tokens_digest
 from storage.stack import TieredStore
 
 log = logging.getLogger(__name__)
@@ -102,7 +101,8 @@ class BlendEngine:
     # --------------------------------------------------------------- requests
     def ingest(self, documents: Sequence[Document | str], *, sync: bool = True) -> list[IngestedDocument]:
         """Precompute each document's chunks and store them; returns per document its id,
-        chunk keys and whether it was already cached (nothing computed).
+        chunk keys and whether it was already cached (every chunk had an entry in some tier
+        before this call).
 
         Idempotent: chunks already in the store are not recomputed. With sync=True the
         writes have reached every tier when this returns. An empty document is skipped
@@ -234,8 +234,9 @@ class BlendEngine:
         return keys
 
     def _stored(self, seg: Segment, prompt: Prompt) -> bool:
-        key = self.chunks.key(seg, prompt)[0]
-        return self.store.lookup(key, tokens_digest=tokens_digest(seg.token_ids), fingerprint=self.fingerprint) is not None
+        """Some tier holds an entry under the segment's key (not read or verified here: an
+        entry that turns out corrupt is recomputed by the ingest all the same)."""
+        return self.store.contains(self.chunks.key(seg, prompt)[0]) is not None
 
     def warmup(self) -> float:
         """Run one short request through prefill and decoding so that the first real

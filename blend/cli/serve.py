@@ -83,8 +83,10 @@ def register(subparsers: Any) -> None:
 # ------------------------------------------------------------ bench serve
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     passive_openmp()  # the same OpenMP policy for the server process and the in-process engine
+    from blend.config import check_mode
     from eval.bench.serve import run_serve_bench, write_report
 
+    check_mode(args.mode)
     clients = [positive_int(c) for c in csv_list(args.clients, "--clients")]
     if args.ratio is not None and not 0.0 <= args.ratio <= 1.0:
         raise ValueError(f"--ratio must be within [0, 1], got {args.ratio}")
@@ -102,8 +104,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def register_bench(sub: Any) -> None:
     """`kvblend bench serve` (registered by blend.cli.bench)."""
-    from blend.config import MODES
-
     p = sub.add_parser("serve", help="RAG requests through the HTTP server at 1, 4, 16 concurrent clients",
                        description="Start `kvblend serve` (or use --url), ingest a pool of sample documents, send "
                        "streamed RAG chat requests from N concurrent clients; report requests/s, TTFT p50/p99, "
@@ -115,7 +115,7 @@ def register_bench(sub: Any) -> None:
     p.add_argument("--docs-per-request", type=arg_type(positive_int), default=3)
     p.add_argument("--doc-chars", type=arg_type(positive_int), default=None, help="cut each document to this many characters")
     p.add_argument("--max-tokens", type=arg_type(positive_int), default=16)
-    p.add_argument("--mode", default="blend", choices=MODES)
+    p.add_argument("--mode", default="blend", help="full | reuse | prefix | blend (default blend)")
     p.add_argument("--ratio", type=float, default=None, help="recompute ratio (default: the config's)")
     p.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
     p.add_argument("--no-compare", action="store_true", help="skip the in-process TTFT comparison at 1 client")
