@@ -12,31 +12,49 @@ Path of one blend request: `PromptBuilder` lays out [prefix][chunks][query] ->
 computed now and written back) -> `plan_recompute` fixes which rows each layer computes
 -> a `LayerLoader` thread places layer i+1.. of every segment into the request's
 `KVCache` (re-rotated to its prompt positions) while `run_layers` computes layer i ->
-`Decoder.finish` decodes from the merged cache.
+`Decoder.stream` decodes from the merged cache.
+
+Public surface: `ingest` (per document: id, keys, cached), `generate` /
+`generate_stream` (a question or a conversation over documents; text deltas, stop
+strings), `chat` (sessions, optionally with documents and a system prompt),
+`delete_document`, `warmup`. Documents are str or `blend.Document`, rendered by
+`blend.document.render_document` only. Every argument is checked before any work
+(`blend.request`). One request at a time: callers serialise (the HTTP server runs
+the engine on one worker thread).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from blend.chunks import ChunkCache
-from blend.config import EngineConfig, check_mode, check_ratio, load_config
-from blend.generation import Decoder, GenerationResult, Prefilled
+from blend.config import EngineConfig, load_config
+from blend.conversation import Message, check_messages
+from blend.document import (
+    Document,
+    DocumentIndex,
+    IngestedDocument,
+    check_documents,
+    document_id,
+    render_document,
+)
+from blend.generation import Decoder, GenerationResult, Prefilled, TextDelta
 from blend.model import LoadedModel, load_model
 from blend.pipeline import LayerLoader
 from blend.planner import LoadCosts, PrefillCosts
 from blend.prefix import EntryMaker, PrefixCache
-from blend.prompt import Prompt, PromptBuilder
+from blend.prompt import Prompt, PromptBuilder, Segment
 from blend.recompute import plan_recompute, run_layers
+from blend.request import GenerationRequest
 from blend.runner import Runner, SamplingParams
 from blend.selector import check_policy
-from blend.session import SessionManager
+from blend.session import RagTurn, SessionManager
 from blend.split import Splitter
 from blend.stats import LookupTally, RequestStats, tally_fields
 from storage.dtypes import dtype_bytes
@@ -69,6 +87,7 @@ class BlendEngine:
         self.splitter = Splitter(PrefillCosts.for_model(self.lm.model), LoadCosts(self.runner.device.type),
                                  {t.name: getattr(t.config, "kind", t.name) for t in self.store.tiers}, mode=cfg.split)
         self.sessions = SessionManager(cfg, self.prefix_cache, self.decoder)
+        self.documents = DocumentIndex()
 
     @classmethod
     def from_config(cls, path: str | Path | None = None, **overrides: Any) -> BlendEngine:
@@ -87,44 +106,154 @@ class BlendEngine:
         self.close()
 
     # --------------------------------------------------------------- requests
-    def ingest(self, documents: Sequence[str], *, sync: bool = True) -> list[str]:
-        """Precompute each document chunk and store it; returns the chunk keys.
+    def ingest(self, documents: Sequence[Document | str], *, sync: bool = True) -> list[IngestedDocument]:
+        """Precompute each document's chunks and store them; returns per document its id,
+        chunk keys and whether it was already cached (every chunk had an entry in some tier
+        before this call).
 
         Idempotent: chunks already in the store are not recomputed. With sync=True the
-        writes have reached every tier when this returns.
+        writes have reached every tier when this returns. An empty document is skipped
+        with a warning (no keys, cached). Remembers each document by id (`delete_document`).
         """
-        keys = self.chunks.ingest(self.prompts.build("ingest", list(documents)))
+        docs = check_documents(documents)
+        prompt = self.prompts.build("ingest", docs)
+        kept = [d for d in docs if render_document(d)]
+        keys = self._keys_by_document(prompt, len(kept))
+        cached = [all(self._stored(seg, prompt) for seg in prompt.chunks if seg.doc_index == i) for i in range(len(kept))]
+        self.chunks.ingest(prompt)
         if sync:
             self.store.flush()
+        results, k = [], 0
+        for doc in docs:
+            doc_keys, was_cached = ((), True)
+            if render_document(doc):
+                doc_keys, was_cached = tuple(keys[k]), cached[k]
+                k += 1
+            results.append(IngestedDocument(document_id(doc), doc_keys, was_cached))
+            if doc_keys:
+                self.documents.record(document_id(doc), doc, doc_keys)
+        return results
+
+    def delete_document(self, doc_id: str) -> tuple[str, ...]:
+        """Remove a document this engine ingested (or served with an explicit id) from
+        every tier; returns the keys deleted. Chunks that another known document also
+        uses are kept. KeyError if the id is unknown to this engine.
+
+        Side effects: waits for queued writes first, so no write lands after the delete.
+        """
+        if not isinstance(doc_id, str):
+            raise TypeError(f"document id must be a str, got {type(doc_id).__name__}")
+        keys = self.documents.forget(doc_id)
+        self.store.flush()
+        for key in keys:
+            self.store.delete(key)
         return keys
 
-    def build_prompt(self, query: str, documents: Sequence[str]) -> Prompt:
-        return self.prompts.build(query, list(documents))
+    def build_prompt(self, query: str | Sequence[Message | dict], documents: Sequence[Document | str]) -> Prompt:
+        """The prompt of a question (str) or a conversation (messages) over `documents`."""
+        question = query if isinstance(query, str) else check_messages(query)
+        return self.prompts.build(question, check_documents(documents))
 
-    def generate(self, query: str, documents: Sequence[str] = (), *, mode: str = "blend",
-                 recompute_ratio: float | None = None, max_new_tokens: int | None = None,
+    def generate(self, query: str | Sequence[Message | dict], documents: Sequence[Document | str] = (), *,
+                 mode: str = "blend", recompute_ratio: float | None = None, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-                 answer: str | None = None, selection: str | None = None) -> GenerationResult:
-        """Answer `query` over `documents` in `mode`; `selection` overrides the config's
-        token-selection policy for this request (blend mode).
+                 stop: str | Sequence[str] | None = None, answer: str | None = None,
+                 selection: str | None = None) -> GenerationResult:
+        """Answer `query` over `documents` in `mode`.
+
+        `query` is a question (laid out with the configured system prompt and query
+        template) or a conversation: a list of {"role", "content"} messages, with the
+        documents placed before it (blend.conversation). `selection` overrides the
+        config's token-selection policy for this request (blend mode); `stop` ends the
+        generation at the first of these strings (not included in the text).
 
         Side effects: chunk misses are computed and written to the store. With `answer`,
         stats.answer_nll is the mean negative log-likelihood of that text teacher-forced
         after the prompt (decoding continues from the same cache).
         """
-        check_mode(mode)
-        cfg = self.config.engine
-        ratio = check_ratio(cfg.recompute_ratio if recompute_ratio is None else recompute_ratio)
-        max_new = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        if max_new < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
-        sampling = SamplingParams(cfg.temperature if temperature is None else temperature,
-                                  cfg.top_p if top_p is None else top_p, seed)
-        prompt = self.build_prompt(query, documents)
-        self.runner.check_length(len(prompt) + max_new)
-        pre, ttft, t0 = self.decoder.timed(lambda: self.prefill(prompt, mode=mode, ratio=ratio, selection=selection,
-                                                                  capacity=len(prompt) + max_new))
-        return self.decoder.finish(pre, ttft, t0, max_new, sampling, answer)
+        if answer is not None and not isinstance(answer, str):
+            raise TypeError(f"answer must be a str or None, got {type(answer).__name__}")
+        *_, result = self._stream(self._request(query, documents, mode, recompute_ratio, max_new_tokens,
+                                                temperature, top_p, seed, stop, selection), answer)
+        return result
+
+    def generate_stream(self, query: str | Sequence[Message | dict], documents: Sequence[Document | str] = (), *,
+                        mode: str = "blend", recompute_ratio: float | None = None,
+                        max_new_tokens: int | None = None, temperature: float | None = None,
+                        top_p: float | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
+                        selection: str | None = None) -> Iterator[TextDelta | GenerationResult]:
+        """`generate` streamed: yields a `TextDelta` per generated token (new final text,
+        possibly "") and ends with the `GenerationResult` (the same tokens and text as
+        `generate`; the deltas concatenate to its text).
+
+        Arguments are checked now (TypeError/ValueError); the prefill runs at the first
+        `next()`. Closing the iterator early stops decoding.
+        """
+        return self._stream(self._request(query, documents, mode, recompute_ratio, max_new_tokens, temperature,
+                                          top_p, seed, stop, selection))
+
+    def _request(self, query, documents, mode, recompute_ratio, max_new_tokens, temperature, top_p, seed, stop,
+                 selection) -> GenerationRequest:
+        return GenerationRequest.create(self.config.engine, query, documents, mode=mode,
+                                        recompute_ratio=recompute_ratio, max_new_tokens=max_new_tokens,
+                                        temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                                        selection=selection)
+
+    def _stream(self, req: GenerationRequest, answer: str | None = None) -> Iterator[TextDelta | GenerationResult]:
+        prompt = self.prompts.build(req.query, req.documents)
+        self.runner.check_length(len(prompt) + req.max_new_tokens)
+        warnings = self._note_documents(prompt, req.documents)
+        sampling = SamplingParams(req.temperature, req.top_p, req.seed)
+        return self._decode(prompt, req, sampling, answer, warnings)
+
+    def _decode(self, prompt: Prompt, req: GenerationRequest, sampling: SamplingParams, answer: str | None,
+                warnings: tuple[str, ...]) -> Iterator[TextDelta | GenerationResult]:
+        pre, ttft, t0 = self.decoder.timed(lambda: self.prefill(
+            prompt, mode=req.mode, ratio=req.recompute_ratio, selection=req.selection,
+            capacity=len(prompt) + req.max_new_tokens))
+        for item in self.decoder.stream(pre, ttft, t0, req.max_new_tokens, sampling, req.stop, answer):
+            if isinstance(item, GenerationResult):
+                item.warnings = warnings
+            yield item
+
+    def _note_documents(self, prompt: Prompt, documents: Sequence[Document | str]) -> tuple[str, ...]:
+        """Warn about documents whose id was ingested with other text; remember the ones with ids."""
+        warnings = []
+        kept = [d for d in documents if render_document(d)]
+        keys = None
+        for i, doc in enumerate(kept):
+            if not isinstance(doc, Document) or doc.id is None:
+                continue
+            if self.documents.differs(doc.id, doc):
+                message = (f"document {doc.id!r} differs from the version seen before under that id "
+                           "(title or text): its chunks are computed, not loaded")
+                log.warning(message)
+                warnings.append(message)
+            keys = keys if keys is not None else self._keys_by_document(prompt, len(kept))
+            self.documents.record(doc.id, doc, keys[i])
+        return tuple(warnings)
+
+    def _keys_by_document(self, prompt: Prompt, n_documents: int) -> list[list[str]]:
+        """The store keys of each (non-empty) document's chunks, in order."""
+        keys: list[list[str]] = [[] for _ in range(n_documents)]
+        for seg in prompt.chunks:
+            keys[seg.doc_index].append(self.chunks.key(seg, prompt)[0])
+        return keys
+
+    def _stored(self, seg: Segment, prompt: Prompt) -> bool:
+        """Some tier holds an entry under the segment's key (not read or verified here: an
+        entry that turns out corrupt is recomputed by the ingest all the same)."""
+        return self.store.contains(self.chunks.key(seg, prompt)[0]) is not None
+
+    def warmup(self) -> float:
+        """Run one short request through prefill and decoding so that the first real
+        request's TTFT does not pay one-time costs (kernel selection, allocator, chat
+        template). Full mode: nothing is read from or written to the store. Returns the
+        seconds it took."""
+        t0 = time.perf_counter()
+        words = " ".join(["warm-up"] * max(1, min(self.config.engine.chunk_tokens, 256) // 3))
+        self.generate("warm-up", [words], mode="full", max_new_tokens=2)
+        return time.perf_counter() - t0
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, *, mode: str, ratio: float = 0.15, capacity: int | None = None,
@@ -209,9 +338,44 @@ class BlendEngine:
         return Prefilled(logits, cache, stats)
 
     # ------------------------------------------------------------------- chat
-    def chat(self, session_id: str, message: str, *, max_new_tokens: int | None = None) -> GenerationResult:
-        """One conversation turn; the conversation's KV is stored as prefix blocks after it."""
-        return self.sessions.turn(session_id, message, max_new_tokens=max_new_tokens)
+    def chat(self, session_id: str, message: str, *, documents: Sequence[Document | str] = (),
+             system: str | None = None, mode: str | None = None, recompute_ratio: float | None = None,
+             max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+             seed: int | None = None, stop: str | Sequence[str] | None = None) -> GenerationResult:
+        """One conversation turn; the conversation's KV is kept for the next turn.
+
+        With `documents`, they are placed before the conversation and, in `mode` blend
+        (the default with documents) or reuse, their cached KV is blended in; full or
+        prefix treat the whole prompt exactly. `system` adds a system message for this
+        turn (without documents: the chat template's own default applies; with
+        documents: the configured system prompt). Exact KV is stored as prefix blocks
+        after the turn (blend.session). Raises SessionBusy if the session is in a turn.
+        """
+        if not isinstance(message, str):
+            raise TypeError(f"message must be a str, got {type(message).__name__}")
+        if not message.strip():
+            raise ValueError("empty message: pass some text")
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"system must be a str or None, got {type(system).__name__}")
+        req = GenerationRequest.create(self.config.engine, message, documents, mode=mode or "blend",
+                                       recompute_ratio=recompute_ratio, max_new_tokens=max_new_tokens,
+                                       temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+        rag = None
+        if req.documents:
+            docs = req.documents
+
+            def build(messages: Sequence[Message]) -> Prompt:
+                prompt = self.prompts.build(tuple(messages), docs)
+                self._note_documents(prompt, docs)
+                return prompt
+
+            def prefill(prompt: Prompt, capacity: int) -> Prefilled:
+                return self.prefill(prompt, mode=req.mode, ratio=req.recompute_ratio, capacity=capacity)
+
+            rag = RagTurn(build=build, prefill=prefill, exact=req.mode in ("full", "prefix"))
+        return self.sessions.turn(session_id, message, max_new_tokens=req.max_new_tokens,
+                                  sampling=SamplingParams(req.temperature, req.top_p, req.seed), stop=req.stop,
+                                  system=system, rag=rag)
 
     def offload(self, session_id: str) -> None:
         """Move a session's KV off the compute device (its blocks stay in the tier stack)."""

@@ -1,31 +1,57 @@
-"""After the prefill: time to first token, first-token log-probs, decoding, the result.
+"""After the prefill: time to first token, first-token log-probs, decoding (streamed
+text deltas, stop strings), the result.
 
 Every request path (the engine's four modes, a chat turn) prefills a `KVCache` in its
 own way and then ends here: `Decoder.timed` measures the prefill up to the first
-token's logits (synchronising CUDA, whose kernels are asynchronous), `Decoder.finish`
-decodes from the same cache and builds the `GenerationResult`.
+token's logits (synchronising CUDA, whose kernels are asynchronous), `Decoder.stream`
+decodes from the same cache token by token, yielding `TextDelta`s and finally the
+`GenerationResult`; `Decoder.finish` is the same stream consumed at once, so a
+streamed and a non-streamed request give the same tokens and the same text.
+
+Text: the decoded tokens (end-of-sequence ids and special tokens left out) with
+leading and trailing whitespace removed. A delta is only emitted once it is final: a
+tail that may still become a stop string, trailing whitespace and an incomplete UTF-8
+character are held back, so the deltas always concatenate to `GenerationResult.text`.
+With stop strings, generation ends at the first token that completes one and the text
+ends before it (finish_reason "stop", as at an end-of-sequence token; "length" when
+`max_new_tokens` ran out).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from blend.model import LoadedModel
-from blend.runner import KVCache, Runner, SamplingParams
+from blend.runner import KVCache, Runner, SamplingParams, sample
 from blend.stats import RequestStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class GenerationResult:
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # generated ids, including a final end-of-sequence id
     ttft_s: float
     first_token_logprobs: torch.Tensor  # (vocab,) float32 log-probabilities of the first generated token
     stats: RequestStats
+    finish_reason: str = "length"  # stop (end-of-sequence or a stop string) | length (max_new_tokens)
+    prompt_tokens: int = 0  # tokens of the prompt (context + query)
+    warnings: tuple[str, ...] = field(default_factory=tuple)  # e.g. a document differing from its ingest
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New text of a streamed generation (final: never revised by a later delta; may be
+    "" while text is held back)."""
+
+    text: str
+    tokens: int  # tokens generated so far
 
 
 @dataclass
@@ -35,6 +61,73 @@ class Prefilled:
     logits: torch.Tensor
     cache: KVCache
     stats: RequestStats
+
+
+class TextAssembler:
+    """Incremental detokenization of one generation with stop strings (see the module docstring)."""
+
+    def __init__(self, tokenizer, eos_ids: Sequence[int], stop: Sequence[str] = ()):
+        self.tokenizer, self.eos_ids, self.stop = tokenizer, set(eos_ids), tuple(stop)
+        self.ids: list[int] = []
+        self.out = ""  # text emitted so far
+        self.stopped = False  # a stop string was completed
+        self._raw = ""  # decoded text so far (incremental), before stripping
+        self._window = (0, 0)  # token offsets: context tokens start, read position
+
+    def push(self, token: int) -> str:
+        """Add a generated token; returns the newly final text ("" if none).
+
+        Decodes only a short window (the previous piece as context), so a long
+        generation costs linear time, not quadratic.
+        """
+        if token in self.eos_ids:
+            return ""
+        self.ids.append(token)
+        start, read = self._window
+        before = self.tokenizer.decode(self.ids[start:read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[start:], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):  # else: an incomplete character
+            self._raw += after[len(before):]
+            self._window = (read, len(self.ids))
+        text = self._raw.lstrip()
+        hit = self._find_stop(text)
+        if hit is not None:
+            self.stopped = True
+            return self._emit(text[:hit].rstrip())
+        return self._emit(text[: self._stable_end(text)])
+
+    def finish(self) -> str:
+        """The remaining text once generation has ended (the whole decoding, stripped)."""
+        if self.stopped:
+            return ""
+        return self._emit(self.tokenizer.decode(self.ids, skip_special_tokens=True).strip())
+
+    def _emit(self, upto: str) -> str:
+        if len(upto) <= len(self.out):
+            return ""
+        if not upto.startswith(self.out):  # a tokenizer whose decoding of a prefix is not a prefix of the whole
+            log.debug("detokenization revised emitted text %r -> %r; emitted text is kept", self.out, upto)
+        new = upto[len(self.out):]
+        self.out += new
+        return new
+
+    def _find_stop(self, text: str) -> int | None:
+        if not self.stop:
+            return None
+        start = max(0, len(self.out) - max(len(s) for s in self.stop) + 1)
+        found = [i for s in self.stop if (i := text.find(s, start)) >= 0]
+        return min(found) if found else None
+
+    def _stable_end(self, text: str) -> int:
+        """End of the text that can neither change nor turn into a stop string."""
+        end = len(text.rstrip())
+        hold = 0
+        for s in self.stop:  # a tail that is a proper prefix of a stop string
+            for k in range(min(len(s) - 1, end), hold, -1):
+                if text[end - k:end] == s[:k]:
+                    hold = k
+                    break
+        return end - hold
 
 
 class Decoder:
@@ -52,20 +145,49 @@ class Decoder:
             torch.cuda.synchronize(pre.logits.device)
         return pre, time.perf_counter() - t0, t0
 
-    def finish(self, pre: Prefilled, ttft: float, t0: float, max_new_tokens: int, sampling: SamplingParams,
-               answer: str | None = None) -> GenerationResult:
-        """Decode up to `max_new_tokens` from `pre` and build the result.
+    def stream(self, pre: Prefilled, ttft: float, t0: float, max_new_tokens: int, sampling: SamplingParams,
+               stop: Sequence[str] = (), answer: str | None = None) -> Iterator[TextDelta | GenerationResult]:
+        """Decode up to `max_new_tokens` from `pre`: yields one TextDelta per generated
+        token but an end-of-sequence one (its text may be "": held back), one more for the
+        held-back rest at the end if any, then the GenerationResult (the last item).
 
+        Appends to `pre.cache`. Closing the iterator early stops decoding (no result).
         With `answer`, stats.answer_nll is that text's mean NLL teacher-forced after the
         prompt (the cache is restored before decoding).
         """
         logprobs = torch.log_softmax(pre.logits.float(), dim=-1).cpu()
         nll = self.answer_nll(pre.cache, pre.logits, answer) if answer is not None else None
-        tokens = self.runner.decode(pre.logits, pre.cache, max_new_tokens, self.eos_ids, sampling)
-        text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids], skip_special_tokens=True).strip()
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        text = TextAssembler(self.tokenizer, self.eos_ids, stop)
+        pre.cache.ensure_capacity(pre.cache.length + max_new_tokens)
+        tokens: list[int] = []
+        logits = pre.logits
+        finish_reason = "length"
+        for i in range(max_new_tokens):
+            token = sample(logits, sampling, gen)
+            tokens.append(token)
+            if token in self.eos_ids:
+                finish_reason = "stop"
+                break
+            yield TextDelta(text.push(token), len(tokens))
+            if text.stopped:
+                finish_reason = "stop"
+                break
+            if i < max_new_tokens - 1:
+                logits = self.runner.step(token, pre.cache)
+        rest = text.finish()
+        if rest:
+            yield TextDelta(rest, len(tokens))
         stats = pre.stats.replace(ttft_s=ttft, total_s=time.perf_counter() - t0, new_tokens=len(tokens),
                                   answer_nll=nll)
-        return GenerationResult(text, tokens, ttft, logprobs, stats)
+        yield GenerationResult(text.out, tokens, ttft, logprobs, stats, finish_reason,
+                               prompt_tokens=stats.context_tokens + stats.query_tokens)
+
+    def finish(self, pre: Prefilled, ttft: float, t0: float, max_new_tokens: int, sampling: SamplingParams,
+               answer: str | None = None, stop: Sequence[str] = ()) -> GenerationResult:
+        """`stream` consumed at once: the GenerationResult."""
+        *_, result = self.stream(pre, ttft, t0, max_new_tokens, sampling, stop, answer)
+        return result  # type: ignore[return-value]  # the stream's last item
 
     def answer_nll(self, cache: KVCache, first_logits: torch.Tensor, answer: str) -> float:
         """Mean NLL per token of `answer` teacher-forced after the prompt in `cache`.

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import logging
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from blend.conversation import Message, split_conversation, unique_marker
+from blend.document import Document, clean_text, render_document
+
 log = logging.getLogger(__name__)
 
-_MARKER = "\x00KVBLEND-DOCUMENTS\x00"
 PLACEHOLDERS = frozenset({"question"})
 
 SegmentKind = Literal["prefix", "chunk", "query"]
@@ -120,15 +123,21 @@ class PromptBuilder:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def frame(self, question: str) -> tuple[list[int], list[int]]:
-        """Token ids before and after the documents for this question."""
-        user = _MARKER + self.query_template.format(question=question)
+    def frame(self, question: str | Sequence[Message]) -> tuple[list[int], list[int]]:
+        """Token ids before and after the documents for this question (or conversation,
+        blend.conversation: the configured system prompt when it has none)."""
+        if not isinstance(question, str):
+            head, tail = split_conversation(self.tokenizer, question, self.system_prompt)
+            return self._encode(head), self._encode(tail)
+        query = self.query_template.format(question=clean_text(question))
+        marker = unique_marker([query, self.system_prompt])
+        user = marker + query
         if getattr(self.tokenizer, "chat_template", None):
             messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": user}]
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:
             text = f"{self.system_prompt}\n\n{user}\nAnswer:"
-        head, tail = text.split(_MARKER)
+        head, tail = text.split(marker)
         return self._encode(head), self._encode(tail)
 
     def document_ids(self, document: str) -> list[int]:
@@ -146,10 +155,15 @@ class PromptBuilder:
             log.warning("skipped %d empty document(s)", len(documents) - len(kept))
         return kept
 
-    def build(self, question: str, documents: list[str]) -> Prompt:
-        """Lay out [prefix][doc chunks...][query]; positions are explicit per segment."""
-        if not isinstance(question, str) or not question.strip():
+    def build(self, question: str | Sequence[Message], documents: Sequence[Document | str]) -> Prompt:
+        """Lay out [prefix][doc chunks...][query]; positions are explicit per segment.
+
+        `question` is a question (the QA template) or a checked conversation
+        (blend.conversation); each document is rendered by blend.document.render_document.
+        """
+        if isinstance(question, str) and not question.strip():
             raise ValueError("empty query: pass a non-empty question")
+        documents = [render_document(d) for d in documents]
         head, tail = self.frame(question)
         segments = [Segment("prefix", tuple(head), 0)]
         pos = len(head)

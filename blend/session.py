@@ -13,6 +13,14 @@ layer by layer through the pipelined loader and prefills only the rest. A partia
 block is not stored: a resume from the store recomputes up to `chunk_tokens - 1` tokens
 of the previous conversation's tail plus the new message.
 
+A turn may bring documents and a system prompt (`RagTurn`): the documents are placed
+before the conversation (blend.conversation) and, in blend or reuse mode, their cached
+chunk KV is blended in. Such KV is not exact, so it is never stored as prefix blocks
+(that chain promises exact KV); it stays on the device for the next turn, and a turn
+after an offload blends again. In full and prefix modes the KV is exact and is stored
+as usual. Pass the same documents and system prompt on every turn to reuse the
+conversation's KV; a turn that changes them recomputes from where the tokens differ.
+
 The message history is kept in a small JSON file per session under `sessions_dir`
 (re-read at the start of every turn) so a conversation resumes in a new process. One
 turn at a time per session: a second concurrent turn — another thread, or another
@@ -27,7 +35,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +44,10 @@ from typing import Any
 import torch
 
 from blend.config import BlendConfig
+from blend.conversation import Message
 from blend.generation import Decoder, GenerationResult, Prefilled
 from blend.prefix import PrefixCache, intact_end
+from blend.prompt import Prompt
 from blend.runner import KVCache, SamplingParams
 from blend.stats import LookupTally, RequestStats, tally_fields
 from storage.tier import StoreUnavailable
@@ -62,12 +72,27 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
+@dataclass(frozen=True)
+class RagTurn:
+    """How a turn with documents is laid out and prefilled (built by the engine).
+
+    `build` lays out the conversation with the documents before it; `prefill` fills a
+    cache of the given capacity for a prompt in the turn's mode; `exact` says whether
+    that mode's KV is exact (full, prefix) or blended (blend, reuse).
+    """
+
+    build: Callable[[Sequence[Message]], Prompt]
+    prefill: Callable[[Prompt, int], Prefilled]
+    exact: bool
+
+
 @dataclass
 class Session:
     session_id: str
     messages: list[dict[str, str]] = field(default_factory=list)
     cache: KVCache | None = None  # device-resident KV, valid for cache_ids[:cache.length]
     cache_ids: list[int] = field(default_factory=list)
+    exact: bool = True  # the device KV is exact (no blended documents): its blocks may be stored
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)  # held for the whole turn
 
@@ -213,56 +238,84 @@ class SessionManager:
         return offloaded
 
     # ------------------------------------------------------------------- turn
-    def turn(self, session_id: str, message: str, *, max_new_tokens: int | None = None) -> GenerationResult:
+    def turn(self, session_id: str, message: str, *, max_new_tokens: int | None = None,
+             sampling: SamplingParams | None = None, stop: Sequence[str] = (), system: str | None = None,
+             rag: RagTurn | None = None) -> GenerationResult:
         """One user message -> the assistant's reply, appended to the session's history.
 
-        Side effects: the conversation's new full blocks are queued for the store, the
+        `system` is a system message put before the history for this turn (not stored in
+        it); `rag` places documents before the conversation. Side effects: the
+        conversation's new full blocks are queued for the store (exact KV only), the
         history file is rewritten, the idle/budget policy runs. Raises SessionBusy if a
         turn is already running on `session_id`, ValueError on bad input.
         """
         if not isinstance(message, str) or not message.strip():
             raise ValueError("empty message: pass some text")
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"system must be a str or None, got {type(system).__name__}")
         cfg = self.config
-        max_new = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        if max_new < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+        max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new!r}")
+        sampling = sampling or SamplingParams(cfg.temperature, cfg.top_p)
         session = self._get(session_id)
         self.enforce()
         with self._exclusive(session):
             try:
-                result = self._turn(session, message, max_new)
+                result = self._turn(session, message, max_new, sampling, tuple(stop), system, rag)
             except BaseException:
                 session.cache = None  # may be partly overwritten by the failed prefill
                 raise
         self.enforce()
         return result
 
-    def _turn(self, session: Session, message: str, max_new: int) -> GenerationResult:
-        cfg, decoder = self.config, self.decoder
+    def _turn(self, session: Session, message: str, max_new: int, sampling: SamplingParams, stop: tuple[str, ...],
+              system: str | None, rag: RagTurn | None) -> GenerationResult:
+        decoder = self.decoder
         history = self._read_history(session.session_id)
         if history is not None:  # the file wins: another process may have advanced the conversation
             session.messages = history
         messages = session.messages + [{"role": "user", "content": message}]
-        ids = list(decoder.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                         return_dict=False))
+        shown = ([{"role": "system", "content": system}] if system is not None else []) + messages
+        if rag is not None:
+            prompt = rag.build([Message(m["role"], m["content"]) for m in shown])
+            ids = list(prompt.token_ids)
+        else:
+            prompt = None
+            ids = list(decoder.tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=False))
         decoder.runner.check_length(len(ids) + max_new)
         stored_end = 0
+        exact = rag is None or rag.exact
 
         def prefill() -> Prefilled:
-            nonlocal stored_end
-            pre, stored_end = self._prefill(session, ids, capacity=len(ids) + max_new)
+            nonlocal stored_end, exact
+            capacity = len(ids) + max_new
+            if prompt is not None and not rag.exact and self._device_prefix(session, ids) < prompt.query.start:
+                exact = False  # the documents are not all on the device: blend them in
+                return rag.prefill(prompt, capacity)
+            pre, stored_end = self._prefill(session, ids, capacity=capacity)
+            if pre.stats.source == "device":
+                exact = exact and session.exact
             return pre
 
         pre, ttft, t0 = decoder.timed(prefill)
-        result = decoder.finish(pre, ttft, t0, max_new, SamplingParams(cfg.temperature, cfg.top_p))
+        result = decoder.finish(pre, ttft, t0, max_new, sampling, stop=stop)
         all_ids = ids + result.token_ids
-        stored = self.prefix.store_blocks(all_ids, pre.cache, skip_below=stored_end, tail=True)
-        result.stats = result.stats.replace(stored_blocks=stored)
+        if exact:
+            stored = self.prefix.store_blocks(all_ids, pre.cache, skip_below=stored_end, tail=True)
+            result.stats = result.stats.replace(stored_blocks=stored)
         session.messages = messages + [{"role": "assistant", "content": result.text}]
-        session.cache, session.cache_ids = pre.cache, all_ids
+        session.cache, session.cache_ids, session.exact = pre.cache, all_ids, exact
         session.last_used = time.monotonic()
         self._save(session)
         return result
+
+    def _device_prefix(self, session: Session, ids: list[int]) -> int:
+        """Tokens of `ids` the session's device-resident KV already holds."""
+        if session.cache is None:
+            return 0
+        return _common_prefix(session.cache_ids[: session.cache.length], ids, len(ids) - 1)
 
     def _prefill(self, session: Session, ids: list[int], capacity: int) -> tuple[Prefilled, int]:
         """Reuse the device copy, else the stored prefix chain; compute the rest. The cache

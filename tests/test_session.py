@@ -207,14 +207,14 @@ def test_corrupt_middle_block_is_recomputed_exactly(tmp_path):
 def test_concurrent_turns_on_one_session_are_rejected(tmp_path):
     with make_engine(tmp_path) as engine:
         started, release = threading.Event(), threading.Event()
-        decode = engine.runner.decode
+        step = engine.runner.step
 
-        def slow_decode(*args, **kwargs):
+        def slow_step(*args, **kwargs):  # a decoding step of the first turn
             started.set()
             assert release.wait(10)
-            return decode(*args, **kwargs)
+            return step(*args, **kwargs)
 
-        engine.runner.decode = slow_decode
+        engine.runner.step = slow_step
         outcome: dict[str, object] = {}
 
         def run(name: str, message: str) -> None:
@@ -235,7 +235,7 @@ def test_concurrent_turns_on_one_session_are_rejected(tmp_path):
             engine.drop("s")
         release.set()
         first.join(10)
-        engine.runner.decode = decode
+        engine.runner.step = step
         assert isinstance(outcome["second"], SessionBusy) and "already running a turn" in str(outcome["second"])
         messages = engine.sessions.sessions["s"].messages
         assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == MESSAGES[0]

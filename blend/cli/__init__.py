@@ -1,7 +1,7 @@
 """The `kvblend` command line: the command root, the only place that imports across the
 storage -> blend -> eval layers.
 
-Subcommands: ask, ingest, chat, demo, eval, store, plan, bench {load, ttft, resume}.
+Subcommands: ask, ingest, chat, demo, eval, store, plan, serve, bench {load, ttft, resume, serve}.
 Conventions, the same in every subcommand:
 - `--config FILE` (default: $KVBLEND_CONFIG, else the packaged default; blend.config.load_config);
 - `--json`: stdout's last line is one JSON object (human-readable lines go to stderr);
@@ -34,7 +34,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole `kvblend` parser; imports only the light command modules."""
-    from blend.cli import bench, demo, eval, plan, requests, store
+    from blend.cli import bench, demo, eval, plan, requests, serve, store
 
     parser = Parser(prog="kvblend", description="Reuse precomputed document KV caches for fast RAG.")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.register(subparsers)
     plan.register(subparsers)
     bench.register(subparsers)
+    serve.register(subparsers)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""`kvblend bench load | ttft | resume`: argument parsing and printing; the measurements
+"""`kvblend bench load | ttft | resume | serve`: argument parsing and printing; the measurements
 live in eval/bench. Arguments are checked before anything is loaded or written; progress
 and tables go to stdout, or to stderr with --json (stdout then holds the JSON line only)."""
 
@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from blend.cli import serve
 from blend.cli.common import (
     POSITIVE_FLOAT,
     POSITIVE_INT,
@@ -181,3 +182,4 @@ def register(subparsers: Any) -> None:
     _register_load(sub)
     _register_ttft(sub)
     _register_resume(sub)
+    serve.register_bench(sub)

@@ -39,13 +39,17 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    docs = read_documents(args.files)
+    from blend.document import Document
+
+    docs = [Document(text, id=path) for path, text in zip(args.files, read_documents(args.files), strict=True)]
     with _engine(args) as engine:
-        keys = engine.ingest(docs)
+        ingested = engine.ingest(docs)
+    keys = [k for doc in ingested for k in doc.keys]
     if args.json:
-        emit_json({"chunks": keys})
+        emit_json({"documents": [doc.to_dict() for doc in ingested], "chunks": keys})
     else:
-        print(f"ingested {len(docs)} document(s) as {len(keys)} chunk(s)")
+        new = sum(not doc.cached for doc in ingested)
+        print(f"ingested {len(docs)} document(s) as {len(keys)} chunk(s), {new} newly computed")
     return 0
 
 

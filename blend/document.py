@@ -1,0 +1,169 @@
+"""Documents: the passages a RAG request is answered over, and the one function that
+turns a document into prompt text.
+
+A document is a plain `str` or a `Document(text, id=..., title=...)`. Whatever the
+entry point (the Python API, `kvblend ask --doc`, `kvblend ingest`, eval, the HTTP
+server), `render_document` is the only place a document becomes text, so the same
+passage always gives the same tokens and hits the same cache entries:
+
+    render_document("  Some text.  ")                         == "Some text."
+    render_document(Document("Some text.", title="A  title")) == "A title\\nSome text."
+    render_document(Document("Some text.", id="doc-7"))       == "Some text."
+
+- `text` is stripped; `title`, if any, has its whitespace collapsed to single spaces and
+  becomes the first line. A titled document therefore renders exactly like the plain
+  string "title\\ntext" (and differently from its untitled text: pass the title with
+  every request that should reuse a titled ingest).
+- `id` is a handle (for `delete_document`, for the server's DELETE and to warn when a
+  request's version of a document differs from the ingested one); it is never rendered.
+  Without one the id is the content digest of the rendered text (`document_id`).
+- Text is data, never structure: a lone surrogate becomes U+FFFD (the only change made
+  to any character sequence), so every `str` can be tokenized.
+
+The prompt layout (blend.prompt) follows each rendered document with a blank line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import KW_ONLY, dataclass
+
+_SPACES = re.compile(r"\s+")
+
+
+@dataclass(frozen=True)
+class Document:
+    """A passage with an optional stable id and title (see the module docstring)."""
+
+    text: str
+    _: KW_ONLY
+    id: str | None = None
+    title: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise TypeError(f"Document.text must be a str, got {type(self.text).__name__}")
+        for name in ("id", "title"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"Document.{name} must be a str or None, got {type(value).__name__}")
+        if self.id is not None and not self.id.strip():
+            raise ValueError("Document.id is empty; leave it out (None) to use the content digest")
+
+
+@dataclass(frozen=True)
+class IngestedDocument:
+    """What `BlendEngine.ingest` did with one document."""
+
+    id: str  # the document's id, or its content digest (`document_id`)
+    keys: tuple[str, ...]  # the store keys of its chunks, in order
+    cached: bool  # every chunk already had an entry in some tier before the ingest
+
+    def to_dict(self) -> dict[str, object]:
+        return {"id": self.id, "keys": list(self.keys), "cached": self.cached}
+
+
+def clean_text(text: str) -> str:
+    """`text` with lone surrogates replaced by U+FFFD (valid text comes back unchanged).
+
+    A Python str may hold code points that UTF-8 cannot encode (e.g. from
+    `surrogateescape`); tokenizers reject them, so they become the replacement character.
+    Surrogate pairs written as two code points are joined into the character they encode.
+    """
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def render_document(document: Document | str) -> str:
+    """The text a document contributes to a prompt: "title\\ntext" or "text" (stripped).
+
+    Raises TypeError for anything but a str or a Document. May return "" (an empty
+    document, which prompts skip with a warning).
+    """
+    if isinstance(document, str):
+        return clean_text(document).strip()
+    if not isinstance(document, Document):
+        raise TypeError(f"a document must be a str or a blend.Document, got {type(document).__name__}")
+    text = clean_text(document.text).strip()
+    title = _SPACES.sub(" ", clean_text(document.title or "")).strip()
+    return f"{title}\n{text}" if title else text
+
+
+def document_id(document: Document | str) -> str:
+    """The document's own id, else "sha256:" + the first 16 bytes (hex) of its rendered text's SHA-256."""
+    if isinstance(document, Document) and document.id is not None:
+        return document.id
+    digest = hashlib.sha256(render_document(document).encode("utf-8")).hexdigest()
+    return f"sha256:{digest[:32]}"
+
+
+def check_documents(documents: object, what: str = "documents") -> tuple[Document | str, ...]:
+    """Validate a sequence of documents (str, Document, or a mapping with "text" and
+    optional "id"/"title", which becomes a Document).
+
+    Raises TypeError for a str, bytes or mapping passed where the list is expected, for
+    a non-iterable, and for any element of another type (naming its index).
+    """
+    if isinstance(documents, str | bytes | bytearray):
+        raise TypeError(f"{what} must be a list of documents, got a single {type(documents).__name__}; "
+                        f"wrap it in a list: [text]")
+    if isinstance(documents, Mapping) or not isinstance(documents, Iterable):
+        raise TypeError(f"{what} must be a list of str or Document, got {type(documents).__name__}")
+    out: list[Document | str] = []
+    for i, doc in enumerate(documents):
+        if isinstance(doc, str | Document):
+            out.append(doc)
+        elif isinstance(doc, Mapping):
+            unknown = sorted(set(doc) - {"text", "id", "title"})
+            if unknown or "text" not in doc:
+                raise TypeError(f"{what}[{i}]: a document mapping needs 'text' and may have 'id' and 'title'"
+                                + (f"; unknown keys: {', '.join(map(str, unknown))}" if unknown else ""))
+            out.append(Document(doc["text"], id=doc.get("id"), title=doc.get("title")))
+        else:
+            raise TypeError(f"{what}[{i}] must be a str or a blend.Document, got {type(doc).__name__}")
+    return tuple(out)
+
+
+class DocumentIndex:
+    """The documents an engine has seen by id: the digest of their rendered text and
+    their chunk keys. Thread-safe. Used to delete a document by id and to warn when a
+    request's version of a document differs from the one ingested under the same id.
+    In memory: ids are known to the process that ingested (or served) them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._docs: dict[str, tuple[str, tuple[str, ...]]] = {}
+
+    @staticmethod
+    def digest(document: Document | str) -> str:
+        return hashlib.sha256(render_document(document).encode("utf-8")).hexdigest()
+
+    def record(self, doc_id: str, document: Document | str, keys: Iterable[str]) -> None:
+        """Remember (or replace) what `doc_id` renders to and which keys hold it."""
+        with self._lock:
+            self._docs[doc_id] = (self.digest(document), tuple(keys))
+
+    def differs(self, doc_id: str, document: Document | str) -> bool:
+        """True if `doc_id` is known and `document` renders to other text than it did."""
+        with self._lock:
+            known = self._docs.get(doc_id)
+        return known is not None and known[0] != self.digest(document)
+
+    def __contains__(self, doc_id: object) -> bool:
+        with self._lock:
+            return doc_id in self._docs
+
+    def forget(self, doc_id: str) -> tuple[str, ...]:
+        """Remove `doc_id`; returns its keys that no other known document uses.
+        KeyError if unknown."""
+        with self._lock:
+            _, keys = self._docs.pop(doc_id)
+            shared = {k for _, other in self._docs.values() for k in other}
+        return tuple(k for k in keys if k not in shared)

@@ -1,0 +1,147 @@
+"""A generation request's parameters, checked at the API edge before any work is done.
+
+`GenerationRequest.create` is the one place the engine's public methods (and through
+them the CLI, eval and the HTTP server) turn caller arguments into a validated, frozen
+request with the config's defaults filled in. Bad input is a TypeError (wrong type) or
+a ValueError (bad value) naming the parameter and what is allowed; nothing is coerced:
+True is not 1, 2.9 is not 2, nan is not a temperature.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from blend.config import BlendConfig, check_mode
+from blend.conversation import Message, check_messages
+from blend.document import Document, check_documents, clean_text
+
+MAX_STOP_STRINGS = 16
+
+
+def check_count(value: object, name: str) -> int:
+    """A positive int (not a bool, not a float)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a whole number >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def check_real(value: object, name: str) -> float:
+    """A finite real number (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_fraction(value: object, name: str = "recompute_ratio") -> float:
+    """A real number within [0, 1]."""
+    value = check_real(value, name)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be within [0, 1], got {value}")
+    return value
+
+
+def check_temperature(value: object) -> float:
+    value = check_real(value, "temperature")
+    if value < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {value}")
+    return value
+
+
+def check_top_p(value: object) -> float:
+    value = check_real(value, "top_p")
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {value}")
+    return value
+
+
+def check_seed(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"seed must be a whole number or None, got {value!r}")
+    if not 0 <= value < 2**63:
+        raise ValueError(f"seed must be within [0, 2**63), got {value}")
+    return int(value)
+
+
+def check_stop(value: object) -> tuple[str, ...]:
+    """Stop strings: None, one str, or a list of non-empty str (at most MAX_STOP_STRINGS)."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if isinstance(items, bytes | dict) or not isinstance(items, Sequence):
+        raise TypeError(f"stop must be a str or a list of str, got {type(value).__name__}")
+    out = []
+    for i, s in enumerate(items):
+        if not isinstance(s, str):
+            raise TypeError(f"stop[{i}] must be a str, got {type(s).__name__}")
+        if not s:
+            raise ValueError(f"stop[{i}] is empty; stop strings must have at least one character")
+        out.append(clean_text(s))
+    if len(out) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(out)}")
+    return tuple(dict.fromkeys(out))
+
+
+def check_query(query: object) -> str | tuple[Message, ...]:
+    """A non-empty question (str) or a conversation (list of messages)."""
+    if isinstance(query, str):
+        if not query.strip():
+            raise ValueError("empty query: pass a non-empty question")
+        return query
+    if isinstance(query, bytes):
+        raise TypeError("query must be a str (decode the bytes first) or a list of messages")
+    return check_messages(query)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked request: what to answer, over which documents, how to decode."""
+
+    query: str | tuple[Message, ...]
+    documents: tuple[Document | str, ...]
+    mode: str
+    recompute_ratio: float
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    selection: str | None
+
+    @classmethod
+    def create(cls, config: BlendConfig, query: object, documents: object = (), *, mode: object = "blend",
+               recompute_ratio: object = None, max_new_tokens: object = None, temperature: object = None,
+               top_p: object = None, seed: object = None, stop: object = None,
+               selection: object = None) -> GenerationRequest:
+        """Check every argument (None: the config's default) and build the request."""
+        if not isinstance(mode, str):
+            raise TypeError(f"mode must be a str, got {type(mode).__name__}")
+        check_mode(mode)
+        if selection is not None:
+            from blend.selector import check_policy
+
+            if not isinstance(selection, str):
+                raise TypeError(f"selection must be a str or None, got {type(selection).__name__}")
+            check_policy(selection)
+        return cls(
+            query=check_query(query),
+            documents=check_documents(documents),
+            mode=mode,
+            recompute_ratio=check_fraction(config.recompute_ratio if recompute_ratio is None else recompute_ratio),
+            max_new_tokens=check_count(config.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                                       "max_new_tokens"),
+            temperature=check_temperature(config.temperature if temperature is None else temperature),
+            top_p=check_top_p(config.top_p if top_p is None else top_p),
+            seed=check_seed(seed),
+            stop=check_stop(stop),
+            selection=selection,
+        )

@@ -1,0 +1,414 @@
+"""The FastAPI application: OpenAI-compatible endpoints over one BlendEngine.
+
+  POST   /v1/chat/completions   messages (+ documents, kvblend) -> chat.completion, or SSE chunks
+  POST   /v1/completions        prompt = the question of the engine's RAG prompt -> text_completion
+  POST   /v1/documents          ingest: per document its id, chunk keys, cached
+  DELETE /v1/documents/{id}     remove a document's chunks from every tier
+  GET    /v1/models, /health, /metrics
+
+Every engine call goes through the `EngineWorker` (one thread, bounded queue, batch
+size 1); handlers only wait on the job's events, so the event loop stays free. A
+request is cancelled when its client disconnects (between two tokens) or when the
+request timeout passes (504, or an error event in a stream). Bad input is 400 (the
+engine's checks) or 422 (the body's shape), always as OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from blend.document import check_documents
+from blend.engine import BlendEngine
+from blend.generation import GenerationResult, TextDelta
+from blend.request import GenerationRequest
+from blend.server import schemas
+from blend.server.metrics import CONTENT_TYPE, Metrics
+from blend.server.worker import EngineWorker, Finished, Job, QueueFull
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How the server shares its engine."""
+
+    served_model_name: str
+    queue_size: int = 64  # requests that may wait while one runs; more get 503
+    request_timeout_s: float = 300.0  # from acceptance to the last token
+    warmup: bool = True  # run engine.warmup() before accepting requests
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1:
+            raise ValueError(f"queue size must be >= 1, got {self.queue_size}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request timeout must be > 0 seconds, got {self.request_timeout_s}")
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
+    """The application. Its lifespan starts the worker (and warms the engine up) and, at
+    shutdown, after uvicorn has let the in-flight requests finish, stops the worker and
+    closes the engine (flushing queued cache writes)."""
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker = EngineWorker(settings.queue_size)
+        state["worker"] = worker
+        state["metrics"] = Metrics(lambda: worker.depth, settings.queue_size)
+        if settings.warmup:
+            job = worker.submit(lambda _job: engine.warmup())
+            finished = await _finished(job)
+            if finished.error is not None:
+                raise finished.error
+            log.info("engine warmed up in %.2f s", finished.value)
+        state["ready"] = True
+        try:
+            yield
+        finally:
+            state["ready"] = False
+            await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+            engine.close()
+
+    app = FastAPI(title="kvblend", lifespan=lifespan)
+    model = settings.served_model_name
+
+    def metrics() -> Metrics:
+        return state["metrics"]
+
+    # ----------------------------------------------------------------- errors
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, err: ApiError) -> JSONResponse:
+        return JSONResponse(schemas.error_body(err.message, err.kind), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_request: Request, err: RequestValidationError) -> JSONResponse:
+        problems = err.errors()
+        if any(p.get("type") == "json_invalid" for p in problems):
+            return JSONResponse(schemas.error_body("the request body is not valid JSON"), status_code=400)
+        parts = []
+        for p in problems[:5]:
+            where = ".".join(str(x) for x in p.get("loc", ()) if x != "body")
+            parts.append(f"{where or 'body'}: {p.get('msg', 'invalid')}")
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        return JSONResponse(schemas.error_body("; ".join(parts) + more), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(schemas.error_body(str(err.detail), "not_found" if err.status_code == 404 else
+                                               "invalid_request_error"), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, err: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(schemas.error_body(f"internal error ({type(err).__name__})", "internal_error"),
+                            status_code=500)
+
+    # ----------------------------------------------------------------- helpers
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in (model, engine.config.model):
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {model!r}",
+                           "model_not_found")
+
+    def submit(fn: Callable[[Job], Any]) -> Job:
+        try:
+            return state["worker"].submit(fn, deadline=time.monotonic() + settings.request_timeout_s)
+        except QueueFull as err:
+            raise ApiError(503, str(err), "server_busy", {"Retry-After": str(err.retry_after_s)}) from None
+
+    def bad_request(err: Exception) -> ApiError:
+        return ApiError(400, str(err))
+
+    async def run_job(fn: Callable[[Job], Any], request: Request) -> Finished:
+        """Submit and wait for the end (cancelled if the client leaves or time runs out)."""
+        job = submit(fn)
+        async with _watch_disconnect(request, job):
+            finished = await _finished(job, job.deadline)
+        if finished.cancelled:
+            raise ApiError(499, "the request was cancelled", "cancelled")
+        if finished.error is not None:
+            if isinstance(finished.error, ValueError | TypeError):
+                raise bad_request(finished.error)
+            raise finished.error
+        return finished
+
+    # ------------------------------------------------------------ generation
+    async def generate(endpoint: str, body: schemas._Generation, query: Any, request: Request) -> Response:
+        check_model(body.model)
+        kwargs = body.engine_kwargs()
+        mode = body.kvblend.mode
+        try:
+            docs = [d.to_document() for d in body.documents]
+            GenerationRequest.create(engine.config.engine, query, docs, **kwargs)  # 400 before queueing
+        except (TypeError, ValueError) as err:
+            metrics().request(endpoint, mode, 400)
+            raise bad_request(err) from None
+
+        def work(job: Job) -> GenerationResult | None:
+            stream = engine.generate_stream(query, docs, **kwargs)
+            try:
+                for item in stream:
+                    if isinstance(item, GenerationResult):
+                        return item
+                    job.emit(item)
+                    if job.stopped():
+                        return None
+            finally:
+                stream.close()
+            return None
+
+        accepted = time.monotonic()
+        rid = schemas.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
+        try:
+            job = submit(work)
+        except ApiError as err:
+            metrics().request(endpoint, mode, err.status)
+            raise
+        if body.stream:
+            return await _stream(job, endpoint, mode, rid, body, request, accepted)
+        status, tokens = 499, 0
+        try:
+            async with _watch_disconnect(request, job):
+                while True:
+                    event = await _next_event(job, job.deadline)
+                    if isinstance(event, TextDelta):
+                        tokens = event.tokens
+                        continue
+                    if event is None:  # timed out
+                        job.cancel()
+                        status = 504
+                        raise ApiError(504, f"the request took longer than {settings.request_timeout_s:g} s",
+                                       "timeout")
+                    break
+            if event.error is not None:
+                status = 400 if isinstance(event.error, ValueError | TypeError) else 500
+                if status == 400:
+                    raise bad_request(event.error)
+                raise event.error
+            result = event.value
+            if not isinstance(result, GenerationResult):  # cancelled: the client is gone
+                status = 504 if job.stopped() and not job.cancelled else 499
+                raise ApiError(status, "the request was cancelled", "cancelled")
+            status = 200
+            metrics().finished(result.stats, result.prompt_tokens, time.monotonic() - accepted, event.queued_s)
+            build = schemas.chat_completion if endpoint == "chat" else schemas.completion
+            return JSONResponse(build(rid, model, result, event.queued_s))
+        finally:
+            if status != 200:
+                metrics().cancelled(mode, tokens)
+            metrics().request(endpoint, mode, status)
+
+    async def _stream(job: Job, endpoint: str, mode: str, rid: str, body: schemas._Generation, request: Request,
+                      accepted: float) -> Response:
+        """Wait for the first event (errors before it are plain HTTP errors), then stream SSE."""
+        first, client_gone = None, False
+        try:
+            async with _watch_disconnect(request, job):
+                first = await _next_event(job, job.deadline)
+        finally:
+            if first is None:
+                client_gone = job.cancelled
+                job.cancel()
+        if first is None:
+            metrics().request(endpoint, mode, 499 if client_gone else 504)
+            raise ApiError(504, f"the request took longer than {settings.request_timeout_s:g} s", "timeout")
+        if isinstance(first, Finished) and first.error is not None:
+            status = 400 if isinstance(first.error, ValueError | TypeError) else 500
+            metrics().request(endpoint, mode, status)
+            if status == 400:
+                raise bad_request(first.error)
+            raise first.error
+        chat = endpoint == "chat"
+
+        def sse(obj: Any) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
+            if chat:
+                return sse(schemas.chat_chunk(rid, model, {"content": text} if finish is None else {}, finish, **extra))
+            return sse(schemas.completion_chunk(rid, model, text, finish, **extra))
+
+        async def events() -> AsyncIterator[str]:
+            status, tokens = 499, 0
+            event: Any = first
+            try:
+                if chat:
+                    yield sse(schemas.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
+                while True:
+                    if isinstance(event, TextDelta):
+                        tokens = event.tokens
+                        if event.text:
+                            yield chunk(event.text)
+                    elif event is None:
+                        job.cancel()
+                        status = 504
+                        yield sse(schemas.error_body(f"the request took longer than {settings.request_timeout_s:g} s",
+                                                     "timeout"))
+                        break
+                    else:  # Finished
+                        result = event.value
+                        if event.error is not None or not isinstance(result, GenerationResult):
+                            status = 500 if event.error is not None else (504 if not job.cancelled else 499)
+                            message = (f"internal error ({type(event.error).__name__})" if event.error is not None
+                                       else "the request was cancelled")
+                            yield sse(schemas.error_body(message, "internal_error" if event.error else "cancelled"))
+                            break
+                        status = 200
+                        metrics().finished(result.stats, result.prompt_tokens, time.monotonic() - accepted,
+                                           event.queued_s)
+                        yield chunk("", result.finish_reason, kvblend=schemas.kvblend_stats(result, event.queued_s))
+                        if body.stream_options is not None and body.stream_options.include_usage:
+                            base = schemas.chat_chunk if chat else schemas.completion_chunk
+                            last = base(rid, model, {} if chat else "", None, usage=schemas.usage(result))
+                            last["choices"] = []
+                            yield sse(last)
+                        break
+                    event = await _next_event(job, job.deadline)
+                yield "data: [DONE]\n\n"
+            finally:
+                if status != 200:
+                    job.cancel()
+                    metrics().cancelled(mode, tokens)
+                metrics().request(endpoint, mode, status)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # -------------------------------------------------------------- endpoints
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
+        try:
+            messages = [m.to_message() for m in body.messages]
+        except (TypeError, ValueError) as err:
+            metrics().request("chat", body.kvblend.mode, 400)
+            raise bad_request(err) from None
+        return await generate("chat", body, messages, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+        return await generate("completions", body, body.question(), request)
+
+    @app.post("/v1/documents")
+    async def ingest(body: schemas.IngestRequest, request: Request) -> Response:
+        try:
+            docs = check_documents([d.to_document() for d in body.documents])
+        except (TypeError, ValueError) as err:
+            metrics().request("documents", "ingest", 400)
+            raise bad_request(err) from None
+        status = 500
+        try:
+            finished = await run_job(lambda _job: engine.ingest(docs), request)
+            status = 200
+        except ApiError as err:
+            status = err.status
+            raise
+        finally:
+            metrics().request("documents", "ingest", status)
+        for doc in finished.value:
+            metrics().documents.labels(str(doc.cached).lower()).inc()
+        return JSONResponse({"object": "list", "data": [doc.to_dict() for doc in finished.value]})
+
+    @app.delete("/v1/documents/{doc_id:path}")
+    async def delete_document(doc_id: str, request: Request) -> Response:
+        def work(_job: Job) -> tuple[str, ...] | None:
+            try:
+                return engine.delete_document(doc_id)
+            except KeyError:
+                return None
+
+        status = 500
+        try:
+            finished = await run_job(work, request)
+            if finished.value is None:
+                status = 404
+                raise ApiError(404, f"document {doc_id!r} is not known to this server (ingest it first)",
+                               "not_found")
+            status = 200
+        except ApiError as err:
+            status = err.status
+            raise
+        finally:
+            metrics().request("documents", "delete", status)
+        return JSONResponse({"id": doc_id, "object": "document.deleted", "deleted": True,
+                             "keys": list(finished.value)})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model, "object": "model", "created": 0, "owned_by": "kvblend",
+             "max_model_len": engine.runner.max_positions}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        ready = bool(state.get("ready"))
+        worker = state.get("worker")
+        return JSONResponse({"status": "ok" if ready else "starting", "model": model,
+                             "queue_depth": worker.depth if worker else 0, "queue_size": settings.queue_size},
+                            status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics().render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _next_event(job: Job, deadline: float | None) -> Any:
+    """The job's next event, or None once `deadline` (monotonic) has passed."""
+    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        return await asyncio.wait_for(job.events.get(), timeout)
+    except TimeoutError:
+        return None
+
+
+async def _finished(job: Job, deadline: float | None = None) -> Finished:
+    """Wait for the job's Finished event (None deadline: no limit); cancels it on timeout."""
+    while True:
+        event = await _next_event(job, deadline)
+        if event is None:
+            job.cancel()
+            raise ApiError(504, "the request timed out", "timeout")
+        if isinstance(event, Finished):
+            return event
+
+
+@contextlib.asynccontextmanager
+async def _watch_disconnect(request: Request, job: Job) -> AsyncIterator[None]:
+    """While inside, a client disconnect cancels `job`."""
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                job.cancel()
+                return
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

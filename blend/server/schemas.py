@@ -1,0 +1,162 @@
+"""Request bodies (pydantic) and response bodies (OpenAI's shapes) of the HTTP server.
+
+Requests follow OpenAI's chat completions and completions APIs; unknown top-level
+fields are ignored (as OpenAI-compatible servers do), kvblend's own fields are strict.
+RAG extensions: `documents` (placed before the conversation, or before the question
+for /v1/completions) and `kvblend` (mode, recompute ratio, selection). Numbers are
+strict: `true` is not 1, 2.9 is not a token count. Values are checked once more by the
+engine (blend.request), so the Python API and the server accept the same requests.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from blend.conversation import Message
+from blend.document import Document
+from blend.generation import GenerationResult
+
+Number = StrictFloat | StrictInt
+Stop = StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None
+
+
+class DocumentIn(BaseModel):
+    """A document of a request: `text`, and optionally a stable `id` and a `title`."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: StrictStr
+    id: StrictStr | None = Field(None, min_length=1)
+    title: StrictStr | None = None
+
+    def to_document(self) -> Document:
+        return Document(self.text, id=self.id, title=self.title)
+
+
+class KVBlendOptions(BaseModel):
+    """How the engine treats the documents: mode, recompute ratio, token selection."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["full", "reuse", "prefix", "blend"] = "blend"
+    recompute_ratio: Number | None = None
+    selection: StrictStr | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, ... are ignored
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart] | None = None
+
+    def to_message(self) -> Message:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return Message(self.role, content or "")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Generation(BaseModel):
+    """Fields shared by both generation endpoints."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Number | None = None
+    top_p: Number | None = None
+    stop: Stop = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    documents: list[DocumentIn] = Field(default_factory=list, max_length=1024)
+    kvblend: KVBlendOptions = Field(default_factory=KVBlendOptions)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `BlendEngine.generate_stream` (None: the config's default)."""
+        return {"mode": self.kvblend.mode, "recompute_ratio": self.kvblend.recompute_ratio,
+                "selection": self.kvblend.selection, "max_new_tokens": self.max_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "stop": self.stop}
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kwargs = super().engine_kwargs()
+        if kwargs["max_new_tokens"] is None:
+            kwargs["max_new_tokens"] = self.max_completion_tokens
+        return kwargs
+
+
+class CompletionRequest(_Generation):
+    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+
+    def question(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class IngestRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    documents: list[DocumentIn] = Field(min_length=1, max_length=1024)
+
+
+# ------------------------------------------------------------------ responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(result: GenerationResult) -> dict[str, int]:
+    completion = len(result.token_ids)
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": result.prompt_tokens + completion}
+
+
+def kvblend_stats(result: GenerationResult, queued_s: float) -> dict[str, Any]:
+    """The per-response `kvblend` object: the request's statistics (RequestStats.to_dict),
+    the time it waited for the engine, and any warnings (e.g. a changed document)."""
+    return {**result.stats.to_dict(), "queue_s": queued_s, "finish_reason": result.finish_reason,
+            "warnings": list(result.warnings)}
+
+
+def chat_completion(rid: str, model: str, result: GenerationResult, queued_s: float) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                         "logprobs": None, "finish_reason": result.finish_reason}],
+            "usage": usage(result), "kvblend": kvblend_stats(result, queued_s)}
+
+
+def completion(rid: str, model: str, result: GenerationResult, queued_s: float) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
+            "usage": usage(result), "kvblend": kvblend_stats(result, queued_s)}
+
+
+def chat_chunk(rid: str, model: str, delta: dict[str, str], finish_reason: str | None = None,
+               **extra: Any) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}], **extra}
+
+
+def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None = None,
+                     **extra: Any) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}], **extra}
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

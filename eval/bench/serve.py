@@ -1,0 +1,334 @@
+"""`kvblend bench serve`: RAG requests through the real HTTP server at several levels of
+concurrency, and the server's TTFT against the in-process API's.
+
+Method: a `kvblend serve` process is started on a free loopback port (or `--url` names a
+running one) and the fixed document pool (the shipped sample documents, optionally cut
+to `doc_chars`) is ingested through POST /v1/documents. Every request is a streamed chat
+completion over `docs_per_request` documents of the pool (a fixed, seeded choice) and one
+of the sample questions. For each number of clients, that many threads send `requests`
+requests in all, each waiting for its previous answer; TTFT is measured by the client
+(send -> first non-empty content chunk), as are end-to-end time and throughput; the
+server's own TTFT, queue time and cache hits come from each response's `kvblend` stats.
+
+At 1 client the same requests also run in this process on a `BlendEngine` over the same
+config, interleaved with the HTTP ones (one HTTP request, then the same request
+in-process): in-process TTFT is call -> first non-empty `TextDelta`, the same definition.
+The target: server TTFT p50 <= 1.05 x in-process p50 + 20 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+TARGET_RATIO, TARGET_SLACK_S = 1.05, 0.020
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    question: str
+    documents: tuple[dict[str, str], ...]
+
+
+@dataclass
+class Sample:
+    """One measured request."""
+
+    ok: bool
+    ttft_s: float = 0.0  # client: send -> first content
+    e2e_s: float = 0.0
+    tokens: int = 0
+    server_ttft_s: float = 0.0
+    queue_s: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    error: str = ""
+
+
+@dataclass
+class Level:
+    clients: int
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        ok = [s for s in self.samples if s.ok]
+        hits, misses = sum(s.hits for s in ok), sum(s.misses for s in ok)
+        tokens = sum(s.tokens for s in ok)
+        return {
+            "clients": self.clients, "requests": len(self.samples), "ok": len(ok),
+            "lost": len(self.samples) - len(ok), "errors": sorted({s.error for s in self.samples if not s.ok}),
+            "wall_s": round(self.wall_s, 3),
+            "requests_per_s": round(len(ok) / self.wall_s, 3) if self.wall_s else None,
+            "tokens_per_s": round(tokens / self.wall_s, 2) if self.wall_s else None,
+            "ttft_p50_s": _pct([s.ttft_s for s in ok], 50), "ttft_p99_s": _pct([s.ttft_s for s in ok], 99),
+            "server_ttft_p50_s": _pct([s.server_ttft_s for s in ok], 50),
+            "queue_p50_s": _pct([s.queue_s for s in ok], 50), "e2e_p50_s": _pct([s.e2e_s for s in ok], 50),
+            "e2e_p99_s": _pct([s.e2e_s for s in ok], 99),
+            "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+        }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 4) if values else None
+
+
+def bench_requests(n: int, pool: list[dict[str, str]], per_request: int, seed: int = 0) -> list[BenchRequest]:
+    """`n` requests: sample questions in turn, each over a seeded choice of documents."""
+    from eval.samples import sample_questions
+
+    questions = [q["question"] for q in sample_questions()]
+    rng = random.Random(seed)
+    k = min(per_request, len(pool))
+    return [BenchRequest(questions[i % len(questions)], tuple(rng.sample(pool, k))) for i in range(n)]
+
+
+def document_pool(size: int | None, doc_chars: int | None) -> list[dict[str, str]]:
+    """The shipped sample documents as request documents (id = file name)."""
+    from eval.samples import sample_documents
+
+    docs = sample_documents()[: size or None]
+    return [{"id": name, "text": text[:doc_chars] if doc_chars else text} for name, text in docs]
+
+
+# ------------------------------------------------------------------ server
+class ServerProcess:
+    """A `kvblend serve` process on a free loopback port (SIGTERM on close)."""
+
+    def __init__(self, config: str, queue_size: int, log_path: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.log_path = log_path
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from blend.cli import main; raise SystemExit(main())", "serve", "--config",
+             config, "--port", str(port), "--queue-size", str(queue_size), "--served-model-name", "bench"],
+            stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvblend serve exited with {self.proc.returncode}: {log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"kvblend serve did not start within 600 s; see {log_path}")
+            time.sleep(0.25)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def send(http: httpx.Client, url: str, req: BenchRequest, max_tokens: int, kvblend: dict[str, Any],
+         model: str | None = None) -> Sample:
+    """One streamed chat completion; the client's timings and the server's stats."""
+    body = {"model": model, "messages": [{"role": "user", "content": req.question}], "stream": True,
+            "max_tokens": max_tokens, "documents": list(req.documents), "kvblend": kvblend}
+    t0 = time.perf_counter()
+    ttft = None
+    stats: dict[str, Any] = {}
+    try:
+        with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                return Sample(False, error=f"HTTP {response.status_code}")
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Sample(False, error=chunk["error"].get("type", "error"))
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                if ttft is None and (choice.get("delta", {}).get("content") or choice.get("finish_reason")):
+                    ttft = time.perf_counter() - t0
+                if "kvblend" in chunk:
+                    stats = chunk["kvblend"]
+    except httpx.HTTPError as err:
+        return Sample(False, error=type(err).__name__)
+    e2e = time.perf_counter() - t0
+    if not stats:
+        return Sample(False, error="no final chunk")
+    return Sample(True, ttft_s=ttft if ttft is not None else e2e, e2e_s=e2e, tokens=int(stats["new_tokens"]),
+                  server_ttft_s=float(stats["ttft_s"]), queue_s=float(stats["queue_s"]),
+                  hits=int(stats["documents"]["hits"]), misses=int(stats["documents"]["misses"]))
+
+
+def run_level(url: str, clients: int, requests: list[BenchRequest], max_tokens: int, kvblend: dict[str, Any],
+              after_each: Callable[[int, BenchRequest], None] | None = None, model: str | None = None) -> Level:
+    """`clients` threads share `requests` (each sends its next one when the previous is answered)."""
+    level = Level(clients)
+    lock = threading.Lock()
+    queue = list(enumerate(requests))
+
+    def client() -> None:
+        with httpx.Client(timeout=httpx.Timeout(600.0)) as http:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    i, req = queue.pop(0)
+                sample = send(http, url, req, max_tokens, kvblend, model)
+                with lock:
+                    level.samples.append(sample)
+                if after_each is not None:
+                    after_each(i, req)
+
+    threads = [threading.Thread(target=client, name=f"bench-client-{c}") for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    level.wall_s = time.perf_counter() - t0
+    return level
+
+
+def in_process_ttft(engine, req: BenchRequest, max_tokens: int, kvblend: dict[str, Any]) -> float:
+    """Call -> first non-empty TextDelta of `engine.generate_stream` (the API's TTFT)."""
+    from blend.document import Document
+    from blend.generation import TextDelta
+
+    docs = [Document(d["text"], id=d.get("id"), title=d.get("title")) for d in req.documents]
+    t0 = time.perf_counter()
+    ttft = None
+    for item in engine.generate_stream([{"role": "user", "content": req.question}], docs, max_new_tokens=max_tokens,
+                                       mode=kvblend["mode"], recompute_ratio=kvblend.get("recompute_ratio")):
+        if ttft is None and (not isinstance(item, TextDelta) or item.text):
+            ttft = time.perf_counter() - t0
+    return ttft if ttft is not None else time.perf_counter() - t0
+
+
+def compare_ttft(server_p50: float, in_process: list[float]) -> dict[str, Any]:
+    """The 1-client comparison: server TTFT p50 against the in-process p50 and the target."""
+    local_p50 = statistics.median(in_process)
+    target = TARGET_RATIO * local_p50 + TARGET_SLACK_S
+    return {"server_ttft_p50_s": server_p50, "in_process_ttft_p50_s": round(local_p50, 4),
+            "ratio": round(server_p50 / local_p50, 4) if local_p50 else None, "target_s": round(target, 4),
+            "within_target": server_p50 <= target, "in_process_samples": len(in_process)}
+
+
+def run_serve_bench(config: str, *, clients: list[int], requests: int, pool_size: int | None, docs_per_request: int,
+                    max_tokens: int, doc_chars: int | None, mode: str, ratio: float | None, url: str | None = None,
+                    compare: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The benchmark; returns the summary (see the module docstring)."""
+    pool = document_pool(pool_size, doc_chars)
+    reqs = bench_requests(requests, pool, docs_per_request)
+    kvblend: dict[str, Any] = {"mode": mode} | ({"recompute_ratio": ratio} if ratio is not None else {})
+    workdir = Path(tempfile.mkdtemp(prefix="kvblend-bench-serve-"))
+    server = None if url else ServerProcess(config, queue_size=max(clients) * 2, log_path=workdir / "server.log")
+    base = url or server.url
+    engine, model = None, None
+    try:
+        with httpx.Client(timeout=600) as http:
+            model = http.get(base + "/v1/models").json()["data"][0]["id"]
+            ingested = http.post(base + "/v1/documents", json={"documents": pool})
+            ingested.raise_for_status()
+            cached = sum(d["cached"] for d in ingested.json()["data"])
+            log(f"pool: {len(pool)} documents ingested ({cached} already cached); server {base}")
+            for req in reqs[:2]:  # warm the request path (the server warmed its engine at start)
+                send(http, base, req, max_tokens, kvblend, model)
+        comparison = None
+        if compare and 1 in clients:
+            from blend.document import Document
+            from blend.engine import BlendEngine
+
+            engine = BlendEngine.from_config(config)
+            engine.warmup()
+            engine.ingest([Document(d["text"], id=d["id"]) for d in pool])
+            for req in reqs[:2]:
+                in_process_ttft(engine, req, max_tokens, kvblend)
+        levels = []
+        local: list[float] = []
+        for n in clients:
+            after = None
+            if n == 1 and engine is not None:
+                def after(_i: int, req: BenchRequest) -> None:
+                    local.append(in_process_ttft(engine, req, max_tokens, kvblend))
+            level = run_level(base, n, reqs, max_tokens, kvblend, after_each=after, model=model)
+            if after is not None:  # the in-process runs took turns with the HTTP ones: not in the wall time
+                level.wall_s = sum(s.e2e_s for s in level.samples)
+            summary = level.summary()
+            levels.append(summary)
+            log(f"{n:>3} clients: {summary['ok']}/{summary['requests']} ok, {summary['requests_per_s']} req/s, "
+                f"TTFT p50 {summary['ttft_p50_s']} s p99 {summary['ttft_p99_s']} s, {summary['tokens_per_s']} tok/s, "
+                f"hit rate {summary['hit_rate']}")
+            if local and comparison is None and summary["ttft_p50_s"] is not None:
+                comparison = compare_ttft(summary["ttft_p50_s"], local)
+                log(f"  1 client: server TTFT p50 {comparison['server_ttft_p50_s']} s vs in-process "
+                    f"{comparison['in_process_ttft_p50_s']} s (target <= {comparison['target_s']} s: "
+                    f"{'met' if comparison['within_target'] else 'missed'})")
+    finally:
+        if engine is not None:
+            engine.close()
+        if server is not None:
+            server.close()
+    import torch
+
+    return {"config": config, "url": None if server else base, "model": model, "mode": mode, "recompute_ratio": ratio,
+            "pool": len(pool), "docs_per_request": docs_per_request, "doc_chars": doc_chars,
+            "requests_per_level": requests, "max_tokens": max_tokens, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "levels": levels, "in_process": comparison}
+
+
+def write_report(summary: dict[str, Any], out: Path) -> None:
+    """serve.json and serve.png (TTFT p50/p99 and requests/s per number of clients) under `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.json").write_text(json.dumps(summary, indent=2))
+    levels = [lv for lv in summary["levels"] if lv["ok"]]
+    xs = [lv["clients"] for lv in levels]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(xs, [lv["ttft_p50_s"] for lv in levels], marker="o", label="TTFT p50")
+    left.plot(xs, [lv["ttft_p99_s"] for lv in levels], marker="o", label="TTFT p99")
+    if summary.get("in_process"):
+        left.axhline(summary["in_process"]["in_process_ttft_p50_s"], color="black", linestyle=":",
+                     label="in-process p50 (1 client)")
+    left.set_xscale("log", base=2)
+    left.set_ylim(bottom=0)
+    left.set_xlabel("concurrent clients")
+    left.set_ylabel("seconds")
+    left.set_title("time to first token (client)")
+    left.legend()
+    right.plot(xs, [lv["requests_per_s"] for lv in levels], marker="o", color="tab:green")
+    right.set_xscale("log", base=2)
+    right.set_ylim(bottom=0)
+    right.set_xlabel("concurrent clients")
+    right.set_ylabel("requests / s")
+    right.set_title(f"throughput ({summary['mode']}, batch size 1)")
+    for ax in (left, right):
+        ax.set_xticks(xs, [str(x) for x in xs])
+    fig.tight_layout()
+    fig.savefig(out / "serve.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,438 @@
+"""`kvblend serve` end to end: a real server process on a free loopback port, a tiny
+model saved to a temp dir, the official `openai` client and plain HTTP.
+
+The in-process engine over the same saved model is the reference: the server must give
+the same tokens, streamed or not, one by one or concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from blend.engine import BlendEngine
+from tests.models import smollm2_tokenizer, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG = 20000  # tokens: minutes of decoding, so a test that relies on cancellation cannot pass without it
+DOCS = [
+    {"id": "carrow", "title": "Carrow Point", "text": "The lighthouse at Carrow Point was built in 1871 by Maud Tillery."},
+    {"id": "ostend", "text": "Tillery later moved to Ostend, where she designed a tidal mill with four wheels."},
+    {"text": "The Carrow Point light flashes white every twelve seconds."},
+]
+QUESTIONS = ["Who built the lighthouse?", "Where did Tillery move?", "How often does the light flash?",
+             "What did Tillery design?", "When was the lighthouse built?", "How many wheels?",
+             "Who is Maud Tillery?", "What colour is the light?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `kvblend serve` process; `stop()` sends SIGTERM and waits for it to exit."""
+
+    def __init__(self, config: Path, workdir: Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = workdir / f"server-{self.port}.log"
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        code = "from blend.cli import main; raise SystemExit(main())"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, "serve", "--config", str(config), "--port", str(self.port),
+             "--served-model-name", "tiny", *args],
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=workdir)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        pytest.fail(f"server did not start:\n{self.log.read_text()}")
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kwargs)
+
+
+def sample(metrics: dict, name: str, **labels: str) -> float:
+    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    lm = tiny_model("llama", tokenizer=smollm2_tokenizer(), max_position_embeddings=32768)
+    lm.model.save_pretrained(root / "model")
+    smollm2_tokenizer().save_pretrained(root / "model")
+    config = root / "serve.yaml"
+    config.write_text(f"""
+model: {root / "model"}
+device: cpu
+engine:
+  chunk_tokens: 16
+  max_new_tokens: 8
+  sessions_dir: {root / "sessions"}
+store:
+  kv_dtype: float32
+  tiers:
+    - {{kind: cpu, budget: 64MiB}}
+""")
+    return root, config
+
+
+@pytest.fixture(scope="module")
+def server(setup):
+    root, config = setup
+    server = Server(config, root, "--queue-size", "8", "--request-timeout", "600")
+    yield server
+    code = server.stop()
+    assert code == 0, server.log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def engine(setup):
+    _, config = setup
+    with BlendEngine.from_config(config) as engine:
+        yield engine
+
+
+def chat_body(question: str, docs=DOCS, **extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": question}], "documents": docs, **extra}
+
+
+def test_openai_client_gets_the_in_process_tokens(server, engine):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": QUESTIONS[0]}]
+    for options in ({"max_tokens": 12}, {"max_tokens": 10, "temperature": 0.8, "top_p": 0.9, "seed": 11}):
+        expected = engine.generate(messages, DOCS, mode="blend", max_new_tokens=options["max_tokens"],
+                                   temperature=options.get("temperature"), top_p=options.get("top_p"),
+                                   seed=options.get("seed"))
+        reply = client.chat.completions.create(model="tiny", messages=messages, extra_body={"documents": DOCS},
+                                               **options)
+        assert reply.choices[0].message.content == expected.text
+        assert reply.choices[0].finish_reason == expected.finish_reason
+        assert reply.usage.completion_tokens == len(expected.token_ids)
+        assert reply.usage.prompt_tokens == expected.prompt_tokens
+        stream = client.chat.completions.create(model="tiny", messages=messages, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"documents": DOCS}, **options)
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == expected.text
+        finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(finals) == 1 and finals[0].choices[0].finish_reason == expected.finish_reason
+        assert finals[0].model_extra["kvblend"]["new_tokens"] == len(expected.token_ids)
+        assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+    completion = client.completions.create(model="tiny", prompt=QUESTIONS[1], max_tokens=6,
+                                           extra_body={"documents": DOCS, "kvblend": {"mode": "full"}})
+    expected = engine.generate(QUESTIONS[1], DOCS, mode="full", max_new_tokens=6)
+    assert completion.choices[0].text == expected.text
+    streamed = client.completions.create(model="tiny", prompt=QUESTIONS[1], max_tokens=6, stream=True,
+                                         extra_body={"documents": DOCS, "kvblend": {"mode": "full"}})
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
+
+
+def test_documents_hit_the_cache_on_the_second_request(server, engine):
+    docs = [{"id": "fresh", "title": "Harrow", "text": "The Harrow bridge was finished in 1888 by forty masons."},
+            {"text": "Its central arch spans sixty metres over the river Dell."}]
+    body = chat_body("When was the bridge finished?", docs, max_tokens=3, kvblend={"mode": "blend",
+                                                                                  "recompute_ratio": 0.3})
+    first = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()["kvblend"]
+    second = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()["kvblend"]
+    chunks = first["documents"]["misses"]
+    assert chunks >= 2 and first["documents"]["hits"] == 0
+    assert second["documents"] == {"hits": chunks, "misses": 0} and second["hits_by_tier"]["cpu"] >= chunks
+    assert second["recompute_ratio"] == 0.3 and 0 < second["recomputed_tokens"] < second["context_tokens"]
+    assert second["ttft_s"] > 0 and second["warnings"] == []
+
+    # ingest: per document its id, keys and whether it was cached; the keys are the engine's
+    ingested = httpx.post(server.url + "/v1/documents", json={"documents": docs}, timeout=120).json()["data"]
+    local = engine.ingest([{"id": "fresh", "title": "Harrow", "text": docs[0]["text"]}, docs[1]["text"]])
+    assert [d["id"] for d in ingested] == [d.id for d in local]
+    assert [d["keys"] for d in ingested] == [list(d.keys) for d in local]
+    assert [d["cached"] for d in ingested] == [True, True]
+    deleted = httpx.delete(server.url + "/v1/documents/fresh", timeout=60)
+    assert deleted.status_code == 200 and deleted.json()["keys"] == ingested[0]["keys"]
+    assert httpx.delete(server.url + "/v1/documents/fresh", timeout=60).status_code == 404
+    third = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()["kvblend"]
+    assert third["documents"] == {"hits": len(ingested[1]["keys"]), "misses": len(ingested[0]["keys"])}
+    changed = chat_body("When?", [{"id": "fresh", "text": docs[0]["text"]}], max_tokens=1)
+    warned = httpx.post(server.url + "/v1/chat/completions", json=changed, timeout=120).json()["kvblend"]
+    assert len(warned["warnings"]) == 1 and "fresh" in warned["warnings"][0]
+
+
+def test_concurrent_requests_equal_sequential_ones(server):
+    bodies = [chat_body(q, DOCS[: 1 + i % 3], max_tokens=6) for i, q in enumerate(QUESTIONS)]
+
+    def send(body: dict) -> tuple[int, str]:
+        response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+        return response.status_code, response.json()["choices"][0]["message"]["content"]
+
+    one_by_one = [send(b) for b in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(send, bodies))
+    assert together == one_by_one and {status for status, _ in together} == {200}
+    assert len({text for _, text in together}) > 1  # the requests really differ
+
+
+def test_metrics_count_what_was_sent(server):
+    before = server.metrics()
+    client = server.client()
+    replies = [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": q}], max_tokens=4,
+                                              extra_body={"documents": DOCS[:2]}) for q in QUESTIONS[:3]]
+    full = client.completions.create(model="tiny", prompt=QUESTIONS[3], max_tokens=2,
+                                     extra_body={"documents": DOCS[:1], "kvblend": {"mode": "full"}})
+    bad = httpx.post(server.url + "/v1/chat/completions", json=chat_body("q", max_tokens=0), timeout=30)
+    assert bad.status_code == 422
+    invalid = httpx.post(server.url + "/v1/chat/completions", json=chat_body("q", temperature=-1), timeout=30)
+    assert invalid.status_code == 400
+    after = server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert delta("kvblend_requests_total", endpoint="chat", mode="blend", status="200") == 3
+    assert delta("kvblend_requests_total", endpoint="completions", mode="full", status="200") == 1
+    assert delta("kvblend_requests_total", endpoint="chat", mode="blend", status="400") == 1
+    assert delta("kvblend_ttft_seconds_count", mode="blend") == 3
+    assert delta("kvblend_request_seconds_count", mode="full") == 1
+    assert delta("kvblend_generated_tokens_total", mode="blend") == sum(r.usage.completion_tokens for r in replies)
+    assert delta("kvblend_prompt_tokens_total", mode="blend") == sum(r.usage.prompt_tokens for r in replies)
+    assert delta("kvblend_prompt_tokens_total", mode="full") == full.usage.prompt_tokens
+    blend_recomputed = sum(r.model_extra["kvblend"]["recomputed_tokens"] for r in replies)
+    assert delta("kvblend_recomputed_tokens_total", mode="blend") == blend_recomputed
+    hits = sum(r.model_extra["kvblend"]["documents"]["hits"] for r in replies)
+    assert hits > 0 and delta("kvblend_cache_lookups_total", kind="documents", result="hit") == hits
+    assert delta("kvblend_cache_tier_hits_total", tier="cpu") == sum(
+        r.model_extra["kvblend"]["hits_by_tier"].get("cpu", 0) for r in replies)
+    assert sample(after, "kvblend_queue_depth") == 0 and sample(after, "kvblend_queue_capacity") == 8
+    assert ("kvblend_exposed_load_seconds_total", ()) in after
+
+
+def test_a_client_that_disconnects_frees_the_engine(server):
+    before = server.metrics()
+    body = chat_body("Tell me everything.", max_tokens=LONG, stream=True)
+    with httpx.Client(timeout=120) as http, http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # the first chunks, then the client goes away
+        assert got[0].startswith("data: ")
+    # a non-streaming client that gives up (read timeout) is cancelled too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=chat_body("Go on.", max_tokens=LONG), timeout=3)
+    # the next request is served (behind the two long ones only if they were not cancelled)
+    reply = httpx.post(server.url + "/v1/chat/completions", json=chat_body(QUESTIONS[0], max_tokens=3), timeout=300)
+    assert reply.status_code == 200
+    deadline = time.monotonic() + 30
+    while True:  # the streaming handler records its end when the server notices the disconnect
+        after = server.metrics()
+        cancelled = sample(after, "kvblend_requests_total", endpoint="chat", mode="blend", status="499") - sample(
+            before, "kvblend_requests_total", endpoint="chat", mode="blend", status="499")
+        if cancelled == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert cancelled == 2
+    generated = sample(after, "kvblend_generated_tokens_total", mode="blend") - sample(
+        before, "kvblend_generated_tokens_total", mode="blend")
+    assert 3 <= generated < LONG  # the long generations stopped early
+
+
+def test_a_full_queue_answers_503_with_retry_after(server):
+    body = chat_body("Keep going.", max_tokens=LONG, stream=True)
+    clients, held = [], []
+    try:
+        http = httpx.Client(timeout=300)
+        clients.append(http)
+        running = http.stream("POST", server.url + "/v1/chat/completions", json=body)
+        lines = running.__enter__().iter_lines()
+        held += [running, lines]  # a dropped line iterator closes the response, too
+        next(lines)  # it runs on the engine now
+
+        for _ in range(8):  # the queue holds 8
+            waiter = httpx.Client(timeout=300)
+            clients.append(waiter)
+            pending = waiter.stream("POST", server.url + "/v1/chat/completions", json=body)
+            held.append(pending)  # referenced until the end: a collected stream closes its connection
+            threading.Thread(target=_enter_quietly, args=(pending,), daemon=True).start()
+        deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/health", timeout=10).json()["queue_depth"] < 9:
+            assert time.monotonic() < deadline, "requests did not queue up"
+            time.sleep(0.1)
+        refused = httpx.post(server.url + "/v1/chat/completions", json=chat_body("Me too?", max_tokens=2), timeout=30)
+        assert refused.status_code == 503
+        assert int(refused.headers["retry-after"]) >= 1
+        assert "busy" in refused.json()["error"]["message"]
+    finally:
+        for http in clients:
+            http.close()  # disconnect everyone: the running job stops, the queued ones are skipped
+    deadline = time.monotonic() + 120
+    while httpx.get(server.url + "/health", timeout=10).json()["queue_depth"] > 0:
+        assert time.monotonic() < deadline, "cancelled requests still occupy the engine"
+        time.sleep(0.2)
+    reply = httpx.post(server.url + "/v1/chat/completions", json=chat_body(QUESTIONS[1], max_tokens=2), timeout=120)
+    assert reply.status_code == 200
+
+
+def _enter_quietly(stream) -> None:
+    try:
+        stream.__enter__()
+    except httpx.HTTPError:
+        pass  # the test closes the client
+
+
+MALFORMED = [
+    ("chat", b"{not json", 400),
+    ("chat", b"[1, 2]", 422),
+    ("chat", b'"just a string"', 422),
+    ("chat", {}, 422),
+    ("chat", {"messages": "hello"}, 422),
+    ("chat", {"messages": []}, 422),
+    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, 422),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, 422),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 422),
+    ("chat", {"messages": [{"role": "system", "content": "only a system message"}]}, 400),
+    ("chat", {"messages": [{"role": "user", "content": "   "}]}, 400),
+    ("chat", {"max_tokens": 0}, 422),
+    ("chat", {"max_tokens": 2.9}, 422),
+    ("chat", {"max_tokens": True}, 422),
+    ("chat", {"max_tokens": "8"}, 422),
+    ("chat", {"temperature": -1}, 400),
+    ("chat", {"temperature": "hot"}, 422),
+    ("chat", {"temperature": True}, 422),
+    ("chat", {"top_p": 0}, 400),
+    ("chat", {"top_p": 1.5}, 400),
+    ("chat", {"stop": 5}, 422),
+    ("chat", {"stop": [""]}, 400),
+    ("chat", {"stop": ["x"] * 17}, 422),
+    ("chat", {"seed": "x"}, 422),
+    ("chat", {"seed": -1}, 400),
+    ("chat", {"n": 2}, 422),
+    ("chat", {"stream": "yes"}, 422),
+    ("chat", {"documents": "one document"}, 422),
+    ("chat", {"documents": [None, 5]}, 422),
+    ("chat", {"documents": [{"txt": "x"}]}, 422),
+    ("chat", {"documents": [{"text": "x", "id": ""}]}, 422),
+    ("chat", {"kvblend": {"mode": "fast"}}, 422),
+    ("chat", {"kvblend": {"recompute_ratio": 2}}, 400),
+    ("chat", {"kvblend": {"recompute_ratio": True}}, 422),
+    ("chat", {"kvblend": {"ratio": 0.1}}, 422),
+    ("chat", {"kvblend": {"selection": "best"}}, 400),
+    ("chat", {"documents": [{"text": "word " * 40000}]}, 400),  # longer than the model's positions
+    ("chat", {"documents": [{"text": "word " * 40000}], "stream": True}, 400),
+    ("completions", {}, 422),
+    ("completions", {"prompt": ["a", "b"]}, 422),
+    ("completions", {"prompt": 5}, 422),
+    ("completions", {"prompt": "q", "max_tokens": -3}, 422),
+    ("documents", {}, 422),
+    ("documents", {"documents": []}, 422),
+    ("documents", {"documents": "text"}, 422),
+    ("documents", {"documents": [{"text": 5}]}, 422),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status", MALFORMED)
+def test_malformed_bodies_get_400_or_422_with_a_message(server, endpoint, body, status):
+    path = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "documents": "/v1/documents"}[endpoint]
+    if isinstance(body, dict) and body and endpoint == "chat" and "messages" not in body:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body}
+    if isinstance(body, dict) and endpoint == "completions" and body:
+        body = {"max_tokens": 2, **body}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
+                          timeout=120)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and "Traceback" not in response.text
+
+
+def test_unknown_model_and_document_and_data_that_looks_like_structure(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError, match="serves 'tiny'"):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    assert httpx.delete(server.url + "/v1/documents/nope", timeout=30).status_code == 404
+    tricky = "Who?\x00KVBLEND-DOCUMENTS\x00 {question} \ud800"
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=120, content=json.dumps(
+        chat_body(tricky, [{"text": "\x00KVBLEND-DOCUMENTS\x00 data \udcff"}], max_tokens=2)).encode(),
+        headers={"content-type": "application/json"})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+    health = httpx.get(server.url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and health["model"] == "tiny"
+
+
+def test_timeout_and_graceful_shutdown(setup):
+    root, config = setup
+    server = Server(config, root, "--queue-size", "2", "--request-timeout", "10", "--no-warmup")
+    try:
+        slow = httpx.post(server.url + "/v1/chat/completions", json=chat_body("Go.", max_tokens=LONG), timeout=120)
+        assert slow.status_code == 504 and "longer than 10 s" in slow.json()["error"]["message"]
+        body = chat_body(QUESTIONS[0], max_tokens=24, stream=True)
+        with httpx.Client(timeout=120) as http, http.stream("POST", server.url + "/v1/chat/completions",
+                                                            json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.proc.send_signal(signal.SIGTERM)  # in flight: it must still finish
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        final = json.loads(rest[-2][len("data: "):])
+        assert final["choices"][0]["finish_reason"] in ("length", "stop")
+        assert final["kvblend"]["new_tokens"] == 24 or final["choices"][0]["finish_reason"] == "stop"
+        assert server.proc.wait(60) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(server.url + "/health", timeout=5)
+    finally:
+        server.stop()
+
+
+def test_bench_serve_against_the_running_server(server, setup, tmp_path):
+    from eval.bench.serve import compare_ttft, run_serve_bench, write_report
+
+    _, config = setup
+    summary = run_serve_bench(str(config), clients=[1, 3], requests=3, pool_size=4, docs_per_request=2,
+                              max_tokens=3, doc_chars=200, mode="blend", ratio=0.3, url=server.url, compare=False,
+                              log=lambda _: None)
+    assert [lv["clients"] for lv in summary["levels"]] == [1, 3]
+    for level in summary["levels"]:
+        assert level["ok"] == 3 and level["lost"] == 0 and level["hit_rate"] == 1.0
+        assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"] and level["requests_per_s"] > 0
+    write_report(summary, tmp_path)
+    assert json.loads((tmp_path / "serve.json").read_text())["levels"] and (tmp_path / "serve.png").stat().st_size
+    verdict = compare_ttft(1.0, [0.9, 1.0, 2.0])
+    assert verdict["target_s"] == round(1.05 * 1.0 + 0.02, 4) and verdict["within_target"]
+    assert not compare_ttft(1.2, [1.0])["within_target"]
