@@ -343,10 +343,12 @@ RANDOM_SHAPES: dict[str, RandomShape] = {
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
         rope_parameters=_LLAMA3_ROPE, tie_word_embeddings=True)),
-    "llama-3-8b": RandomShape("llama", dict(
+    "llama-3-8b": RandomShape("llama", dict(  # Llama-3.1-8B: 128k positions through llama3 RoPE scaling
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False)),
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=False)),
     "qwen2.5-7b": RandomShape("qwen2", dict(  # Qwen2 always has q/k/v biases
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
         num_key_value_heads=4, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,

@@ -304,11 +304,23 @@ class PrefillCosts:
             return found
 
     def observe(self, rows_per_layer: Sequence[int], seconds: float) -> None:
-        """One request computed `rows_per_layer[l]` rows in layer l in `seconds` (not waiting for loads)."""
+        """One request computed `rows_per_layer[l]` rows in layer l in `seconds` (not waiting for loads).
+
+        A request of about the same size as a kept sample (rows within 15%) updates that
+        sample instead of adding one: a faster time replaces it at once, a slower one moves
+        it half way. So the first request of a process (kernel selection, allocator warm-up,
+        several times slower on a GPU) or a busy moment cannot stand for the model's speed,
+        while a lasting slowdown still shows within a few requests."""
         if seconds <= 0 or not rows_per_layer or sum(rows_per_layer) <= 0:
             return
+        layers, rows, seconds = len(rows_per_layer), int(sum(rows_per_layer)), float(seconds)
         with self._lock:
-            self._samples.append((len(rows_per_layer), int(sum(rows_per_layer)), float(seconds)))
+            for i, (n0, r0, t0) in enumerate(self._samples):
+                if n0 == layers and abs(r0 - rows) <= 0.15 * max(r0, rows):
+                    scaled = seconds * r0 / rows  # this request's time at the sample's size
+                    self._samples[i] = (n0, r0, scaled if scaled <= t0 else 0.5 * (t0 + scaled))
+                    return
+            self._samples.append((layers, rows, seconds))
 
     def layer_cost(self) -> tuple[float, float] | None:
         """(c0 seconds per layer, c1 seconds per row per layer), or None before any observation."""

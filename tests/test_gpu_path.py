@@ -114,4 +114,5 @@ def test_cuda_staged_loader_matches_full_prefill_at_ratio_one_and_greedy_tokens(
         assert reuse.stats.load.copies > 0 and reuse.stats.bytes_loaded > 0
         blend = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.15, max_new_tokens=4)
         assert torch.isfinite(blend.first_token_logprobs).all()
-        assert blend.stats.load.copies <= blend.stats.load.layers_loaded * 4  # 4 cached segments
+        segments = sum(1 for s in engine.build_prompt(QUESTION, DOCS).segments if s.kind != "query")
+        assert blend.stats.load.copies <= blend.stats.load.layers_loaded * segments  # at most one copy per segment
