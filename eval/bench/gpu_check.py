@@ -288,7 +288,9 @@ def profile_stage(check: Check) -> dict[str, Any]:
                     "context_tokens": s.context_tokens}
                 sort_key = "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
                 text.append(f"=== {mode} (ratio {ratio}): {json.dumps(result[f'{mode}_{ratio}'])}\n")
-                text.append(events.table(sort_by=sort_key, row_limit=35))
+                text.append(events.table(sort_by=sort_key, row_limit=30))
+                text.append(f"--- {mode}: by host (CPU) time")
+                text.append(events.table(sort_by="self_cpu_time_total", row_limit=25))
                 (check.out / "profile.txt").write_text("\n".join(text))
                 (check.out / "profile.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
             result["attention_ms"] = attention_variants(engine.runner, len(engine.build_prompt(BENCH_QUESTION, docs)))
