@@ -322,28 +322,47 @@ class PrefillCosts:
                     return
             self._samples.append((layers, rows, seconds))
 
-    def layer_cost(self) -> tuple[float, float] | None:
-        """(c0 seconds per layer, c1 seconds per row per layer), or None before any observation."""
+    def layer_cost(self) -> LayerCost | None:
+        """Seconds per layer as a function of the rows it computes, or None before any observation."""
         with self._lock:
             samples = list(self._samples)
         if not samples:
             return None
-        x0 = [float(n) for n, _, _ in samples]  # layers
-        x1 = [float(r) for _, r, _ in samples]  # rows summed over layers
-        y = [t for _, _, t in samples]
-        proportional = (0.0, sum(y) / sum(x1))
-        spread = max(r / n for n, r, _ in samples) / min(r / n for n, r, _ in samples)
-        if len(samples) < 2 or spread < 1.5:
-            return proportional
-        a00, a01, a11 = sum(v * v for v in x0), sum(a * b for a, b in zip(x0, x1, strict=True)), sum(v * v for v in x1)
-        b0, b1 = sum(a * b for a, b in zip(x0, y, strict=True)), sum(a * b for a, b in zip(x1, y, strict=True))
-        det = a00 * a11 - a01 * a01
-        if det <= 0:
-            return proportional
-        c0, c1 = (b0 * a11 - b1 * a01) / det, (a00 * b1 - a01 * b0) / det
-        if c1 <= 0 or c0 < 0:  # no fixed cost visible, or noise: proportional through the origin
-            return proportional
-        return c0, c1
+        return LayerCost(sorted((r / n, t / n) for n, r, t in samples))
+
+
+class LayerCost:
+    """Seconds one layer takes for r rows, interpolated through observed (rows, seconds) points.
+
+    Between points: linear; below the smallest: that point's time (a layer's fixed cost:
+    launches, weights read once); above the largest: proportional to rows. Times are made
+    non-decreasing in rows (a noisy small request cannot make a larger one look cheaper).
+    A GPU layer costs about the same for 20 rows as for 500 (launch-bound) and grows with
+    rows only past a few thousand: a single straight line fits both ends badly.
+    """
+
+    def __init__(self, points: list[tuple[float, float]]):
+        merged: list[tuple[float, float]] = []
+        for rows, seconds in points:
+            if merged and rows <= merged[-1][0] * 1.0001:
+                merged[-1] = (merged[-1][0], min(merged[-1][1], seconds))
+            else:
+                merged.append((rows, seconds))
+        best = 0.0
+        self.points = []
+        for rows, seconds in merged:
+            best = max(best, seconds)
+            self.points.append((rows, best))
+
+    def __call__(self, rows: float) -> float:
+        pts = self.points
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        for (r0, t0), (r1, t1) in zip(pts, pts[1:], strict=False):
+            if rows <= r1:
+                return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        r_max, t_max = pts[-1]
+        return t_max * rows / r_max
 
 
 class LoadCosts:

@@ -18,7 +18,7 @@ prefill), so the predicted time never exceeds a full prefill's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from blend.pipeline import Placement
@@ -76,19 +76,25 @@ def load_from_layer(ratio: float, loaded_tokens: int, check_layers: Sequence[int
     return partial[0] if partial else num_layers
 
 
-def simulate(rows: Sequence[int], load_per_layer: float, load_from: int, cost: tuple[float, float],
-             place_in_compute: float = 0.0, start: float = 0.0) -> tuple[float, float, float]:
+def simulate(rows: Sequence[int], load_per_layer: float, load_from: int,
+             cost: Callable[[float], float] | tuple[float, float], place_in_compute: float = 0.0,
+             start: float = 0.0) -> tuple[float, float, float]:
     """Predicted (prefill seconds, compute seconds, load seconds) of a layer loop.
 
-    Layer l computes `rows[l]` rows in c0 + c1 x rows seconds, after layer l-1 and after its
+    Layer l computes `rows[l]` rows in cost(rows) seconds (a (c0, c1) pair: c0 + c1 x rows), after layer l-1 and after its
     KV is loaded (layers >= load_from each take `load_per_layer`, back to back from time
     0); the loop itself starts at `start` (after other compute). `place_in_compute` is
     per-layer placement work that runs on the compute threads (CPU) rather than beside them.
     """
-    c0, c1 = cost
+    if isinstance(cost, tuple):
+        c0, c1 = cost
+
+        def cost(r: float, c0: float = c0, c1: float = c1) -> float:
+            return c0 + c1 * r
+
     done, loaded, compute = start, 0.0, 0.0
     for layer, r in enumerate(rows):
-        t = c0 + c1 * r
+        t = cost(r)
         if layer >= load_from:
             loaded += load_per_layer
             t += place_in_compute
@@ -210,11 +216,15 @@ class Splitter:
         """Feed one finished request (its prefill timed to the logits) into the cost model.
 
         Requests that computed chunk misses are skipped for compute (their prefill time
-        includes that work); every request with loads updates the load estimates."""
+        includes that work), and so are requests that read from a tier other than CPU
+        memory: disk and Redis reads run beside the compute and slow it (threads, the GIL),
+        which is the load's cost, not the model's. Every request with loads updates the
+        load estimates."""
         rows = rows_per_layer(stats, num_layers)
         misses = stats.documents.misses + stats.system.misses + stats.prefix_blocks.misses
         load = stats.load
-        if rows is not None and not (stats.mode in ("blend", "reuse") and misses):
+        slow_reads = any(self.tier_kinds.get(name, name) not in ("cpu", "computed") for name in load.bytes_by_tier)
+        if rows is not None and not (stats.mode in ("blend", "reuse") and misses) and not slow_reads:
             self.prefill.observe(rows, stats.compute_s)
         if load.bytes_by_tier:
             self.loads.observe(dict(load.bytes_by_tier), dict(load.read_s_by_tier), load.place_s)

@@ -174,8 +174,15 @@ def test_cost_model_fit_and_plan_arithmetic():
     assert prefill.layer_cost() is None
     for rows in (100, 400, 1000):  # 1 ms per layer + 10 us per row
         prefill.observe([rows] * 4, 4 * (1e-3 + 1e-5 * rows))
-    c0, c1 = prefill.layer_cost()
-    assert c0 == pytest.approx(1e-3, rel=1e-6) and c1 == pytest.approx(1e-5, rel=1e-6)
+    cost = prefill.layer_cost()
+    for rows in (100, 400, 700, 1000):  # through the points, linear between them
+        assert cost(rows) == pytest.approx(1e-3 + 1e-5 * rows, rel=1e-6)
+    assert cost(10) == pytest.approx(cost(100))  # below the smallest: a layer's fixed cost
+    assert cost(2000) == pytest.approx(2 * cost(1000))  # above the largest: proportional to rows
+    prefill.observe([400] * 4, 4 * 9e-3)  # a slow run (cold start, busy moment) moves it only half way up
+    assert prefill.layer_cost()(400) == pytest.approx((5e-3 + 9e-3) / 2)
+    prefill.observe([410] * 4, 4 * 3e-3 * 410 / 400)  # a faster run of about that size is believed at once
+    assert prefill.layer_cost()(400) == pytest.approx(3e-3)
     loads = LoadCosts("cpu")
     loads.observe({"disk": 4 << 20}, {"disk": 0.004}, 0.001)
     assert loads.read_seconds("disk", "disk", 1 << 20) == pytest.approx(0.001)
