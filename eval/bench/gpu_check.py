@@ -233,6 +233,24 @@ def bench_stage(check: Check, timeout: int) -> dict[str, Any]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def load_stage(check: Check, timeout: int) -> dict[str, Any]:
+    """`kvblend bench load` of the disk and cpu tiers with the 8B KV shape (32 layers, 8 KV heads,
+    head_dim 128, 512-token chunks, bf16): tier read bandwidth against raw cold reads of the
+    same bytes on this machine's disk (page cache dropped)."""
+    scratch = Path(tempfile.mkdtemp(prefix="kvblend-bench-load-"))
+    try:
+        out = scratch / "load.json"
+        cmd = [sys.executable, "-m", "blend.cli", "bench", "load", "--tier", "disk,cpu", "--size-mb", "512",
+               "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--chunk-tokens", "512",
+               "--kv-dtype", "bfloat16", "--rounds", "3", "--json"]
+        with out.open("w") as fh:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=check.log, timeout=timeout).returncode
+        lines = [line for line in out.read_text().splitlines() if line.strip()]
+        return {"returncode": rc, "result": json.loads(lines[-1]) if lines else None}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def profile_stage(check: Check) -> dict[str, Any]:
     """Profile one blend request of random:llama-3-8b (bf16, 24 x 512 tokens, cpu tier)."""
     import torch
@@ -345,7 +363,7 @@ def attention_variants(runner: Any, n: int, share: float = 0.15) -> dict[str, An
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.bench.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for the (at most 8) result files")
-    p.add_argument("--skip", default="", help="comma-separated stages to skip: pytest, smoke, bench, profile")
+    p.add_argument("--skip", default="", help="comma-separated stages to skip: pytest, smoke, bench, profile, load")
     p.add_argument("--budget", type=int, default=470, help="seconds for the whole run (default 470)")
     args = p.parse_args(argv)
     os.chdir(ROOT)
@@ -361,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         check.stage("bench", lambda: bench_stage(check, limit - 10), limit)
     if "profile" not in skip:
         check.stage("profile", lambda: profile_stage(check), 100)
+    if "load" not in skip:
+        check.stage("load", lambda: load_stage(check, max(10, check.left() - 40)), 90)
     if "pytest" not in skip:
         check.stage("pytest", lambda: pytest_stage(check, max(10, check.left() - 5)), 90)
     failed = [name for name, s in check.doc["stages"].items() if s["status"] != "ok"]
