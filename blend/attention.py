@@ -30,6 +30,7 @@ disagrees with the reference candidate is never chosen.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -303,15 +304,29 @@ def cuda_event_timer(name: str, fn: Callable[[], torch.Tensor]) -> float:
     return begin.elapsed_time(end) / 1e3
 
 
+def wall_timer(name: str, fn: Callable[[], torch.Tensor]) -> float:
+    """Seconds of one call of fn by the host clock (CPU tensors: the call is synchronous)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 @dataclass(frozen=True)
 class Tuning:
-    """What the tuner measured for one shape bucket: the best of its repeats per exact
-    candidate (seconds) and why the others were left out."""
+    """What the tuner measured for one shape bucket: per exact candidate the best of its
+    repeats and its first (cold) call, in seconds; why the others were left out."""
 
     bucket: tuple[int, int]
     winner: str
     seconds: dict[str, float] = field(default_factory=dict)
+    cold_seconds: dict[str, float] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready: milliseconds rounded to microseconds."""
+        return {"bucket": list(self.bucket), "winner": self.winner,
+                "ms": {k: round(t * 1e3, 3) for k, t in self.seconds.items()},
+                "cold_ms": {k: round(t * 1e3, 3) for k, t in self.cold_seconds.items()}, "rejected": self.rejected}
 
 
 def exact_tolerance(dtype: torch.dtype) -> float:
@@ -323,16 +338,16 @@ def exact_tolerance(dtype: torch.dtype) -> float:
 class AttentionTuner:
     """Picks the fastest exact attention strategy per shape bucket by measuring once.
 
-    `choose` runs every candidate once (warm-up, and the exactness check against the first
-    candidate's output), then times the survivors `repeats` times interleaved with `timer`
+    `choose` runs every candidate once (timed as its cold call, and checked against the
+    first candidate's output), then times the survivors `repeats` times interleaved with `timer`
     and keeps the fastest's name for the bucket. Only exact strategies are ever offered;
     one that raises or disagrees with the reference is recorded in `tunings` and skipped.
     """
 
-    def __init__(self, timer: Timer | None = None, repeats: int = 3):
+    def __init__(self, timer: Timer = cuda_event_timer, repeats: int = 3):
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
-        self.timer = timer or cuda_event_timer
+        self.timer = timer
         self.repeats = repeats
         self.tunings: dict[tuple[int, int], Tuning] = {}
 
@@ -346,28 +361,31 @@ class AttentionTuner:
         """Measure the candidates (name -> one call, the reference first) for `bucket`.
 
         Returns the winner's name and the output of its first call. Records the result in
-        `tunings`. Raises the reference's error when no candidate runs at all.
+        `tunings` (with each candidate's first, cold call: kernel selection and plan building
+        happen there). Raises the reference's error when no candidate runs at all.
         """
         outputs: dict[str, torch.Tensor] = {}
+        cold: dict[str, float] = {}
         rejected: dict[str, str] = {}
         first_error: RuntimeError | None = None
-        reference = None
+        reference, limit = None, 0.0
         for name, fn in runs.items():
             try:
-                out = fn()
+                cold[name] = self.timer(name, lambda fn=fn, name=name: outputs.setdefault(name, fn()))
             except RuntimeError as err:  # a kernel that does not take this shape, dtype or device
-                rejected[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
+                text = str(err).splitlines()[0] if str(err) else ""
+                rejected[name] = f"{type(err).__name__}: {text}"[:200]
                 first_error = first_error or err
                 continue
+            out = outputs[name]
             if reference is None:
                 reference = out
                 limit = exact_tolerance(out.dtype) * (1.0 + float(out.float().abs().max()))
-            else:
-                diff = float((out.float() - reference.float()).abs().max())
-                if not diff <= limit:  # also rejects NaN
-                    rejected[name] = f"inexact: max abs diff {diff:.3g} > {limit:.3g}"
-                    continue
-            outputs[name] = out
+                continue
+            diff = float((out.float() - reference.float()).abs().max())
+            if not diff <= limit:  # also rejects NaN
+                rejected[name] = f"inexact: max abs diff {diff:.3g} > {limit:.3g}"
+                del outputs[name], cold[name]
         if not outputs:
             raise first_error or ValueError("no attention candidates to choose from")
         seconds = dict.fromkeys(outputs, math.inf)
@@ -375,5 +393,5 @@ class AttentionTuner:
             for name in outputs:
                 seconds[name] = min(seconds[name], self.timer(name, runs[name]))
         winner = min(seconds, key=seconds.__getitem__)
-        self.tunings[bucket] = Tuning(bucket, winner, seconds, rejected)
+        self.tunings[bucket] = Tuning(bucket, winner, seconds, cold, rejected)
         return winner, outputs[winner]

@@ -30,11 +30,13 @@ from blend.attention import (  # noqa: F401 - ATTN_GROUP_MIN, PAD_TO_CAUSAL: re-
     AttentionTuner,
     build_plan,
     candidates,
+    cuda_event_timer,
     flash_attn_func,
     rule_strategy,
     run_plan,
     shape_bucket,
     shortcut_plan,
+    wall_timer,
 )
 from blend.model import LoadedModel
 
@@ -147,7 +149,7 @@ class Runner:
         # scattered query rows: on CUDA the fastest exact strategy per shape, measured once
         # (the engine's warm-up and the benches' warm-ups absorb it); elsewhere a fixed rule
         self.autotune = self.device.type == "cuda"
-        self.tuner = AttentionTuner()
+        self.tuner = AttentionTuner(cuda_event_timer if self.autotune else wall_timer)
         self.strategies: Counter[str] = Counter()  # attention calls per strategy run
 
     # ----------------------------------------------------------------- helpers
