@@ -14,6 +14,8 @@ Strategies (`AttentionPlan.kind`):
            causal call over it, their rows kept (costs a full causal pass)
   groups   position-sorted query groups, each over the keys up to its last position with a
            boolean mask (on CUDA the query heads of a KV head may be folded into the rows)
+  tail     the last rows (contiguous, ending at the last key): one causal call with the
+           mask aligned to the bottom right (the CUDA flash kernel's own alignment)
   merge    cost proportional to the visible (query, key) pairs: the keys from the first
            query's position on are cut into equal bands; one causal call covers every band
            (each query placed at its offset in its band, its band's keys only), and per band
@@ -50,8 +52,9 @@ PAD_TO_CAUSAL = 0.75  # query rows / keys above which the causal kernel on a ful
 ATTN_GROUPS = 8
 ATTN_GROUP_MIN = 32  # queries per group at least (the rule's group count)
 MERGE_BANDS = 8  # bands of `merge` when not given
-TUNED_BANDS = (4, 8, 16)  # band counts the tuner tries
+TUNED_BANDS = (1, 4, 8, 16)  # band counts the tuner tries (1: a block of rows, e.g. the query)
 FORCEABLE = ("groups", "pad", "merge")  # strategies that are exact for any sorted rows
+TAIL = "tail"  # exact only for contiguous rows ending at the last key
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,10 @@ def parse_strategy(name: str) -> tuple[str, int, int | None]:
                 parts = int(token)
     except ValueError:
         kind = ""
-    if kind not in FORCEABLE or parts < 0 or (fold is not None and fold < 1):
+    if kind not in (*FORCEABLE, TAIL) or parts < 0 or (fold is not None and fold < 1):
         raise ValueError(f"unknown attention strategy {name!r}; use one of {', '.join(FORCEABLE)}, "
-                         "optionally with /N (groups or bands) and, for groups, /foldN")
+                         f"optionally with /N (groups or bands) and, for groups, /foldN, or {TAIL} "
+                         "(contiguous rows ending at the last key)")
     return kind, parts, fold
 
 
@@ -133,6 +137,11 @@ def build_plan(name: str, pos: torch.Tensor, tk: int, fold: int, device: torch.d
         return AttentionPlan("pad", tq, tk, rows=pos.to(device))
     if kind == "merge":
         return _merge_plan(pos, tk, parts, device)
+    if kind == TAIL:
+        if not is_tail(pos, tk):
+            raise ValueError(f"attention strategy {TAIL} needs contiguous rows ending at key {tk - 1}; "
+                             "use groups, pad or merge")
+        return AttentionPlan(TAIL, tq, tk)
     fold = fold if named_fold is None else named_fold
     count = parts or max(1, min(ATTN_GROUPS, tq // ATTN_GROUP_MIN))
     bounds = torch.linspace(0, tq, min(count, tq) + 1).long().tolist()
@@ -169,14 +178,21 @@ def _merge_plan(pos: torch.Tensor, tk: int, parts: int, device: torch.device) ->
                          prefixes=prefixes)
 
 
-def candidates(device: torch.device, dtype: torch.dtype, group: int) -> tuple[str, ...]:
+def is_tail(pos: torch.Tensor, tk: int) -> bool:
+    """Whether sorted positions pos (Tq,) are the last rows: contiguous, ending at key tk-1."""
+    return int(pos[-1]) == tk - 1 and int(pos[-1]) - int(pos[0]) + 1 == pos.numel()
+
+
+def candidates(device: torch.device, dtype: torch.dtype, group: int, tail: bool = False) -> tuple[str, ...]:
     """Strategies the tuner times on `device`, the reference (today's default there) first.
-    group: query heads per KV head. Merge needs a kernel that returns the log-sum-exp:
-    flash (half precision) on CUDA, the flash CPU kernel elsewhere."""
-    folded = f"/fold{group}" if device.type == "cuda" and group > 1 else ""
+    group: query heads per KV head; tail: the rows are the last ones (`is_tail`). Merge and
+    tail on CUDA need the flash kernel (half precision); merge elsewhere the flash CPU kernel."""
+    cuda = device.type == "cuda"
+    folded = f"/fold{group}" if cuda and group > 1 else ""
     names = [f"groups{folded}", "groups", f"groups/1{folded}", "pad"]
-    if device.type != "cuda" or dtype in (torch.float16, torch.bfloat16):
+    if not cuda or dtype in (torch.float16, torch.bfloat16):
         names += [f"merge/{n}" for n in TUNED_BANDS]
+        names += [TAIL] if tail else []
     return tuple(dict.fromkeys(names))  # unique, in order
 
 
@@ -206,6 +222,15 @@ def run_plan(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         return _attend_groups(q, k, v, plan, scale)
     if plan.kind == "merge":
         return _attend_merge(q, k, v, plan, scale)
+    if plan.kind == TAIL:
+        if q.device.type == "cuda":  # the flash kernel aligns a causal mask to the bottom right: exact here
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q[None], k[None], v[None], 0.0, True, False,
+                                                                     scale=scale)[0][0]  # (H, Tq, D)
+        else:  # the CPU kernels align it to the top left: an explicit mask
+            mask = torch.ones(tq, plan.tk, dtype=torch.bool, device=q.device).tril(plan.tk - tq)  # (Tq, Tk)
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)[0]  # (H, Tq, D)
+        return out.transpose(0, 1).reshape(tq, -1)
     if plan.kind not in ("causal", "all"):
         raise ValueError(f"attention plan of kind {plan.kind!r} cannot run directly; use Runner.attend")
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=plan.kind == "causal",

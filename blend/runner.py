@@ -32,6 +32,7 @@ from blend.attention import (  # noqa: F401 - ATTN_GROUP_MIN, PAD_TO_CAUSAL: re-
     candidates,
     cuda_event_timer,
     flash_attn_func,
+    is_tail,
     rule_strategy,
     run_plan,
     shape_bucket,
@@ -285,7 +286,7 @@ class Runner:
         chosen = self.tuner.winner(bucket)
         if chosen is not None:
             return build_plan(chosen, pos, tk, fold, self.device)
-        names = candidates(self.device, self.dtype, self.num_heads // self.kv_heads)
+        names = candidates(self.device, self.dtype, self.num_heads // self.kv_heads, is_tail(pos, tk))
         return AttentionPlan("tune", tq, tk, options=tuple(build_plan(n, pos, tk, fold, self.device) for n in names),
                              bucket=bucket)
 

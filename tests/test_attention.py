@@ -13,6 +13,7 @@ from blend.attention import (
     attention_lse,
     build_plan,
     candidates,
+    is_tail,
     merge_into,
     parse_strategy,
     run_plan,
@@ -53,7 +54,7 @@ SELECTIONS = {
     "ends": torch.tensor([0, 1, N - 1]),
 }
 STRATEGIES = ["groups", "groups/1", "groups/5", "groups/fold2", "pad", "merge", "merge/1", "merge/3", "merge/7",
-              "merge/16", "merge/64"]
+              "merge/16", "merge/64", "tail"]
 
 
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4)], ids=["gqa", "mha"])
@@ -65,6 +66,10 @@ def test_every_strategy_equals_the_rows_of_a_full_causal_pass(heads, selection):
     with torch.inference_mode():
         for name in STRATEGIES:
             if "fold" in name and heads[0] == heads[1]:
+                continue
+            if name == "tail" and not is_tail(rows, N):
+                with pytest.raises(ValueError, match="contiguous rows ending at key 202"):
+                    build_plan(name, rows, N, 1, CPU)
                 continue
             plan = build_plan(name, rows, N, 1, CPU)
             assert plan.strategy == name  # the name round-trips (the tuner stores names)
@@ -118,7 +123,7 @@ def test_strategy_names_parse_and_bad_ones_say_what_exists():
     assert parse_strategy("merge/8") == ("merge", 8, None)
     assert parse_strategy("groups/1/fold4") == ("groups", 1, 4)
     assert parse_strategy("pad") == ("pad", 0, None)
-    for bad in ("flash", "causal", "merge/x", "groups/fold0", "merge/-2"):
+    for bad in ("flash", "causal", "merge/x", "groups/fold0", "merge/-2", "tails"):
         with pytest.raises(ValueError, match="groups, pad, merge"):
             parse_strategy(bad)
 
@@ -176,9 +181,10 @@ def test_candidates_are_exact_strategies_with_the_reference_first():
     bf16 = candidates(cuda, torch.bfloat16, 4)
     assert bf16[0] == "groups/fold4" and "pad" in bf16 and "merge/8" in bf16
     assert not any(n.startswith("merge") for n in candidates(cuda, torch.float32, 4))  # flash: half only
+    assert "tail" not in bf16 and "tail" in candidates(cuda, torch.bfloat16, 4, tail=True)
     assert candidates(CPU, torch.float32, 4)[0] == "groups"
     for name in bf16 + candidates(CPU, torch.float32, 1):
-        assert parse_strategy(name)[0] in FORCEABLE
+        assert parse_strategy(name)[0] in FORCEABLE  # exact for any rows
 
 
 def test_runner_tunes_once_per_bucket_and_then_runs_the_winner():

@@ -303,19 +303,29 @@ def profile_stage(check: Check) -> dict[str, Any]:
     return {k: v for k, v in result.items()}
 
 
-def attention_variants(runner: Any, n: int, share: float = 0.15) -> dict[str, Any]:
-    """One attention call for `share` of n rows (scattered, plus the last 20) over n keys,
-    per exact strategy the runner can take on this device: milliseconds (median of 5,
+def attention_variants(runner: Any, n: int, share: float = 0.15, tail: int = 40) -> dict[str, Any]:
+    """Attention calls over n keys of the shapes a request makes, per exact strategy the
+    runner can take on this device: `blend` (`share` of the rows scattered, plus the last
+    20) and `reuse` (the last `tail` rows). Per strategy: milliseconds (median of 5,
     host-synchronized wall time, and CUDA-event time) and max abs difference against a
-    float32 reference of the same rows; then what the runner's tuner picks for this shape
-    and every bucket it has measured so far (the profile's warm-ups included)."""
+    float32 reference of the same rows; what the runner picks itself (`auto`), and every
+    bucket its tuner has measured so far (the profile's warm-ups included)."""
     import torch
-
-    from blend.attention import candidates
 
     g = torch.Generator().manual_seed(0)
     rows = torch.sort(torch.randperm(n, generator=g)[: int(share * n)]).values
-    rows = torch.unique(torch.cat([rows, torch.arange(n - 20, n)]))
+    out: dict[str, Any] = {
+        "blend": _attention_case(runner, n, torch.unique(torch.cat([rows, torch.arange(n - 20, n)]))),
+        "reuse": _attention_case(runner, n, torch.arange(n - tail, n))}
+    out["tunings"] = {str(t.bucket): t.to_dict() for t in runner.tuner.tunings.values()}
+    return out
+
+
+def _attention_case(runner: Any, n: int, rows: Any) -> dict[str, Any]:
+    import torch
+
+    from blend.attention import candidates, is_tail
+
     dev, dt = runner.device, runner.dtype
     q = torch.randn(runner.num_heads, rows.numel(), runner.head_dim, device=dev, dtype=dt)
     k = torch.randn(runner.kv_heads, n, runner.head_dim, device=dev, dtype=dt)
@@ -333,7 +343,7 @@ def attention_variants(runner: Any, n: int, share: float = 0.15) -> dict[str, An
             ref[:, h * group:(h + 1) * group] = (p @ v[h].float()).transpose(0, 1)
             del s, p
         ref = ref.reshape(rows.numel(), -1)
-        for name in candidates(dev, dt, group):
+        for name in candidates(dev, dt, group, is_tail(rows, n)):
             try:
                 plan = runner.plan_attention(rows, n, strategy=name)
                 y = runner.attend(q, rows, k, v, plan)
@@ -356,11 +366,9 @@ def attention_variants(runner: Any, n: int, share: float = 0.15) -> dict[str, An
                                            "max_diff_vs_fp32": float((y.float() - ref).abs().max())}
             except Exception as err:  # noqa: BLE001 - report the variant as failed
                 out["strategies"][name] = {"error": f"{type(err).__name__}: {err}"[:300]}
-        plan = runner.plan_attention(rows, n)
-        y = runner.attend(q, rows, k, v, plan)  # measures the bucket if no request has yet
+        y = runner.attend(q, rows, k, v, runner.plan_attention(rows, n))  # measures the bucket if not yet
         out["auto"] = {"strategy": runner.plan_attention(rows, n).strategy,
                        "max_diff_vs_fp32": float((y.float() - ref).abs().max())}
-    out["tunings"] = {str(t.bucket): t.to_dict() for t in runner.tuner.tunings.values()}
     return out
 
 
