@@ -17,26 +17,29 @@ Per layer the runner can
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from blend.attention import (  # noqa: F401 - ATTN_GROUP_MIN, PAD_TO_CAUSAL: re-exported
+    ATTN_GROUP_MIN,
+    PAD_TO_CAUSAL,
+    AttentionPlan,
+    AttentionTuner,
+    build_plan,
+    candidates,
+    cuda_event_timer,
+    flash_attn_func,
+    is_tail,
+    rule_strategy,
+    run_plan,
+    shape_bucket,
+    shortcut_plan,
+    wall_timer,
+)
 from blend.model import LoadedModel
-
-try:  # optional extra `gpu`
-    from flash_attn import flash_attn_func  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover - CPU machines
-    flash_attn_func = None
-
-# Attention for a subset of query rows (measured with CPU SDPA, 3.1k keys, 9/3 heads):
-# the masked kernel costs about as much per (query, key) pair as the causal one but visits
-# the whole upper triangle; split into up to ATTN_GROUPS position-sorted groups with
-# truncated keys it is ~35% faster, and beats a full causal pass up to ~70% of the rows.
-PAD_TO_CAUSAL = 0.75  # query rows / keys above which the causal kernel on a full block wins
-ATTN_GROUPS = 8
-ATTN_GROUP_MIN = 32  # queries per group at least
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -103,23 +106,6 @@ class KVCache:
 
 
 @dataclass(frozen=True)
-class AttentionPlan:
-    """How `Runner.attend` computes one set of query rows (see `Runner.plan_attention`).
-
-    kind: flash (flash-attn, queries are the last rows), causal (every row), all (one query
-    that sees every key), pad (most rows: causal over a zero-padded full block), groups
-    (position-sorted query groups with truncated keys and a mask each).
-    """
-
-    kind: str
-    tq: int
-    tk: int
-    rows: torch.Tensor | None = None  # pad: (Tq,) query positions on the device
-    groups: tuple[tuple[int, int, int, torch.Tensor], ...] = ()  # groups: (first, end row, keys, mask)
-    fold: int = 1  # groups: query heads per KV head folded into the rows (CUDA)
-
-
-@dataclass(frozen=True)
 class SamplingParams:
     """Greedy when temperature == 0; otherwise temperature + nucleus (top-p) sampling."""
 
@@ -161,6 +147,11 @@ class Runner:
                           and self.dtype in (torch.float16, torch.bfloat16))
         self._shifts: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._plan: tuple[torch.Tensor, AttentionPlan] | None = None  # the last attention plan and its q_pos
+        # scattered query rows: on CUDA the fastest exact strategy per shape, measured once
+        # (the engine's warm-up and the benches' warm-ups absorb it); elsewhere a fixed rule
+        self.autotune = self.device.type == "cuda"
+        self.tuner = AttentionTuner(cuda_event_timer if self.autotune else wall_timer)
+        self.strategies: Counter[str] = Counter()  # attention calls per strategy run
 
     # ----------------------------------------------------------------- helpers
     def new_cache(self, capacity: int) -> KVCache:
@@ -265,42 +256,39 @@ class Runner:
         k = apply_rope(k.transpose(0, 1), cos, sin)  # (Hkv, T, D)
         return q, k, v.transpose(0, 1)
 
-    def plan_attention(self, q_pos: torch.Tensor, tk: int, fold: int | None = None) -> AttentionPlan:
+    def plan_attention(self, q_pos: torch.Tensor, tk: int, fold: int | None = None,
+                       strategy: str | None = None) -> AttentionPlan:
         """How `attend` computes queries at positions q_pos (Tq,), sorted, over tk keys.
 
         Built once per set of query rows (`attend` keeps the last plan and reuses it while it
         is called with the same q_pos tensor and key count): the kernel choice, the query
-        groups and their masks on the device. Reads q_pos on the host (one copy from the
-        device if it lives there). `fold`: query heads per KV head folded into the rows of
-        the masked groups (default: all of them on CUDA, none elsewhere).
+        groups or bands and their masks or indices on the device. Reads q_pos on the host
+        (one copy from the device if it lives there). `fold`: query heads per KV head folded
+        into the rows of masked groups (default: all of them on CUDA, none elsewhere).
+        `strategy` forces one of `groups`, `pad`, `merge` (optionally `/N` groups or bands,
+        `/foldN`; see blend.attention); otherwise every row, the last rows and a single
+        query take their one kernel, and other row sets take the fixed rule on a CPU, or on
+        CUDA the strategy the tuner measured fastest for this shape bucket (a `tune` plan
+        when the bucket has not been measured yet: `attend` measures it).
         """
         pos = q_pos.cpu() if q_pos.device.type != "cpu" else q_pos  # (Tq,)
         tq = pos.numel()
-        first, last = int(pos[0]), int(pos[-1])
-        contiguous = last - first + 1 == tq
-        if self.use_flash and contiguous and last == tk - 1:
-            return AttentionPlan("flash", tq, tk)
-        if contiguous and first == 0 and last == tk - 1:
-            return AttentionPlan("causal" if tq > 1 else "all", tq, tk)
-        if tq == 1 and last >= tk - 1:
-            return AttentionPlan("all", tq, tk)
-        if tq >= PAD_TO_CAUSAL * tk:
-            return AttentionPlan("pad", tq, tk, rows=pos.to(self.device))
-        # A masked kernel visits every (query, key) pair it is given; grouping the sorted
-        # queries and giving each group only the keys up to its last position skips most of
-        # the invisible upper triangle.
-        groups = max(1, min(ATTN_GROUPS, tq // ATTN_GROUP_MIN))
-        bounds = torch.linspace(0, tq, groups + 1).long().tolist()
-        if fold is None:  # fold GQA into the query rows where masked SDPA has no GQA kernel
+        if fold is None:  # fold GQA into the query rows where masked SDPA has no fast GQA kernel
             fold = self.num_heads // self.kv_heads if self.device.type == "cuda" else 1
-        parts = []
-        for a, b in zip(bounds, bounds[1:], strict=False):
-            end = int(pos[b - 1]) + 1
-            mask = torch.arange(end)[None, :] <= pos[a:b, None]  # (Tg, end) bool
-            if fold > 1:
-                mask = mask.repeat_interleave(fold, dim=0)  # (Tg * g, end): one row per folded query head
-            parts.append((a, b, end, mask.to(self.device)))
-        return AttentionPlan("groups", tq, tk, groups=tuple(parts), fold=fold)
+        if strategy is not None:
+            return build_plan(strategy, pos, tk, fold, self.device)
+        plan = shortcut_plan(pos, tk, self.use_flash)
+        if plan is not None:
+            return plan
+        if not self.autotune:
+            return build_plan(rule_strategy(tq, tk), pos, tk, fold, self.device)
+        bucket = shape_bucket(tq, tk)
+        chosen = self.tuner.winner(bucket)
+        if chosen is not None:
+            return build_plan(chosen, pos, tk, fold, self.device)
+        names = candidates(self.device, self.dtype, self.num_heads // self.kv_heads, is_tail(pos, tk))
+        return AttentionPlan("tune", tq, tk, options=tuple(build_plan(n, pos, tk, fold, self.device) for n in names),
+                             bucket=bucket)
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                plan: AttentionPlan | None = None) -> torch.Tensor:
@@ -308,7 +296,10 @@ class Runner:
 
         q (H, Tq, D) at positions q_pos (Tq,), sorted ascending; k, v (Hkv, Tk, D) hold
         positions 0..Tk-1. A query at position p sees exactly the keys at positions <= p.
-        `plan` (from `plan_attention`) is found or built when not given. Returns (Tq, H*D).
+        `plan` (from `plan_attention`) is found or built when not given. A `tune` plan's
+        first use times its candidates (synchronizing the device; see AttentionTuner) and
+        from then on runs the winner. Counts the strategy run in `self.strategies`.
+        Returns (Tq, H*D).
         """
         tq, tk = q.shape[1], k.shape[1]
         if plan is None:
@@ -318,46 +309,26 @@ class Runner:
             else:
                 plan = self.plan_attention(q_pos, tk)
                 self._plan = (q_pos, plan)  # keeps q_pos alive: its identity stays unique
-        if plan.kind == "flash":
-            # bottom-right aligned causal mask == exact when the queries are the last rows
-            out = flash_attn_func(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                  softmax_scale=self.scaling, causal=True)[0]  # (Tq, H, D)
-            return out.reshape(tq, -1)
-        if plan.kind == "pad":
-            # Most rows: causal attention on a full-length block (the kernel skips the upper
-            # triangle); the queries sit at their positions, their rows are kept.
-            full = q.new_zeros((q.shape[0], tk, q.shape[2]))
-            full[:, plan.rows] = q
-            out = F.scaled_dot_product_attention(full[None], k[None], v[None], is_causal=True, scale=self.scaling,
-                                                 enable_gqa=True)[0]  # (H, Tk, D)
-            return out[:, plan.rows].transpose(0, 1).reshape(tq, -1)
-        if plan.kind == "groups":
-            return self._attend_groups(q, k, v, plan)
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=plan.kind == "causal",
-                                             scale=self.scaling, enable_gqa=True)[0]  # (H, Tq, D)
-        return out.transpose(0, 1).reshape(tq, -1)
+        out = None
+        if plan.kind == "tune":
+            tuned, out = self._tune(q, k, v, plan)
+            if self._plan is not None and self._plan[1] is plan:
+                self._plan = (self._plan[0], tuned)  # later layers run the winner directly
+            plan = tuned
+        self.strategies[plan.strategy] += 1
+        return out if out is not None else run_plan(plan, q, k, v, self.scaling)
 
-    def _attend_groups(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        """Masked attention per query group, keys truncated to the group's last position.
-
-        On CUDA the query heads sharing a KV head are folded into the query rows, so the
-        kernel sees plain multi-head attention: a mask together with `enable_gqa` would send
-        SDPA to its slow math backend.
-        """
-        tq, g = q.shape[1], plan.fold
-        if g == 1:
-            outs = [F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, :end], v[None, :, :end],
-                                                   attn_mask=mask, scale=self.scaling, enable_gqa=True)[0]
-                    for a, b, end, mask in plan.groups]  # (H, Tg, D) each
-            return torch.cat(outs, dim=1).transpose(0, 1).reshape(tq, -1)  # (Tq, H*D)
-        hkv, d = k.shape[0], k.shape[2]
-        qf = q.transpose(0, 1).reshape(tq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, tq * g, d)  # (Hkv, Tq*g, D)
-        outs = [F.scaled_dot_product_attention(qf[None, :, a * g:b * g], k[None, :, :end], v[None, :, :end],
-                                               attn_mask=mask, scale=self.scaling)[0]
-                for a, b, end, mask in plan.groups]  # (Hkv, Tg*g, D) each
-        out = torch.cat(outs, dim=1).view(hkv, tq, g, d)  # (Hkv, Tq, g, D)
-        return out.permute(1, 0, 2, 3).reshape(tq, -1)  # (Tq, H*D): head = kv head * g + member
-
+    def _tune(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
+              ) -> tuple[AttentionPlan, torch.Tensor | None]:
+        """The candidate of a `tune` plan to run: measured now on these inputs (returning its
+        output too) unless the bucket already has a winner."""
+        by_name = {p.strategy: p for p in plan.options}
+        chosen = self.tuner.winner(plan.bucket)
+        if chosen in by_name:
+            return by_name[chosen], None
+        runs = {name: (lambda p=p: run_plan(p, q, k, v, self.scaling)) for name, p in by_name.items()}
+        chosen, out = self.tuner.choose(plan.bucket, runs)
+        return by_name[chosen], out
     def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then post-attention norm + MLP + residual, for rows h (T, hidden)."""
         block = self.layers[layer]

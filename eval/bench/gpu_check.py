@@ -279,6 +279,7 @@ def profile_stage(check: Check) -> dict[str, Any]:
                 engine.generate(BENCH_QUESTION, docs, mode="blend", recompute_ratio=0.15, max_new_tokens=1)
                 engine.generate(BENCH_QUESTION, docs, mode="reuse", max_new_tokens=1)
             for mode, ratio in (("full", 1.0), ("blend", 0.15), ("reuse", 0.0)):
+                engine.runner.strategies.clear()
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     r = engine.generate(BENCH_QUESTION, docs, mode=mode, recompute_ratio=ratio, max_new_tokens=1)
@@ -303,7 +304,7 @@ def profile_stage(check: Check) -> dict[str, Any]:
                     "cudaLaunchKernel": count("cudaLaunchKernel", "cuLaunchKernel"), "kernels": kernels,
                     "stream_syncs": count("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
                     "split": s.split.to_dict(), "recomputed_tokens": s.recomputed_tokens,
-                    "context_tokens": s.context_tokens}
+                    "context_tokens": s.context_tokens, "attention": dict(engine.runner.strategies)}
                 sort_key = "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
                 text.append(f"=== {mode} (ratio {ratio}): {json.dumps(result[f'{mode}_{ratio}'])}\n")
                 text.append(events.table(sort_by=sort_key, row_limit=30))
@@ -312,7 +313,7 @@ def profile_stage(check: Check) -> dict[str, Any]:
                 (check.out / "profile.txt").write_text("\n".join(text))
                 (check.out / "profile.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
             result["attention_ms"] = attention_variants(engine.runner, len(engine.build_prompt(BENCH_QUESTION, docs)))
-            text.append(f"\n=== attention variants (ms per layer call): {json.dumps(result['attention_ms'])}\n")
+            text.append(f"\n=== attention variants (ms per layer call): {json.dumps(result['attention_ms'], indent=1)}\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
         (check.out / "profile.txt").write_text("\n".join(text))
@@ -320,43 +321,72 @@ def profile_stage(check: Check) -> dict[str, Any]:
     return {k: v for k, v in result.items()}
 
 
-def attention_variants(runner: Any, n: int, share: float = 0.15) -> dict[str, Any]:
-    """Milliseconds of one attention call for 15% of the rows over n keys, per strategy, and
-    each one's max difference to the folded masked groups (the CUDA default)."""
+def attention_variants(runner: Any, n: int, share: float = 0.15, tail: int = 40) -> dict[str, Any]:
+    """Attention calls over n keys of the shapes a request makes, per exact strategy the
+    runner can take on this device: `blend` (`share` of the rows scattered, plus the last
+    20) and `reuse` (the last `tail` rows). Per strategy: milliseconds (median of 5,
+    host-synchronized wall time, and CUDA-event time) and max abs difference against a
+    float32 reference of the same rows; what the runner picks itself (`auto`), and every
+    bucket its tuner has measured so far (the profile's warm-ups included)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     rows = torch.sort(torch.randperm(n, generator=g)[: int(share * n)]).values
-    rows = torch.unique(torch.cat([rows, torch.arange(n - 20, n)]))
+    out: dict[str, Any] = {
+        "blend": _attention_case(runner, n, torch.unique(torch.cat([rows, torch.arange(n - 20, n)]))),
+        "reuse": _attention_case(runner, n, torch.arange(n - tail, n))}
+    out["tunings"] = {str(t.bucket): t.to_dict() for t in runner.tuner.tunings.values()}
+    return out
+
+
+def _attention_case(runner: Any, n: int, rows: Any) -> dict[str, Any]:
+    import torch
+
+    from blend.attention import candidates, is_tail
+
     dev, dt = runner.device, runner.dtype
     q = torch.randn(runner.num_heads, rows.numel(), runner.head_dim, device=dev, dtype=dt)
     k = torch.randn(runner.kv_heads, n, runner.head_dim, device=dev, dtype=dt)
     v = torch.randn(runner.kv_heads, n, runner.head_dim, device=dev, dtype=dt)
-    plans = {"groups_folded": runner.plan_attention(rows, n),
-             "groups_gqa_unfolded": runner.plan_attention(rows, n, fold=1)}
-    one = runner.plan_attention(rows, n)
-    plans["one_group_folded"] = dataclasses.replace(
-        one, groups=((0, rows.numel(), n, (torch.arange(n)[None, :] <= rows[:, None]).repeat_interleave(
-            one.fold, dim=0).to(dev)),))
-    plans["pad_causal"] = dataclasses.replace(one, kind="pad", rows=rows.to(dev), groups=())
-    out: dict[str, Any] = {"rows": rows.numel(), "keys": n}
-    ref = None
+    group = runner.num_heads // runner.kv_heads
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out: dict[str, Any] = {"rows": rows.numel(), "keys": n, "strategies": {}}
     with torch.inference_mode():
-        for name, plan in plans.items():
+        hidden = (torch.arange(n, device=dev)[None, :] > rows.to(dev)[:, None])  # (Tq, n) keys after the row
+        ref = torch.empty(rows.numel(), runner.num_heads, runner.head_dim, device=dev)
+        for h in range(runner.kv_heads):  # float32 math per KV head: (g, Tq, n) scores at a time
+            s = (q[h * group:(h + 1) * group].float() @ k[h].float().T) * runner.scaling
+            p = s.masked_fill_(hidden, float("-inf")).softmax(-1)
+            ref[:, h * group:(h + 1) * group] = (p @ v[h].float()).transpose(0, 1)
+            del s, p
+        ref = ref.reshape(rows.numel(), -1)
+        for name in candidates(dev, dt, group, is_tail(rows, n)):
             try:
+                plan = runner.plan_attention(rows, n, strategy=name)
                 y = runner.attend(q, rows, k, v, plan)
-                times = []
+                walls, events = [], []
                 for _ in range(5):
-                    torch.cuda.synchronize()
+                    sync()
                     t0 = time.perf_counter()
+                    if cuda:
+                        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        begin.record()
                     runner.attend(q, rows, k, v, plan)
-                    torch.cuda.synchronize()
-                    times.append((time.perf_counter() - t0) * 1e3)
-                ref = y if ref is None else ref
-                out[name] = {"ms": round(statistics.median(times), 3),
-                             "max_diff": float((y.float() - ref.float()).abs().max())}
+                    if cuda:
+                        end.record()
+                    sync()
+                    walls.append((time.perf_counter() - t0) * 1e3)
+                    if cuda:
+                        events.append(begin.elapsed_time(end))
+                out["strategies"][name] = {"ms": round(statistics.median(walls), 3),
+                                           "event_ms": round(statistics.median(events), 3) if events else None,
+                                           "max_diff_vs_fp32": float((y.float() - ref).abs().max())}
             except Exception as err:  # noqa: BLE001 - report the variant as failed
-                out[name] = {"error": f"{type(err).__name__}: {err}"}
+                out["strategies"][name] = {"error": f"{type(err).__name__}: {err}"[:300]}
+        y = runner.attend(q, rows, k, v, runner.plan_attention(rows, n))  # measures the bucket if not yet
+        out["auto"] = {"strategy": runner.plan_attention(rows, n).strategy,
+                       "max_diff_vs_fp32": float((y.float() - ref).abs().max())}
     return out
 
 
