@@ -22,9 +22,11 @@ CHUNK_CONTEXTS = ("none", "system")
 
 @dataclass(frozen=True)
 class BlendConfig:
-    """How prompts are chunked, which tokens are recomputed, how loads are pipelined."""
+    """How documents are stored, which tokens are recomputed, how loads are pipelined."""
 
-    chunk_tokens: int = 512
+    chunk_tokens: int = 512  # block size of a document's stored KV (a document is computed whole)
+    # a longer document is split into consecutive documents of this many tokens (each computed on its own)
+    max_document_tokens: int = 4096
     recompute_ratio: float = 0.15
     check_layers: tuple[int, ...] = (1,)
     filter_schedule: tuple[float, ...] = (1.0,)
@@ -34,7 +36,10 @@ class BlendConfig:
     # layers fetched ahead of compute; loads land in the request's preallocated cache, so depth
     # costs no memory, and a loader that runs ahead finishes early and stops competing for CPU
     prefetch_depth: int = 32
-    chunk_context: str = "none"
+    chunk_context: str = "none"  # what each document is computed after: none (standalone) | system
+    # the first k tokens of every document whose KV is not exact at its position are always
+    # recomputed (inside the ratio's budget)
+    sink_tokens: int = 0
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
@@ -72,6 +77,10 @@ class BlendConfig:
             raise ValueError(f"engine.selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
         if self.chunk_context not in CHUNK_CONTEXTS:
             raise ValueError(f"engine.chunk_context must be one of {', '.join(CHUNK_CONTEXTS)}, got {self.chunk_context!r}")
+        if self.max_document_tokens < 1:
+            raise ValueError(f"engine.max_document_tokens must be >= 1, got {self.max_document_tokens}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"engine.sink_tokens must be >= 0, got {self.sink_tokens}")
         if self.prefetch_depth < 1:
             raise ValueError(f"engine.prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.max_new_tokens < 1:

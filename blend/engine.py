@@ -3,16 +3,17 @@ orchestrates a request through the modules that do the work.
 
 Modes
   full    full prefill of the whole prompt (the reference)
-  reuse   cached chunk KV placed at its prompt positions; only the query is computed
+  reuse   cached document KV placed at its prompt positions; only the query is computed
   prefix  the longest exactly-cached prefix is loaded, the rest computed (prefix caching)
   blend   CacheBlend: cached KV plus a selective recompute of the tokens that matter most
 
-Path of one blend request: `PromptBuilder` lays out [prefix][chunks][query] ->
-`ChunkCache.resolve` looks every cacheable segment up in the `TieredStore` (a miss is
-computed now and written back) -> `plan_recompute` fixes which rows each layer computes
--> a `LayerLoader` thread places layer i+1.. of every segment into the request's
-`KVCache` (re-rotated to its prompt positions) while `run_layers` computes layer i ->
-`Decoder.finish` decodes from the merged cache.
+Path of one blend request: `PromptBuilder` lays out [prefix][documents][query] ->
+`DocumentCache.resolve` looks every cacheable segment's block chain up in the
+`TieredStore` (a miss is computed now, as one sequence, and written back) ->
+`plan_recompute` fixes which rows each layer computes -> a `LayerLoader` thread places
+layer i+1.. of every block into the request's `KVCache` (re-rotated to its prompt
+positions) while `run_layers` computes layer i -> `Decoder.finish` decodes from the
+merged cache.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import Any
 
 import torch
 
-from blend.chunks import ChunkCache
 from blend.config import EngineConfig, check_mode, check_ratio, load_config
+from blend.documents import DocumentCache
 from blend.generation import Decoder, GenerationResult, Prefilled
 from blend.model import LoadedModel, load_model
 from blend.pipeline import LayerLoader
@@ -52,13 +53,14 @@ class BlendEngine:
         cfg = config.engine
         self.lm = model or load_model(config.model, device=config.device, dtype=config.dtype)
         self.runner = Runner(self.lm)
-        self.prompts = PromptBuilder(self.lm.tokenizer, cfg.system_prompt, cfg.query_template, cfg.chunk_tokens)
+        self.prompts = PromptBuilder(self.lm.tokenizer, cfg.system_prompt, cfg.query_template, cfg.max_document_tokens)
         entry_bytes = self.lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * cfg.chunk_tokens
         self.store = store or TieredStore.from_config(config.store, min_entry_bytes=entry_bytes)
         self.fingerprint = self.lm.fingerprint
         self.kv_dtype = config.store.kv_dtype
         maker = EntryMaker(self.runner, self.fingerprint, self.kv_dtype)
-        self.chunks = ChunkCache(self.store, maker, namespace=config.store.namespace, chunk_context=cfg.chunk_context)
+        self.documents = DocumentCache(self.store, maker, namespace=config.store.namespace,
+                                       chunk_context=cfg.chunk_context, block_tokens=cfg.chunk_tokens)
         self.prefix_cache = PrefixCache(self.store, maker, namespace=config.store.namespace,
                                         block_tokens=cfg.chunk_tokens, prefetch_depth=cfg.prefetch_depth)
         self.decoder = Decoder(self.lm, self.runner)
@@ -81,12 +83,13 @@ class BlendEngine:
 
     # --------------------------------------------------------------- requests
     def ingest(self, documents: Sequence[str], *, sync: bool = True) -> list[str]:
-        """Precompute each document chunk and store it; returns the chunk keys.
+        """Precompute each document's KV and store it block by block; returns the block keys
+        of the documents, in order.
 
-        Idempotent: chunks already in the store are not recomputed. With sync=True the
+        Idempotent: documents already in the store are not recomputed. With sync=True the
         writes have reached every tier when this returns.
         """
-        keys = self.chunks.ingest(self.prompts.build("ingest", list(documents)))
+        keys = self.documents.ingest(self.prompts.build("ingest", list(documents)))
         if sync:
             self.store.flush()
         return keys
@@ -101,7 +104,7 @@ class BlendEngine:
         """Answer `query` over `documents` in `mode`; `selection` overrides the config's
         token-selection policy for this request (blend mode).
 
-        Side effects: chunk misses are computed and written to the store. With `answer`,
+        Side effects: document misses are computed and written to the store. With `answer`,
         stats.answer_nll is the mean negative log-likelihood of that text teacher-forced
         after the prompt (decoding continues from the same cache).
         """
@@ -152,15 +155,16 @@ class BlendEngine:
     def _blend(self, prompt: Prompt, ratio: float, capacity: int, mode: str, selection: str) -> Prefilled:
         cfg = self.config.engine
         tally = LookupTally([t.name for t in self.store.tiers])
-        placements = self.chunks.resolve(prompt, [s for s in prompt.segments if s.kind != "query"], tally)
-        plan = plan_recompute(prompt, ratio, cfg.check_layers, cfg.filter_schedule, self.runner.num_layers)
+        placements = self.documents.resolve(prompt, [s for s in prompt.segments if s.kind != "query"], tally)
+        plan = plan_recompute(prompt, ratio, cfg.check_layers, cfg.filter_schedule, self.runner.num_layers,
+                              policy=selection, placements=placements, sink_tokens=cfg.sink_tokens)
         cache = self.runner.new_cache(capacity)
         cache.length = plan.n
         with LayerLoader(self.store, self.runner, cache, placements, range(plan.load_from, self.runner.num_layers),
                          cfg.prefetch_depth) as loader:
             logits, chosen = run_layers(self.runner, cache, torch.tensor(prompt.token_ids), plan, loader,
                                         policy=selection, deviation_kind=cfg.deviation)
-        stats = self._stats(prompt, mode, ratio, loaded_tokens=int(plan.ctx_rows.numel()),
+        stats = self._stats(prompt, mode, ratio, loaded_tokens=0 if plan.full else int(plan.ctx_rows.numel()),
                             recomputed_tokens=chosen.recomputed_tokens, load=loader.report(),
                             selection=chosen, **tally_fields(tally))
         return Prefilled(logits, cache, stats)
@@ -168,18 +172,18 @@ class BlendEngine:
     def _prefix(self, prompt: Prompt, capacity: int) -> Prefilled:
         """The longest exactly cached prefix: prefix blocks of this very prompt, or the
         cached segments that are exact at their position (the system part, and the first
-        chunk when chunks are computed after it)."""
+        document when documents are computed after it)."""
         ids = prompt.token_ids
         limit = len(ids) - 1  # at least the last token is computed
         tally = LookupTally([t.name for t in self.store.tiers])
         chain = self.prefix_cache.lookup(ids, limit)
         chain_len = sum(pl.length for pl in chain)
         exact = [prompt.prefix]
-        if self.config.engine.chunk_context == "system" and len(prompt.segments) > 2 and prompt.segments[1].kind == "chunk":
+        if self.config.engine.chunk_context == "system" and len(prompt.segments) > 2 and prompt.segments[1].kind == "document":
             exact.append(prompt.segments[1])
         exact_len = exact[-1].end if exact[-1].end <= limit else 0
         if exact_len > chain_len:
-            chain = self.chunks.resolve(prompt, [s for s in exact if s.end <= limit], tally)
+            chain = self.documents.resolve(prompt, [s for s in exact if s.end <= limit], tally)
         else:
             for pl in chain:
                 tally.hit_from("prefix_blocks", pl.source)

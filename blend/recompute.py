@@ -1,34 +1,61 @@
 """CacheBlend's selective recompute: plan which rows each layer computes, then run the
 layers over the loaded KV.
 
-`plan_recompute` fixes, before any compute, the check layers and how many context rows
-each keeps (`ceil(r x schedule x context)`, nested), and the first layer that needs
-loaded KV. `run_layers` is the algorithm:
+`plan_recompute` fixes, before any compute, which context rows are candidates (those
+whose cached KV is not exact at its prompt position: not the system part, nor a
+document computed after exactly the tokens that precede it), the rows always
+recomputed (`forced`: the first `sink_tokens` of each candidate document), how many
+candidates are recomputed (`ceil(r x context tokens)`, at most every candidate, nested
+under gradual filtering) and the first layer that needs loaded KV. `run_layers` runs one of two algorithms.
+
+Check-layer policies (deviation, hybrid, attention):
 
     for each layer:
         wait until the loader has placed this layer's cached K/V
         compute q/k/v for the active rows (all rows before the first check layer)
-        at a check layer: rank the active context rows (selector.select), keep the top ones
+        at a check layer: rank the active candidates (selector.select), keep the top ones
         write the fresh K/V of the active rows into the cache at their positions
         attend the active rows over the merged K/V (exact causal mask by position)
         finish the layer (o_proj, MLP) for the active rows only
     logits of the last row
 
-`reuse` is the same loop with no check layer (only the query rows are computed).
+Query-driven selection (`query`), no full early layers:
+
+    query pass: for each layer, wait for its loaded K/V, run the query rows only over it
+        (a reuse pass) and add their attention to the context (selector.QueryAttention)
+    keep the forced rows and the top-scored candidates
+    for each layer from 0: the same loop over the selected rows plus the query rows
+
+The query pass waits for every layer's loads before layer 0 is recomputed; the loads
+overlap the query pass layer by layer, the rest of their time is exposed (LoadReport).
+
+`reuse` is the loop with no selection (only the query rows are computed); a plan that
+recomputes every candidate (ratio 1) is a full prefill with no loads.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from blend.pipeline import LayerLoader
+from blend.pipeline import LayerLoader, Placement
 from blend.prompt import Prompt
 from blend.runner import KVCache, Runner
-from blend.selector import CheckLayerKV, schedule_counts, select
+from blend.selector import (
+    CheckLayerKV,
+    QueryAttention,
+    query_probs,
+    schedule_counts,
+    select,
+    select_top,
+    uses_check_layers,
+)
 from blend.stats import SelectionReport
+
+_EMPTY = torch.zeros(0, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -37,49 +64,90 @@ class RecomputePlan:
 
     n: int  # prompt length
     ctx_rows: torch.Tensor  # (C,) positions of cached context rows
+    cand_rows: torch.Tensor  # (N,) context rows whose cached KV is approximate: the candidates, sorted
+    forced_rows: torch.Tensor  # (F,) candidates always recomputed (inside the budget), sorted
     query_rows: torch.Tensor  # (Q,) positions of the query rows (always computed)
-    check_layers: tuple[int, ...]  # layers where rows are selected
-    counts: tuple[int, ...]  # context rows kept at each check layer (non-increasing)
+    check_layers: tuple[int, ...]  # layers where rows are selected (check-layer policies)
+    counts: tuple[int, ...]  # candidates kept at each selection (non-increasing)
     load_from: int  # first layer whose cached K/V is read (num_layers: none)
+    query_pass: bool = False  # select before layer 0 from a query pass (policy `query`)
+    full: bool = False  # every row computed at every layer, nothing loaded (the budget covers every candidate)
 
     @property
     def first_active(self) -> torch.Tensor:
-        """Rows computed at layer 0: all of them when a check layer comes, else the query."""
-        return torch.arange(self.n) if self.check_layers else self.query_rows
+        """Rows computed at layer 0: all of them when a check layer comes or nothing is
+        loaded, else the query."""
+        return torch.arange(self.n) if self.check_layers or self.full else self.query_rows
+
+
+def _rows(segments: Sequence[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in segments]) if segments else _EMPTY
 
 
 def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], schedule: tuple[float, ...],
-                   num_layers: int) -> RecomputePlan:
-    """Plan blend at `ratio` (0: reuse). Check layers beyond the model are dropped; the
-    last one kept then takes the final budget."""
-    cached = [s for s in prompt.segments if s.kind != "query"]
-    ctx_rows = torch.cat([torch.arange(s.start, s.end) for s in cached]) if cached else torch.zeros(0, dtype=torch.long)
+                   num_layers: int, *, policy: str = "deviation", placements: Sequence[Placement] = (),
+                   sink_tokens: int = 0) -> RecomputePlan:
+    """Plan blend at `ratio` (0: reuse) with selection `policy`.
+
+    `placements` tell which cached rows are exact (their keys were computed at their
+    prompt position after the very tokens that precede them: pos_start == start); those
+    are loaded but never candidates. Without placements every context row is a candidate.
+    Check layers beyond the model are dropped; the last one kept then takes the final budget.
+    """
+    cached = [s for s in prompt.segments if s.kind != "query" and s.end > s.start]
+    ctx_rows = _rows([(s.start, s.end) for s in cached])
+    exact = torch.zeros(len(prompt), dtype=torch.bool)
+    for p in placements:
+        if p.pos_start == p.start:
+            exact[p.start : p.start + p.length] = True
+    cand_rows = ctx_rows[~exact[ctx_rows]]
+    forced = torch.zeros(len(prompt), dtype=torch.bool)
+    if sink_tokens > 0:
+        for s in cached:
+            if s.kind == "document" and not bool(exact[s.start]):
+                forced[s.start : min(s.end, s.start + sink_tokens)] = True
+    forced_rows = cand_rows[forced[cand_rows]]
+    query_rows = torch.arange(prompt.query.start, len(prompt))
+    n_cand = cand_rows.numel()
+
+    def make(layers: Sequence[int], counts: Sequence[int], load_from: int, query_pass: bool = False) -> RecomputePlan:
+        return RecomputePlan(len(prompt), ctx_rows, cand_rows, forced_rows, query_rows, tuple(layers),
+                             tuple(counts), load_from, query_pass, full=load_from >= num_layers)
+
+    if ratio <= 0 or n_cand == 0:
+        return make((), (), 0)  # reuse: only the query rows
     n_ctx = ctx_rows.numel()
-    layers: list[int] = []
-    counts: list[int] = []
-    if ratio > 0 and n_ctx:
-        layers = [c for c in check_layers if c < num_layers]
-        counts = schedule_counts(ratio, schedule[: len(layers)], n_ctx)
-        if layers and len(layers) < len(check_layers):
-            counts[-1] = schedule_counts(ratio, (1.0,), n_ctx)[0]
-    # cached K/V is needed from the first check layer that drops a context row on;
+    if not uses_check_layers(policy):
+        count = schedule_counts(ratio, (1.0,), n_ctx)[0]
+        return make((), (n_cand,), num_layers) if count >= n_cand else make((), (count,), 0, True)
+    layers = [c for c in check_layers if c < num_layers]
+    counts = schedule_counts(ratio, schedule[: len(layers)], n_ctx)
+    if layers and len(layers) < len(check_layers):
+        counts[-1] = schedule_counts(ratio, (1.0,), n_ctx)[0]
+    counts = [min(c, n_cand) for c in counts]
+    # cached K/V is needed from the first check layer that drops a candidate on;
     # everything kept everywhere (e.g. ratio 1) is a full prefill: no loads
-    partial = [c for c, kept in zip(layers, counts, strict=True) if kept < n_ctx]
-    load_from = partial[0] if partial else (num_layers if layers else 0)
-    return RecomputePlan(len(prompt), ctx_rows, torch.arange(prompt.query.start, len(prompt)), tuple(layers),
-                         tuple(counts), load_from)
+    partial = [c for c, kept in zip(layers, counts, strict=True) if kept < n_cand]
+    if not layers or not partial:
+        return make((), (n_cand,), num_layers)
+    return make(layers, counts, partial[0])
 
 
 @torch.inference_mode()
 def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
-               *, policy: str, deviation_kind: str) -> tuple[torch.Tensor, SelectionReport]:
+               *, policy: str, deviation_kind: str, value_weighted: bool = False
+               ) -> tuple[torch.Tensor, SelectionReport]:
     """Run every layer over `cache` (filled by `loader`) computing only the planned rows.
 
     Returns the last row's logits (vocab,) and what was selected.
     """
+    if plan.query_pass:
+        return _run_query_driven(runner, cache, token_ids, plan, loader, value_weighted)
     n, dev = plan.n, runner.device
-    is_ctx = torch.zeros(n, dtype=torch.bool)
-    is_ctx[plan.ctx_rows] = True
+    is_cand = torch.zeros(n, dtype=torch.bool)
+    is_cand[plan.cand_rows] = True
+    is_forced = torch.zeros(n, dtype=torch.bool)
+    is_forced[plan.forced_rows] = True
     cos_all, sin_all = runner.rope(torch.arange(n))
     active = plan.first_active  # (T,) prompt rows computed at this layer, sorted
     h = runner.embed(token_ids[active])  # (T, hidden)
@@ -91,21 +159,26 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
         q, k, v = runner.qkv(layer, h, cos_all[rows], sin_all[rows])  # (H, T, D), (Hkv, T, D) x2
         if layer in plan.check_layers:
             t0 = time.perf_counter()
-            cand_rows = rows[is_ctx[active].to(dev)]  # active context rows: the candidates
+            cand = is_cand[active]  # (T,) which active rows are candidates
+            cand_rows = active[cand]
             count = plan.counts[plan.check_layers.index(layer)]
             if count < cand_rows.numel():
-                cand = is_ctx[active].to(dev)
-                prior = (cache.k[layer][:, cand_rows], cache.v[layer][:, cand_rows])  # copies, before overwriting
+                cand_dev = cand.to(dev)
+                rows_dev = cand_rows.to(dev)
+                prior = (cache.k[layer][:, rows_dev], cache.v[layer][:, rows_dev])  # copies, before overwriting
                 cache.write(layer, rows, k, v, n)
                 q_rows = torch.searchsorted(active, plan.query_rows).to(dev)
-                kv = CheckLayerKV(k[:, cand], v[:, cand], *prior, q[:, q_rows], cache.k[layer][:, :n], runner.scaling)
-                chosen = select(policy, kv, cand_rows, count, deviation_kind).cpu()
-            else:  # everything kept: no scores needed
+                kv = CheckLayerKV(k[:, cand_dev], v[:, cand_dev], *prior, q[:, q_rows], cache.k[layer][:, :n],
+                                  runner.scaling)
+                chosen = select(policy, kv, rows_dev, count, deviation_kind, is_forced[cand_rows]).cpu()
+            else:  # every candidate kept: no scores needed
                 cache.write(layer, rows, k, v, n)
-                chosen = cand_rows.cpu()
+                chosen = cand_rows.clone()
             selected.append(chosen)
             recomputed = int(chosen.numel())
-            keep = torch.searchsorted(active, torch.cat([chosen, plan.query_rows]).unique(sorted=True))
+            # exact rows stay active until the loads start (their cached K/V is placed from load_from on)
+            others = active[~cand] if layer < plan.load_from else plan.query_rows
+            keep = torch.searchsorted(active, torch.cat([chosen, others]).unique(sorted=True))
             q, h, active = q[:, keep.to(dev)], h[keep.to(dev)], active[keep]
             selection_s += time.perf_counter() - t0
         else:
@@ -114,6 +187,61 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
             q, h, active = q[:, -1:], h[-1:], active[-1:]
         attn = runner.attend(q, active.to(dev), cache.k[layer][:, :n], cache.v[layer][:, :n])
         h = runner.finish(layer, h, attn)
-    report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected),
-                             recomputed if plan.check_layers else 0, selection_s, tuple(selected))
+    if plan.full:
+        recomputed = int(plan.ctx_rows.numel())
+    report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), recomputed,
+                             selection_s, tuple(selected))
+    return runner.logits(h[-1:])[0], report
+
+
+def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
+               value_weighted: bool = False) -> torch.Tensor:
+    """Run the query rows through every layer over the loaded K/V (waiting for each
+    layer's loads) and return the fused attention score of every context position
+    0..q_start-1, (q_start,) float32.
+
+    Side effect: writes the query rows' K/V (of this approximate pass) into the cache.
+    """
+    n, dev = plan.n, runner.device
+    rows = plan.query_rows
+    q_start = int(rows[0])
+    cos, sin = runner.rope(rows)
+    h = runner.embed(token_ids[rows])  # (Q, hidden)
+    fused = QueryAttention(q_start, value_weighted=value_weighted)
+    for layer in range(runner.num_layers):
+        loader.wait(layer)
+        q, k, v = runner.qkv(layer, h, cos, sin)
+        cache.write(layer, rows.to(dev), k, v, n)
+        keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]
+        probs = query_probs(q, keys, runner.scaling, q_start)  # (Hkv, g*Q, N)
+        fused.add(layer, probs, values)
+        if layer < runner.num_layers - 1:
+            heads, tq, d = q.shape
+            out = (probs.to(values.dtype) @ values).reshape(heads, tq, d)  # (H, Q, D)
+            h = runner.finish(layer, h, out.transpose(0, 1).reshape(tq, -1))
+    return fused.scores()
+
+
+def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan,
+                      loader: LayerLoader, value_weighted: bool) -> tuple[torch.Tensor, SelectionReport]:
+    t0 = time.perf_counter()
+    scores = query_pass(runner, cache, token_ids, plan, loader, value_weighted)
+    cand = plan.cand_rows
+    forced = torch.zeros(plan.n, dtype=torch.bool)
+    forced[plan.forced_rows] = True
+    chosen = select_top(scores.cpu()[cand], cand, plan.counts[0], forced[cand])
+    selection_s = time.perf_counter() - t0
+    n, dev = plan.n, runner.device
+    active = torch.cat([chosen, plan.query_rows])  # sorted: context rows precede the query
+    cos_all, sin_all = runner.rope(torch.arange(n))
+    h = runner.embed(token_ids[active])
+    for layer in range(runner.num_layers):  # every layer is loaded by now
+        rows = active.to(dev)
+        q, k, v = runner.qkv(layer, h, cos_all[rows], sin_all[rows])
+        cache.write(layer, rows, k, v, n)
+        if layer == runner.num_layers - 1:
+            q, h, active = q[:, -1:], h[-1:], active[-1:]
+        attn = runner.attend(q, active.to(dev), cache.k[layer][:, :n], cache.v[layer][:, :n])
+        h = runner.finish(layer, h, attn)
+    report = SelectionReport((0,), (int(chosen.numel()),), int(chosen.numel()), selection_s, (chosen,))
     return runner.logits(h[-1:])[0], report

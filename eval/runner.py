@@ -153,7 +153,8 @@ def engine_settings(engine: Any) -> dict[str, Any]:
         "dtype": str(engine.lm.dtype).removeprefix("torch."), "device": str(engine.runner.device),
         "kv_dtype": engine.kv_dtype,
         "engine": {k: getattr(cfg.engine, k) for k in ("chunk_tokens", "check_layers", "filter_schedule",
-                                                       "deviation", "selection", "chunk_context")},
+                                                       "deviation", "selection", "chunk_context",
+                                                       "sink_tokens", "max_document_tokens")},
     }
 
 
@@ -281,7 +282,8 @@ def _use_template(engine: Any, template: PromptTemplate) -> None:
     system = template.render_system()
     current = engine.prompts
     if current.system_prompt != system or current.query_template != template.query:
-        engine.prompts = PromptBuilder(engine.lm.tokenizer, system, template.query, engine.config.engine.chunk_tokens)
+        engine.prompts = PromptBuilder(engine.lm.tokenizer, system, template.query,
+                                       engine.config.engine.max_document_tokens)
 
 
 def _warm_up(engine: Any, ex: Example, template: PromptTemplate) -> None:

@@ -87,19 +87,20 @@ def test_reordered_chunks_equal_direct_computation_at_offsets(order):
         prompt = engine.build_prompt(QUESTION, docs)
         pre = engine.prefill(prompt, mode="reuse")
         assert pre.stats.documents.misses == 0
-        for seg in prompt.chunks:
+        for seg in prompt.documents:
             direct = _standalone_kv_at(engine, seg.token_ids, seg.start)
             for layer, (k, v) in enumerate(direct):
                 assert maxdiff(pre.cache.k[layer][:, seg.start:seg.end], k) < 1e-4
                 assert maxdiff(pre.cache.v[layer][:, seg.start:seg.end], v) < 1e-4
 
 
-def test_repeated_document_empty_list_and_chunk_boundary():
+def test_repeated_document_empty_list_and_block_boundary():
     with make_engine(chunk_tokens=10) as engine:
         repeated = [DOCS[1], DOCS[1]]
         prompt = engine.build_prompt(QUESTION, repeated)
-        assert len(prompt.chunks) >= 4  # each copy split across the 10-token boundary
-        assert any(len(c.token_ids) < 10 for c in prompt.chunks)  # a short tail chunk
+        assert len(prompt.documents) == 2  # a document is one segment ...
+        blocks = engine.documents.blocks(prompt.documents[0].token_ids, [])
+        assert len(blocks) >= 2 and blocks[-1].end - blocks[-1].start < 10  # ... stored as blocks, a short tail
         full = engine.generate(QUESTION, repeated, mode="full", max_new_tokens=3)
         blend = engine.generate(QUESTION, repeated, mode="blend", recompute_ratio=1.0, max_new_tokens=3)
         assert maxdiff(full.first_token_logprobs, blend.first_token_logprobs) < 1e-4
