@@ -15,7 +15,8 @@ Per example and entry (a row):
     answer_nll    mean NLL of the first gold answer, teacher-forced after the prompt
     ttft_s        time to first token; recomputed_fraction: share of the context computed
 Quality metrics and answer_nll are None for an example without gold answers.
-The summary is the mean of every metric per entry (None values ignored).
+The summary is the mean of every metric per entry (None values ignored), plus the largest
+KL to full and, for blend entries, how many examples ended worse than reuse (larger KL).
 """
 
 from __future__ import annotations
@@ -245,8 +246,18 @@ def summarize(records: Sequence[Mapping[str, Any]], entries: Sequence[Entry]) ->
             "chunk_hit_rate": metrics.mean(row.get("chunk_hit_rate") for row in rows),
             "exposed_load_s": metrics.mean(row.get("exposed_load_s") for row in rows),
             "speedup": _median_speedup(records, entry.name),
+            "kl_max": max((row["kl_to_full"] for row in rows if row.get("kl_to_full") is not None), default=None),
+            "worse_than_reuse": _worse_than_reuse(records, entry.name) if entry.mode == "blend" else None,
         }
     return summary
+
+
+def _worse_than_reuse(records: Sequence[Mapping[str, Any]], name: str) -> int | None:
+    """Examples whose KL to full in entry `name` exceeds reuse's (None without a reuse entry)."""
+    pairs = [(r["entries"].get("reuse", {}).get("kl_to_full"), r["entries"].get(name, {}).get("kl_to_full"))
+             for r in records]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    return sum(b > a for a, b in pairs) if pairs else None
 
 
 def _median_speedup(records: Sequence[Mapping[str, Any]], name: str) -> float | None:
