@@ -232,16 +232,18 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
     chosen = select_top(scores.cpu()[cand], cand, plan.counts[0], forced[cand])
     selection_s = time.perf_counter() - t0
     n, dev = plan.n, runner.device
-    active = torch.cat([chosen, plan.query_rows])  # sorted: context rows precede the query
-    cos_all, sin_all = runner.rope(torch.arange(n))
-    h = runner.embed(token_ids[active])
+    active = torch.cat([chosen, plan.query_rows])  # (T,) sorted: context rows precede the query
+    rows = active.to(dev)
+    cos, sin = runner.rope(active)  # (T, D): the same rows at every layer
+    h = runner.embed(token_ids[active])  # (T, hidden)
+    last = runner.num_layers - 1
     for layer in range(runner.num_layers):  # every layer is loaded by now
-        rows = active.to(dev)
-        q, k, v = runner.qkv(layer, h, cos_all[rows], sin_all[rows])
+        q, k, v = runner.qkv(layer, h, cos, sin)
         cache.write(layer, rows, k, v, n)
-        if layer == runner.num_layers - 1:
-            q, h, active = q[:, -1:], h[-1:], active[-1:]
-        attn = runner.attend(q, active.to(dev), cache.k[layer][:, :n], cache.v[layer][:, :n])
-        h = runner.finish(layer, h, attn)
+        keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]
+        if layer == last:  # only the last row's output is needed
+            h = runner.finish(layer, h[-1:], runner.attend(q[:, -1:], rows[-1:], keys, values))
+        else:
+            h = runner.finish(layer, h, runner.attend(q, rows, keys, values))
     report = SelectionReport((0,), (int(chosen.numel()),), int(chosen.numel()), selection_s, (chosen,))
     return runner.logits(h[-1:])[0], report
