@@ -40,6 +40,8 @@ class BlendConfig:
     # the first k tokens of every document whose KV is not exact at its position are always
     # recomputed (inside the ratio's budget)
     sink_tokens: int = 0
+    # selection `query`: layers the query pass runs (0: all); the loads of later layers overlap the recompute
+    query_layers: int = 0
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
@@ -81,6 +83,8 @@ class BlendConfig:
             raise ValueError(f"engine.max_document_tokens must be >= 1, got {self.max_document_tokens}")
         if self.sink_tokens < 0:
             raise ValueError(f"engine.sink_tokens must be >= 0, got {self.sink_tokens}")
+        if self.query_layers < 0 or self.query_layers == 1:
+            raise ValueError(f"engine.query_layers must be 0 (all layers) or >= 2, got {self.query_layers}")
         if self.prefetch_depth < 1:
             raise ValueError(f"engine.prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.max_new_tokens < 1:

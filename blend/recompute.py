@@ -26,8 +26,10 @@ Query-driven selection (`query`), no full early layers:
     keep the forced rows and the top-scored candidates
     for each layer from 0: the same loop over the selected rows plus the query rows
 
-The query pass waits for every layer's loads before layer 0 is recomputed; the loads
-overlap the query pass layer by layer, the rest of their time is exposed (LoadReport).
+The query pass waits for the loads of the layers it runs before layer 0 is recomputed;
+they overlap the query pass layer by layer, the rest of their time is exposed
+(LoadReport). With `query_layers` < the model's layers, the query pass stops early and
+the loads of the later layers overlap the recompute.
 
 `reuse` is the loop with no selection (only the query rows are computed); a plan that
 recomputes every candidate (ratio 1) is a full prefill with no loads.
@@ -71,6 +73,7 @@ class RecomputePlan:
     counts: tuple[int, ...]  # candidates kept at each selection (non-increasing)
     load_from: int  # first layer whose cached K/V is read (num_layers: none)
     query_pass: bool = False  # select before layer 0 from a query pass (policy `query`)
+    query_layers: int = 0  # layers 0..query_layers-1 run in the query pass (the rest load during the recompute)
     full: bool = False  # every row computed at every layer, nothing loaded (the budget covers every candidate)
 
     @property
@@ -86,13 +89,15 @@ def _rows(segments: Sequence[tuple[int, int]]) -> torch.Tensor:
 
 def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], schedule: tuple[float, ...],
                    num_layers: int, *, policy: str = "deviation", placements: Sequence[Placement] = (),
-                   sink_tokens: int = 0) -> RecomputePlan:
+                   sink_tokens: int = 0, query_layers: int = 0) -> RecomputePlan:
     """Plan blend at `ratio` (0: reuse) with selection `policy`.
 
     `placements` tell which cached rows are exact (their keys were computed at their
     prompt position after the very tokens that precede them: pos_start == start); those
     are loaded but never candidates. Without placements every context row is a candidate.
     Check layers beyond the model are dropped; the last one kept then takes the final budget.
+    `query_layers` (policy `query`): how many layers the query pass runs (0 or more than
+    the model: all).
     """
     cached = [s for s in prompt.segments if s.kind != "query" and s.end > s.start]
     ctx_rows = _rows([(s.start, s.end) for s in cached])
@@ -111,8 +116,10 @@ def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], 
     n_cand = cand_rows.numel()
 
     def make(layers: Sequence[int], counts: Sequence[int], load_from: int, query_pass: bool = False) -> RecomputePlan:
+        depth = num_layers if query_layers <= 0 else min(query_layers, num_layers)
         return RecomputePlan(len(prompt), ctx_rows, cand_rows, forced_rows, query_rows, tuple(layers),
-                             tuple(counts), load_from, query_pass, full=load_from >= num_layers)
+                             tuple(counts), load_from, query_pass, depth if query_pass else 0,
+                             full=load_from >= num_layers)
 
     if ratio <= 0 or n_cand == 0:
         return make((), (), 0)  # reuse: only the query rows
@@ -196,9 +203,9 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
 
 def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
                value_weighted: bool = False) -> torch.Tensor:
-    """Run the query rows through every layer over the loaded K/V (waiting for each
-    layer's loads) and return the fused attention score of every context position
-    0..q_start-1, (q_start,) float32.
+    """Run the query rows through layers 0..plan.query_layers-1 over the loaded K/V
+    (waiting for each layer's loads) and return the fused attention score of every
+    context position 0..q_start-1, (q_start,) float32.
 
     Side effect: writes the query rows' K/V (of this approximate pass) into the cache.
     """
@@ -208,14 +215,14 @@ def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
     cos, sin = runner.rope(rows)
     h = runner.embed(token_ids[rows])  # (Q, hidden)
     fused = QueryAttention(q_start, value_weighted=value_weighted)
-    for layer in range(runner.num_layers):
+    for layer in range(plan.query_layers):
         loader.wait(layer)
         q, k, v = runner.qkv(layer, h, cos, sin)
         cache.write(layer, rows.to(dev), k, v, n)
         keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]
         probs = query_probs(q, keys, runner.scaling, q_start)  # (Hkv, g*Q, N)
         fused.add(layer, probs, values)
-        if layer < runner.num_layers - 1:
+        if layer < plan.query_layers - 1:
             heads, tq, d = q.shape
             out = (probs.to(values.dtype) @ values).reshape(heads, tq, d)  # (H, Q, D)
             h = runner.finish(layer, h, out.transpose(0, 1).reshape(tq, -1))
@@ -237,7 +244,9 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
     cos, sin = runner.rope(active)  # (T, D): the same rows at every layer
     h = runner.embed(token_ids[active])  # (T, hidden)
     last = runner.num_layers - 1
-    for layer in range(runner.num_layers):  # every layer is loaded by now
+    for layer in range(runner.num_layers):
+        if layer >= plan.query_layers:  # layers the query pass did not wait for
+            loader.wait(layer)
         q, k, v = runner.qkv(layer, h, cos, sin)
         cache.write(layer, rows, k, v, n)
         keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]
