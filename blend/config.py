@@ -42,6 +42,9 @@ class BlendConfig:
     sink_tokens: int = 0
     # selection `query`: layers the query pass runs (0: all); the loads of later layers overlap the recompute
     query_layers: int = 0
+    # selection `query`: the query pass keeps this many times the budget; the check layers narrow it
+    # to the budget by query attention x KV deviation (1.0: no narrowing, no check layer)
+    query_pool: float = 1.0
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
@@ -85,6 +88,8 @@ class BlendConfig:
             raise ValueError(f"engine.sink_tokens must be >= 0, got {self.sink_tokens}")
         if self.query_layers < 0 or self.query_layers == 1:
             raise ValueError(f"engine.query_layers must be 0 (all layers) or >= 2, got {self.query_layers}")
+        if not self.query_pool >= 1.0:
+            raise ValueError(f"engine.query_pool must be >= 1.0, got {self.query_pool}")
         if self.prefetch_depth < 1:
             raise ValueError(f"engine.prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.max_new_tokens < 1:

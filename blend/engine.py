@@ -158,7 +158,7 @@ class BlendEngine:
         placements = self.documents.resolve(prompt, [s for s in prompt.segments if s.kind != "query"], tally)
         plan = plan_recompute(prompt, ratio, cfg.check_layers, cfg.filter_schedule, self.runner.num_layers,
                               policy=selection, placements=placements, sink_tokens=cfg.sink_tokens,
-                              query_layers=cfg.query_layers)
+                              query_layers=cfg.query_layers, query_pool=cfg.query_pool)
         cache = self.runner.new_cache(capacity)
         cache.length = plan.n
         with LayerLoader(self.store, self.runner, cache, placements, range(plan.load_from, self.runner.num_layers),

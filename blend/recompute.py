@@ -49,6 +49,8 @@ from blend.runner import KVCache, Runner
 from blend.selector import (
     CheckLayerKV,
     QueryAttention,
+    deviation,
+    normalised,
     query_probs,
     schedule_counts,
     select,
@@ -69,7 +71,7 @@ class RecomputePlan:
     cand_rows: torch.Tensor  # (N,) context rows whose cached KV is approximate: the candidates, sorted
     forced_rows: torch.Tensor  # (F,) candidates always recomputed (inside the budget), sorted
     query_rows: torch.Tensor  # (Q,) positions of the query rows (always computed)
-    check_layers: tuple[int, ...]  # layers where rows are selected (check-layer policies)
+    check_layers: tuple[int, ...]  # layers where rows are selected (policy `query`: 0 = the query pass, then refinements)
     counts: tuple[int, ...]  # candidates kept at each selection (non-increasing)
     load_from: int  # first layer whose cached K/V is read (num_layers: none)
     query_pass: bool = False  # select before layer 0 from a query pass (policy `query`)
@@ -80,6 +82,8 @@ class RecomputePlan:
     def first_active(self) -> torch.Tensor:
         """Rows computed at layer 0: all of them when a check layer comes or nothing is
         loaded, else the query."""
+        if self.query_pass:
+            return self.query_rows
         return torch.arange(self.n) if self.check_layers or self.full else self.query_rows
 
 
@@ -89,7 +93,7 @@ def _rows(segments: Sequence[tuple[int, int]]) -> torch.Tensor:
 
 def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], schedule: tuple[float, ...],
                    num_layers: int, *, policy: str = "deviation", placements: Sequence[Placement] = (),
-                   sink_tokens: int = 0, query_layers: int = 0) -> RecomputePlan:
+                   sink_tokens: int = 0, query_layers: int = 0, query_pool: float = 1.0) -> RecomputePlan:
     """Plan blend at `ratio` (0: reuse) with selection `policy`.
 
     `placements` tell which cached rows are exact (their keys were computed at their
@@ -97,7 +101,9 @@ def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], 
     are loaded but never candidates. Without placements every context row is a candidate.
     Check layers beyond the model are dropped; the last one kept then takes the final budget.
     `query_layers` (policy `query`): how many layers the query pass runs (0 or more than
-    the model: all).
+    the model: all); `query_pool` > 1: the query pass keeps that many times the budget,
+    narrowed to the budget at the check layers (`filter_schedule`) by query attention x
+    KV deviation.
     """
     cached = [s for s in prompt.segments if s.kind != "query" and s.end > s.start]
     ctx_rows = _rows([(s.start, s.end) for s in cached])
@@ -125,8 +131,19 @@ def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], 
         return make((), (), 0)  # reuse: only the query rows
     n_ctx = ctx_rows.numel()
     if not uses_check_layers(policy):
-        count = schedule_counts(ratio, (1.0,), n_ctx)[0]
-        return make((), (n_cand,), num_layers) if count >= n_cand else make((), (count,), 0, True)
+        final = schedule_counts(ratio, (1.0,), n_ctx)[0]
+        if final >= n_cand:
+            return make((), (n_cand,), num_layers)
+        if query_pool <= 1.0:
+            return make((0,), (final,), 0, True)
+        # a pool of query_pool x the budget from the query pass, refined at the check layers
+        layers = [c for c in check_layers if 0 < c < num_layers]
+        pool = min(n_cand, schedule_counts(ratio * query_pool, (1.0,), n_ctx)[0])
+        later = schedule_counts(ratio, schedule[: len(layers)], n_ctx)
+        if later:
+            later[-1] = final
+        counts = [pool] + [min(c, pool) for c in later]
+        return make((0, *layers), counts if layers else [final], 0, True)
     layers = [c for c in check_layers if c < num_layers]
     counts = schedule_counts(ratio, schedule[: len(layers)], n_ctx)
     if layers and len(layers) < len(check_layers):
@@ -149,7 +166,7 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
     Returns the last row's logits (vocab,) and what was selected.
     """
     if plan.query_pass:
-        return _run_query_driven(runner, cache, token_ids, plan, loader, value_weighted)
+        return _run_query_driven(runner, cache, token_ids, plan, loader, value_weighted, deviation_kind)
     n, dev = plan.n, runner.device
     is_cand = torch.zeros(n, dtype=torch.bool)
     is_cand[plan.cand_rows] = True
@@ -230,29 +247,47 @@ def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
 
 
 def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan,
-                      loader: LayerLoader, value_weighted: bool) -> tuple[torch.Tensor, SelectionReport]:
+                      loader: LayerLoader, value_weighted: bool, deviation_kind: str
+                      ) -> tuple[torch.Tensor, SelectionReport]:
     t0 = time.perf_counter()
-    scores = query_pass(runner, cache, token_ids, plan, loader, value_weighted)
+    scores = query_pass(runner, cache, token_ids, plan, loader, value_weighted).cpu()  # (q_start,)
     cand = plan.cand_rows
     forced = torch.zeros(plan.n, dtype=torch.bool)
     forced[plan.forced_rows] = True
-    chosen = select_top(scores.cpu()[cand], cand, plan.counts[0], forced[cand])
+    chosen = select_top(scores[cand], cand, plan.counts[0], forced[cand])
+    selected = [chosen]
     selection_s = time.perf_counter() - t0
     n, dev = plan.n, runner.device
     active = torch.cat([chosen, plan.query_rows])  # (T,) sorted: context rows precede the query
     rows = active.to(dev)
-    cos, sin = runner.rope(active)  # (T, D): the same rows at every layer
+    cos, sin = runner.rope(active)  # (T, D), kept for the rows that stay active
     h = runner.embed(token_ids[active])  # (T, hidden)
     last = runner.num_layers - 1
     for layer in range(runner.num_layers):
         if layer >= plan.query_layers:  # layers the query pass did not wait for
             loader.wait(layer)
         q, k, v = runner.qkv(layer, h, cos, sin)
-        cache.write(layer, rows, k, v, n)
+        if layer in plan.check_layers[1:]:  # refine the pool: query attention x KV deviation
+            t1 = time.perf_counter()
+            pool = active[: chosen.numel()]
+            prior = (cache.k[layer][:, pool.to(dev)], cache.v[layer][:, pool.to(dev)])  # copies, before overwriting
+            m = pool.numel()
+            dev_score = deviation(k[:, :m], v[:, :m], *prior, deviation_kind).cpu()
+            score = normalised(dev_score) * normalised(scores[pool])
+            chosen = select_top(score, pool, plan.counts[plan.check_layers.index(layer)], forced[pool])
+            selected.append(chosen)
+            cache.write(layer, rows, k, v, n)
+            keep = torch.searchsorted(active, torch.cat([chosen, plan.query_rows]))
+            active, rows = active[keep], rows[keep.to(dev)]
+            q, h, cos, sin = q[:, keep.to(dev)], h[keep.to(dev)], cos[keep.to(dev)], sin[keep.to(dev)]
+            selection_s += time.perf_counter() - t1
+        else:
+            cache.write(layer, rows, k, v, n)
         keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]
         if layer == last:  # only the last row's output is needed
             h = runner.finish(layer, h[-1:], runner.attend(q[:, -1:], rows[-1:], keys, values))
         else:
             h = runner.finish(layer, h, runner.attend(q, rows, keys, values))
-    report = SelectionReport((0,), (int(chosen.numel()),), int(chosen.numel()), selection_s, (chosen,))
+    report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), int(chosen.numel()),
+                             selection_s, tuple(selected))
     return runner.logits(h[-1:])[0], report

@@ -108,7 +108,7 @@ class CheckLayerKV:
     scaling: float
 
 
-def _norm(scores: torch.Tensor) -> torch.Tensor:
+def normalised(scores: torch.Tensor) -> torch.Tensor:
     """Scores scaled to mean 1, so two criteria weigh alike in a product."""
     return scores / scores.mean().clamp_min(1e-12)
 
@@ -122,7 +122,7 @@ def _attention_scores(kv: CheckLayerKV, cand_rows: torch.Tensor, kind: str) -> t
 
 
 def _hybrid_scores(kv: CheckLayerKV, cand_rows: torch.Tensor, kind: str) -> torch.Tensor:
-    return _norm(_deviation_scores(kv, cand_rows, kind)) * _norm(_attention_scores(kv, cand_rows, kind))
+    return normalised(_deviation_scores(kv, cand_rows, kind)) * normalised(_attention_scores(kv, cand_rows, kind))
 
 
 POLICIES: dict[str, Callable[[CheckLayerKV, torch.Tensor, str], torch.Tensor]] = {

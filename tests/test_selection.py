@@ -51,17 +51,24 @@ def test_every_policy_and_layout_ratio_end_points_and_budget(selection, layout, 
     assert zero.token_ids == reuse.token_ids and zero.stats.recomputed_tokens == 0
 
 
-@pytest.mark.parametrize("selection", ["deviation", "hybrid", "attention"])
-def test_gradual_filtering_nests_for_check_layer_policies(selection):
+@pytest.mark.parametrize("selection", SELECTIONS)
+def test_gradual_filtering_nests_for_every_policy(selection):
+    """Check-layer policies shrink at layers 1, 2, 3; `query` keeps a pool of 2.5x the
+    budget from its query pass (layer 0) and narrows it at the same check layers."""
     with make_engine(check_layers=[1, 2, 3], filter_schedule=[2.0, 1.5, 1.0], selection=selection,
-                     sink_tokens=2) as engine:
+                     sink_tokens=2, query_pool=2.5) as engine:
         engine.ingest(DOCS)
         result = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.2, max_new_tokens=2)
     n_ctx = result.stats.context_tokens
-    counts = result.stats.selection.selected_per_layer
-    assert list(counts) == [math.ceil(0.4 * n_ctx), math.ceil(0.3 * n_ctx), math.ceil(0.2 * n_ctx)]
+    counts = list(result.stats.selection.selected_per_layer)
+    expected = [math.ceil(0.4 * n_ctx), math.ceil(0.3 * n_ctx), math.ceil(0.2 * n_ctx)]
+    if selection == "query":
+        assert result.stats.selection.check_layers == (0, 1, 2, 3)
+        expected = [math.ceil(0.5 * n_ctx), *expected]
+    assert counts == expected and result.stats.recomputed_tokens == expected[-1]
     sets = [set(s.tolist()) for s in result.stats.selection.selected_rows]
-    assert sets[0] > sets[1] > sets[2]
+    assert all(a > b for a, b in zip(sets, sets[1:], strict=False))
+    assert all(torch.equal(s, s.unique(sorted=True)) for s in result.stats.selection.selected_rows)
 
 
 def test_select_top_takes_forced_rows_first():
