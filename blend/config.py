@@ -31,12 +31,15 @@ class BlendConfig:
     check_layers: tuple[int, ...] = (1,)
     filter_schedule: tuple[float, ...] = (1.0,)
     deviation: str = "v"
-    # hybrid | deviation (the paper's rule) | attention; hybrid won the synthetic-QA comparison (docs/EVAL.md)
-    selection: str = "hybrid"
+    # query (query-driven, no full early layers) | deviation (the paper's rule) | hybrid | attention;
+    # query won the MuSiQue dev comparison at every ratio (docs/EVAL.md)
+    selection: str = "query"
     # layers fetched ahead of compute; loads land in the request's preallocated cache, so depth
     # costs no memory, and a loader that runs ahead finishes early and stops competing for CPU
     prefetch_depth: int = 32
-    chunk_context: str = "none"  # what each document is computed after: none (standalone) | system
+    # what each document is computed after: system (the fixed instruction part) | none (standalone);
+    # system won on MuSiQue dev (docs/EVAL.md)
+    chunk_context: str = "system"
     # the first k tokens of every document whose KV is not exact at its position are always
     # recomputed (inside the ratio's budget)
     sink_tokens: int = 0

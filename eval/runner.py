@@ -227,6 +227,7 @@ def _row(ex: Example, entry: Entry, result: Any, reference: Any) -> dict[str, An
         "chunk_hits": docs.hits, "chunk_misses": docs.misses, "chunk_hit_rate": docs.hit_rate,
         "hits_by_tier": dict(stats.hits_by_tier), "load_s": stats.load_s,
         "exposed_load_s": stats.exposed_load_s, "new_tokens": stats.new_tokens,
+        "selection_s": stats.selection.selection_s,
     }
 
 
@@ -245,6 +246,7 @@ def summarize(records: Sequence[Mapping[str, Any]], entries: Sequence[Entry]) ->
             "ttft_s_median": statistics.median(ttfts) if ttfts else None,
             "chunk_hit_rate": metrics.mean(row.get("chunk_hit_rate") for row in rows),
             "exposed_load_s": metrics.mean(row.get("exposed_load_s") for row in rows),
+            "selection_s": metrics.mean(row.get("selection_s") for row in rows),
             "speedup": _median_speedup(records, entry.name),
             "kl_max": max((row["kl_to_full"] for row in rows if row.get("kl_to_full") is not None), default=None),
             "worse_than_reuse": _worse_than_reuse(records, entry.name) if entry.mode == "blend" else None,

@@ -95,7 +95,7 @@ def test_old_format_chunk_entry_is_a_miss_not_an_error():
 
 
 def test_block_with_wrong_position_is_a_miss():
-    with make_engine(chunk_tokens=16) as engine:
+    with make_engine(chunk_tokens=16, chunk_context="none") as engine:
         prompt = engine.build_prompt(QUESTION, [LONG_DOC])
         seg = prompt.documents[0]
         blocks = engine.documents.blocks(seg.token_ids, [])
@@ -127,7 +127,7 @@ def test_long_document_is_split_by_max_document_tokens():
 def test_split_document_parts_are_cached_separately():
     lm = tiny_model("llama", tokenizer=smollm2_tokenizer())
     cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [{"kind": "cpu", "budget": "64MiB"}]},
-                                        chunk_tokens=16, max_document_tokens=40)
+                                        chunk_tokens=16, max_document_tokens=40, chunk_context="none")
     with BlendEngine(cfg, model=lm) as engine:
         engine.ingest([LONG_DOC])
         prompt = engine.build_prompt(QUESTION, [LONG_DOC])

@@ -80,9 +80,9 @@ def _standalone_kv_at(engine: BlendEngine, token_ids, offset: int):
 
 
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
-def test_reordered_chunks_equal_direct_computation_at_offsets(order):
+def test_reordered_documents_equal_direct_computation_at_offsets(order):
     docs = [DOCS[i] for i in order]
-    with make_engine(chunk_tokens=16) as engine:
+    with make_engine(chunk_tokens=16, chunk_context="none") as engine:  # standalone: any order, any offset
         engine.ingest(DOCS)
         prompt = engine.build_prompt(QUESTION, docs)
         pre = engine.prefill(prompt, mode="reuse")
@@ -110,19 +110,6 @@ def test_repeated_document_empty_list_and_block_boundary():
         for mode in ("full", "reuse", "prefix", "blend"):
             alone = engine.generate(QUESTION, [], mode=mode, max_new_tokens=3)
             assert alone.token_ids and alone.stats.query_tokens > 0
-
-
-def test_gradual_filtering_shrinks_and_nests():
-    with make_engine(check_layers=[1, 2, 3], filter_schedule=[2.0, 1.5, 1.0]) as engine:
-        engine.ingest(DOCS)
-        result = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.2, max_new_tokens=2)
-        n_ctx = result.stats.context_tokens
-        counts = result.stats.selection.selected_per_layer
-        import math
-        assert list(counts) == [math.ceil(0.4 * n_ctx), math.ceil(0.3 * n_ctx), math.ceil(0.2 * n_ctx)]
-        sets = [set(s.tolist()) for s in result.stats.selection.selected_rows]
-        assert sets[0] > sets[1] > sets[2]
-        assert result.stats.recomputed_tokens == counts[-1]
 
 
 def test_prefix_mode_is_exact_and_stores_blocks():
