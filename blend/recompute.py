@@ -6,7 +6,8 @@ whose cached KV is not exact at its prompt position: not the system part, nor a
 document computed after exactly the tokens that precede it), the rows always
 recomputed (`forced`: the first `sink_tokens` of each candidate document), how many
 candidates are recomputed (`ceil(r x context tokens)`, at most every candidate, nested
-under gradual filtering) and the first layer that needs loaded KV. `run_layers` runs one of two algorithms.
+under gradual filtering) and the first layer that needs loaded KV. `run_layers` runs one
+of two algorithms.
 
 Check-layer policies (deviation, hybrid, attention):
 
@@ -25,6 +26,8 @@ Query-driven selection (`query`), no full early layers:
         (a reuse pass) and add their attention to the context (selector.QueryAttention)
     keep the forced rows and the top-scored candidates
     for each layer from 0: the same loop over the selected rows plus the query rows
+        (with `query_pool` > 1 the query pass keeps a larger pool, narrowed at the check
+        layers by query attention x KV deviation)
 
 The query pass waits for the loads of the layers it runs before layer 0 is recomputed;
 they overlap the query pass layer by layer, the rest of their time is exposed
