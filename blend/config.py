@@ -81,19 +81,33 @@ def _query_template(text: str) -> str:
 
 @config_dataclass
 class BlendConfig:
-    """How prompts are chunked, which tokens are recomputed, how loads are pipelined."""
+    """How documents are stored, which tokens are recomputed, how loads are pipelined."""
 
+    # block size of a document's stored KV (a document is computed whole, as one sequence)
     chunk_tokens: PositiveInt = 512
+    # a longer document is split into consecutive documents of this many tokens (each computed on its own)
+    max_document_tokens: PositiveInt = 4096
     recompute_ratio: Ratio = 0.15
     check_layers: tuple[Annotated[int, Strict(), Field(ge=0)], ...] = (1,)
     filter_schedule: tuple[PositiveFloat, ...] = (1.0,)
     deviation: Annotated[StrictStr, AfterValidator(_policy("DEVIATIONS"))] = "v"
-    # hybrid | deviation (the paper's rule) | attention; hybrid won the synthetic-QA comparison (docs/EVAL.md)
-    selection: Annotated[StrictStr, AfterValidator(_policy("SELECTIONS"))] = "hybrid"
+    # query (query-driven, no full early layers) | deviation (the paper's rule) | hybrid | attention;
+    # query won the MuSiQue dev comparison at every ratio (docs/EVAL.md)
+    selection: Annotated[StrictStr, AfterValidator(_policy("SELECTIONS"))] = "query"
     # layers fetched ahead of compute; loads land in the request's preallocated cache, so depth
     # costs no memory, and a loader that runs ahead finishes early and stops competing for CPU
     prefetch_depth: PositiveInt = 32
-    chunk_context: Literal[CHUNK_CONTEXTS] = "none"  # type: ignore[valid-type]
+    # what each document is computed after: system (the fixed instruction part) | none (standalone);
+    # system won on MuSiQue dev (docs/EVAL.md)
+    chunk_context: Literal[CHUNK_CONTEXTS] = "system"  # type: ignore[valid-type]
+    # the first k tokens of every document whose KV is not exact at its position are always
+    # recomputed (inside the ratio's budget)
+    sink_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
+    # selection `query`: layers the query pass runs (0: all); the loads of later layers overlap the recompute
+    query_layers: Annotated[int, Strict(), Field(ge=0)] = 0
+    # selection `query`: the query pass keeps this many times the budget; the check layers narrow it
+    # to the budget by query attention x KV deviation (1.0: no narrowing, no check layer)
+    query_pool: Annotated[float, Strict(), Field(ge=1.0, allow_inf_nan=False)] = 1.0
     # load-or-compute split (blend.split): auto computes a prefix instead of loading it when loads
     # would take longer than compute; off always loads every cached segment
     split: Literal["auto", "off"] = "auto"
@@ -120,6 +134,8 @@ class BlendConfig:
         if any(b > a for a, b in zip(s, s[1:], strict=False)) or s[-1] != 1.0:
             raise ValueError(f"filter_schedule must be non-increasing and end at 1.0 (the final set is the "
                              f"recompute ratio), got {s}")
+        if self.query_layers == 1:
+            raise ValueError("query_layers must be 0 (all layers) or >= 2, got 1")
 
     def check_model_layers(self, num_layers: int) -> None:
         """ValueError if a check layer is beyond a model of `num_layers` layers."""

@@ -3,18 +3,19 @@ orchestrates a request through the modules that do the work.
 
 Modes
   full    full prefill of the whole prompt (the reference)
-  reuse   cached chunk KV placed at its prompt positions; only the query is computed
+  reuse   cached document KV placed at its prompt positions; only the query is computed
   prefix  the longest exactly-cached prefix is loaded, the rest computed (prefix caching)
   blend   CacheBlend: cached KV plus a selective recompute of the tokens that matter most
 
-Path of one blend request: `PromptBuilder` lays out [prefix][chunks][query] ->
-`ChunkCache.resolve` looks every cacheable segment up in the `TieredStore` (a miss is
-computed now and written back) -> `plan_recompute` fixes which rows each layer computes
--> a `LayerLoader` thread places layer i+1.. of every segment into the request's
-`KVCache` (re-rotated to its prompt positions) while `run_layers` computes layer i ->
-`Decoder.stream` decodes from the merged cache.
+Path of one blend request: `PromptBuilder` lays out [prefix][documents][query] ->
+`DocumentCache.resolve` looks every cacheable segment's block chain up in the
+`TieredStore` (a miss is computed now, as one sequence, and written back) -> the
+`Splitter` may compute a prefix instead of loading it (blend.split) -> `plan_recompute`
+fixes which rows each layer computes -> a `LayerLoader` thread places layer i+1.. of
+every block into the request's `KVCache` (re-rotated to its prompt positions) while
+`run_layers` computes layer i -> `Decoder.stream` decodes from the merged cache.
 
-Public surface: `ingest` (per document: id, keys, cached), `generate` /
+Public surface: `ingest` (per document: id, block keys, cached), `generate` /
 `generate_stream` (a question or a conversation over documents; text deltas, stop
 strings), `chat` (sessions, optionally with documents and a system prompt),
 `delete_document`, `warmup`. Documents are str or `blend.Document`, rendered by
@@ -33,7 +34,6 @@ from typing import Any
 
 import torch
 
-from blend.chunks import ChunkCache
 from blend.config import EngineConfig, load_config
 from blend.conversation import Message, check_messages
 from blend.document import (
@@ -44,6 +44,7 @@ from blend.document import (
     document_id,
     render_document,
 )
+from blend.documents import DocumentCache
 from blend.generation import Decoder, GenerationResult, Prefilled, TextDelta
 from blend.model import LoadedModel, load_model
 from blend.pipeline import LayerLoader
@@ -73,13 +74,14 @@ class BlendEngine:
         self.lm = model or load_model(config.model, device=config.device, dtype=config.dtype)
         cfg.check_model_layers(self.lm.dims.num_layers)
         self.runner = Runner(self.lm)
-        self.prompts = PromptBuilder(self.lm.tokenizer, cfg.system_prompt, cfg.query_template, cfg.chunk_tokens)
+        self.prompts = PromptBuilder(self.lm.tokenizer, cfg.system_prompt, cfg.query_template, cfg.max_document_tokens)
         entry_bytes = self.lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * cfg.chunk_tokens
         self.store = store or TieredStore.from_config(config.store, min_entry_bytes=entry_bytes)
         self.fingerprint = self.lm.fingerprint
         self.kv_dtype = config.store.kv_dtype
         maker = EntryMaker(self.runner, self.fingerprint, self.kv_dtype)
-        self.chunks = ChunkCache(self.store, maker, namespace=config.store.namespace, chunk_context=cfg.chunk_context)
+        self.document_kv = DocumentCache(self.store, maker, namespace=config.store.namespace,
+                                       chunk_context=cfg.chunk_context, block_tokens=cfg.chunk_tokens)
         self.prefix_cache = PrefixCache(self.store, maker, namespace=config.store.namespace,
                                         block_tokens=cfg.chunk_tokens, prefetch_depth=cfg.prefetch_depth)
         self.decoder = Decoder(self.lm, self.runner)
@@ -107,11 +109,11 @@ class BlendEngine:
 
     # --------------------------------------------------------------- requests
     def ingest(self, documents: Sequence[Document | str], *, sync: bool = True) -> list[IngestedDocument]:
-        """Precompute each document's chunks and store them; returns per document its id,
-        chunk keys and whether it was already cached (every chunk had an entry in some tier
-        before this call).
+        """Precompute each document's KV (one sequence) and store it block by block; returns
+        per document its id, block keys and whether it was already cached (every block had
+        an entry in some tier before this call).
 
-        Idempotent: chunks already in the store are not recomputed. With sync=True the
+        Idempotent: blocks already in the store are not recomputed. With sync=True the
         writes have reached every tier when this returns. An empty document is skipped
         with a warning (no keys, cached). Remembers each document by id (`delete_document`).
         """
@@ -119,8 +121,9 @@ class BlendEngine:
         prompt = self.prompts.build("ingest", docs)
         kept = [d for d in docs if render_document(d)]
         keys = self._keys_by_document(prompt, len(kept))
-        cached = [all(self._stored(seg, prompt) for seg in prompt.chunks if seg.doc_index == i) for i in range(len(kept))]
-        self.chunks.ingest(prompt)
+        cached = [all(self._stored(seg, prompt) for seg in prompt.documents if seg.doc_index == i)
+                  for i in range(len(kept))]
+        self.document_kv.ingest(prompt)
         if sync:
             self.store.flush()
         results, k = [], 0
@@ -167,7 +170,7 @@ class BlendEngine:
         config's token-selection policy for this request (blend mode); `stop` ends the
         generation at the first of these strings (not included in the text).
 
-        Side effects: chunk misses are computed and written to the store. With `answer`,
+        Side effects: document misses are computed and written to the store. With `answer`,
         stats.answer_nll is the mean negative log-likelihood of that text teacher-forced
         after the prompt (decoding continues from the same cache).
         """
@@ -226,7 +229,7 @@ class BlendEngine:
                 continue
             if self.documents.differs(doc.id, doc):
                 message = (f"document {doc.id!r} differs from the version seen before under that id "
-                           "(title or text): its chunks are computed, not loaded")
+                           "(title or text): its KV is computed, not loaded")
                 log.warning(message)
                 warnings.append(message)
             keys = keys if keys is not None else self._keys_by_document(prompt, len(kept))
@@ -234,16 +237,16 @@ class BlendEngine:
         return tuple(warnings)
 
     def _keys_by_document(self, prompt: Prompt, n_documents: int) -> list[list[str]]:
-        """The store keys of each (non-empty) document's chunks, in order."""
+        """The store keys of each (non-empty) document's blocks, in order."""
         keys: list[list[str]] = [[] for _ in range(n_documents)]
-        for seg in prompt.chunks:
-            keys[seg.doc_index].append(self.chunks.key(seg, prompt)[0])
+        for seg in prompt.documents:
+            keys[seg.doc_index].extend(self.document_kv.keys(seg, prompt))
         return keys
 
     def _stored(self, seg: Segment, prompt: Prompt) -> bool:
-        """Some tier holds an entry under the segment's key (not read or verified here: an
-        entry that turns out corrupt is recomputed by the ingest all the same)."""
-        return self.store.contains(self.chunks.key(seg, prompt)[0]) is not None
+        """Some tier holds an entry under each of the segment's block keys (not read or
+        verified here: an entry that turns out corrupt is recomputed by the ingest all the same)."""
+        return all(self.store.contains(key) is not None for key in self.document_kv.keys(seg, prompt))
 
     def warmup(self) -> float:
         """Run one short request through prefill and decoding so that the first real
@@ -291,11 +294,13 @@ class BlendEngine:
     def _blend(self, prompt: Prompt, ratio: float, capacity: int, mode: str, selection: str) -> Prefilled:
         cfg = self.config.engine
         tally = LookupTally([t.name for t in self.store.tiers])
-        placements = self.chunks.resolve(prompt, [s for s in prompt.segments if s.kind != "query"], tally)
+        placements = self.document_kv.resolve(prompt, [s for s in prompt.segments if s.kind != "query"], tally)
         # hook: the load-or-compute split (blend.split) may compute a prefix instead of loading it
         split = self.splitter.plan(prompt, placements, ratio, cfg.check_layers, cfg.filter_schedule,
                                    self.runner.num_layers)
         plan = plan_recompute(prompt, ratio, cfg.check_layers, cfg.filter_schedule, self.runner.num_layers,
+                              policy=selection, placements=placements, sink_tokens=cfg.sink_tokens,
+                              query_layers=cfg.query_layers, query_pool=cfg.query_pool,
                               fresh=split.computed_tokens)
         cache = self.runner.new_cache(capacity)
         cache.length = plan.n
@@ -303,7 +308,7 @@ class BlendEngine:
                          cfg.prefetch_depth) as loader:
             logits, chosen = run_layers(self.runner, cache, torch.tensor(prompt.token_ids), plan, loader,
                                         policy=selection, deviation_kind=cfg.deviation)
-        stats = self._stats(prompt, mode, ratio, loaded_tokens=int(plan.ctx_rows.numel()),
+        stats = self._stats(prompt, mode, ratio, loaded_tokens=0 if plan.full else int(plan.ctx_rows.numel()),
                             recomputed_tokens=chosen.recomputed_tokens + split.computed_tokens, load=loader.report(),
                             selection=chosen, split=split.report, **tally_fields(tally))
         return Prefilled(logits, cache, stats)
@@ -311,18 +316,18 @@ class BlendEngine:
     def _prefix(self, prompt: Prompt, capacity: int) -> Prefilled:
         """The longest exactly cached prefix: prefix blocks of this very prompt, or the
         cached segments that are exact at their position (the system part, and the first
-        chunk when chunks are computed after it)."""
+        document when documents are computed after it)."""
         ids = prompt.token_ids
         limit = len(ids) - 1  # at least the last token is computed
         tally = LookupTally([t.name for t in self.store.tiers])
         chain = self.prefix_cache.lookup(ids, limit)
         chain_len = sum(pl.length for pl in chain)
         exact = [prompt.prefix]
-        if self.config.engine.chunk_context == "system" and len(prompt.segments) > 2 and prompt.segments[1].kind == "chunk":
+        if self.config.engine.chunk_context == "system" and len(prompt.segments) > 2 and prompt.segments[1].kind == "document":
             exact.append(prompt.segments[1])
         exact_len = exact[-1].end if exact[-1].end <= limit else 0
         if exact_len > chain_len:
-            chain = self.chunks.resolve(prompt, [s for s in exact if s.end <= limit], tally)
+            chain = self.document_kv.resolve(prompt, [s for s in exact if s.end <= limit], tally)
         else:
             for pl in chain:
                 tally.hit_from("prefix_blocks", pl.source)

@@ -43,6 +43,16 @@ class EntryMaker:
         self.runner.prefill(torch.tensor(ids), cache)
         return self.from_cache(cache, list(token_ids), len(context))
 
+    def compute_blocks(self, token_ids: Sequence[int], context: Sequence[int],
+                       bounds: Sequence[tuple[int, int]]) -> list[KVEntry]:
+        """KV of `token_ids` computed as one sequence after `context`, cut into one entry per
+        (start, end) range of `bounds` (offsets into token_ids)."""
+        ids = list(context) + list(token_ids)
+        cache = self.runner.new_cache(len(ids))
+        self.runner.prefill(torch.tensor(ids), cache)
+        own = list(token_ids)
+        return [self.from_cache(cache, own[a:b], len(context) + a) for a, b in bounds]
+
     def from_cache(self, cache: KVCache, token_ids: Sequence[int], start: int) -> KVEntry:
         """Slots start..start+len(token_ids)-1 of `cache` as an entry (copied, storage dtype)."""
         end = start + len(token_ids)

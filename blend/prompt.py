@@ -4,7 +4,10 @@ source used by the engine, the CLI and eval).
 
 Each document is tokenized on its own and the ids are concatenated, so a document's
 tokens are identical standalone and inside any prompt (no boundary re-tokenization).
-Documents longer than `chunk_tokens` are split on token boundaries into chunks.
+Each document is one `document` segment: its KV is computed as one sequence (later
+tokens see earlier ones) and stored block by block (blend.documents). A document longer
+than `max_document_tokens` is split on token boundaries into consecutive documents of
+`max_document_tokens` tokens (the last one shorter); each part is computed on its own.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ log = logging.getLogger(__name__)
 
 PLACEHOLDERS = frozenset({"question"})
 
-SegmentKind = Literal["prefix", "chunk", "query"]
+SegmentKind = Literal["prefix", "document", "query"]
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,12 @@ TEMPLATES: dict[str, PromptTemplate] = {"qa": QA, "summarization": SUMMARIZATION
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of prompt tokens. `prefix` and `chunk` segments are cacheable; `query` is always computed."""
+    """A run of prompt tokens. `prefix` and `document` segments are cacheable; `query` is always computed."""
 
     kind: SegmentKind
     token_ids: tuple[int, ...]
     start: int  # position of the first token in the prompt
-    doc_index: int = -1  # which document a chunk belongs to
+    doc_index: int = -1  # which input document a document segment comes from (several for a split one)
 
     @property
     def end(self) -> int:
@@ -103,8 +106,8 @@ class Prompt:
         return self.segments[0]
 
     @property
-    def chunks(self) -> tuple[Segment, ...]:
-        return tuple(s for s in self.segments if s.kind == "chunk")
+    def documents(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.kind == "document")
 
     @property
     def query(self) -> Segment:
@@ -114,11 +117,13 @@ class Prompt:
 class PromptBuilder:
     """Builds prompts for one tokenizer and one instruction/query template."""
 
-    def __init__(self, tokenizer, system_prompt: str, query_template: str, chunk_tokens: int):
+    def __init__(self, tokenizer, system_prompt: str, query_template: str, max_document_tokens: int = 4096):
+        if max_document_tokens < 1:
+            raise ValueError(f"max_document_tokens must be >= 1, got {max_document_tokens}")
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.query_template = query_template
-        self.chunk_tokens = chunk_tokens
+        self.max_document_tokens = max_document_tokens
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
@@ -145,7 +150,10 @@ class PromptBuilder:
         return self._encode(document.strip() + "\n\n")
 
     def split(self, ids: list[int]) -> list[tuple[int, ...]]:
-        n = self.chunk_tokens
+        """A document's ids as parts of at most `max_document_tokens` tokens (one part when it fits)."""
+        n = self.max_document_tokens
+        if len(ids) > n:
+            log.debug("document of %d tokens split into parts of %d (max_document_tokens)", len(ids), n)
         return [tuple(ids[i : i + n]) for i in range(0, len(ids), n)]
 
     def clean_documents(self, documents: list[str]) -> list[str]:
@@ -156,7 +164,7 @@ class PromptBuilder:
         return kept
 
     def build(self, question: str | Sequence[Message], documents: Sequence[Document | str]) -> Prompt:
-        """Lay out [prefix][doc chunks...][query]; positions are explicit per segment.
+        """Lay out [prefix][documents...][query]; positions are explicit per segment.
 
         `question` is a question (the QA template) or a checked conversation
         (blend.conversation); each document is rendered by blend.document.render_document.
@@ -169,7 +177,7 @@ class PromptBuilder:
         pos = len(head)
         for d, doc in enumerate(self.clean_documents(documents)):
             for piece in self.split(self.document_ids(doc)):
-                segments.append(Segment("chunk", piece, pos, d))
+                segments.append(Segment("document", piece, pos, d))
                 pos += len(piece)
         segments.append(Segment("query", tuple(tail), pos))
         ids = tuple(t for s in segments for t in s.token_ids)

@@ -7,10 +7,18 @@ gradual filtering, each check layer keeps a shrinking share of the previous sele
 ending at the recompute ratio.
 
 Config `selection`: `deviation` is the paper's rule; `attention` ranks tokens by how much
-the query attends to them at the check layer; `hybrid` (the default) multiplies the
-normalised deviation and attention scores: a token is recomputed when its cached KV is
-wrong AND the query looks at it. On the synthetic multi-hop QA set with SmolLM2 it
-lowered the mean first-token KL to full prefill at every ratio tried (docs/EVAL.md).
+the query attends to them at the check layer; `hybrid` multiplies the normalised
+deviation and attention scores: a token is recomputed when its cached KV is wrong AND
+the query looks at it.
+
+`query` needs no check layer: the query rows alone are run through every layer over
+the loaded (re-rotated) KV - a reuse pass - and each context token is scored by the
+query's attention to it, averaged over heads and query rows, normalised per layer and
+averaged over the layers after the first (`QueryAttention`). The top tokens are then
+recomputed from layer 0 (blend.recompute). Comparison on MuSiQue: docs/EVAL.md.
+
+Forced rows (e.g. the first tokens of each document, `sink_tokens`) are always kept and
+count inside the budget.
 """
 
 from __future__ import annotations
@@ -62,12 +70,22 @@ def schedule_counts(ratio: float, schedule: tuple[float, ...], n_context: int) -
     return counts
 
 
-def select_top(scores: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
-    """The k rows with the largest scores, returned sorted by position. scores, rows: (T,)."""
+def select_top(scores: torch.Tensor, rows: torch.Tensor, k: int, forced: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """The k rows with the largest scores, returned sorted by position. scores, rows: (T,).
+
+    `forced` (T,) bool: rows taken before any other (the first k of them by position when
+    there are more than k)."""
     if k >= rows.numel():
         return rows.clone()
     if k <= 0:
         return rows[:0].clone()
+    scores = scores.float()
+    if forced is not None and bool(forced.any()):
+        # forced rows first, earlier positions first among them; then the rest by score
+        rank = torch.arange(rows.numel(), 0, -1, device=scores.device, dtype=torch.float32)
+        top = scores.max().abs() + 1.0
+        scores = torch.where(forced.to(scores.device), top + rank, scores)
     idx = torch.topk(scores, k, sorted=False).indices
     return rows[idx].sort().values
 
@@ -90,7 +108,7 @@ class CheckLayerKV:
     scaling: float
 
 
-def _norm(scores: torch.Tensor) -> torch.Tensor:
+def normalised(scores: torch.Tensor) -> torch.Tensor:
     """Scores scaled to mean 1, so two criteria weigh alike in a product."""
     return scores / scores.mean().clamp_min(1e-12)
 
@@ -104,7 +122,7 @@ def _attention_scores(kv: CheckLayerKV, cand_rows: torch.Tensor, kind: str) -> t
 
 
 def _hybrid_scores(kv: CheckLayerKV, cand_rows: torch.Tensor, kind: str) -> torch.Tensor:
-    return _norm(_deviation_scores(kv, cand_rows, kind)) * _norm(_attention_scores(kv, cand_rows, kind))
+    return normalised(_deviation_scores(kv, cand_rows, kind)) * normalised(_attention_scores(kv, cand_rows, kind))
 
 
 POLICIES: dict[str, Callable[[CheckLayerKV, torch.Tensor, str], torch.Tensor]] = {
@@ -112,22 +130,83 @@ POLICIES: dict[str, Callable[[CheckLayerKV, torch.Tensor, str], torch.Tensor]] =
     "attention": _attention_scores,
     "hybrid": _hybrid_scores,
 }
-SELECTIONS = tuple(POLICIES)
+QUERY_POLICIES = ("query",)  # selected before layer 0 from a query pass over the loaded KV
+SELECTIONS = (*POLICIES, *QUERY_POLICIES)
 
 
 def check_policy(policy: str) -> str:
-    if policy not in POLICIES:
-        raise ValueError(f"unknown selection {policy!r}; valid selections are: {', '.join(POLICIES)}")
+    if policy not in SELECTIONS:
+        raise ValueError(f"unknown selection {policy!r}; valid selections are: {', '.join(SELECTIONS)}")
     return policy
 
 
-def select(policy: str, kv: CheckLayerKV, cand_rows: torch.Tensor, count: int, deviation_kind: str = "v"
-           ) -> torch.Tensor:
-    """The `count` candidate rows (prompt positions, (C,)) that `policy` ranks highest, sorted.
+def uses_check_layers(policy: str) -> bool:
+    """Whether `policy` selects at check layers (after a full pass of the early layers)."""
+    return check_policy(policy) in POLICIES
 
-    The one entry point of the selection policy: policy name -> scores -> rows.
+
+def select(policy: str, kv: CheckLayerKV, cand_rows: torch.Tensor, count: int, deviation_kind: str = "v",
+           forced: torch.Tensor | None = None) -> torch.Tensor:
+    """The `count` candidate rows (prompt positions, (C,)) that `policy` ranks highest, sorted;
+    `forced` (C,) bool marks rows kept first.
+
+    The one entry point of the check-layer policies: policy name -> scores -> rows.
     """
     if count >= cand_rows.numel():
         return cand_rows.clone()
-    scores = POLICIES[check_policy(policy)](kv, cand_rows, deviation_kind)
-    return select_top(scores, cand_rows, count)
+    if not uses_check_layers(policy):
+        raise ValueError(f"selection {policy!r} does not select at check layers")
+    scores = POLICIES[policy](kv, cand_rows, deviation_kind)
+    return select_top(scores, cand_rows, count, forced)
+
+
+def query_probs(q: torch.Tensor, k: torch.Tensor, scale: float, q_start: int) -> torch.Tensor:
+    """Attention probabilities of the query rows over every key, float32.
+
+    q (H, Q, D) at positions q_start..q_start+Q-1 (the last rows of the prompt), k
+    (Hkv, N, D) for positions 0..N-1 (N = q_start + Q). Returns (Hkv, g*Q, N): the g
+    query heads sharing kv head j are rows j*g*Q .. (j+1)*g*Q-1, head-major.
+    """
+    heads, tq, d = q.shape
+    kv_heads, n = k.shape[0], k.shape[1]
+    groups = heads // kv_heads
+    qg = q.float().reshape(kv_heads, groups * tq, d)
+    logits = qg @ k.float().transpose(1, 2) * scale  # (Hkv, g*Q, N)
+    pos = torch.arange(n, device=q.device)
+    row_pos = (q_start + torch.arange(tq, device=q.device)).repeat(groups)  # (g*Q,)
+    logits.masked_fill_(pos[None, None, :] > row_pos[None, :, None], float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+class QueryAttention:
+    """The query's attention to each context token, fused across layers.
+
+    Per layer: attention probabilities averaged over heads and query rows, restricted to
+    the context columns and normalised to sum 1; the fused score is their mean over the
+    layers from `first_layer` on (layer 0 attends mostly by position). With
+    `value_weighted`, each head's probability is multiplied by the norm of its value
+    vector (what the token contributes to the output, not just how much it is looked at).
+    """
+
+    def __init__(self, n_context: int, *, first_layer: int = 1, value_weighted: bool = False):
+        self.n_context, self.first_layer, self.value_weighted = n_context, first_layer, value_weighted
+        self.total: torch.Tensor | None = None
+        self.layers = 0
+
+    def add(self, layer: int, probs: torch.Tensor, v: torch.Tensor) -> None:
+        """probs (Hkv, g*Q, N) from `query_probs`; v (Hkv, N, D) the layer's values."""
+        if layer < self.first_layer:
+            return
+        a = probs[:, :, : self.n_context]  # (Hkv, g*Q, C)
+        if self.value_weighted:
+            a = a * v[:, : self.n_context].float().norm(dim=-1)[:, None, :]
+        score = a.mean(dim=(0, 1))  # (C,)
+        score = score / score.sum().clamp_min(1e-12)
+        self.total = score if self.total is None else self.total + score
+        self.layers += 1
+
+    def scores(self) -> torch.Tensor:
+        """(C,) fused scores of context positions 0..C-1 (uniform when no layer was added)."""
+        if self.total is None:
+            return torch.full((self.n_context,), 1.0 / max(1, self.n_context))
+        return self.total / self.layers

@@ -17,6 +17,8 @@ Per example and entry (a row):
 Quality metrics and answer_nll are None for an example without gold answers. The
 engine's load-or-compute split is off during a run, so every mode computes what it says.
 The summary is the mean of every metric per entry (None values ignored).
+The summary also gives the largest KL to full and, for blend entries, how many examples
+ended worse than reuse (larger KL).
 """
 
 from __future__ import annotations
@@ -164,7 +166,8 @@ def engine_settings(engine: Any) -> dict[str, Any]:
         "dtype": str(engine.lm.dtype).removeprefix("torch."), "device": str(engine.runner.device),
         "kv_dtype": engine.kv_dtype,
         "engine": {k: getattr(cfg.engine, k) for k in ("chunk_tokens", "check_layers", "filter_schedule",
-                                                       "deviation", "selection", "chunk_context")},
+                                                       "deviation", "selection", "chunk_context",
+                                                       "sink_tokens", "max_document_tokens")},
     }
 
 
@@ -236,6 +239,7 @@ def _row(ex: Example, entry: Entry, result: Any, reference: Any) -> dict[str, An
         "chunk_hits": docs.hits, "chunk_misses": docs.misses, "chunk_hit_rate": docs.hit_rate,
         "hits_by_tier": dict(stats.hits_by_tier), "load_s": stats.load_s,
         "exposed_load_s": stats.exposed_load_s, "new_tokens": stats.new_tokens,
+        "selection_s": stats.selection.selection_s,
     }
 
 
@@ -255,9 +259,20 @@ def summarize(records: Sequence[Mapping[str, Any]], entries: Sequence[Entry]) ->
             "ttft_s_min": min(ttfts) if ttfts else None, "ttft_s_max": max(ttfts) if ttfts else None,
             "chunk_hit_rate": metrics.mean(row.get("chunk_hit_rate") for row in rows),
             "exposed_load_s": metrics.mean(row.get("exposed_load_s") for row in rows),
+            "selection_s": metrics.mean(row.get("selection_s") for row in rows),
             "speedup": _median_speedup(records, entry.name),
+            "kl_max": max((row["kl_to_full"] for row in rows if row.get("kl_to_full") is not None), default=None),
+            "worse_than_reuse": _worse_than_reuse(records, entry.name) if entry.mode == "blend" else None,
         }
     return summary
+
+
+def _worse_than_reuse(records: Sequence[Mapping[str, Any]], name: str) -> int | None:
+    """Examples whose KL to full in entry `name` exceeds reuse's (None without a reuse entry)."""
+    pairs = [(r["entries"].get("reuse", {}).get("kl_to_full"), r["entries"].get(name, {}).get("kl_to_full"))
+             for r in records]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    return sum(b > a for a, b in pairs) if pairs else None
 
 
 def _median_speedup(records: Sequence[Mapping[str, Any]], name: str) -> float | None:
@@ -293,7 +308,8 @@ def _use_template(engine: Any, template: PromptTemplate) -> None:
     system = template.render_system()
     current = engine.prompts
     if current.system_prompt != system or current.query_template != template.query:
-        engine.prompts = PromptBuilder(engine.lm.tokenizer, system, template.query, engine.config.engine.chunk_tokens)
+        engine.prompts = PromptBuilder(engine.lm.tokenizer, system, template.query,
+                                       engine.config.engine.max_document_tokens)
 
 
 def _warm_up(engine: Any, ex: Example, template: PromptTemplate) -> None:

@@ -1,11 +1,15 @@
-"""Content addresses for cached KV: chunk keys and conversation-prefix block keys.
+"""Content addresses for cached KV: chunk keys, document block keys and conversation-prefix
+block keys.
 
 A chunk key depends only on the model fingerprint, the chunk's own tokens, the storage
 dtype, the KV layout version and an optional context digest - never on what precedes
 the chunk in a prompt, so the same document chunk hits in every prompt that contains it.
 A prefix block key covers every token from the start of the sequence up to the block
-end. The two use different domain tags, so they never collide. Keys are short ASCII
-strings (`[namespace-]c<hex>` / `[namespace-]p<hex>`), safe as file names and Redis keys.
+end. A document block key covers the document's context (by digest) and every token
+of the document up to the block end, so the blocks of a document form a chain whose
+shared leading blocks are stored once. The three use different domain tags, so they
+never collide. Keys are short ASCII strings (`[namespace-]c<hex>` / `d<hex>` / `p<hex>`),
+safe as file names and Redis keys.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ _DIGEST_HEX = 40  # 160 bits; a hit additionally verifies the stored tokens dige
 _NAMESPACE_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{0,63})?$")
 _CHUNK_TAG = b"kvblend/chunk\x00"
 _PREFIX_TAG = b"kvblend/prefix\x00"
+_DOCUMENT_TAG = b"kvblend/document\x00"
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -95,3 +100,26 @@ def prefix_block_key(
     _field(h, kv_dtype)
     _field(h, str(LAYOUT_VERSION))
     return _with_namespace(namespace, "p", h.hexdigest()[:_DIGEST_HEX])
+
+
+def document_block_key(
+    fingerprint: str,
+    token_ids: Sequence[int],
+    kv_dtype: str,
+    namespace: str = "",
+    context_digest: str = "",
+) -> str:
+    """Key of one block of a document's KV: digest over (fingerprint, the document's tokens
+    from its first token to the block end, kv_dtype, LAYOUT_VERSION, context_digest).
+
+    The document is computed as one sequence after the context named by `context_digest`
+    (empty: computed standalone at positions 0..); two documents that share their leading
+    blocks share those blocks' keys.
+    """
+    h = hashlib.sha256(_DOCUMENT_TAG)
+    _field(h, fingerprint)
+    _field(h, _token_bytes(token_ids))
+    _field(h, kv_dtype)
+    _field(h, str(LAYOUT_VERSION))
+    _field(h, context_digest)
+    return _with_namespace(namespace, "d", h.hexdigest()[:_DIGEST_HEX])

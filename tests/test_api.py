@@ -60,9 +60,9 @@ def test_ingest_returns_typed_results_and_delete_removes_the_chunks(lm):
         assert [d.id for d in first] == ["carrow", document_id(DOCS[1]), document_id("   ")]
         assert [d.cached for d in first] == [False, False, True] and first[2].keys == ()
         prompt = engine.build_prompt("ingest", docs)
-        expected = [engine.chunks.key(seg, prompt)[0] for seg in prompt.chunks]
+        expected = [key for seg in prompt.documents for key in engine.document_kv.keys(seg, prompt)]
         assert list(first[0].keys) + list(first[1].keys) == expected
-        assert len(first[0].keys) > 1  # the first document spans several chunks
+        assert len(first[0].keys) > 1  # the first document spans several blocks
         again = engine.ingest(docs)
         assert [d.cached for d in again] == [True, True, True] and again[0].keys == first[0].keys
         reuse = engine.generate(QUESTION, docs, mode="reuse", max_new_tokens=2)
@@ -75,7 +75,7 @@ def test_ingest_returns_typed_results_and_delete_removes_the_chunks(lm):
         with pytest.raises(KeyError):
             engine.delete_document("carrow")
         after = engine.generate(QUESTION, docs, mode="reuse", max_new_tokens=2)
-        assert after.stats.documents.misses == len(first[0].keys)
+        assert after.stats.documents.misses == 1  # the deleted document (all its blocks) is computed again
 
         # a chunk shared by two known documents survives the deletion of one of them
         engine.ingest([Document(DOCS[1], id="copy")])
@@ -159,17 +159,26 @@ def test_a_conversation_puts_the_documents_before_it(lm):
         engine_qa.close()
         # a single turn with documents lays out exactly like a question with that system prompt
         assert conversation.token_ids == question.token_ids
-        assert [s.kind for s in conversation.segments].count("chunk") == len(question.chunks)
+        assert [s.kind for s in conversation.segments].count("document") == len(question.documents)
+        engine.ingest(DOCS)
+        # documents are cached after the system part (chunk_context: system): another system
+        # message computes them again, once; then they hit
+        result = engine.generate(messages, DOCS, max_new_tokens=3)
+        assert result.stats.documents.misses == len(conversation.documents)
+        result = engine.generate(messages, DOCS, max_new_tokens=3)
+        assert result.stats.documents.hits == len(conversation.documents) and result.stats.documents.misses == 0
+    with make_engine(lm, chunk_context="none") as engine:  # standalone documents hit under any system part
         engine.ingest(DOCS)
         result = engine.generate(messages, DOCS, max_new_tokens=3)
-        assert result.stats.documents.hits == len(conversation.chunks) and result.stats.documents.misses == 0
+        assert result.stats.documents.hits == len(conversation.documents) and result.stats.documents.misses == 0
         default = engine.build_prompt([{"role": "user", "content": QUESTION}], DOCS)  # the configured system prompt
         text = engine.lm.tokenizer.decode(default.prefix.token_ids)
         assert engine.config.engine.system_prompt in text
 
 
 def test_chat_with_documents_blends_and_reuses_the_device_kv(lm, tmp_path):
-    with make_engine(lm, tmp_path) as engine:
+    # standalone documents: the ingested KV hits under the chat's own system message
+    with make_engine(lm, tmp_path, chunk_context="none") as engine:
         engine.ingest(DOCS)
         first = engine.chat("rag", QUESTION, documents=DOCS, system="Answer briefly.", max_new_tokens=4)
         assert first.stats.mode == "blend" and first.stats.documents.hits > 0 and first.stats.documents.misses == 0
@@ -204,7 +213,7 @@ def test_any_character_sequence_is_data(lm):
         assert result.token_ids
         prompt = engine.build_prompt(tricky, [MARKER])
         assert "KVBLEND-DOCUMENTS" in engine.lm.tokenizer.decode(prompt.query.token_ids)
-        assert len(prompt.chunks) == 1 and "KVBLEND" in engine.lm.tokenizer.decode(prompt.chunks[0].token_ids)
+        assert len(prompt.documents) == 1 and "KVBLEND" in engine.lm.tokenizer.decode(prompt.documents[0].token_ids)
         chat = engine.generate([{"role": "user", "content": f"{MARKER}hi \ud83d"}], [MARKER], max_new_tokens=2)
         assert chat.token_ids
         assert render_document("a\ud800b") == "a\ufffdb"

@@ -73,21 +73,25 @@ def _model():
 
 
 def store_exact_entries(engine: BlendEngine) -> None:
-    """Store every cached segment's KV as computed in its place in the prompt, keys rotated back
-    to position 0 as chunk entries are (loading it then equals computing it, to rounding), so
-    that any split and any selection give the full prefill's answer."""
+    """Store every cached block's KV as computed in its place in the prompt, keys rotated to
+    the position the block's entry records (loading it then equals computing it, to
+    rounding), so that any split and any selection give the full prefill's answer."""
     prompt = engine.build_prompt(QUESTION, DOCS)
     ids = prompt.token_ids
-    maker, runner = engine.chunks.maker, engine.runner
+    docs, runner = engine.document_kv, engine.runner
+    maker = docs.maker
     for seg in prompt.segments:
         if seg.kind == "query":
             continue
-        key, pos_start, _ = engine.chunks.key(seg, prompt)
-        exact = maker.compute(seg.token_ids, ids[: seg.start])
-        layers = [(runner.rerotate(k, pos_start - seg.start), v) for k, v in exact.layers]
-        entry = KVEntry.from_tensors(layers, fingerprint=maker.fingerprint, token_ids=seg.token_ids,
-                                     pos_start=pos_start, kv_dtype=maker.kv_dtype)
-        engine.store.put(key, entry, sync=True)
+        blocks = docs.blocks(list(seg.token_ids), docs.context(seg, prompt))
+        exact = maker.compute_blocks(seg.token_ids, ids[: seg.start], [(b.start, b.end) for b in blocks])
+        for block, entry in zip(blocks, exact, strict=True):
+            shift = block.pos_start - (seg.start + block.start)
+            layers = [(runner.rerotate(k, shift), v) for k, v in entry.layers]
+            stored = KVEntry.from_tensors(layers, fingerprint=maker.fingerprint,
+                                          token_ids=seg.token_ids[block.start:block.end],
+                                          pos_start=block.pos_start, kv_dtype=maker.kv_dtype)
+            engine.store.put(block.key, stored, sync=True)
 
 
 @pytest.fixture

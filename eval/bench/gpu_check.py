@@ -183,8 +183,8 @@ def smoke() -> dict[str, Any]:
                 row["chat_ok"] = bool(engine.chat("s", "Hello, who are you?", max_new_tokens=3).token_ids)
                 # staged vs host placement of the same placements: identical caches
                 prompt = engine.build_prompt(QUESTION, DOCS)
-                placements = engine.chunks.resolve(prompt, [s for s in prompt.segments if s.kind != "query"],
-                                                   LookupTally([t.name for t in engine.store.tiers]))
+                placements = engine.document_kv.resolve(prompt, [s for s in prompt.segments if s.kind != "query"],
+                                                        LookupTally([t.name for t in engine.store.tiers]))
                 caches = []
                 for staged in (False, True):
                     cache = engine.runner.new_cache(len(prompt))

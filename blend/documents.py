@@ -1,0 +1,144 @@
+"""Documents in the tier stack: each document's KV computed as one sequence and stored as
+a chain of fixed-size blocks; lookup, compute on a miss, ingest.
+
+A document (a `document` segment of the prompt) is prefilled as one sequence after its
+context - nothing (`chunk_context: none`, positions 0..n-1) or the prompt's fixed system
+part (`chunk_context: system`) - so later tokens see earlier ones. Its KV is stored as
+blocks of `block_tokens` tokens: block b covers tokens [b*B, min((b+1)*B, n)) and is
+keyed by the context's digest and every document token up to the block end
+(`storage.keys.document_block_key`). A long document is stored and loaded block by
+block, and documents that share their leading blocks share those entries. Each block
+entry records the position its keys were rotated at (`pos_start` = context length +
+block start); the loader re-rotates them to the document's position in the prompt.
+
+The system part itself is cached the same way with no context (it is exact at position
+0). A block hit verifies the stored tokens and `pos_start`; entries of another layout
+(e.g. the 512-token independent chunks of layout 1) have other keys and are never hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from blend.pipeline import Placement
+from blend.prefix import EntryMaker
+from blend.prompt import Prompt, Segment
+from blend.stats import LookupTally
+from storage.entry import KVEntry
+from storage.keys import document_block_key, tokens_digest
+from storage.stack import Located, TieredStore
+
+
+@dataclass(frozen=True)
+class Block:
+    """One stored block of a document segment."""
+
+    key: str
+    start: int  # offset of the block's first token inside the document
+    end: int
+    pos_start: int  # position its keys are rotated at in the entry (context length + start)
+
+
+class DocumentCache:
+    """Document block chains of one model and one layout over a tier stack."""
+
+    def __init__(self, store: TieredStore, maker: EntryMaker, *, namespace: str, chunk_context: str,
+                 block_tokens: int):
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.store, self.maker = store, maker
+        self.namespace, self.chunk_context, self.block_tokens = namespace, chunk_context, block_tokens
+
+    def context(self, seg: Segment, prompt: Prompt) -> list[int]:
+        """The token ids `seg` is computed after: the system part for a document under
+        `chunk_context: system`, else none."""
+        if seg.kind == "document" and self.chunk_context == "system":
+            return list(prompt.prefix.token_ids)
+        return []
+
+    def blocks(self, ids: Sequence[int], context: Sequence[int]) -> list[Block]:
+        """The blocks of a document of token ids `ids` computed after `context`."""
+        digest = tokens_digest(context) if context else ""
+        fingerprint, kv_dtype = self.maker.fingerprint, self.maker.kv_dtype
+        out = []
+        for start in range(0, len(ids), self.block_tokens):
+            end = min(start + self.block_tokens, len(ids))
+            key = document_block_key(fingerprint, ids[:end], kv_dtype, self.namespace, digest)
+            out.append(Block(key, start, end, len(context) + start))
+        return out
+
+    def keys(self, seg: Segment, prompt: Prompt) -> list[str]:
+        """The block keys of a cacheable segment of `prompt`, in order."""
+        return [b.key for b in self.blocks(list(seg.token_ids), self.context(seg, prompt))]
+
+    def _find(self, ids: Sequence[int], block: Block) -> Located | None:
+        return self.store.lookup(block.key, self.maker.expected(ids[block.start:block.end], block.pos_start))
+
+    def compute(self, ids: Sequence[int], context: Sequence[int], blocks: Sequence[Block]) -> list[KVEntry]:
+        """Prefill the whole document after `context` once; one entry per block (storage dtype)."""
+        return self.maker.compute_blocks(ids, context, [(b.start, b.end) for b in blocks])
+
+    def resolve(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally) -> list[Placement]:
+        """Placements of every block of `segments`, in prompt order.
+
+        A segment is one lookup: a hit when every block is stored. On a miss the whole
+        segment is computed now, its missing blocks are queued for the store, and its
+        placements carry the computed entries. A block that turns out unreadable while
+        loading is rebuilt by recomputing its document (once per document).
+        """
+        placements: list[Placement] = []
+        for seg in segments:
+            ids, context = list(seg.token_ids), self.context(seg, prompt)
+            blocks = self.blocks(ids, context)
+            found = [self._find(ids, b) for b in blocks]
+            kind = "system" if seg.kind == "prefix" else "documents"
+            rebuild = _Rebuild(self, ids, context, blocks)
+            if all(loc is not None for loc in found):
+                tally.hit(kind, max(loc.tier_index for loc in found))
+                for i, (b, loc) in enumerate(zip(blocks, found, strict=True)):
+                    placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, loc, None,
+                                                rebuild.block(i)))
+                continue
+            tally.miss(kind)
+            entries = rebuild.entries()
+            for i, (b, loc) in enumerate(zip(blocks, found, strict=True)):
+                if loc is None:
+                    self.store.put(b.key, entries[i])
+                placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, None, entries[i],
+                                            rebuild.block(i)))
+        return placements
+
+    def ingest(self, prompt: Prompt) -> list[str]:
+        """Compute and store every block of every cacheable segment of `prompt` that is
+        not stored yet; returns the block keys of the documents, in order."""
+        keys = []
+        for seg in prompt.segments:
+            if seg.kind == "query":
+                continue
+            ids, context = list(seg.token_ids), self.context(seg, prompt)
+            blocks = self.blocks(ids, context)
+            if seg.kind == "document":
+                keys.extend(b.key for b in blocks)
+            missing = [i for i, b in enumerate(blocks) if self._find(ids, b) is None]
+            if missing:
+                entries = self.compute(ids, context, blocks)
+                for i in missing:
+                    self.store.put(blocks[i].key, entries[i])
+        return keys
+
+
+class _Rebuild:
+    """Recomputes one document's block entries on demand, at most once."""
+
+    def __init__(self, cache: DocumentCache, ids: list[int], context: list[int], blocks: list[Block]):
+        self.cache, self.ids, self.context, self.block_list = cache, ids, context, blocks
+        self._entries: list[KVEntry] | None = None
+
+    def entries(self) -> list[KVEntry]:
+        if self._entries is None:
+            self._entries = self.cache.compute(self.ids, self.context, self.block_list)
+        return self._entries
+
+    def block(self, index: int):
+        return lambda: self.entries()[index]

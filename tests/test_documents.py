@@ -1,0 +1,140 @@
+"""Document-granular KV: a document computed as one sequence, stored as a chain of blocks;
+layouts (standalone / after the system part), old-format entries, over-long documents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blend.config import EngineConfig
+from blend.engine import BlendEngine
+from blend.prompt import PromptBuilder
+from blend.stats import LookupTally
+from storage.entry import KVEntry
+from storage.keys import chunk_key
+from tests.models import smollm2_tokenizer, tiny_model
+from tests.test_engine import DOCS, QUESTION, make_engine, maxdiff
+
+LONG_DOC = " ".join(f"Entry {i}: the tide table of harbour {i % 7} lists {i * 13 % 97} boats." for i in range(12))
+
+
+def _direct_kv(engine: BlendEngine, context_ids, token_ids, offset: int):
+    """K/V of `token_ids` from one plain causal prefill of context + tokens placed so that the
+    tokens start at position `offset` (the reference a stored document must equal)."""
+    runner = engine.runner
+    ids = torch.tensor(list(context_ids) + list(token_ids))
+    n, c = ids.numel(), len(context_ids)
+    cos, sin = runner.rope(torch.arange(offset - c, offset - c + n))
+    h = runner.embed(ids)
+    out = []
+    with torch.inference_mode():
+        for layer in range(runner.num_layers):
+            q, k, v = runner.qkv(layer, h, cos, sin)
+            attn = torch.nn.functional.scaled_dot_product_attention(
+                q[None], k[None], v[None], is_causal=True, scale=runner.scaling, enable_gqa=True)[0]
+            h = runner.finish(layer, h, attn.transpose(0, 1).reshape(n, -1))
+            out.append((k[:, c:], v[:, c:]))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["none", "system"])
+def test_stored_document_equals_direct_prefill_at_its_offset_across_blocks(layout):
+    docs = [DOCS[0], LONG_DOC, DOCS[2]]
+    with make_engine(chunk_tokens=16, chunk_context=layout) as engine:
+        engine.ingest(docs)
+        prompt = engine.build_prompt(QUESTION, docs)
+        long_seg = prompt.documents[1]
+        assert len(long_seg.token_ids) > 3 * 16  # several blocks, a partial tail
+        pre = engine.prefill(prompt, mode="reuse")
+        assert pre.stats.documents.misses == 0 and pre.stats.documents.hits == 3
+        for seg in prompt.documents:
+            context = prompt.prefix.token_ids if layout == "system" else ()
+            direct = _direct_kv(engine, context, seg.token_ids, seg.start)
+            for layer, (k, v) in enumerate(direct):
+                assert maxdiff(pre.cache.k[layer][:, seg.start:seg.end], k) < 1e-4
+                assert maxdiff(pre.cache.v[layer][:, seg.start:seg.end], v) < 1e-4
+
+
+def test_second_half_of_a_document_is_computed_with_its_first_half():
+    with make_engine(chunk_tokens=16) as engine:
+        prompt = engine.build_prompt(QUESTION, [LONG_DOC])
+        seg = prompt.documents[0]
+        pre = engine.prefill(prompt, mode="reuse")
+        second = slice(seg.start + 16, seg.start + 32)
+        alone = _direct_kv(engine, (), seg.token_ids[16:32], seg.start + 16)  # the second block standalone
+        assert maxdiff(pre.cache.v[2][:, second], alone[2][1]) > 1e-3
+
+
+def test_shared_document_prefix_is_stored_once():
+    with make_engine(chunk_tokens=16) as engine:
+        first = list(engine.ingest([LONG_DOC])[0].keys)
+        written: list[str] = []
+        put = engine.store.put
+        engine.store.put = lambda key, entry, **kw: (written.append(key), put(key, entry, **kw))[1]
+        second = list(engine.ingest([LONG_DOC + " A different ending follows the shared blocks."])[0].keys)
+        ids = engine.build_prompt(QUESTION, [LONG_DOC]).documents[0].token_ids
+        full_blocks = len(ids) // 16
+        assert second[:full_blocks] == first[:full_blocks]  # every full block in common ...
+        assert second[full_blocks] != first[full_blocks]  # ... not the partial tail
+        assert written == second[full_blocks:]  # only the new blocks were stored
+
+
+def test_old_format_chunk_entry_is_a_miss_not_an_error():
+    """Layout 1 stored 512-token independent chunks under chunk_key: never hit now."""
+    with make_engine(chunk_tokens=512) as engine:
+        prompt = engine.build_prompt(QUESTION, DOCS)
+        for seg in prompt.documents:
+            old = engine.document_kv.maker.compute(seg.token_ids)  # standalone chunk KV at 0..n-1
+            key = chunk_key(engine.fingerprint, seg.token_ids, engine.kv_dtype, engine.config.store.namespace)
+            engine.store.put(key, old, sync=True)
+        reuse = engine.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=2)
+        assert reuse.stats.documents.misses == len(DOCS) and reuse.stats.documents.hits == 0
+        again = engine.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=2)
+        assert again.stats.documents.hits == len(DOCS)
+        assert maxdiff(reuse.first_token_logprobs, again.first_token_logprobs) < 1e-5
+
+
+def test_block_with_wrong_position_is_a_miss():
+    with make_engine(chunk_tokens=16, chunk_context="none") as engine:
+        prompt = engine.build_prompt(QUESTION, [LONG_DOC])
+        seg = prompt.documents[0]
+        blocks = engine.document_kv.blocks(seg.token_ids, [])
+        second = blocks[1]
+        forged = engine.document_kv.maker.compute(seg.token_ids[second.start:second.end])  # pos_start 0, not 16
+        assert isinstance(forged, KVEntry)
+        engine.store.put(second.key, forged, sync=True)
+        tally = LookupTally([t.name for t in engine.store.tiers])
+        placements = engine.document_kv.resolve(prompt, [seg], tally)
+        assert tally.counts("documents").misses == 1
+        assert [p.pos_start for p in placements] == [b.pos_start for b in blocks]
+
+
+def test_long_document_is_split_by_max_document_tokens():
+    tok = smollm2_tokenizer()
+    builder = PromptBuilder(tok, "Answer.", "Q: {question}", max_document_tokens=20)
+    prompt = builder.build(QUESTION, [LONG_DOC, DOCS[2]])
+    ids = builder.document_ids(LONG_DOC)
+    parts = [s for s in prompt.documents if s.doc_index == 0]
+    assert [len(p.token_ids) for p in parts[:-1]] == [20] * (len(parts) - 1)
+    assert sum((p.token_ids for p in parts), ()) == tuple(ids)
+    assert prompt.documents[-1].doc_index == 1
+    with pytest.raises(ValueError, match="max_document_tokens"):
+        PromptBuilder(tok, "Answer.", "Q: {question}", max_document_tokens=0)
+    with pytest.raises(ValueError, match="max_document_tokens"):
+        EngineConfig().with_overrides(max_document_tokens=0)
+
+
+def test_split_document_parts_are_cached_separately():
+    lm = tiny_model("llama", tokenizer=smollm2_tokenizer())
+    cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [{"kind": "cpu", "budget": "64MiB"}]},
+                                        chunk_tokens=16, max_document_tokens=40, chunk_context="none")
+    with BlendEngine(cfg, model=lm) as engine:
+        engine.ingest([LONG_DOC])
+        prompt = engine.build_prompt(QUESTION, [LONG_DOC])
+        parts = prompt.documents
+        assert len(parts) >= 2
+        pre = engine.prefill(prompt, mode="reuse")
+        assert pre.stats.documents.hits == len(parts) and pre.stats.documents.misses == 0
+        second = parts[1]
+        direct = _direct_kv(engine, (), second.token_ids, second.start)  # computed on its own
+        assert maxdiff(pre.cache.k[3][:, second.start:second.end], direct[3][0]) < 1e-4
