@@ -109,12 +109,12 @@ def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], 
     `query_layers` (policy `query`): how many layers the query pass runs (0 or more than
     the model: all); `query_pool` > 1: the query pass keeps that many times the budget,
     narrowed to the budget at the check layers (`filter_schedule`) by query attention x
-    KV deviation. `fresh` (a segment boundary) is the load-or-compute split's computed
+    KV deviation. `fresh` (a block boundary) is the load-or-compute split's computed
     prefix: those rows are computed at every layer (in the query pass, for policy
     `query`), never loaded nor candidates; the ratio applies to the rest.
     """
-    cached = [s for s in prompt.segments if s.kind != "query" and s.end > s.start and s.start >= fresh]
-    ctx_rows = _rows([(s.start, s.end) for s in cached])
+    cached = [s for s in prompt.segments if s.kind != "query" and s.end > fresh]
+    ctx_rows = _rows([(max(s.start, fresh), s.end) for s in cached])
     exact = torch.zeros(len(prompt), dtype=torch.bool)
     for p in placements:
         if p.pos_start == p.start:

@@ -12,6 +12,7 @@ Importing this module imports neither torch nor redis.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import re
 import typing
@@ -304,7 +305,10 @@ def _message(e: dict[str, Any], tp: Any, key: Any) -> str:
     if key is not None and kind in ("missing", "missing_argument"):
         return f"missing required key {key!r}"
     if key is not None:
-        return f"unknown key {key!r}; valid keys are: {', '.join(sorted(f.name for f in dataclasses.fields(tp)))}"
+        names = sorted(f.name for f in dataclasses.fields(tp))
+        close = difflib.get_close_matches(str(key), names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return f"unknown key {key!r}; {hint}valid keys are: {', '.join(names)}"
     if kind.startswith("union_tag"):
         found = "missing `kind`" if kind == "union_tag_not_found" else f"unknown kind {ctx.get('tag')!r}"
         return f"{found}; valid kinds are: {', '.join(_kinds(tp))}"

@@ -54,7 +54,7 @@ def error_of(tmp_path: Path, text: str) -> str:
     ("store:\n  tiers:\n    - {kind: cpu}\n    - {kind: disk, path: d, budget: 0}\n",
      "store.tiers[1].budget: must be > 0, got 0"),
     ("store:\n  tiers:\n    - {kind: cpu, budgte: 1GiB}\n",
-     "store.tiers[0]: unknown key 'budgte'; valid keys are: budget, kind, name"),
+     "store.tiers[0]: unknown key 'budgte'; did you mean 'budget'? valid keys are: budget, kind, name"),
     ("store:\n  tiers:\n    - {kind: s3}\n", "store.tiers[0]: unknown kind 's3'; valid kinds are: cpu, disk, redis, redis-cluster"),
     ("store:\n  tiers:\n    - {budget: 1GiB}\n", "store.tiers[0]: missing `kind`; valid kinds are: cpu, disk"),
     ("store:\n  tiers:\n    - {kind: disk}\n", "store.tiers[0]: missing required key 'path'"),
@@ -70,7 +70,7 @@ def error_of(tmp_path: Path, text: str) -> str:
     ("store:\n  namespace: .x\n", "store.namespace: namespace '.x' must be up to 64 characters"),
     ("store:\n  tiers:\n    - {kind: redis, url: 'http://h'}\n", "store.tiers[0].url: 'http://h' is not a Redis URL"),
     ("store:\n  tiers:\n    - {kind: cpu, budget: 2 lots}\n", "store.tiers[0].budget: cannot parse '2 lots' as a byte size"),
-    ("modle: x\n", "unknown key 'modle'; valid keys are: device, dtype, engine, model, store"),
+    ("modle: x\n", "unknown key 'modle'; did you mean 'model'? valid keys are: device, dtype, engine, model, store"),
 ])
 def test_errors_name_the_file_and_key_path_on_one_line(tmp_path, text, expected):
     message = error_of(tmp_path, text)

@@ -173,13 +173,13 @@ def test_documents_hit_the_cache_on_the_second_request(server, engine):
     docs = [{"id": "fresh", "title": "Harrow", "text": "The Harrow bridge was finished in 1888 by forty masons."},
             {"text": "Its central arch spans sixty metres over the river Dell."}]
     body = chat_body("When was the bridge finished?", docs, max_tokens=3, kvblend={"mode": "blend",
-                                                                                  "recompute_ratio": 0.3})
+                                                                                  "recompute_ratio": 0.1})
     first = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()["kvblend"]
     second = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()["kvblend"]
     chunks = first["documents"]["misses"]
     assert chunks >= 2 and first["documents"]["hits"] == 0
     assert second["documents"] == {"hits": chunks, "misses": 0} and second["hits_by_tier"]["cpu"] >= chunks
-    assert second["recompute_ratio"] == 0.3 and 0 < second["recomputed_tokens"] < second["context_tokens"]
+    assert second["recompute_ratio"] == 0.1 and 0 < second["recomputed_tokens"] < second["context_tokens"]
     assert second["ttft_s"] > 0 and second["warnings"] == []
 
     # ingest: per document its id, keys and whether it was cached; the keys are the engine's
@@ -192,7 +192,8 @@ def test_documents_hit_the_cache_on_the_second_request(server, engine):
     assert deleted.status_code == 200 and deleted.json()["keys"] == ingested[0]["keys"]
     assert httpx.delete(server.url + "/v1/documents/fresh", timeout=60).status_code == 404
     third = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()["kvblend"]
-    assert third["documents"] == {"hits": len(ingested[1]["keys"]), "misses": len(ingested[0]["keys"])}
+    assert len(ingested[0]["keys"]) > 1  # a chain of blocks, all deleted: one document miss
+    assert third["documents"] == {"hits": 1, "misses": 1}
     changed = chat_body("When?", [{"id": "fresh", "text": docs[0]["text"]}], max_tokens=1)
     warned = httpx.post(server.url + "/v1/chat/completions", json=changed, timeout=120).json()["kvblend"]
     assert len(warned["warnings"]) == 1 and "fresh" in warned["warnings"][0]
@@ -201,15 +202,16 @@ def test_documents_hit_the_cache_on_the_second_request(server, engine):
 def test_concurrent_requests_equal_sequential_ones(server):
     bodies = [chat_body(q, DOCS[: 1 + i % 3], max_tokens=6) for i, q in enumerate(QUESTIONS)]
 
-    def send(body: dict) -> tuple[int, str]:
+    def send(body: dict) -> tuple[int, str, int]:
         response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
-        return response.status_code, response.json()["choices"][0]["message"]["content"]
+        answer = response.json()
+        return response.status_code, answer["choices"][0]["message"]["content"], answer["usage"]["prompt_tokens"]
 
     one_by_one = [send(b) for b in bodies]
     with ThreadPoolExecutor(len(bodies)) as pool:
         together = list(pool.map(send, bodies))
-    assert together == one_by_one and {status for status, _ in together} == {200}
-    assert len({text for _, text in together}) > 1  # the requests really differ
+    assert together == one_by_one and {status for status, _, _ in together} == {200}
+    assert len({prompt for _, _, prompt in together}) > 1  # the requests really differ
 
 
 def test_metrics_count_what_was_sent(server):

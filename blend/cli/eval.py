@@ -78,7 +78,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--ratios", type=_lazy("parse_ratios"), default=None, metavar="R,...",
                    help="recompute ratios for blend, each in [0, 1] (default: the config's recompute_ratio)")
     p.add_argument("--selections", type=_lazy("parse_selections"), default=None, metavar="S,...",
-                   help="token selections to compare for blend (deviation, attention, hybrid; "
+                   help="token selections to compare for blend (query, deviation, hybrid, attention; "
                         "default: the config's selection)")
     p.add_argument("--max-new-tokens", type=arg_type(positive_int), default=None, metavar="T",
                    help="greedy answer length (default: the config's max_new_tokens)")
