@@ -54,7 +54,7 @@ from blend.prompt import Prompt, PromptBuilder, Segment
 from blend.recompute import plan_recompute, run_layers
 from blend.request import GenerationRequest
 from blend.runner import Runner, SamplingParams
-from blend.selector import check_policy
+from blend.selector import check_policy, uses_check_layers
 from blend.session import RagTurn, SessionManager
 from blend.split import Splitter
 from blend.stats import LookupTally, RequestStats, tally_fields
@@ -297,7 +297,7 @@ class BlendEngine:
         placements = self.document_kv.resolve(prompt, [s for s in prompt.segments if s.kind != "query"], tally)
         # hook: the load-or-compute split (blend.split) may compute a prefix instead of loading it
         split = self.splitter.plan(prompt, placements, ratio, cfg.check_layers, cfg.filter_schedule,
-                                   self.runner.num_layers)
+                                   self.runner.num_layers, query_pass=not uses_check_layers(selection))
         plan = plan_recompute(prompt, ratio, cfg.check_layers, cfg.filter_schedule, self.runner.num_layers,
                               policy=selection, placements=placements, sink_tokens=cfg.sink_tokens,
                               query_layers=cfg.query_layers, query_pool=cfg.query_pool,

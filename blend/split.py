@@ -127,8 +127,13 @@ class Splitter:
         return read, place
 
     def plan(self, prompt: Prompt, placements: Sequence[Placement], ratio: float, check_layers: Sequence[int],
-             schedule: Sequence[float], num_layers: int) -> Split:
-        """The split of a blend (ratio 0: reuse) of `prompt` whose cached segments are `placements`."""
+             schedule: Sequence[float], num_layers: int, query_pass: bool = False) -> Split:
+        """The split of a blend (ratio 0: reuse) of `prompt` whose cached segments are `placements`.
+
+        `query_pass`: the selection runs a query pass first (policy `query`): that pass
+        computes the fresh and query rows while every layer loads, and only then are the
+        selected rows recomputed from layer 0, so the two phases add up instead of overlapping.
+        """
         ordered = sorted(placements, key=lambda p: p.start)
 
         def unsplit(reason: str, **predicted: float | None) -> Split:
@@ -152,8 +157,14 @@ class Splitter:
             fresh = s
             rows = blend_rows(n, fresh, query, tokens, ratio, check_layers, schedule, num_layers)
             per_layer, in_compute = self._load_per_layer(loaded, num_layers) if loaded else (0.0, 0.0)
-            start = load_from_layer(ratio, tokens, check_layers, schedule, num_layers)
-            total, compute, load = simulate(rows, per_layer, start, cost, in_compute)
+            if query_pass and ratio > 0 and tokens:
+                kept = min(tokens, schedule_counts(ratio, (1.0,), tokens)[0])
+                total, compute, load = simulate([fresh + query] * num_layers, per_layer, 0, cost, in_compute)
+                recompute = simulate([kept + query] * num_layers, 0.0, num_layers, cost)[0]
+                total, compute = total + recompute, compute + recompute
+            else:
+                start = load_from_layer(ratio, tokens, check_layers, schedule, num_layers)
+                total, compute, load = simulate(rows, per_layer, start, cost, in_compute)
             results.append((total, compute, load, s))
         full = simulate([n] * num_layers, 0.0, num_layers, cost)[0]
         base = results[0]
