@@ -266,6 +266,7 @@ class BlendEngine:
         The cache holds `capacity` positions (default: the prompt), so decoding continues
         without reallocating."""
         capacity = max(capacity or 0, len(prompt))
+        tuned = len(self.runner.tuner.tunings)
         t0 = time.perf_counter()
         if mode == "full":
             pre = self._full(prompt, capacity)
@@ -277,7 +278,8 @@ class BlendEngine:
         if pre.logits.device.type == "cuda":  # timed to the logits, as TTFT is
             torch.cuda.synchronize(pre.logits.device)
         pre.stats = pre.stats.replace(prefill_s=time.perf_counter() - t0)
-        self.splitter.observe(pre.stats, self.runner.num_layers)
+        if len(self.runner.tuner.tunings) == tuned:  # a request that timed attention kernels is no sample
+            self.splitter.observe(pre.stats, self.runner.num_layers)
         return pre
 
     def _stats(self, prompt: Prompt, mode: str, ratio: float, **fields: Any) -> RequestStats:

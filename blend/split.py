@@ -150,6 +150,11 @@ class Splitter:
         n, query = len(prompt), len(prompt) - prompt.query.start
         # candidates: compute nothing, or every prefix of whole segments (the last one: everything)
         candidates = [0] + [p.start + p.length for p in ordered if p.start + p.length <= prompt.query.start]
+        if query_pass and ratio > 0 and len(candidates) > 2:
+            # a query pass runs the computed prefix beside the loads, then recomputes the selection
+            # of the rest: the phases do not overlap, so only loading everything or computing
+            # everything (a full prefill) is offered
+            candidates = [candidates[0], candidates[-1]]
         results: list[tuple[float, float, float, int]] = []
         for s in candidates:
             loaded = [p for p in ordered if p.start >= s]
@@ -157,8 +162,8 @@ class Splitter:
             fresh = s
             rows = blend_rows(n, fresh, query, tokens, ratio, check_layers, schedule, num_layers)
             per_layer, in_compute = self._load_per_layer(loaded, num_layers) if loaded else (0.0, 0.0)
-            if query_pass and ratio > 0 and tokens:
-                kept = min(tokens, schedule_counts(ratio, (1.0,), tokens)[0])
+            kept = schedule_counts(ratio, (1.0,), tokens)[0] if tokens else 0
+            if query_pass and 0 < kept < tokens:
                 total, compute, load = simulate([fresh + query] * num_layers, per_layer, 0, cost, in_compute)
                 recompute = simulate([kept + query] * num_layers, 0.0, num_layers, cost)[0]
                 total, compute = total + recompute, compute + recompute
