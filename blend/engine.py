@@ -89,6 +89,7 @@ class BlendEngine:
         self.splitter = Splitter(PrefillCosts.for_model(self.lm.model), LoadCosts(self.runner.device.type),
                                  {t.name: getattr(t.config, "kind", t.name) for t in self.store.tiers}, mode=cfg.split)
         self.sessions = SessionManager(cfg, self.prefix_cache, self.decoder)
+        self._warm = False  # set after the first prefill (not a cost sample: see `prefill`)
         self.documents = DocumentIndex()
 
     @classmethod
@@ -278,8 +279,12 @@ class BlendEngine:
         if pre.logits.device.type == "cuda":  # timed to the logits, as TTFT is
             torch.cuda.synchronize(pre.logits.device)
         pre.stats = pre.stats.replace(prefill_s=time.perf_counter() - t0)
-        if len(self.runner.tuner.tunings) == tuned:  # a request that timed attention kernels is no sample
+        # the engine's first prefill pays one-time costs (kernel selection, allocator, lazy
+        # init: often several times slower), and a request that timed attention kernels
+        # measured them: neither is a sample of the model's speed
+        if self._warm and len(self.runner.tuner.tunings) == tuned:
             self.splitter.observe(pre.stats, self.runner.num_layers)
+        self._warm = True
         return pre
 
     def _stats(self, prompt: Prompt, mode: str, ratio: float, **fields: Any) -> RequestStats:

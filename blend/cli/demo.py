@@ -53,14 +53,14 @@ def run_demo(config: str | None, *, question: str | None = None, ratio: float | 
                   "exposed_load_s": round(blend.stats.exposed_load_s, 4)},
         "speedup": round(speedup, 2), "first_token_kl_to_full": round(kl, 5), "model_load_s": round(load_s, 2), "ingest_s": round(ingest_s, 2),
     }
-    say(f"model loaded in {load_s:.1f} s; {len(docs)} sample documents = {len(keys)} chunks, "
+    say(f"model loaded in {load_s:.1f} s; {len(docs)} sample documents, "
           f"{full.stats.context_tokens} context tokens (ingest {ingest_s:.1f} s; a rerun hits the cache)")
     say(f"question: {question}")
     if summary["gold"]:
         say(f"gold answer: {' / '.join(summary['gold'])}")
     say(f"full prefill : {full.text!r}  TTFT {full.ttft_s * 1000:.0f} ms")
     say(f"blend r={blend.stats.recompute_ratio:.2f}: {blend.text!r}  TTFT {blend.ttft_s * 1000:.0f} ms "
-          f"(recomputed {blend.stats.recomputed_tokens} tokens, chunks from {dict(blend.stats.hits_by_tier)})")
+          f"(recomputed {blend.stats.recomputed_tokens} tokens, document KV from {dict(blend.stats.hits_by_tier)})")
     say(f"speedup: {speedup:.2f}x; first-token KL(full || blend) = {kl:.4f}")
     if json_out:
         emit_json(summary)
