@@ -67,20 +67,28 @@ def quality_key(summary: Mapping[str, Mapping[str, Any]]) -> str | None:
 
 def plot_tradeoff(summary: Mapping[str, Mapping[str, Any]], metric: str, path: Path, *, title: str) -> Path:
     """Scatter of `metric` against mean TTFT per entry; blend entries joined in ratio order
-    and labelled with their ratio. Side effect: writes a PNG at `path`."""
+    (one line per selection policy) and labelled with their ratio. Side effect: writes a PNG
+    at `path`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.4, 4.4), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    blends = sorted((s["ratio"], s) for s in summary.values()
-                    if s.get("mode") == "blend" and s.get(metric) is not None and s.get("ttft_s") is not None)
-    if blends:
-        color, marker = STYLES["blend"]
-        ax.plot([s["ttft_s"] for _, s in blends], [s[metric] for _, s in blends], color=color, marker=marker,
-                label="blend (recompute ratio)", zorder=2)
-        for ratio, s in blends:
+    lines: dict[str, list[tuple[float, Mapping[str, Any]]]] = {}  # one line per selection policy
+    for name, s in summary.items():
+        if s.get("mode") == "blend" and s.get(metric) is not None and s.get("ttft_s") is not None:
+            policy = s.get("selection") or (name.split(":", 1)[1] if ":" in name else "")
+            lines.setdefault(policy, []).append((s["ratio"], s))
+    base_color, marker = STYLES["blend"]
+    markers = ("o", "s", "^", "v", "P", "X")
+    for i, (policy, points) in enumerate(sorted(lines.items())):
+        points.sort(key=lambda p: p[0])
+        color = base_color if len(lines) == 1 else f"C{i}"
+        label = "blend (recompute ratio)" + (f", {policy}" if policy and len(lines) > 1 else "")
+        ax.plot([s["ttft_s"] for _, s in points], [s[metric] for _, s in points], color=color,
+                marker=marker if len(lines) == 1 else markers[i % len(markers)], label=label, zorder=2)
+        for ratio, s in points:
             ax.annotate(f"{ratio:g}", (s["ttft_s"], s[metric]), textcoords="offset points", xytext=(5, 5),
                         fontsize=8, color=color)
     for name, s in summary.items():

@@ -281,3 +281,15 @@ def test_prefix_hits_of_an_earlier_run_are_flagged(caplog):
         second = _run(engine=engine, examples=example, entries=entries, max_new_tokens=1)
     assert second.records[0]["entries"]["prefix"]["repeated_prompt"] is True
     assert "repeated prompt" in caplog.text
+
+
+def test_tradeoff_plot_draws_one_line_per_selection_at_equal_ratios(tmp_path):
+    from eval.report import plot_tradeoff
+
+    summary = {"full": {"mode": "full", "ratio": 1.0, "f1": 0.3, "ttft_s": 9.0},
+               "reuse": {"mode": "reuse", "ratio": 0.0, "f1": 0.1, "ttft_s": 0.4}}
+    for policy, f1 in (("query", 0.28), ("deviation", 0.2)):
+        for ratio in (0.05, 0.15):
+            summary[f"blend@{ratio}:{policy}"] = {"mode": "blend", "ratio": ratio, "f1": f1 + ratio, "ttft_s": 2 + ratio}
+    path = plot_tradeoff(summary, "f1", tmp_path / "q.png", title="t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
