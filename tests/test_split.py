@@ -209,3 +209,39 @@ def test_cost_model_fit_and_plan_arithmetic():
     total, compute, load = simulate([1, 1, 1], 2.0, 0, (0.0, 1.0))
     assert (total, compute, load) == (7.0, 3.0, 6.0)
     assert simulate([1, 1, 1], 2.0, 3, (0.0, 1.0)) == (3.0, 3.0, 0.0)
+
+
+@pytest.mark.parametrize("selection", ["query", "hybrid"])
+def test_a_computed_prefix_inside_any_plan_equals_full_prefill(selection):
+    """plan_recompute + run_layers with the split's computed prefix (fresh rows) ending inside
+    a document, for the query pass and for check-layer policies: with exact stored entries
+    the first-token logits equal a full prefill's (fp32)."""
+    from blend.pipeline import LayerLoader
+    from blend.recompute import plan_recompute, run_layers
+    from blend.stats import LookupTally
+
+    slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
+    with make_engine(slow, "off", selection) as engine:
+        store_exact_entries(engine)
+        prompt = engine.build_prompt(QUESTION, DOCS)
+        full = engine.prefill(prompt, mode="full").logits
+        tally = LookupTally([t.name for t in engine.store.tiers])
+        placements = engine.document_kv.resolve(prompt, [s for s in prompt.segments if s.kind != "query"], tally)
+        boundaries = [p.start + p.length for p in placements if p.start > 0]
+        fresh = boundaries[len(boundaries) // 2]  # a block boundary in the middle of the context
+        assert not any(s.start == fresh for s in prompt.segments)  # inside a document
+        cfg, runner = engine.config.engine, engine.runner
+        for ratio in (0.0, 0.3):
+            plan = plan_recompute(prompt, ratio, cfg.check_layers, cfg.filter_schedule, runner.num_layers,
+                                  policy=selection, placements=placements, fresh=fresh)
+            assert plan.fresh_rows.numel() == fresh and int(plan.ctx_rows.min()) == fresh
+            cache = runner.new_cache(len(prompt))
+            cache.length = plan.n
+            loaded = [p for p in placements if p.start >= fresh]
+            with LayerLoader(engine.store, runner, cache, loaded, range(plan.load_from, runner.num_layers),
+                             cfg.prefetch_depth) as loader:
+                logits, chosen = run_layers(runner, cache, torch.tensor(prompt.token_ids), plan, loader,
+                                            policy=selection, deviation_kind=cfg.deviation)
+            assert (logits - full).abs().max() < 1e-3, (ratio, float((logits - full).abs().max()))
+            if ratio > 0:
+                assert chosen.recomputed_tokens > 0 and all(int(c.min()) >= fresh for c in chosen.selected_rows)
