@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, Strict, StrictStr
+from pydantic import AfterValidator, BeforeValidator, Field, Strict, StrictStr
 
 from blend.modes import MODES, check_mode, check_ratio  # noqa: F401 - re-exported
 from blend.prompt import QA
@@ -71,6 +71,11 @@ def _policy(registry: str) -> Callable[[str], str]:
     return check
 
 
+def _yaml_switch(value: Any) -> Any:
+    """YAML reads a bare `off` / `on` as a boolean: take it as the switch it names."""
+    return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
+
+
 def _query_template(text: str) -> str:
     try:
         text.format(question="")
@@ -110,7 +115,7 @@ class BlendConfig:
     query_pool: Annotated[float, Strict(), Field(ge=1.0, allow_inf_nan=False)] = 1.0
     # load-or-compute split (blend.split): auto computes a prefix instead of loading it when loads
     # would take longer than compute; off always loads every cached segment
-    split: Literal["auto", "off"] = "auto"
+    split: Annotated[Literal["auto", "off"], BeforeValidator(_yaml_switch)] = "auto"
     max_new_tokens: PositiveInt = 32
     temperature: NonNegativeFloat = 0.0
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0

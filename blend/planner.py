@@ -334,8 +334,10 @@ class PrefillCosts:
 class LayerCost:
     """Seconds one layer takes for r rows, interpolated through observed (rows, seconds) points.
 
-    Between points: linear; below the smallest: that point's time (a layer's fixed cost:
-    launches, weights read once); above the largest: proportional to rows. Times are made
+    Between points: linear; below the smallest: proportional to rows (an optimistic
+    guess until a small request is seen: a plan then rather loads than computes; on a GPU
+    the first small request shows the layer's fixed cost of launches and weight reads);
+    above the largest: proportional to rows. Times are made
     non-decreasing in rows (a noisy small request cannot make a larger one look cheaper).
     A GPU layer costs about the same for 20 rows as for 500 (launch-bound) and grows with
     rows only past a few thousand: a single straight line fits both ends badly.
@@ -357,7 +359,7 @@ class LayerCost:
     def __call__(self, rows: float) -> float:
         pts = self.points
         if rows <= pts[0][0]:
-            return pts[0][1]
+            return pts[0][1] * rows / pts[0][0] if pts[0][0] > 0 else pts[0][1]
         for (r0, t0), (r1, t1) in zip(pts, pts[1:], strict=False):
             if rows <= r1:
                 return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)

@@ -317,5 +317,5 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
         else:  # host positions: no sync; the plan is reused while `active` stays the same tensor
             h = runner.finish(layer, h, runner.attend(q, active, keys, values))
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), int(chosen.numel()),
-                             selection_s, tuple(selected))
+                             selection_s, tuple(selected), query_pass=True)
     return runner.logits(h[-1:])[0], report

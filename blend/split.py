@@ -259,6 +259,8 @@ def rows_per_layer(stats: RequestStats, num_layers: int) -> list[int] | None:
     fresh = stats.split.computed_tokens
     query = stats.query_tokens
     sel = stats.selection
+    if sel.query_pass:  # the query pass (fresh and query rows), then the recompute of the selection
+        return [fresh + query] * num_layers + [sel.recomputed_tokens + query] * num_layers
     if not sel.check_layers:
         loaded = stats.context_tokens - fresh
         return [n if not loaded else fresh + query] * num_layers

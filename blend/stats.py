@@ -116,6 +116,7 @@ class SelectionReport:
     recomputed_tokens: int = 0  # context rows recomputed through the last layer
     selection_s: float = 0.0  # time spent scoring and choosing rows
     selected_rows: tuple[Any, ...] = ()  # per check layer: the kept context positions, a (k,) CPU tensor
+    query_pass: bool = False  # selected by a query pass over every layer first (policy `query`)
 
 
 @dataclass(frozen=True)

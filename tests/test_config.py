@@ -267,3 +267,9 @@ def test_shipped_configs_load(monkeypatch):
         cfg = load_config(ROOT / "configs" / name)
         assert cfg.store.tiers[0].kind == "cpu" and cfg.engine.chunk_tokens == 512
     assert DiskTierConfig(path="~/kv").path == str(Path.home() / "kv")
+
+
+def test_a_bare_yaml_off_switches_the_split_off(tmp_path):
+    assert load_config(write(tmp_path, "engine:\n  split: off\n")).engine.split == "off"  # YAML: off -> False
+    assert load_config(write(tmp_path, "engine:\n  split: on\n")).engine.split == "auto"
+    assert "engine.split: must be one of 'auto' or 'off'" in error_of(tmp_path, "engine:\n  split: maybe\n")

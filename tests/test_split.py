@@ -187,7 +187,9 @@ def test_cost_model_fit_and_plan_arithmetic():
     cost = prefill.layer_cost()
     for rows in (100, 400, 700, 1000):  # through the points, linear between them
         assert cost(rows) == pytest.approx(1e-3 + 1e-5 * rows, rel=1e-6)
-    assert cost(10) == pytest.approx(cost(100))  # below the smallest: a layer's fixed cost
+    # below the smallest: proportional to rows (optimistic until a small request is seen, so
+    # that a process that only ran full prefills still loads rather than computes)
+    assert cost(10) == pytest.approx(cost(100) / 10)
     assert cost(2000) == pytest.approx(2 * cost(1000))  # above the largest: proportional to rows
     prefill.observe([400] * 4, 4 * 9e-3)  # a slow run (cold start, busy moment) moves it only half way up
     assert prefill.layer_cost()(400) == pytest.approx((5e-3 + 9e-3) / 2)
@@ -245,3 +247,16 @@ def test_a_computed_prefix_inside_any_plan_equals_full_prefill(selection):
             assert (logits - full).abs().max() < 1e-3, (ratio, float((logits - full).abs().max()))
             if ratio > 0:
                 assert chosen.recomputed_tokens > 0 and all(int(c.min()) >= fresh for c in chosen.selected_rows)
+
+
+def test_after_full_prefills_only_a_fast_tier_blend_still_loads(one_thread):
+    """A process whose cost model has seen only full prefills (demo, eval) must not take the
+    query pass + recompute for more than a full prefill: it loads."""
+    slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))  # not slowed
+    with make_engine(slow, "auto", "query") as engine:
+        store_exact_entries(engine)
+        for _ in range(3):
+            engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=1)
+        blend = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.15, max_new_tokens=1)
+        assert not blend.stats.split.taken, blend.stats.split
+        assert blend.stats.selection.query_pass and blend.stats.loaded_tokens > 0
