@@ -65,6 +65,16 @@ def _with_namespace(namespace: str, kind: str, digest: str) -> str:
     return f"{namespace}-{kind}{digest}" if namespace else f"{kind}{digest}"
 
 
+def _key(tag: bytes, kind: str, namespace: str, fingerprint: str, token_ids: Sequence[int], kv_dtype: str,
+         *extra: str) -> str:
+    """`[namespace-]<kind><hex>`: sha256 over the domain tag and length-prefixed (fingerprint,
+    tokens, kv_dtype, LAYOUT_VERSION, *extra)."""
+    h = hashlib.sha256(tag)
+    for value in (fingerprint, _token_bytes(token_ids), kv_dtype, str(LAYOUT_VERSION), *extra):
+        _field(h, value)
+    return _with_namespace(namespace, kind, h.hexdigest()[:_DIGEST_HEX])
+
+
 def chunk_key(
     fingerprint: str,
     token_ids: Sequence[int],
@@ -78,13 +88,7 @@ def chunk_key(
     prompt); leave it empty for chunks computed at positions 0..n-1. The key does not
     depend on anything that precedes the chunk in a prompt.
     """
-    h = hashlib.sha256(_CHUNK_TAG)
-    _field(h, fingerprint)
-    _field(h, _token_bytes(token_ids))
-    _field(h, kv_dtype)
-    _field(h, str(LAYOUT_VERSION))
-    _field(h, context_digest)
-    return _with_namespace(namespace, "c", h.hexdigest()[:_DIGEST_HEX])
+    return _key(_CHUNK_TAG, "c", namespace, fingerprint, token_ids, kv_dtype, context_digest)
 
 
 def prefix_block_key(
@@ -94,12 +98,7 @@ def prefix_block_key(
     namespace: str = "",
 ) -> str:
     """Key of a conversation prefix block: digest over ALL tokens from the sequence start to the block end."""
-    h = hashlib.sha256(_PREFIX_TAG)
-    _field(h, fingerprint)
-    _field(h, _token_bytes(prefix_token_ids))
-    _field(h, kv_dtype)
-    _field(h, str(LAYOUT_VERSION))
-    return _with_namespace(namespace, "p", h.hexdigest()[:_DIGEST_HEX])
+    return _key(_PREFIX_TAG, "p", namespace, fingerprint, prefix_token_ids, kv_dtype)
 
 
 def document_block_key(
@@ -116,10 +115,4 @@ def document_block_key(
     (empty: computed standalone at positions 0..); two documents that share their leading
     blocks share those blocks' keys.
     """
-    h = hashlib.sha256(_DOCUMENT_TAG)
-    _field(h, fingerprint)
-    _field(h, _token_bytes(token_ids))
-    _field(h, kv_dtype)
-    _field(h, str(LAYOUT_VERSION))
-    _field(h, context_digest)
-    return _with_namespace(namespace, "d", h.hexdigest()[:_DIGEST_HEX])
+    return _key(_DOCUMENT_TAG, "d", namespace, fingerprint, token_ids, kv_dtype, context_digest)

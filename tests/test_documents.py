@@ -4,7 +4,6 @@ layouts (standalone / after the system part), old-format entries, over-long docu
 from __future__ import annotations
 
 import pytest
-import torch
 
 from blend.config import EngineConfig
 from blend.engine import BlendEngine
@@ -13,28 +12,9 @@ from blend.stats import LookupTally
 from storage.entry import KVEntry
 from storage.keys import chunk_key
 from tests.models import smollm2_tokenizer, tiny_model
-from tests.test_engine import DOCS, QUESTION, make_engine, maxdiff
+from tests.test_engine import DOCS, QUESTION, direct_kv, make_engine, maxdiff
 
 LONG_DOC = " ".join(f"Entry {i}: the tide table of harbour {i % 7} lists {i * 13 % 97} boats." for i in range(12))
-
-
-def _direct_kv(engine: BlendEngine, context_ids, token_ids, offset: int):
-    """K/V of `token_ids` from one plain causal prefill of context + tokens placed so that the
-    tokens start at position `offset` (the reference a stored document must equal)."""
-    runner = engine.runner
-    ids = torch.tensor(list(context_ids) + list(token_ids))
-    n, c = ids.numel(), len(context_ids)
-    cos, sin = runner.rope(torch.arange(offset - c, offset - c + n))
-    h = runner.embed(ids)
-    out = []
-    with torch.inference_mode():
-        for layer in range(runner.num_layers):
-            q, k, v = runner.qkv(layer, h, cos, sin)
-            attn = torch.nn.functional.scaled_dot_product_attention(
-                q[None], k[None], v[None], is_causal=True, scale=runner.scaling, enable_gqa=True)[0]
-            h = runner.finish(layer, h, attn.transpose(0, 1).reshape(n, -1))
-            out.append((k[:, c:], v[:, c:]))
-    return out
 
 
 @pytest.mark.parametrize("layout", ["none", "system"])
@@ -49,7 +29,7 @@ def test_stored_document_equals_direct_prefill_at_its_offset_across_blocks(layou
         assert pre.stats.documents.misses == 0 and pre.stats.documents.hits == 3
         for seg in prompt.documents:
             context = prompt.prefix.token_ids if layout == "system" else ()
-            direct = _direct_kv(engine, context, seg.token_ids, seg.start)
+            direct = direct_kv(engine, context, seg.token_ids, seg.start)
             for layer, (k, v) in enumerate(direct):
                 assert maxdiff(pre.cache.k[layer][:, seg.start:seg.end], k) < 1e-4
                 assert maxdiff(pre.cache.v[layer][:, seg.start:seg.end], v) < 1e-4
@@ -61,7 +41,7 @@ def test_second_half_of_a_document_is_computed_with_its_first_half():
         seg = prompt.documents[0]
         pre = engine.prefill(prompt, mode="reuse")
         second = slice(seg.start + 16, seg.start + 32)
-        alone = _direct_kv(engine, (), seg.token_ids[16:32], seg.start + 16)  # the second block standalone
+        alone = direct_kv(engine, (), seg.token_ids[16:32], seg.start + 16)  # the second block standalone
         assert maxdiff(pre.cache.v[2][:, second], alone[2][1]) > 1e-3
 
 
@@ -136,5 +116,5 @@ def test_split_document_parts_are_cached_separately():
         pre = engine.prefill(prompt, mode="reuse")
         assert pre.stats.documents.hits == len(parts) and pre.stats.documents.misses == 0
         second = parts[1]
-        direct = _direct_kv(engine, (), second.token_ids, second.start)  # computed on its own
+        direct = direct_kv(engine, (), second.token_ids, second.start)  # computed on its own
         assert maxdiff(pre.cache.k[3][:, second.start:second.end], direct[3][0]) < 1e-4

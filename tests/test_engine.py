@@ -61,12 +61,13 @@ def test_ratio_zero_equals_reuse_and_blend_differs_from_both():
     assert kl_half < kl_reuse
 
 
-def _standalone_kv_at(engine: BlendEngine, token_ids, offset: int):
-    """KV of a chunk computed directly at positions offset.. with no context (reference)."""
+def direct_kv(engine: BlendEngine, context_ids, token_ids, offset: int):
+    """K/V of `token_ids` from one plain causal prefill of context + tokens placed so that the
+    tokens start at position `offset` (the reference a stored document must equal)."""
     runner = engine.runner
-    ids = torch.tensor(token_ids)
-    n = len(token_ids)
-    cos, sin = runner.rope(torch.arange(offset, offset + n))
+    ids = torch.tensor(list(context_ids) + list(token_ids))
+    n, c = ids.numel(), len(context_ids)
+    cos, sin = runner.rope(torch.arange(offset - c, offset - c + n))
     h = runner.embed(ids)
     out = []
     with torch.inference_mode():
@@ -75,8 +76,13 @@ def _standalone_kv_at(engine: BlendEngine, token_ids, offset: int):
             attn = torch.nn.functional.scaled_dot_product_attention(
                 q[None], k[None], v[None], is_causal=True, scale=runner.scaling, enable_gqa=True)[0]
             h = runner.finish(layer, h, attn.transpose(0, 1).reshape(n, -1))
-            out.append((k, v))
+            out.append((k[:, c:], v[:, c:]))
     return out
+
+
+def _standalone_kv_at(engine: BlendEngine, token_ids, offset: int):
+    """KV of a chunk computed directly at positions offset.. with no context (reference)."""
+    return direct_kv(engine, (), token_ids, offset)
 
 
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
