@@ -262,8 +262,8 @@ def rows_per_layer(stats: RequestStats, num_layers: int) -> list[int] | None:
     if sel.query_pass:  # the query pass (fresh and query rows), then the recompute of the selection
         return [fresh + query] * num_layers + [sel.recomputed_tokens + query] * num_layers
     if not sel.check_layers:
-        loaded = stats.context_tokens - fresh
-        return [n if not loaded else fresh + query] * num_layers
+        # nothing loaded (a plan that recomputes every candidate is a full prefill): every row
+        return [n if not stats.loaded_tokens else fresh + query] * num_layers
     kept = dict(zip(sel.check_layers, sel.selected_per_layer, strict=False))
     rows, current = [], n
     for layer in range(num_layers):

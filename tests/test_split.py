@@ -260,3 +260,20 @@ def test_after_full_prefills_only_a_fast_tier_blend_still_loads(one_thread):
         blend = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.15, max_new_tokens=1)
         assert not blend.stats.split.taken, blend.stats.split
         assert blend.stats.selection.query_pass and blend.stats.loaded_tokens > 0
+
+
+def test_a_blend_that_loaded_nothing_is_observed_as_a_full_prefill():
+    """Ratio 1 runs as a full prefill through the blend path: its time must be attributed to
+    every row, not to the query rows (that made small requests look as slow as a full one)."""
+    from blend.split import rows_per_layer
+    from blend.stats import RequestStats, SelectionReport
+
+    full_plan = RequestStats(mode="blend", recompute_ratio=1.0, context_tokens=90, query_tokens=10,
+                             loaded_tokens=0, recomputed_tokens=90, selection=SelectionReport(recomputed_tokens=90))
+    assert rows_per_layer(full_plan, 4) == [100] * 4
+    reuse = RequestStats(mode="reuse", recompute_ratio=0.0, context_tokens=90, query_tokens=10, loaded_tokens=90,
+                         recomputed_tokens=0)
+    assert rows_per_layer(reuse, 4) == [10] * 4
+    query = RequestStats(mode="blend", recompute_ratio=0.2, context_tokens=90, query_tokens=10, loaded_tokens=90,
+                         recomputed_tokens=18, selection=SelectionReport((0,), (18,), 18, query_pass=True))
+    assert rows_per_layer(query, 4) == [10] * 4 + [28] * 4
