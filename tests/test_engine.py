@@ -25,6 +25,10 @@ def make_engine(arch="llama", tmp_path=None, chunk_tokens=24, kv_dtype="float32"
     tiers = [{"kind": "cpu", "budget": "64MiB"}]
     if tmp_path is not None:
         tiers.append({"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB"})
+    # a tiny model's layers cost about the same for 30 rows as for 3000, so the load-or-compute
+    # split (tested in test_split.py) would rightly compute many blends whole: off here, where
+    # the tests look at what blend itself does
+    engine_overrides.setdefault("split", "off")
     cfg = EngineConfig().with_overrides(store={"kv_dtype": kv_dtype, "tiers": tiers}, chunk_tokens=chunk_tokens,
                                         **engine_overrides)
     return BlendEngine(cfg, model=lm)

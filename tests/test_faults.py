@@ -71,7 +71,9 @@ def make_engine(tiers: list[dict], *, secret: str | None = None, namespace: str 
     store: dict[str, Any] = {"kv_dtype": "float32", "tiers": tiers, "namespace": namespace}
     if secret is not None:
         store["secret"] = secret
-    cfg = EngineConfig().with_overrides(store=store, chunk_tokens=CHUNK_TOKENS)
+    # split off: every fault request must read the planted entries (a split that computes the
+    # prompt instead would survive a fault without meeting it)
+    cfg = EngineConfig().with_overrides(store=store, chunk_tokens=CHUNK_TOKENS, split="off")
     return BlendEngine(cfg, model=_model())
 
 

@@ -33,7 +33,7 @@ def make_engine(tmp_path, *, tiers=("cpu", "disk"), redis_url=None, **overrides)
              "redis": {"kind": "redis", "url": redis_url, "required": True}}
     cfg = EngineConfig().with_overrides(
         store={"kv_dtype": "float32", "tiers": [specs[t] for t in tiers]}, chunk_tokens=BLOCK,
-        sessions_dir=str(tmp_path / "sessions"), max_new_tokens=MAX_NEW, **overrides)
+        sessions_dir=str(tmp_path / "sessions"), max_new_tokens=MAX_NEW, **{"split": "off", **overrides})
     return BlendEngine(cfg, model=tiny_model("llama", tokenizer=smollm2_tokenizer()))
 
 
