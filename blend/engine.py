@@ -81,7 +81,7 @@ class BlendEngine:
         self.kv_dtype = config.store.kv_dtype
         maker = EntryMaker(self.runner, self.fingerprint, self.kv_dtype)
         self.document_kv = DocumentCache(self.store, maker, namespace=config.store.namespace,
-                                       chunk_context=cfg.chunk_context, block_tokens=cfg.chunk_tokens)
+                                         chunk_context=cfg.chunk_context, block_tokens=cfg.chunk_tokens)
         self.prefix_cache = PrefixCache(self.store, maker, namespace=config.store.namespace,
                                         block_tokens=cfg.chunk_tokens, prefetch_depth=cfg.prefetch_depth)
         self.decoder = Decoder(self.lm, self.runner)
