@@ -439,3 +439,15 @@ def test_bench_serve_against_the_running_server(server, setup, tmp_path):
     verdict = compare_ttft(1.0, [0.9, 1.0, 2.0])
     assert verdict["target_s"] == round(1.05 * 1.0 + 0.02, 4) and verdict["within_target"]
     assert not compare_ttft(1.2, [1.0])["within_target"]
+
+
+def test_bench_serve_starts_its_own_server_from_the_default_config(setup, tmp_path, monkeypatch):
+    """No --config: the server it starts and the in-process comparison use $KVBLEND_CONFIG."""
+    from eval.bench.serve import run_serve_bench
+
+    _, config = setup
+    monkeypatch.setenv("KVBLEND_CONFIG", str(config))
+    summary = run_serve_bench(None, clients=[1], requests=2, pool_size=2, docs_per_request=1, max_tokens=2,
+                              doc_chars=120, mode="blend", ratio=0.3, url=None, compare=True, log=lambda _: None)
+    level = summary["levels"][0]
+    assert level["ok"] == 2 and level["lost"] == 0 and summary["config"] is None

@@ -111,7 +111,7 @@ def document_pool(size: int | None, doc_chars: int | None) -> list[dict[str, str
 class ServerProcess:
     """A `kvblend serve` process on a free loopback port (SIGTERM on close)."""
 
-    def __init__(self, config: str, queue_size: int, log_path: Path):
+    def __init__(self, config: str | None, queue_size: int, log_path: Path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -119,9 +119,10 @@ class ServerProcess:
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.log_path = log_path
+        with_config = ["--config", str(config)] if config is not None else []  # None: serve's own default
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from blend.cli import main; raise SystemExit(main())", "serve", "--config",
-             config, "--port", str(port), "--queue-size", str(queue_size), "--served-model-name", "bench"],
+            [sys.executable, "-c", "from blend.cli import main; raise SystemExit(main())", "serve", *with_config,
+             "--port", str(port), "--queue-size", str(queue_size), "--served-model-name", "bench"],
             stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 600
         while True:
@@ -235,7 +236,7 @@ def compare_ttft(server_p50: float, in_process: list[float]) -> dict[str, Any]:
             "within_target": server_p50 <= target, "in_process_samples": len(in_process)}
 
 
-def run_serve_bench(config: str, *, clients: list[int], requests: int, pool_size: int | None, docs_per_request: int,
+def run_serve_bench(config: str | None, *, clients: list[int], requests: int, pool_size: int | None, docs_per_request: int,
                     max_tokens: int, doc_chars: int | None, mode: str, ratio: float | None, url: str | None = None,
                     compare: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The benchmark; returns the summary (see the module docstring)."""
