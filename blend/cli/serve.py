@@ -17,7 +17,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from blend.cli.common import arg_type, config_arg, csv_list, emit_json, json_arg, positive_int
+from blend.cli.common import (
+    RATIO,
+    arg_type,
+    config_arg,
+    csv_list,
+    emit_json,
+    json_arg,
+    positive_float,
+    positive_int,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +38,6 @@ def _port(text: str) -> int:
         raise ValueError(f"expected a port number, got {text!r}") from None
     if not 1 <= value <= 65535:
         raise ValueError(f"a port must be within 1..65535, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"expected seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"must be a positive number of seconds, got {text}")
     return value
 
 
@@ -73,7 +72,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--port", type=arg_type(_port), default=8000, help="port (default 8000)")
     p.add_argument("--queue-size", type=arg_type(positive_int), default=64,
                    help="requests that may wait while one runs; more get 503 + Retry-After (default 64)")
-    p.add_argument("--request-timeout", type=arg_type(_seconds), default=300.0,
+    p.add_argument("--request-timeout", type=arg_type(positive_float), default=300.0,
                    help="seconds from acceptance to the last token before a request is cancelled (default 300)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the config's model)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
@@ -88,8 +87,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     check_mode(args.mode)
     clients = [positive_int(c) for c in csv_list(args.clients, "--clients")]
-    if args.ratio is not None and not 0.0 <= args.ratio <= 1.0:
-        raise ValueError(f"--ratio must be within [0, 1], got {args.ratio}")
     say = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
     summary = run_serve_bench(args.config, clients=clients, requests=args.requests, pool_size=args.pool,
                               docs_per_request=args.docs_per_request, max_tokens=args.max_tokens,
@@ -116,7 +113,7 @@ def register_bench(sub: Any) -> None:
     p.add_argument("--doc-chars", type=arg_type(positive_int), default=None, help="cut each document to this many characters")
     p.add_argument("--max-tokens", type=arg_type(positive_int), default=16)
     p.add_argument("--mode", default="blend", help="full | reuse | prefix | blend (default blend)")
-    p.add_argument("--ratio", type=float, default=None, help="recompute ratio (default: the config's)")
+    p.add_argument("--ratio", type=RATIO, default=None, help="recompute ratio in [0, 1] (default: the config's)")
     p.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
     p.add_argument("--no-compare", action="store_true", help="skip the in-process TTFT comparison at 1 client")
     json_arg(p, "print only the JSON result line")

@@ -153,6 +153,23 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
             raise finished.error
         return finished
 
+    async def document_job(action: str, fn: Callable[[Job], Any], request: Request,
+                           missing: str | None = None) -> Finished:
+        """`run_job` for /v1/documents, counted under ("documents", action) with its final
+        status; with `missing`, a None result is a 404 with that message."""
+        status = 500
+        try:
+            finished = await run_job(fn, request)
+            if finished.value is None and missing is not None:
+                raise ApiError(404, missing, "not_found")
+            status = 200
+            return finished
+        except ApiError as err:
+            status = err.status
+            raise
+        finally:
+            metrics().request("documents", action, status)
+
     # ------------------------------------------------------------ generation
     async def generate(endpoint: str, body: schemas._Generation, query: Any, request: Request) -> Response:
         check_model(body.model)
@@ -316,15 +333,7 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
         except (TypeError, ValueError) as err:
             metrics().request("documents", "ingest", 400)
             raise bad_request(err) from None
-        status = 500
-        try:
-            finished = await run_job(lambda _job: engine.ingest(docs), request)
-            status = 200
-        except ApiError as err:
-            status = err.status
-            raise
-        finally:
-            metrics().request("documents", "ingest", status)
+        finished = await document_job("ingest", lambda _job: engine.ingest(docs), request)
         for doc in finished.value:
             metrics().documents.labels(str(doc.cached).lower()).inc()
         return JSONResponse({"object": "list", "data": [doc.to_dict() for doc in finished.value]})
@@ -337,19 +346,8 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
             except KeyError:
                 return None
 
-        status = 500
-        try:
-            finished = await run_job(work, request)
-            if finished.value is None:
-                status = 404
-                raise ApiError(404, f"document {doc_id!r} is not known to this server (ingest it first)",
-                               "not_found")
-            status = 200
-        except ApiError as err:
-            status = err.status
-            raise
-        finally:
-            metrics().request("documents", "delete", status)
+        finished = await document_job("delete", work, request,
+                                      missing=f"document {doc_id!r} is not known to this server (ingest it first)")
         return JSONResponse({"id": doc_id, "object": "document.deleted", "deleted": True,
                              "keys": list(finished.value)})
 
