@@ -157,17 +157,16 @@ class Splitter:
             candidates = [candidates[0], candidates[-1]]
         results: list[tuple[float, float, float, int]] = []
         for s in candidates:
-            loaded = [p for p in ordered if p.start >= s]
+            loaded = [p for p in ordered if p.start >= s]  # the first s tokens are computed
             tokens = sum(p.length for p in loaded)
-            fresh = s
-            rows = blend_rows(n, fresh, query, tokens, ratio, check_layers, schedule, num_layers)
             per_layer, in_compute = self._load_per_layer(loaded, num_layers) if loaded else (0.0, 0.0)
             kept = schedule_counts(ratio, (1.0,), tokens)[0] if tokens else 0
             if query_pass and 0 < kept < tokens:
-                total, compute, load = simulate([fresh + query] * num_layers, per_layer, 0, cost, in_compute)
+                total, compute, load = simulate([s + query] * num_layers, per_layer, 0, cost, in_compute)
                 recompute = simulate([kept + query] * num_layers, 0.0, num_layers, cost)[0]
                 total, compute = total + recompute, compute + recompute
             else:
+                rows = blend_rows(n, s, query, tokens, ratio, check_layers, schedule, num_layers)
                 start = load_from_layer(ratio, tokens, check_layers, schedule, num_layers)
                 total, compute, load = simulate(rows, per_layer, start, cost, in_compute)
             results.append((total, compute, load, s))
