@@ -284,10 +284,9 @@ class PrefillCosts:
     """How long the model takes to compute, kept current from the requests it serves (the
     planner's prefill rate, live).
 
-    Seconds per layer = c0 + c1 x rows computed in that layer, fitted by least squares over
-    the last `COMPUTE_SAMPLES` requests (proportional, c0 = 0, until their row counts differ
-    enough to separate the two). Thread-safe. One per model (`for_model`): engines sharing a
-    model share it.
+    Seconds per layer as a function of the rows computed in it (`LayerCost`), interpolated
+    through the last `COMPUTE_SAMPLES` requests' (rows per layer, seconds per layer) points.
+    Thread-safe. One per model (`for_model`): engines sharing a model share it.
     """
 
     def __init__(self) -> None:
