@@ -113,6 +113,14 @@ def top1_agree(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> bool:
     return int(p_logprobs.argmax()) == int(q_logprobs.argmax())
 
 
+def matching_prefix(reference: Sequence[int], other: Sequence[int]) -> int:
+    """How many leading generated tokens two greedy answers share (len(reference) when equal)."""
+    for i, (a, b) in enumerate(zip(reference, other, strict=False)):
+        if a != b:
+            return i
+    return min(len(reference), len(other))
+
+
 def mean(values: Iterable[float | bool | None]) -> float | None:
     """Mean of the values that are not None (booleans count as 0/1); None if there are none."""
     kept = [float(v) for v in values if v is not None]

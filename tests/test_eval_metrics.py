@@ -11,6 +11,7 @@ from eval.metrics import (
     aggregate,
     exact_match,
     kl_divergence,
+    matching_prefix,
     mean,
     normalize_answer,
     qa_f1,
@@ -86,3 +87,11 @@ def test_mean_and_aggregate():
     assert mean([None, None]) is None
     rows = [{"f1": 1.0, "kl": 0.2, "agree": True}, {"f1": None, "kl": 0.4, "agree": False}]
     assert aggregate(rows) == pytest.approx({"f1": 1.0, "kl": 0.3, "agree": 0.5})
+
+
+def test_matching_prefix_counts_the_shared_leading_tokens():
+    assert matching_prefix([5, 6, 7], [5, 6, 7]) == 3
+    assert matching_prefix([5, 6, 7], [5, 9, 7]) == 1
+    assert matching_prefix([5, 6, 7], [4, 6, 7]) == 0
+    assert matching_prefix([5, 6, 7], [5, 6]) == 2  # one answer stopped earlier
+    assert matching_prefix([], [1]) == 0

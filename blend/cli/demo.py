@@ -24,7 +24,7 @@ def run_demo(config: str | None, *, question: str | None = None, ratio: float | 
 
     settings = load_config(config)  # a bad config fails before torch and the model load
     from blend.engine import BlendEngine
-    from eval.metrics import kl_divergence
+    from eval.metrics import kl_divergence, matching_prefix
     from eval.samples import sample_documents, sample_questions
 
     say = (lambda text: print(text, file=sys.stderr)) if json_out else print
@@ -44,6 +44,8 @@ def run_demo(config: str | None, *, question: str | None = None, ratio: float | 
         blend = engine.generate(question, texts, mode="blend", recompute_ratio=ratio)
     speedup = full.ttft_s / blend.ttft_s
     kl = kl_divergence(full.first_token_logprobs, blend.first_token_logprobs)
+    shared = matching_prefix(full.token_ids, blend.token_ids)
+    agree = full.token_ids == blend.token_ids
     summary = {
         "question": question, "gold": qa["answers"] if question == qa["question"] else None,
         "documents": len(docs), "context_tokens": full.stats.context_tokens, "chunks": len(keys),
@@ -51,6 +53,7 @@ def run_demo(config: str | None, *, question: str | None = None, ratio: float | 
         "blend": {"text": blend.text, "ttft_s": round(blend.ttft_s, 4), "recompute_ratio": blend.stats.recompute_ratio,
                   "recomputed_tokens": blend.stats.recomputed_tokens, "hits_by_tier": dict(blend.stats.hits_by_tier),
                   "exposed_load_s": round(blend.stats.exposed_load_s, 4)},
+        "answers_agree": agree, "shared_answer_tokens": shared,
         "speedup": round(speedup, 2), "first_token_kl_to_full": round(kl, 5), "model_load_s": round(load_s, 2), "ingest_s": round(ingest_s, 2),
     }
     say(f"model loaded in {load_s:.1f} s; {len(docs)} sample documents, "
@@ -62,6 +65,8 @@ def run_demo(config: str | None, *, question: str | None = None, ratio: float | 
     say(f"blend r={blend.stats.recompute_ratio:.2f}: {blend.text!r}  TTFT {blend.ttft_s * 1000:.0f} ms "
           f"(recomputed {blend.stats.recomputed_tokens} tokens, document KV from {dict(blend.stats.hits_by_tier)})")
     say(f"speedup: {speedup:.2f}x; first-token KL(full || blend) = {kl:.4f}")
+    say("the answers agree" if agree else
+        f"the answers differ from generated token {shared + 1} on (the first {shared} agree)")
     if json_out:
         emit_json(summary)
     return 0
