@@ -327,7 +327,7 @@ class PrefillCosts:
             samples = list(self._samples)
         if not samples:
             return None
-        return LayerCost(sorted((r / n, t / n) for n, r, t in samples))
+        return LayerCost([(r / n, t / n) for n, r, t in samples])
 
 
 class LayerCost:
@@ -336,24 +336,28 @@ class LayerCost:
     Between points: linear; below the smallest: proportional to rows (an optimistic
     guess until a small request is seen: a plan then rather loads than computes; on a GPU
     the first small request shows the layer's fixed cost of launches and weight reads);
-    above the largest: proportional to rows. Times are made
-    non-decreasing in rows (a noisy small request cannot make a larger one look cheaper).
+    above the largest: proportional to rows. Times are made non-decreasing in rows by
+    capping each point at the time of every larger one: more rows never cost less, so a
+    larger request's time bounds a smaller one's (a slow small sample, e.g. the first call
+    of a new kernel shape, cannot make full prefills look slower than they were measured,
+    and no small sample ever lowers a larger one).
     A GPU layer costs about the same for 20 rows as for 500 (launch-bound) and grows with
     rows only past a few thousand: a single straight line fits both ends badly.
     """
 
     def __init__(self, points: list[tuple[float, float]]):
         merged: list[tuple[float, float]] = []
-        for rows, seconds in points:
+        for rows, seconds in sorted(points):
             if merged and rows <= merged[-1][0] * 1.0001:
                 merged[-1] = (merged[-1][0], min(merged[-1][1], seconds))
             else:
                 merged.append((rows, seconds))
-        best = 0.0
-        self.points = []
-        for rows, seconds in merged:
-            best = max(best, seconds)
-            self.points.append((rows, best))
+        capped: list[tuple[float, float]] = []
+        cap = float("inf")
+        for rows, seconds in reversed(merged):
+            cap = min(cap, seconds)
+            capped.append((rows, cap))
+        self.points = capped[::-1]
 
     def __call__(self, rows: float) -> float:
         pts = self.points

@@ -12,8 +12,9 @@ of the rows it computes, and per tier the time its reads and the placement take.
 every segment boundary s the prefill is simulated layer by layer (compute of layer l
 starts when layer l-1 is done and layer l's KV is placed) and the s with the smallest
 predicted time wins; a split is taken only when it is predicted to save at least
-`MIN_GAIN` of the unsplit time. The candidates include computing everything (a full
-prefill), so the predicted time never exceeds a full prefill's.
+`MIN_GAIN` of the unsplit time, or at all when loading everything is predicted slower than
+a full prefill. The candidates include computing everything (a full prefill), so the
+predicted time never exceeds a full prefill's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from blend.prompt import Prompt
 from blend.selector import schedule_counts
 from blend.stats import RequestStats, SplitReport
 
-MIN_GAIN = 0.10  # a split must be predicted to save this share of the unsplit time
+MIN_GAIN = 0.10  # a split must be predicted to save this share of the unsplit time (unless
+# loading everything is predicted slower than a full prefill: then any saving is taken)
+
+
+def worth_it(best: float, unsplit: float, full: float) -> bool:
+    """Whether a plan predicted at `best` seconds replaces loading everything (`unsplit`):
+    when it saves MIN_GAIN of it, or at all when loading everything is predicted to lose
+    against a full prefill (`full`) — a cached mode must never be slower than no cache."""
+    return best <= (1 - MIN_GAIN) * unsplit or (unsplit > full and best < unsplit)
 SPLIT_MODES = ("auto", "off")
 
 
@@ -174,7 +183,7 @@ class Splitter:
         base = results[0]
         best = min(results, key=lambda r: (r[0], r[3]))
         predicted = dict(predicted_unsplit_s=base[0], predicted_full_s=full)
-        if best[3] == 0 or best[0] > (1 - MIN_GAIN) * base[0]:
+        if best[3] == 0 or not worth_it(best[0], base[0], full):
             why = (f"loads hidden: predicted load {base[2]:.4f} s, compute {base[1]:.4f} s" if base[2] <= base[1]
                    else f"load-bound but no split saves {MIN_GAIN:.0%}: predicted {base[0]:.4f} s")
             return unsplit(why, predicted_s=base[0], predicted_load_s=base[2], predicted_compute_s=base[1],
@@ -216,7 +225,7 @@ class Splitter:
             results.append((total, compute + first, load, s))
         base, best = results[1], min(results, key=lambda r: (r[0], r[3]))
         predicted = dict(predicted_unsplit_s=base[0], predicted_full_s=full)
-        if best[3] == 0 or best[0] > (1 - MIN_GAIN) * base[0]:
+        if best[3] == 0 or not worth_it(best[0], base[0], full):
             return unsplit("loads hidden or no split saves enough", predicted_s=base[0], predicted_load_s=base[2],
                            predicted_compute_s=base[1], **predicted)
         total, compute, load, s = best

@@ -13,8 +13,9 @@ import torch
 
 from blend.config import EngineConfig
 from blend.engine import BlendEngine
-from blend.planner import LoadCosts, PrefillCosts
-from blend.split import blend_rows, load_from_layer, simulate
+from blend.planner import LayerCost, LoadCosts, PrefillCosts
+from blend.split import MIN_GAIN, Splitter, blend_rows, load_from_layer, simulate
+from blend.stats import LookupTally
 from storage.config import CpuTierConfig
 from storage.entry import EntryHeader, KVEntry
 from storage.memory import CpuTier
@@ -225,7 +226,6 @@ def test_a_computed_prefix_inside_any_plan_equals_full_prefill(selection):
     the first-token logits equal a full prefill's (fp32)."""
     from blend.pipeline import LayerLoader
     from blend.recompute import plan_recompute, run_layers
-    from blend.stats import LookupTally
 
     slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
     with make_engine(slow, "off", selection) as engine:
@@ -282,3 +282,51 @@ def test_a_blend_that_loaded_nothing_is_observed_as_a_full_prefill():
     query = RequestStats(mode="blend", recompute_ratio=0.2, context_tokens=90, query_tokens=10, loaded_tokens=90,
                          recomputed_tokens=18, selection=SelectionReport((0,), (18,), 18, query_pass=True))
     assert rows_per_layer(query, 4) == [10] * 4 + [28] * 4
+
+
+def test_a_slow_small_sample_does_not_make_larger_requests_look_slower():
+    # full prefills measured at 3,000 rows: 3 ms per layer; a cold call at 300 rows took 8 ms
+    cost = LayerCost([(300.0, 8e-3), (3000.0, 3e-3), (100.0, 1e-3)])
+    assert cost(3000) == pytest.approx(3e-3)  # the measured size keeps its measured time
+    assert cost(300) == pytest.approx(3e-3)  # capped: more rows never cost less
+    assert cost(100) == pytest.approx(1e-3)  # smaller points below the cap are kept
+    assert cost(6000) == pytest.approx(6e-3)  # above the largest: proportional to rows
+    assert all(a[1] <= b[1] for a, b in zip(cost.points, cost.points[1:], strict=False))
+
+
+def test_loading_predicted_slower_than_full_prefill_computes_even_for_a_small_gain():
+    """When loading everything is predicted slower than a full prefill, a plan that saves
+    less than MIN_GAIN of it is still taken (never slower than no cache); when loading is
+    predicted faster than a full prefill, the MIN_GAIN margin holds."""
+    slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
+    with make_engine(slow, "off", "query") as engine:
+        store_exact_entries(engine)
+        prompt = engine.build_prompt(QUESTION, DOCS)
+        tally = LookupTally([t.name for t in engine.store.tiers])
+        placements = engine.document_kv.resolve(prompt, [s for s in prompt.segments if s.kind != "query"], tally)
+        layers, cfg = engine.runner.num_layers, engine.config.engine
+    n = len(prompt)
+    nbytes = sum(p.header.layer_nbytes for p in placements) * layers
+    # a launch-bound layer (a GPU's at these sizes): 1 ms for 30 rows as for all of them, so
+    # computing a prefix while the rest loads saves little and computing everything is the
+    # only plan that beats loading everything
+    prefill = PrefillCosts()
+    for rows in (30, n):
+        prefill.observe([rows] * layers, layers * 1e-3)
+    seen = {"inside the margin": 0, "below full": 0}
+    for step in range(60):  # reads of everything from 0.3x to ~1.8x a full prefill
+        loads = LoadCosts("cpu")
+        read_s = (0.3 * 1.03 ** step) * layers * 1e-3
+        loads.observe({"cpu": nbytes}, {"cpu": read_s}, 1e-6 * read_s)  # placement: negligible
+        splitter = Splitter(prefill, loads, {"cpu": "cpu"})
+        report = splitter.plan(prompt, placements, 0.0, cfg.check_layers, cfg.filter_schedule, layers).report
+        unsplit, full = report.predicted_unsplit_s, report.predicted_full_s
+        if full < unsplit < full / (1 - MIN_GAIN):
+            seen["inside the margin"] += 1
+            assert report.taken and report.predicted_s < unsplit, report
+        elif unsplit < full:
+            seen["below full"] += 1
+            if report.taken:
+                assert report.predicted_s <= (1 - MIN_GAIN) * unsplit, report
+        assert not report.taken or report.predicted_s <= min(unsplit, full) + 1e-12, report
+    assert seen["inside the margin"] >= 1 and seen["below full"] >= 1, seen
