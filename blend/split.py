@@ -242,14 +242,22 @@ class Splitter:
         Requests that computed chunk misses are skipped for compute (their prefill time
         includes that work), and so are requests that read from a tier other than CPU
         memory: disk and Redis reads run beside the compute and slow it (threads, the GIL),
-        which is the load's cost, not the model's. Every request with loads updates the
-        load estimates."""
+        which is the load's cost, not the model's. A query-driven blend is two samples: its
+        query pass (the query and fresh rows in every layer; timed as the selection, less
+        the load waits) and its recompute (the selection and the query), not one average
+        of the two (launch-bound small layers would be priced like large ones). Every
+        request with loads updates the load estimates."""
         rows = rows_per_layer(stats, num_layers)
         misses = stats.documents.misses + stats.system.misses + stats.prefix_blocks.misses
         load = stats.load
         slow_reads = any(self.tier_kinds.get(name, name) not in ("cpu", "computed") for name in load.bytes_by_tier)
         if rows is not None and not (stats.mode in ("blend", "reuse") and misses) and not slow_reads:
-            self.prefill.observe(rows, stats.compute_s)
+            if len(rows) == 2 * num_layers and stats.selection.query_pass:
+                first = min(stats.compute_s, max(0.0, stats.selection.selection_s - stats.exposed_load_s))
+                self.prefill.observe(rows[:num_layers], first)
+                self.prefill.observe(rows[num_layers:], stats.compute_s - first)
+            else:
+                self.prefill.observe(rows, stats.compute_s)
         if load.bytes_by_tier:
             self.loads.observe(dict(load.bytes_by_tier), dict(load.read_s_by_tier), load.place_s)
 

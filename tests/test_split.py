@@ -330,3 +330,20 @@ def test_loading_predicted_slower_than_full_prefill_computes_even_for_a_small_ga
                 assert report.predicted_s <= (1 - MIN_GAIN) * unsplit, report
         assert not report.taken or report.predicted_s <= min(unsplit, full) + 1e-12, report
     assert seen["inside the margin"] >= 1 and seen["below full"] >= 1, seen
+
+
+def test_a_query_driven_blend_is_observed_as_its_two_phases():
+    """The query pass (query rows in every layer, timed as the selection less the load waits)
+    and the recompute (selection + query) are two samples of the compute model, not one
+    average of both."""
+    from blend.stats import LoadReport, RequestStats, SelectionReport
+
+    stats = RequestStats(mode="blend", recompute_ratio=0.2, context_tokens=90, query_tokens=10, loaded_tokens=90,
+                         recomputed_tokens=18, prefill_s=1.0,
+                         load=LoadReport(exposed_load_s=0.1, bytes_by_tier={"cpu": 1 << 20}),
+                         selection=SelectionReport((0,), (18,), 18, selection_s=0.4, query_pass=True))
+    prefill = PrefillCosts()
+    Splitter(prefill, LoadCosts("cpu"), {"cpu": "cpu"}).observe(stats, 4)
+    cost = prefill.layer_cost()
+    assert cost(10) == pytest.approx((0.4 - 0.1) / 4)  # the query pass: 10 rows per layer
+    assert cost(28) == pytest.approx((0.9 - 0.3) / 4)  # the recompute: 18 + 10 rows per layer
