@@ -30,6 +30,7 @@ from blend.stats import RequestStats, SplitReport
 
 MIN_GAIN = 0.10  # a split must be predicted to save this share of the unsplit time (unless
 # loading everything is predicted slower than a full prefill: then any saving is taken)
+SPLIT_MODES = ("auto", "off")
 
 
 def worth_it(best: float, unsplit: float, full: float) -> bool:
@@ -37,7 +38,6 @@ def worth_it(best: float, unsplit: float, full: float) -> bool:
     when it saves MIN_GAIN of it, or at all when loading everything is predicted to lose
     against a full prefill (`full`) — a cached mode must never be slower than no cache."""
     return best <= (1 - MIN_GAIN) * unsplit or (unsplit > full and best < unsplit)
-SPLIT_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)
