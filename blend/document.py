@@ -132,7 +132,7 @@ def check_documents(documents: object, what: str = "documents") -> tuple[Documen
 
 class DocumentIndex:
     """The documents an engine has seen by id: the digest of their rendered text and
-    their chunk keys. Thread-safe. Used to delete a document by id and to warn when a
+    their block keys. Thread-safe. Used to delete a document by id and to warn when a
     request's version of a document differs from the one ingested under the same id.
     In memory: ids are known to the process that ingested (or served) them.
     """

@@ -1,7 +1,7 @@
 """kvblend.storage: the tiered KV store.
 
 Modules, one concept each:
-  keys           content addresses: chunk_key, prefix_block_key, tokens_digest
+  keys           content addresses: document_block_key, prefix_block_key, tokens_digest
   entry          EntryHeader, KVEntry (per-layer K/V tensors), CorruptEntry
   checksum       per-layer checksum (xxh3_64 when available, crc32 otherwise)
   serialization  header/layer <-> bytes and verification (no pickle)
@@ -19,7 +19,7 @@ Modules, one concept each:
 from typing import Any
 
 _EXPORTS = {
-    "LAYOUT_VERSION": "storage.keys", "chunk_key": "storage.keys", "prefix_block_key": "storage.keys",
+    "LAYOUT_VERSION": "storage.keys", "document_block_key": "storage.keys", "prefix_block_key": "storage.keys",
     "tokens_digest": "storage.keys", "StoreConfig": "storage.config", "CorruptEntry": "storage.entry",
     "EntryHeader": "storage.entry", "KVEntry": "storage.entry", "entry_nbytes": "storage.entry",
     "Located": "storage.stack", "TieredStore": "storage.stack", "build_tier": "storage.stack",

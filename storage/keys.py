@@ -1,15 +1,14 @@
-"""Content addresses for cached KV: chunk keys, document block keys and conversation-prefix
-block keys.
+"""Content addresses for cached KV: document block keys and conversation-prefix block keys.
 
-A chunk key depends only on the model fingerprint, the chunk's own tokens, the storage
-dtype, the KV layout version and an optional context digest - never on what precedes
-the chunk in a prompt, so the same document chunk hits in every prompt that contains it.
-A prefix block key covers every token from the start of the sequence up to the block
-end. A document block key covers the document's context (by digest) and every token
-of the document up to the block end, so the blocks of a document form a chain whose
-shared leading blocks are stored once. The three use different domain tags, so they
-never collide. Keys are short ASCII strings (`[namespace-]c<hex>` / `d<hex>` / `p<hex>`),
-safe as file names and Redis keys.
+A document block key depends on the model fingerprint, the document's context (by
+digest), every token of the document up to the block end, the storage dtype and the KV
+layout version - never on what precedes the document in a prompt, so the same document
+hits in every prompt that contains it, and the blocks of a document form a chain whose
+shared leading blocks are stored once. A prefix block key covers every token from the
+start of the sequence up to the block end. The two use different domain tags, so they
+never collide (nor with the independent-chunk keys, `c<hex>`, of the retired chunk
+layout, which are never looked up). Keys are short ASCII strings (`[namespace-]d<hex>` /
+`p<hex>`), safe as file names and Redis keys.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ LAYOUT_VERSION: int = 1
 
 _DIGEST_HEX = 40  # 160 bits; a hit additionally verifies the stored tokens digest
 _NAMESPACE_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{0,63})?$")
-_CHUNK_TAG = b"kvblend/chunk\x00"
 _PREFIX_TAG = b"kvblend/prefix\x00"
 _DOCUMENT_TAG = b"kvblend/document\x00"
 
@@ -73,22 +71,6 @@ def _key(tag: bytes, kind: str, namespace: str, fingerprint: str, token_ids: Seq
     for value in (fingerprint, _token_bytes(token_ids), kv_dtype, str(LAYOUT_VERSION), *extra):
         _field(h, value)
     return _with_namespace(namespace, kind, h.hexdigest()[:_DIGEST_HEX])
-
-
-def chunk_key(
-    fingerprint: str,
-    token_ids: Sequence[int],
-    kv_dtype: str,
-    namespace: str = "",
-    context_digest: str = "",
-) -> str:
-    """Key of one cached chunk: digest over (fingerprint, tokens, kv_dtype, LAYOUT_VERSION, context_digest).
-
-    `context_digest` distinguishes chunks computed after a fixed context (e.g. the system
-    prompt); leave it empty for chunks computed at positions 0..n-1. The key does not
-    depend on anything that precedes the chunk in a prompt.
-    """
-    return _key(_CHUNK_TAG, "c", namespace, fingerprint, token_ids, kv_dtype, context_digest)
 
 
 def prefix_block_key(

@@ -10,7 +10,7 @@ from blend.engine import BlendEngine
 from blend.prompt import PromptBuilder
 from blend.stats import LookupTally
 from storage.entry import KVEntry
-from storage.keys import chunk_key
+from storage.keys import _key
 from tests.models import smollm2_tokenizer, tiny_model
 from tests.test_engine import DOCS, QUESTION, direct_kv, make_engine, maxdiff
 
@@ -59,13 +59,19 @@ def test_shared_document_prefix_is_stored_once():
         assert written == second[full_blocks:]  # only the new blocks were stored
 
 
+def layout1_chunk_key(fingerprint: str, token_ids, kv_dtype: str, namespace: str) -> str:
+    """The address layout 1 gave an independent chunk (kept here, not in storage: the
+    engine no longer writes or reads such keys)."""
+    return _key(b"kvblend/chunk\x00", "c", namespace, fingerprint, token_ids, kv_dtype, "")
+
+
 def test_old_format_chunk_entry_is_a_miss_not_an_error():
-    """Layout 1 stored 512-token independent chunks under chunk_key: never hit now."""
+    """Layout 1 stored 512-token independent chunks under `c` keys: never hit now."""
     with make_engine(chunk_tokens=512) as engine:
         prompt = engine.build_prompt(QUESTION, DOCS)
         for seg in prompt.documents:
             old = engine.document_kv.maker.compute(seg.token_ids)  # standalone chunk KV at 0..n-1
-            key = chunk_key(engine.fingerprint, seg.token_ids, engine.kv_dtype, engine.config.store.namespace)
+            key = layout1_chunk_key(engine.fingerprint, seg.token_ids, engine.kv_dtype, engine.config.store.namespace)
             engine.store.put(key, old, sync=True)
         reuse = engine.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=2)
         assert reuse.stats.documents.misses == len(DOCS) and reuse.stats.documents.hits == 0

@@ -19,7 +19,7 @@ from blend.cli import main as cli_main
 from eval.bench.load import ChunkShape, random_entry
 from storage.config import DiskTierConfig, RedisTierConfig, StoreConfig
 from storage.disk import DiskTier, file_layout
-from storage.keys import chunk_key
+from storage.keys import document_block_key
 from storage.redis_tier import RedisTier
 from storage.stack import TieredStore
 from tests.conftest import RedisServer, _free_port
@@ -36,7 +36,7 @@ def tenant(tmp_path: Path, namespace: str, tier: dict, count: int, seed: int = 0
     with TieredStore.from_config(StoreConfig.from_mapping({"namespace": namespace, "tiers": [tier]})) as store:
         for i in range(count):
             token_ids, entry = random_entry(SMALL, seed=seed + i)
-            key = chunk_key("bench", token_ids, "float16", namespace=namespace)
+            key = document_block_key("bench", token_ids, "float16", namespace=namespace)
             store.put(key, entry, sync=True)
             keys.append(key)
     return config, keys

@@ -12,7 +12,7 @@ import torch
 from eval.bench.load import ChunkShape, random_entry
 from storage.config import StoreConfig, load_yaml
 from storage.entry import CorruptEntry, KVEntry, entry_nbytes
-from storage.keys import LAYOUT_VERSION, chunk_key, prefix_block_key, tokens_digest
+from storage.keys import LAYOUT_VERSION, document_block_key, prefix_block_key, tokens_digest
 from storage.serialization import (
     MAGIC,
     MAX_HEADER_BYTES,
@@ -28,31 +28,31 @@ from storage.signature import seal, verify
 SMALL = ChunkShape(layers=3, kv_heads=2, head_dim=8, tokens=16)
 
 
-def test_chunk_key_ignores_context_but_not_content():
+def test_document_key_ignores_what_precedes_but_not_content():
     doc = [5, 6, 7, 8]
-    a = chunk_key("fp", doc, "float16")
-    assert a == chunk_key("fp", list(doc), "float16")  # same chunk, any prompt it sits in
-    assert a != chunk_key("fp", doc[:-1], "float16")
-    assert a != chunk_key("fp2", doc, "float16")
-    assert a != chunk_key("fp", doc, "bfloat16")
-    assert a != chunk_key("fp", doc, "float16", context_digest=tokens_digest([1, 2]))
-    assert a != chunk_key("fp", doc, "float16", namespace="tenant1")
-    assert chunk_key("fp", doc, "float16", namespace="tenant1").startswith("tenant1-")
-    assert chunk_key("fp", torch.tensor(doc), "float16") == a  # tensors hash like lists
+    a = document_block_key("fp", doc, "float16")
+    assert a == document_block_key("fp", list(doc), "float16")  # same document, any prompt it sits in
+    assert a != document_block_key("fp", doc[:-1], "float16")
+    assert a != document_block_key("fp2", doc, "float16")
+    assert a != document_block_key("fp", doc, "bfloat16")
+    assert a != document_block_key("fp", doc, "float16", context_digest=tokens_digest([1, 2]))
+    assert a != document_block_key("fp", doc, "float16", namespace="tenant1")
+    assert document_block_key("fp", doc, "float16", namespace="tenant1").startswith("tenant1-")
+    assert document_block_key("fp", torch.tensor(doc), "float16") == a  # tensors hash like lists
 
 
-def test_prefix_and_chunk_keys_never_collide():
+def test_prefix_and_document_keys_never_collide():
     tokens = [1, 2, 3]
-    assert chunk_key("fp", tokens, "float16") != prefix_block_key("fp", tokens, "float16")
+    assert document_block_key("fp", tokens, "float16") != prefix_block_key("fp", tokens, "float16")
     assert prefix_block_key("fp", [9, 1, 2, 3], "float16") != prefix_block_key("fp", tokens, "float16")
 
 
 def test_keys_are_safe_short_ascii():
-    key = chunk_key("fp", range(1000), "float16", namespace="ns.1")
+    key = document_block_key("fp", range(1000), "float16", namespace="ns.1")
     assert key.isascii() and len(key) < 64 and "/" not in key and " " not in key
     assert isinstance(LAYOUT_VERSION, int)
     with pytest.raises(ValueError, match="namespace"):
-        chunk_key("fp", [1], "float16", namespace="bad/ns")
+        document_block_key("fp", [1], "float16", namespace="bad/ns")
 
 
 def test_tokens_digest_is_little_endian_32bit():

@@ -16,7 +16,7 @@ from blend.cli import main as cli_main
 from eval.bench.load import ChunkShape, random_entry
 from storage.config import CpuTierConfig, DiskTierConfig, RedisTierConfig, StoreConfig
 from storage.entry import Expected, entry_nbytes
-from storage.keys import chunk_key
+from storage.keys import document_block_key
 from storage.signature import verify
 from storage.stack import TieredStore
 from storage.tier import StoreUnavailable
@@ -26,7 +26,7 @@ SMALL = ChunkShape(layers=3, kv_heads=2, head_dim=8, tokens=16)
 
 def keyed(seed: int = 0, fingerprint: str = "bench"):
     token_ids, entry = random_entry(SMALL, seed=seed, fingerprint=fingerprint)
-    return chunk_key(fingerprint, token_ids, "float16"), token_ids, entry
+    return document_block_key(fingerprint, token_ids, "float16"), token_ids, entry
 
 
 def expect(token_ids, fingerprint: str = "bench", **changes) -> Expected:

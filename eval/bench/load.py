@@ -36,7 +36,7 @@ from eval.bench.common import LoadWatch, drop_page_cache, one_tier, spread
 from storage.config import StoreConfig
 from storage.disk import DiskTier
 from storage.entry import KVEntry, dtype_of
-from storage.keys import chunk_key
+from storage.keys import document_block_key
 from storage.stack import build_tier
 from storage.tier import Tier
 
@@ -253,7 +253,7 @@ def run_load(
     keyed: list[tuple[str, KVEntry]] = []
     for i in range(n):
         token_ids, entry = random_entry(shape, seed=i)
-        keyed.append((chunk_key("bench", token_ids, shape.kv_dtype, namespace=f"bench{os.getpid()}"), entry))
+        keyed.append((document_block_key("bench", token_ids, shape.kv_dtype, namespace=f"bench{os.getpid()}"), entry))
     total = n * template.nbytes
     block = template.header.layer_nbytes
     budget = int(total * 1.2) + 64 * MiB
