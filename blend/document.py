@@ -59,8 +59,8 @@ class IngestedDocument:
     """What `BlendEngine.ingest` did with one document."""
 
     id: str  # the document's id, or its content digest (`document_id`)
-    keys: tuple[str, ...]  # the store keys of its chunks, in order
-    cached: bool  # every chunk already had an entry in some tier before the ingest
+    keys: tuple[str, ...]  # the store keys of its KV blocks, in order
+    cached: bool  # every block already had a valid entry in some tier before the ingest
 
     def to_dict(self) -> dict[str, object]:
         return {"id": self.id, "keys": list(self.keys), "cached": self.cached}

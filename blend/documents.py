@@ -31,6 +31,15 @@ from storage.stack import Located, TieredStore
 
 
 @dataclass(frozen=True)
+class StoredSegment:
+    """What `DocumentCache.ingest` did with one document segment."""
+
+    segment: Segment
+    keys: tuple[str, ...]  # its block keys, in order
+    cached: bool  # every block had a valid entry in some tier before the ingest
+
+
+@dataclass(frozen=True)
 class Block:
     """One stored block of a document segment."""
 
@@ -109,23 +118,32 @@ class DocumentCache:
                                             rebuild.block(i)))
         return placements
 
-    def ingest(self, prompt: Prompt) -> list[str]:
+    def ingest(self, prompt: Prompt) -> list[StoredSegment]:
         """Compute and store every block of every cacheable segment of `prompt` that is
-        not stored yet; returns the block keys of the documents, in order."""
-        keys = []
+        not stored yet; returns what was found for each document segment, in order.
+
+        Every segment is looked up before anything is written, so `cached` says what the
+        tiers held before this call; a segment whose missing blocks an earlier segment of
+        this call already wrote (the same document twice) is not computed again."""
+        found = []
         for seg in prompt.segments:
             if seg.kind == "query":
                 continue
             ids, context = list(seg.token_ids), self.context(seg, prompt)
             blocks = self.blocks(ids, context)
-            if seg.kind == "document":
-                keys.extend(b.key for b in blocks)
-            missing = [i for i, b in enumerate(blocks) if self._find(ids, b) is None]
-            if missing:
+            found.append((seg, ids, context, blocks, [i for i, b in enumerate(blocks) if self._find(ids, b) is None]))
+        written: set[str] = set()
+        out = []
+        for seg, ids, context, blocks, missing in found:
+            todo = [i for i in missing if blocks[i].key not in written]
+            if todo:
                 entries = self.compute(ids, context, blocks)
-                for i in missing:
+                for i in todo:
                     self.store.put(blocks[i].key, entries[i])
-        return keys
+                    written.add(blocks[i].key)
+            if seg.kind == "document":
+                out.append(StoredSegment(seg, tuple(b.key for b in blocks), not missing))
+        return out
 
 
 class _Rebuild:

@@ -50,7 +50,7 @@ from blend.model import LoadedModel, load_model
 from blend.pipeline import LayerLoader
 from blend.planner import LoadCosts, PrefillCosts
 from blend.prefix import EntryMaker, PrefixCache
-from blend.prompt import Prompt, PromptBuilder, Segment
+from blend.prompt import Prompt, PromptBuilder
 from blend.recompute import plan_recompute, run_layers
 from blend.request import GenerationRequest
 from blend.runner import Runner, SamplingParams
@@ -112,7 +112,7 @@ class BlendEngine:
     def ingest(self, documents: Sequence[Document | str], *, sync: bool = True) -> list[IngestedDocument]:
         """Precompute each document's KV (one sequence) and store it block by block; returns
         per document its id, block keys and whether it was already cached (every block had
-        an entry in some tier before this call).
+        a valid entry in some tier before this call).
 
         Idempotent: blocks already in the store are not recomputed. With sync=True the
         writes have reached every tier when this returns. An empty document is skipped
@@ -121,10 +121,11 @@ class BlendEngine:
         docs = check_documents(documents)
         prompt = self.prompts.build("ingest", docs)
         kept = [d for d in docs if render_document(d)]
-        keys = self._keys_by_document(prompt, len(kept))
-        cached = [all(self._stored(seg, prompt) for seg in prompt.documents if seg.doc_index == i)
-                  for i in range(len(kept))]
-        self.document_kv.ingest(prompt)
+        keys: list[list[str]] = [[] for _ in kept]
+        cached = [True] * len(kept)
+        for stored in self.document_kv.ingest(prompt):  # a long document: several segments
+            keys[stored.segment.doc_index].extend(stored.keys)
+            cached[stored.segment.doc_index] &= stored.cached
         if sync:
             self.store.flush()
         results, k = [], 0
@@ -243,11 +244,6 @@ class BlendEngine:
         for seg in prompt.documents:
             keys[seg.doc_index].extend(self.document_kv.keys(seg, prompt))
         return keys
-
-    def _stored(self, seg: Segment, prompt: Prompt) -> bool:
-        """Some tier holds an entry under each of the segment's block keys (not read or
-        verified here: an entry that turns out corrupt is recomputed by the ingest all the same)."""
-        return all(self.store.contains(key) is not None for key in self.document_kv.keys(seg, prompt))
 
     def warmup(self) -> float:
         """Run one short request through prefill and decoding so that the first real

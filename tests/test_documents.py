@@ -124,3 +124,22 @@ def test_split_document_parts_are_cached_separately():
         second = parts[1]
         direct = direct_kv(engine, (), second.token_ids, second.start)  # computed on its own
         assert maxdiff(pre.cache.k[3][:, second.start:second.end], direct[3][0]) < 1e-4
+
+
+def test_ingest_reports_what_was_stored_before_and_computes_a_repeated_document_once():
+    with make_engine() as engine:
+        calls = []
+        compute = engine.document_kv.compute
+        engine.document_kv.compute = lambda *a: calls.append(a) or compute(*a)
+        first = engine.ingest([DOCS[0], DOCS[0], DOCS[1]])
+        assert [d.cached for d in first] == [False, False, False]  # what the tiers held before the call
+        assert first[0].keys == first[1].keys
+        assert len(calls) == 1 + 2  # the system part, then each distinct document once
+        calls.clear()
+        again = engine.ingest([DOCS[0], DOCS[1]])
+        assert [d.cached for d in again] == [True, True] and calls == []
+        # a stored block that no longer verifies is not cached: the ingest rebuilds it
+        engine.store.put(first[0].keys[0], engine.document_kv.maker.compute([1, 2, 3]), sync=True)
+        rebuilt = engine.ingest([DOCS[0]])
+        assert [d.cached for d in rebuilt] == [False] and len(calls) == 1
+        assert engine.ingest([DOCS[0]])[0].cached
