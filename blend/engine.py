@@ -141,7 +141,7 @@ class BlendEngine:
 
     def delete_document(self, doc_id: str) -> tuple[str, ...]:
         """Remove a document this engine ingested (or served with an explicit id) from
-        every tier; returns the keys deleted. Chunks that another known document also
+        every tier; returns the keys deleted. Blocks that another known document also
         uses are kept. KeyError if the id is unknown to this engine.
 
         Side effects: waits for queued writes first, so no write lands after the delete.

@@ -297,7 +297,8 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
         if layer in plan.check_layers[1:]:  # refine the pool: query attention x KV deviation
             t1 = time.perf_counter()
             pool = active[: chosen.numel()]
-            prior = (cache.k[layer][:, pool.to(dev)], cache.v[layer][:, pool.to(dev)])  # copies, before overwriting
+            pool_dev = rows[: pool.numel()]  # the same positions, already on the device
+            prior = (cache.k[layer][:, pool_dev], cache.v[layer][:, pool_dev])  # copies, before overwriting
             m = pool.numel()
             dev_score = deviation(k[:, :m], v[:, :m], *prior, deviation_kind).cpu()
             score = normalised(dev_score) * normalised(scores[pool])

@@ -167,7 +167,8 @@ def engine_settings(engine: Any) -> dict[str, Any]:
         "kv_dtype": engine.kv_dtype,
         "engine": {k: getattr(cfg.engine, k) for k in ("chunk_tokens", "check_layers", "filter_schedule",
                                                        "deviation", "selection", "chunk_context",
-                                                       "sink_tokens", "max_document_tokens")},
+                                                       "sink_tokens", "max_document_tokens", "query_layers",
+                                                       "query_pool")},
     }
 
 

@@ -3,7 +3,7 @@
   POST   /v1/chat/completions   messages (+ documents, kvblend) -> chat.completion, or SSE chunks
   POST   /v1/completions        prompt = the question of the engine's RAG prompt -> text_completion
   POST   /v1/documents          ingest: per document its id, block keys, cached
-  DELETE /v1/documents/{id}     remove a document's chunks from every tier
+  DELETE /v1/documents/{id}     remove a document's KV blocks from every tier
   GET    /v1/models, /health, /metrics
 
 Every engine call goes through the `EngineWorker` (one thread, bounded queue, batch
