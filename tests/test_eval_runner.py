@@ -283,9 +283,14 @@ def test_prefix_hits_of_an_earlier_run_are_flagged(caplog):
     assert "repeated prompt" in caplog.text
 
 
-def test_tradeoff_plot_draws_one_line_per_selection_at_equal_ratios(tmp_path):
+def test_tradeoff_plot_draws_one_line_per_selection_at_equal_ratios(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
     from eval.report import plot_tradeoff
 
+    figures = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self) or savefig(self, *a, **k))
     summary = {"full": {"mode": "full", "ratio": 1.0, "f1": 0.3, "ttft_s": 9.0},
                "reuse": {"mode": "reuse", "ratio": 0.0, "f1": 0.1, "ttft_s": 0.4}}
     for policy, f1 in (("query", 0.28), ("deviation", 0.2)):
@@ -293,3 +298,5 @@ def test_tradeoff_plot_draws_one_line_per_selection_at_equal_ratios(tmp_path):
             summary[f"blend@{ratio}:{policy}"] = {"mode": "blend", "ratio": ratio, "f1": f1 + ratio, "ttft_s": 2 + ratio}
     path = plot_tradeoff(summary, "f1", tmp_path / "q.png", title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = {line.get_label(): list(line.get_xdata()) for line in figures[0].axes[0].get_lines()}
+    assert lines == {"blend (recompute ratio), deviation": [2.05, 2.15], "blend (recompute ratio), query": [2.05, 2.15]}
