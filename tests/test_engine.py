@@ -84,11 +84,6 @@ def direct_kv(engine: BlendEngine, context_ids, token_ids, offset: int):
     return out
 
 
-def _standalone_kv_at(engine: BlendEngine, token_ids, offset: int):
-    """KV of a chunk computed directly at positions offset.. with no context (reference)."""
-    return direct_kv(engine, (), token_ids, offset)
-
-
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
 def test_reordered_documents_equal_direct_computation_at_offsets(order):
     docs = [DOCS[i] for i in order]
@@ -98,7 +93,7 @@ def test_reordered_documents_equal_direct_computation_at_offsets(order):
         pre = engine.prefill(prompt, mode="reuse")
         assert pre.stats.documents.misses == 0
         for seg in prompt.documents:
-            direct = _standalone_kv_at(engine, seg.token_ids, seg.start)
+            direct = direct_kv(engine, (), seg.token_ids, seg.start)
             for layer, (k, v) in enumerate(direct):
                 assert maxdiff(pre.cache.k[layer][:, seg.start:seg.end], k) < 1e-4
                 assert maxdiff(pre.cache.v[layer][:, seg.start:seg.end], v) < 1e-4
