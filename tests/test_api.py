@@ -78,7 +78,7 @@ def test_ingest_returns_typed_results_and_delete_removes_the_chunks(lm):
         after = engine.generate(QUESTION, docs, mode="reuse", max_new_tokens=2)
         assert after.stats.documents.misses == 1  # the deleted document (all its blocks) is computed again
 
-        # a chunk shared by two known documents survives the deletion of one of them
+        # a block shared by two known documents survives the deletion of one of them
         engine.ingest([Document(DOCS[1], id="copy")])
         assert engine.delete_document("copy") == ()
         assert all(engine.store.contains(k) is not None for k in first[1].keys)
