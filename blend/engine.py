@@ -204,9 +204,15 @@ class BlendEngine:
                                         temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                                         selection=selection)
 
+    def check_fits(self, req: GenerationRequest) -> None:
+        """Refuse a request whose text cannot fit the model's positions, without tokenizing it
+        (the exact check, on tokens, follows when the prompt is built)."""
+        self.prompts.check_text_fits(req.query, req.documents, self.runner.max_positions)
+
     def _stream(self, req: GenerationRequest, answer: str | None = None) -> Iterator[TextDelta | GenerationResult]:
+        self.check_fits(req)
         prompt = self.prompts.build(req.query, req.documents)
-        self.runner.check_length(len(prompt) + req.max_new_tokens)
+        self.runner.check_length(len(prompt), req.max_new_tokens)
         warnings = self._note_documents(prompt, req.documents)
         sampling = SamplingParams(req.temperature, req.top_p, req.seed)
         return self._decode(prompt, req, sampling, answer, warnings)
@@ -368,6 +374,7 @@ class BlendEngine:
         req = GenerationRequest.create(self.config.engine, message, documents, mode=mode or "blend",
                                        recompute_ratio=recompute_ratio, max_new_tokens=max_new_tokens,
                                        temperature=temperature, top_p=top_p, seed=seed, stop=stop)
+        self.check_fits(req)
         rag = None
         if req.documents:
             docs = req.documents

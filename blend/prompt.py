@@ -12,6 +12,7 @@ than `max_document_tokens` is split on token boundaries into consecutive documen
 
 from __future__ import annotations
 
+import functools
 import logging
 import string
 from collections.abc import Sequence
@@ -127,6 +128,23 @@ class PromptBuilder:
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters (byte-level entries count bytes): no
+        token covers more characters of text than this."""
+        return max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+
+    def check_text_fits(self, question: str | Sequence[Message], documents: Sequence[Document | str],
+                        positions: int) -> None:
+        """Refuse, before tokenizing, text that cannot fit `positions` tokens: more characters
+        than positions x the longest token (a cheap bound: tokenizing megabytes takes seconds)."""
+        texts = [question] if isinstance(question, str) else [m.content for m in question]
+        texts += [d if isinstance(d, str) else d.text + (d.title or "") for d in documents]
+        chars = sum(len(t) for t in texts)
+        if chars > positions * self.max_token_chars:
+            raise ValueError(f"the prompt's text ({chars} characters) cannot fit the model's {positions} positions "
+                             f"(at most {self.max_token_chars} characters per token); use fewer or shorter documents")
 
     def frame(self, question: str | Sequence[Message]) -> tuple[list[int], list[int]]:
         """Token ids before and after the documents for this question (or conversation,

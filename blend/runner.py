@@ -157,14 +157,21 @@ class Runner:
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
-    def check_length(self, n: int) -> None:
-        """Raise if a sequence of n tokens does not fit the model's positions."""
+    def check_length(self, n: int, new_tokens: int = 0) -> None:
+        """Raise if a prompt of n tokens plus `new_tokens` to generate does not fit the
+        model's positions (the message says which of the two to reduce)."""
         if n <= 0:
             raise ValueError("empty prompt: give at least one token")
         if n > self.max_positions:
             raise ValueError(
                 f"prompt of {n} tokens is longer than the model's maximum of {self.max_positions} positions; "
                 "use fewer or shorter documents"
+            )
+        if n + new_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt of {n} tokens plus {new_tokens} new tokens needs {n + new_tokens} positions, more than the "
+                f"model's {self.max_positions}; ask for at most {self.max_positions - n} new tokens "
+                "(max_new_tokens) or use fewer or shorter documents"
             )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

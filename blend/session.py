@@ -284,7 +284,7 @@ class SessionManager:
             prompt = None
             ids = list(decoder.tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=True,
                                                              return_dict=False))
-        decoder.runner.check_length(len(ids) + max_new)
+        decoder.runner.check_length(len(ids), max_new)
         stored_end = 0
         exact = rag is None or rag.exact
 

@@ -136,6 +136,18 @@ def test_bad_input(caplog):
             engine.generate(QUESTION, DOCS, mode="fast")
         with pytest.raises(ValueError, match="maximum of 2048 positions"):
             engine.generate(QUESTION, ["word " * 2100], mode="full")
+        with pytest.raises(ValueError, match=r"ask for at most \d+ new tokens \(max_new_tokens\)"):
+            engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=2048)
+        # text that cannot fit is refused by its length, before tokenizing (megabytes take seconds)
+        too_long = "w" * (2048 * engine.prompts.max_token_chars + 1)
+        engine.prompts.tokenizer, tokenizer = None, engine.prompts.tokenizer  # any tokenizing would fail
+        try:
+            with pytest.raises(ValueError, match=r"characters\) cannot fit the model's 2048 positions"):
+                engine.generate(QUESTION, [too_long], mode="full")
+            with pytest.raises(ValueError, match="cannot fit"):
+                engine.chat("long", too_long)
+        finally:
+            engine.prompts.tokenizer = tokenizer
         with caplog.at_level(logging.WARNING):
             result = engine.generate(QUESTION, ["", DOCS[0], "   "], mode="blend", max_new_tokens=2)
         assert "skipped 2 empty document" in caplog.text

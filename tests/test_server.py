@@ -385,6 +385,47 @@ def test_malformed_bodies_get_400_or_422_with_a_message(server, endpoint, body, 
     assert error["message"] and "Traceback" not in response.text
 
 
+def test_bodies_over_the_limit_get_413_before_parsing_and_huge_text_400_before_tokenizing(server):
+    limit = 16 << 20  # the default --max-body
+    big = b'{"messages": [{"role": "user", "content": "' + b"w" * limit + b'"}]}'
+    declared = httpx.post(server.url + "/v1/chat/completions", content=big,
+                          headers={"content-type": "application/json"}, timeout=120)
+    assert declared.status_code == 413 and "--max-body" in declared.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted while it arrives
+        for i in range(0, len(big), 1 << 20):
+            yield big[i:i + (1 << 20)]
+
+    chunked = httpx.post(server.url + "/v1/documents", content=chunks(),
+                         headers={"content-type": "application/json"}, timeout=120)
+    assert chunked.status_code == 413, chunked.text
+    # under the body limit but more characters than the model's positions can hold: 400 at once
+    # (the tiny model's 32768 positions x at most 81 characters per token)
+    text = "w" * (32768 * 81 + 1)
+    long = httpx.post(server.url + "/v1/chat/completions", json=chat_body("Hi?", [{"text": text}], max_tokens=2),
+                      timeout=120)
+    assert long.status_code == 400 and "cannot fit" in long.json()["error"]["message"]
+    assert httpx.get(server.url + "/health", timeout=10).json()["queue_depth"] == 0
+    reply = httpx.post(server.url + "/v1/chat/completions", json=chat_body("Hi?", max_tokens=2), timeout=120)
+    assert reply.status_code == 200
+
+
+def test_a_taken_port_is_one_line_exit_2_before_the_model_loads(setup):
+    _, config = setup
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run([sys.executable, "-c", "from blend.cli import main; raise SystemExit(main())", "serve",
+                               "--config", str(config), "--port", str(port)], capture_output=True, text=True,
+                              env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot listen on 127.0.0.1:" in lines[0] and "pick another --port" in lines[0]
+    assert "serving" not in proc.stdout and "Traceback" not in proc.stderr
+
+
 def test_unknown_model_and_document_and_data_that_looks_like_structure(server):
     client = server.client()
     with pytest.raises(openai.NotFoundError, match="serves 'tiny'"):

@@ -41,6 +41,15 @@ def _port(text: str) -> int:
     return value
 
 
+def _body_bytes(text: str) -> int:
+    from storage.units import parse_bytes
+
+    value = parse_bytes(text, "--max-body")
+    if value < 1:
+        raise ValueError(f"--max-body must be at least 1 byte, got {text!r}")
+    return value
+
+
 def passive_openmp() -> str:
     """OMP_WAIT_POLICY=PASSIVE unless set (effective only before torch is imported); returns the value."""
     return os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -49,16 +58,21 @@ def passive_openmp() -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     passive_openmp()
     from blend.engine import BlendEngine
-    from blend.server import serve
+    from blend.server import listen_socket, serve
     from blend.server.app import ServerSettings
 
-    engine = BlendEngine.from_config(args.config)
-    settings = ServerSettings(served_model_name=args.served_model_name or engine.config.model,
-                              queue_size=args.queue_size, request_timeout_s=args.request_timeout,
-                              warmup=not args.no_warmup)
+    sock = listen_socket(args.host, args.port)  # before the model loads: a taken port fails at once
+    try:
+        engine = BlendEngine.from_config(args.config)
+        settings = ServerSettings(served_model_name=args.served_model_name or engine.config.model,
+                                  queue_size=args.queue_size, request_timeout_s=args.request_timeout,
+                                  warmup=not args.no_warmup, max_body_bytes=args.max_body)
+    except BaseException:
+        sock.close()
+        raise
     print(f"kvblend: serving {settings.served_model_name} on http://{args.host}:{args.port} "
           f"(queue {settings.queue_size}, timeout {settings.request_timeout_s:g} s)", flush=True)
-    serve(engine, settings, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
+    serve(engine, settings, sock, log_level="info" if args.verbose else "warning")
     return 0
 
 
@@ -74,6 +88,8 @@ def register(subparsers: Any) -> None:
                    help="requests that may wait while one runs; more get 503 + Retry-After (default 64)")
     p.add_argument("--request-timeout", type=arg_type(positive_float), default=300.0,
                    help="seconds from acceptance to the last token before a request is cancelled (default 300)")
+    p.add_argument("--max-body", type=arg_type(_body_bytes), default=16 << 20,
+                   help="largest request body, e.g. 16MiB (default); larger ones get 413 before parsing")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the config's model)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
     p.set_defaults(func=cmd_serve)

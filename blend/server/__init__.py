@@ -5,12 +5,15 @@
   worker.py   the engine's worker thread and bounded queue (the concurrency contract)
   metrics.py  Prometheus metrics
 
-`serve(engine, settings, host, port)` runs it with uvicorn until SIGINT/SIGTERM, letting
-in-flight requests finish.
+`listen_socket(host, port)` binds the address first (one-line errors naming the fix, before
+the model loads); `serve(engine, settings, sock)` runs the app on it with uvicorn until
+SIGINT/SIGTERM, letting in-flight requests finish.
 """
 
 from __future__ import annotations
 
+import errno
+import socket
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,16 +21,45 @@ if TYPE_CHECKING:
     from blend.server.app import ServerSettings
 
 
-def serve(engine: BlendEngine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "warning") -> None:
-    """Serve `engine` over HTTP until SIGINT or SIGTERM, then stop accepting, let the
-    in-flight requests finish (up to the request timeout), close the engine and return."""
+_BIND_FIXES = {
+    errno.EADDRINUSE: "another process listens there: pick another --port or stop it",
+    errno.EACCES: "ports below 1024 need privileges: pick a --port above 1023",
+    errno.EADDRNOTAVAIL: "that address is not this machine's: use --host 127.0.0.1 (or 0.0.0.0 for every interface)",
+}
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (uvicorn listens on it). ValueError, one line naming
+    the fix, when the name does not resolve or the address cannot be bound."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        raise ValueError(f"--host {host!r} does not resolve ({reason}); use an address of this machine, e.g. "
+                         "127.0.0.1 or 0.0.0.0") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        fix = _BIND_FIXES.get(err.errno or 0, "check --host and --port")
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}; {fix}") from None
+    return sock
+
+
+def serve(engine: BlendEngine, settings: ServerSettings, sock: socket.socket, log_level: str = "warning") -> None:
+    """Serve `engine` over HTTP on `sock` (from `listen_socket`) until SIGINT or SIGTERM,
+    then stop accepting, let the in-flight requests finish (up to the request timeout),
+    close the engine and return."""
     import signal
 
     import uvicorn
 
     from blend.server.app import create_app
 
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(create_app(engine, settings), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=settings.request_timeout_s, access_log=False)
 
@@ -38,10 +70,11 @@ def serve(engine: BlendEngine, settings: ServerSettings, host: str = "127.0.0.1"
     # the signal again: the process then ends normally instead of dying from it
     previous = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.Server(config).run()
+        uvicorn.Server(config).run(sockets=[sock])
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             raise
     finally:
+        sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

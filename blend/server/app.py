@@ -49,8 +49,11 @@ class ServerSettings:
     queue_size: int = 64  # requests that may wait while one runs; more get 503
     request_timeout_s: float = 300.0  # from acceptance to the last token
     warmup: bool = True  # run engine.warmup() before accepting requests
+    max_body_bytes: int = 16 << 20  # larger request bodies get 413 before they are parsed
 
     def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"the request body limit must be >= 1 byte, got {self.max_body_bytes}")
         if self.queue_size < 1:
             raise ValueError(f"queue size must be >= 1, got {self.queue_size}")
         if not self.request_timeout_s > 0:
@@ -64,6 +67,53 @@ class ApiError(Exception):
                  headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 (OpenAI's error
+    object) as soon as the limit is passed, by its Content-Length or while it arrives,
+    before anything parses it. Accepted bodies are buffered once and handed on whole."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.limit:
+            return await self._too_large(send)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before the body ended
+                return await self.app(scope, _replay(message, receive), send)
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                return await self._too_large(send)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": bytes(body), "more_body": False}
+        await self.app(scope, _replay(whole, receive), send)
+
+    async def _too_large(self, send: Callable) -> None:
+        payload = json.dumps(schemas.error_body(
+            f"the request body is larger than this server's limit of {self.limit} bytes; send fewer or shorter "
+            "documents (or start the server with a larger --max-body)", "request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _replay(first: dict, receive: Callable) -> Callable:
+    """A `receive` that returns `first` once, then defers to `receive` (disconnect watching)."""
+    pending = [first]
+
+    async def replay() -> dict:
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
@@ -92,6 +142,7 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
             engine.close()
 
     app = FastAPI(title="kvblend", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     model = settings.served_model_name
 
     def metrics() -> Metrics:
@@ -177,7 +228,7 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
         mode = body.kvblend.mode
         try:
             docs = [d.to_document() for d in body.documents]
-            GenerationRequest.create(engine.config.engine, query, docs, **kwargs)  # 400 before queueing
+            engine.check_fits(GenerationRequest.create(engine.config.engine, query, docs, **kwargs))  # 400 before queueing
         except (TypeError, ValueError) as err:
             metrics().request(endpoint, mode, 400)
             raise bad_request(err) from None
