@@ -18,6 +18,7 @@ import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import pydantic.dataclasses
 import yaml
@@ -75,8 +76,20 @@ def _local_path(value: str, info: ValidationInfo) -> str:
 
 
 def _redis_url(url: str) -> str:
+    form = "use redis://[user:password@]host:port[/db] or rediss:// for TLS"
+    shown = re.sub(r"(?<=:)[^:/@]*(?=@)", "***", url)  # never echo a password
     if not url.startswith(("redis://", "rediss://")):
-        raise ValueError(f"{url!r} is not a Redis URL; use redis://[user:password@]host:port[/db] or rediss:// for TLS")
+        raise ValueError(f"{shown!r} is not a Redis URL; {form}")
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0 or (not parts.hostname and not parts.path.strip("/")):
+        raise ValueError(f"{shown!r}: the host or port is not valid (a port is 1..65535); {form}")
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"{shown!r}: the database {db!r} is not a number; {form}")
     return url
 
 

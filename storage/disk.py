@@ -591,10 +591,11 @@ class DiskTier:
             pass
         return iter(out)
 
-    def clear(self) -> None:
+    def clear(self) -> bool:
         for key in list(self.keys()):
             self.delete(key)
         self._rescan()
+        return True
 
     def close(self) -> None:
         """Close the kept descriptors."""

@@ -321,11 +321,12 @@ class CpuTier:
             snapshot = list(self._entries)
         return iter(snapshot)
 
-    def clear(self) -> None:
+    def clear(self) -> bool:
         with self._lock:
             entries, self._entries = self._entries, OrderedDict()
             self._bytes = 0
         entries.clear()
+        return True
 
     def close(self) -> None:
         self.clear()

@@ -377,20 +377,23 @@ class RedisTier:
         names = self._run("scan", lambda c: list(c.scan_iter(match=pattern, count=1000)), [])
         return iter(sorted(self._key_of(n) for n in names))
 
-    def clear(self) -> None:
-        """Delete every key under this tier's key_prefix (other prefixes are untouched)."""
+    def clear(self) -> bool:
+        """Delete every key under this tier's key_prefix (other prefixes are untouched);
+        False when the server is down (nothing deleted)."""
         pattern = _glob_escape(self._prefix) + "{*"
 
-        def wipe(c: Any) -> None:
+        def wipe(c: Any) -> bool:
             names = list(c.scan_iter(match=pattern, count=1000))
             for start in range(0, len(names), 500):
                 pipe = c.pipeline(transaction=False)
                 for name in names[start : start + 500]:
                     pipe.delete(name)
                 pipe.execute()
+            return True
 
-        self._run("clear", wipe, None)
+        cleared = self._run("clear", wipe, False)
         self._stats_cache = None
+        return cleared
 
     def close(self) -> None:
         with self._client_lock:

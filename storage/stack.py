@@ -392,11 +392,11 @@ class TieredStore:
         for tier in self.tiers:
             tier.delete(key)
 
-    def clear(self) -> None:
-        """Wait for queued writes, then empty every tier."""
+    def clear(self) -> list[str]:
+        """Wait for queued writes, then empty every tier; returns the names of the tiers
+        that could not be reached (their entries stay)."""
         self.flush()
-        for tier in self.tiers:
-            tier.clear()
+        return [tier.name for tier in self.tiers if not tier.clear()]
 
     def keys(self) -> Iterator[str]:
         """Distinct keys over all tiers, top tier first."""

@@ -72,8 +72,9 @@ class Tier(Protocol):
         """Iterate over stored keys (a snapshot; entries may vanish meanwhile)."""
         ...
 
-    def clear(self) -> None:
-        """Remove every entry of this tier (only this store's keys for shared servers)."""
+    def clear(self) -> bool:
+        """Remove every entry of this tier (only this store's keys for shared servers);
+        False when the tier could not be reached (nothing was deleted)."""
         ...
 
     def close(self) -> None:

@@ -136,6 +136,16 @@ def test_store_ls_json_and_clear_confirmation(config_file, capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["entries"] == []
 
 
+def test_store_clear_does_not_report_an_unreachable_redis_tier_as_cleared(config_file, capsys, monkeypatch):
+    monkeypatch.setenv("KVBLEND_REDIS_URL", "redis://127.0.0.1:1")  # nothing listens on port 1
+    cfg = str(config_file / "c.yaml")
+    assert main(["store", "clear", "--config", cfg, "--yes", "--json"]) == 1
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.splitlines()[-1])
+    assert result["cleared"] == ["cpu", "disk"] and result["not_cleared"] == ["redis"]
+    assert "tier redis could not be reached: its entries were not deleted" in captured.err
+
+
 def test_building_the_parser_imports_nothing_heavy():
     code = ("import sys; from blend.cli import build_parser; build_parser()\n"
             "print(sorted(m for m in ('torch', 'transformers', 'redis', 'pydantic', 'numpy') if m in sys.modules))")

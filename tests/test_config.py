@@ -69,6 +69,10 @@ def error_of(tmp_path: Path, text: str) -> str:
     ("store:\n  kv_dtype: int8\n", "store.kv_dtype: must be one of 'float32', 'bfloat16' or 'float16', got 'int8'"),
     ("store:\n  namespace: .x\n", "store.namespace: namespace '.x' must be up to 64 characters"),
     ("store:\n  tiers:\n    - {kind: redis, url: 'http://h'}\n", "store.tiers[0].url: 'http://h' is not a Redis URL"),
+    ("store:\n  tiers:\n    - {kind: redis, url: 'redis://h:99999'}\n",
+     "store.tiers[0].url: 'redis://h:99999': the host or port is not valid (a port is 1..65535)"),
+    ("store:\n  tiers:\n    - {kind: redis-cluster, urls: ['redis://:pw@h:abc']}\n",
+     "store.tiers[0].urls[0]: 'redis://:***@h:abc': the host or port is not valid"),
     ("store:\n  tiers:\n    - {kind: cpu, budget: 2 lots}\n", "store.tiers[0].budget: cannot parse '2 lots' as a byte size"),
     ("modle: x\n", "unknown key 'modle'; did you mean 'model'? valid keys are: device, dtype, engine, model, store"),
 ])

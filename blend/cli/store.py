@@ -70,13 +70,17 @@ def _cmd_clear(args: argparse.Namespace) -> int:
         print("nothing deleted", file=sys.stderr)
         return 1
     with _open_store(args, config) as store:
-        store.clear()
+        failed = store.clear()
         where = f"namespace {store.namespace!r}" if store.namespace else "the default namespace"
+        cleared = [t.name for t in store.tiers if t.name not in failed]
+    for name in failed:
+        print(f"kvblend: error: tier {name} could not be reached: its entries were not deleted; start it (or fix "
+              "its url) and run `store clear` again", file=sys.stderr)
     if args.json:
-        emit_json({"cleared": names, "namespace": config.namespace})
-    else:
-        print(f"cleared {where} in {', '.join(names)}")
-    return 0
+        emit_json({"cleared": cleared, "not_cleared": failed, "namespace": config.namespace})
+    elif cleared:
+        print(f"cleared {where} in {', '.join(cleared)}")
+    return 1 if failed else 0
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
