@@ -130,12 +130,9 @@ def _register_ttft(sub: Any) -> None:
 
 # ----------------------------------------------------------------- resume
 def _lengths(text: str) -> list[int]:
-    from blend.cli.common import positive_int
+    from blend.cli.common import positive_ints
 
-    try:
-        return [positive_int(v) for v in csv_list(text, "--history-tokens")]
-    except ValueError as err:
-        raise ValueError(f"--history-tokens: {err}") from None
+    return positive_ints(text, "--history-tokens")
 
 
 def cmd_resume(args: argparse.Namespace) -> int:

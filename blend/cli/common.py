@@ -91,6 +91,14 @@ def csv_list(text: str, what: str) -> list[str]:
     return items
 
 
+def positive_ints(text: str, what: str) -> list[int]:
+    """A comma-separated list of whole numbers >= 1; errors name the flag `what`."""
+    try:
+        return [positive_int(v) for v in csv_list(text, what)]
+    except ValueError as err:
+        raise ValueError(f"{what}: {err}" if not str(err).startswith(what) else str(err)) from None
+
+
 POSITIVE_INT = arg_type(positive_int)
 POSITIVE_FLOAT = arg_type(positive_float)
 RATIO = arg_type(parse_ratio)

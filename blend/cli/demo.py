@@ -22,6 +22,8 @@ def run_demo(config: str | None, *, question: str | None = None, ratio: float | 
     lines go to stderr and the summary is the one stdout line."""
     from blend.config import load_config
 
+    if question is not None and not question.strip():
+        raise ValueError("--question is empty; ask something, or leave --question out for the sample question")
     settings = load_config(config)  # a bad config fails before torch and the model load
     from blend.engine import BlendEngine
     from eval.metrics import kl_divergence, matching_prefix

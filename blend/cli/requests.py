@@ -59,7 +59,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     check_session_id(args.session)
     say = human(args)
 
+    turns = 0
+
     def turn(engine: Any, message: str) -> None:
+        nonlocal turns
+        turns += 1
         result = engine.chat(args.session, message, max_new_tokens=args.max_new_tokens)
         if args.json:  # one JSON line per turn: the last stdout line is always a JSON object
             emit_json({"text": result.text, "ttft_s": result.ttft_s, "stats": result.stats.to_dict()})
@@ -78,6 +82,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 break
             turn(engine, line.strip())
+    if args.json and not turns:  # no turn: the last stdout line is still one JSON object
+        emit_json({"session": args.session, "turns": 0})
     return 0
 
 

@@ -21,11 +21,11 @@ from blend.cli.common import (
     RATIO,
     arg_type,
     config_arg,
-    csv_list,
     emit_json,
     json_arg,
     positive_float,
     positive_int,
+    positive_ints,
 )
 
 log = logging.getLogger(__name__)
@@ -102,17 +102,31 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from eval.bench.serve import run_serve_bench, write_report
 
     check_mode(args.mode)
-    clients = [positive_int(c) for c in csv_list(args.clients, "--clients")]
+    clients = positive_ints(args.clients, "--clients")
+    url = _server_url(args.url) if args.url else None
     say = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
     summary = run_serve_bench(args.config, clients=clients, requests=args.requests, pool_size=args.pool,
                               docs_per_request=args.docs_per_request, max_tokens=args.max_tokens,
-                              doc_chars=args.doc_chars, mode=args.mode, ratio=args.ratio, url=args.url,
+                              doc_chars=args.doc_chars, mode=args.mode, ratio=args.ratio, url=url,
                               compare=not args.no_compare, log=say)
     if args.out:
         write_report(summary, Path(args.out))
         say(f"wrote {Path(args.out) / 'serve.json'} and serve.png")
     emit_json(summary)
     return 0
+
+
+def _server_url(text: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError:
+        parts = parts._replace(netloc="")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--url {text!r} is not a server URL; use e.g. http://127.0.0.1:8000")
+    return text.rstrip("/")
 
 
 def register_bench(sub: Any) -> None:

@@ -236,6 +236,20 @@ def compare_ttft(server_p50: float, in_process: list[float]) -> dict[str, Any]:
             "within_target": server_p50 <= target, "in_process_samples": len(in_process)}
 
 
+def server_model(http: httpx.Client, base: str) -> str:
+    """The model id a kvblend server at `base` serves; ValueError naming the fix when
+    nothing answers there or what answers is not a kvblend/OpenAI server."""
+    try:
+        response = http.get(base + "/v1/models", timeout=30)
+        response.raise_for_status()
+        return str(response.json()["data"][0]["id"])
+    except httpx.HTTPError as err:
+        raise ValueError(f"no kvblend server answers at {base} ({type(err).__name__}: {err}); start `kvblend serve` "
+                         "there or fix --url") from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"{base}/v1/models did not answer with a model list; is --url a kvblend server?") from None
+
+
 def run_serve_bench(config: str | None, *, clients: list[int], requests: int, pool_size: int | None, docs_per_request: int,
                     max_tokens: int, doc_chars: int | None, mode: str, ratio: float | None, url: str | None = None,
                     compare: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -243,13 +257,13 @@ def run_serve_bench(config: str | None, *, clients: list[int], requests: int, po
     pool = document_pool(pool_size, doc_chars)
     reqs = bench_requests(requests, pool, docs_per_request)
     kvblend: dict[str, Any] = {"mode": mode} | ({"recompute_ratio": ratio} if ratio is not None else {})
-    workdir = Path(tempfile.mkdtemp(prefix="kvblend-bench-serve-"))
-    server = None if url else ServerProcess(config, queue_size=max(clients) * 2, log_path=workdir / "server.log")
+    server = None if url else ServerProcess(config, queue_size=max(clients) * 2,
+                                            log_path=Path(tempfile.mkdtemp(prefix="kvblend-bench-serve-")) / "server.log")
     base = url or server.url
     engine, model = None, None
     try:
         with httpx.Client(timeout=600) as http:
-            model = http.get(base + "/v1/models").json()["data"][0]["id"]
+            model = server_model(http, base)
             ingested = http.post(base + "/v1/documents", json={"documents": pool})
             ingested.raise_for_status()
             cached = sum(d["cached"] for d in ingested.json()["data"])
