@@ -4,6 +4,7 @@ a parser that imports nothing heavy, quiet model loading, and a closed stdout.""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -144,6 +145,19 @@ def test_store_clear_does_not_report_an_unreachable_redis_tier_as_cleared(config
     result = json.loads(captured.out.splitlines()[-1])
     assert result["cleared"] == ["cpu", "disk"] and result["not_cleared"] == ["redis"]
     assert "tier redis could not be reached: its entries were not deleted" in captured.err
+
+
+def test_json_stays_strict_and_present_at_the_edges(config_file, capsys, monkeypatch):
+    # a rate that overflows: null, not the non-standard Infinity
+    assert main(["plan", "--tokens", "3072", "--layers", "30", "--kv-heads", "3", "--head-dim", "64",
+                 "--read-mibps", "1e308", "--prefill-tokens-per-s", "1e-308", "--json"]) == 0
+    out = capsys.readouterr().out.splitlines()[-1]
+    assert "Infinity" not in out and "NaN" not in out
+    json.loads(out, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
+    # a chat on stdin that ends before any turn still ends with one JSON object
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["chat", "--config", str(config_file / "c.yaml"), "--session", "none", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"session": "none", "turns": 0}
 
 
 def test_building_the_parser_imports_nothing_heavy():

@@ -18,18 +18,29 @@ from blend.modes import parse_ratio
 
 
 def emit_json(obj: Any) -> None:
-    """Print `obj` as one JSON line (the last line of stdout of a --json command)."""
-    sys.stdout.write(json.dumps(obj, default=_jsonable) + "\n")
+    """Print `obj` as one JSON line (the last line of stdout of a --json command): strict
+    JSON, a non-finite number (an overflow, an undefined rate) is written as null."""
+    sys.stdout.write(json.dumps(_finite(obj), default=_jsonable, allow_nan=False) + "\n")
     sys.stdout.flush()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "to_dict"):
-        return value.to_dict()
+        return _finite(value.to_dict())
     if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, set | tuple):
-        return list(value)
+        return _finite(value.tolist())
+    if isinstance(value, set):
+        return _finite(list(value))
     return str(value)
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import sys
 from typing import Any
 
 from blend import planner
+from blend.cli.common import emit_json
 from blend.planner import (
     DEFAULT_KV_DTYPE_BYTES,
     DEFAULT_MIN_RATIO,
@@ -181,7 +181,7 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser | None = 
             raise
         parser.error(str(exc))
     if args.json:
-        print(json.dumps(result.to_dict()))
+        emit_json(result)
     else:
         print("\n".join(format_plan(result)))
     return 0
