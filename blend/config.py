@@ -15,11 +15,12 @@ in a file (disk tier path, sessions_dir) are resolved against the file's directo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -270,6 +271,20 @@ def apply_env(config: EngineConfig, environ: dict[str, str] | None = None) -> En
             except ValueError as err:  # "RedisTierConfig: url: ..." -> "KVBLEND_REDIS_URL: url: ..."
                 raise ValueError(re.sub(r"(?m)^[A-Z]\w*Config: ", f"{var}: ", str(err))) from None
     return config
+
+
+@contextlib.contextmanager
+def naming_config(path: str | Path | None) -> Iterator[None]:
+    """A setting found wrong only once the model or the store is known (a ValueError whose
+    message starts with its key path, e.g. `store.tiers[0] ...`) names the config file too,
+    as parse errors do."""
+    try:
+        yield
+    except ValueError as err:
+        source = str(path) if path else os.environ.get(CONFIG_ENV)
+        if source and str(err).startswith(("engine.", "store.")):
+            raise ValueError(f"{source}: {err}") from None
+        raise
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> EngineConfig:

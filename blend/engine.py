@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from blend.config import EngineConfig, load_config
+from blend.config import EngineConfig, load_config, naming_config
 from blend.conversation import Message, check_messages
 from blend.document import (
     Document,
@@ -95,8 +95,11 @@ class BlendEngine:
     @classmethod
     def from_config(cls, path: str | Path | None = None, **overrides: Any) -> BlendEngine:
         """Build from a YAML config (None: $KVBLEND_CONFIG, else the packaged default; see
-        blend.config.load_config); overrides (e.g. recompute_ratio=0.3, model=...) win over it."""
-        return cls(load_config(path, **overrides))
+        blend.config.load_config); overrides (e.g. recompute_ratio=0.3, model=...) win over it.
+        A setting found wrong only once the model or store is known names the file too."""
+        config = load_config(path, **overrides)
+        with naming_config(path):
+            return cls(config)
 
     def close(self) -> None:
         """Flush pending cache writes and close the tiers."""

@@ -105,6 +105,8 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
     ("redis-required-down", STATS, cfg(DOWN_REDIS), {}),
     # ---- needs the model: fails at engine construction, before anything is written
     ("check-layers-beyond-model", ASK, engine("engine:\n  check_layers: [99]\n"), {}),
+    ("budget-below-one-entry", ASK, cfg("model: '{model}'\ndevice: cpu\nstore:\n  tiers:\n    - {kind: cpu, budget: 1KiB}\n"),
+     {}),
     ("device-cuda-on-cpu", ASK, engine(device="cuda"), {}),
     # ---- the environment
     ("env-device", STATS, cfg(CPU_STORE), {"KVBLEND_DEVICE": "banana"}),
@@ -225,6 +227,15 @@ def test_bad_input_is_one_line_and_exit_2(argv, files, env, tmp_path, monkeypatc
     assert snapshot(tmp_path) == before, "the command wrote files"
     if model.exists():
         assert snapshot(model) == home_before
+
+
+@pytest.mark.parametrize("case, key", [("check-layers-beyond-model", "engine.check_layers"),
+                                       ("budget-below-one-entry", "store.tiers[0] (cpu): budget")])
+def test_settings_checked_against_the_model_name_the_file_too(case, key, tmp_path, monkeypatch, capsys, model_dir):
+    _, argv, files, env = next(c for c in CASES if c[0] == case)
+    prepare(tmp_path, model_dir, files, env, monkeypatch)
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    assert capsys.readouterr().err.startswith(f"kvblend: error: {tmp_path}/c.yaml: {key}")
 
 
 SUBPROCESS_CASES = ["yaml-syntax", "engine-list", "ask-ratio-1.5", "bench-load-size-negative", "ask-doc-missing",

@@ -20,7 +20,7 @@ def run_demo(config: str | None, *, question: str | None = None, ratio: float | 
              json_out: bool = False) -> int:
     """Run the demo on the config at `config` (None: the default); with `json_out` the human
     lines go to stderr and the summary is the one stdout line."""
-    from blend.config import load_config
+    from blend.config import load_config, naming_config
 
     if question is not None and not question.strip():
         raise ValueError("--question is empty; ask something, or leave --question out for the sample question")
@@ -31,7 +31,8 @@ def run_demo(config: str | None, *, question: str | None = None, ratio: float | 
 
     say = (lambda text: print(text, file=sys.stderr)) if json_out else print
     t0 = time.perf_counter()
-    engine = BlendEngine(settings)
+    with naming_config(config):
+        engine = BlendEngine(settings)
     load_s = time.perf_counter() - t0
     docs = sample_documents()
     qa = sample_questions()[0]

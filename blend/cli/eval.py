@@ -91,7 +91,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from blend.config import load_config
+    from blend.config import load_config, naming_config
     from blend.engine import BlendEngine
     from eval.entries import plan_entries
     from eval.loaders import load_examples
@@ -108,7 +108,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not examples:
         raise ValueError(f"{args.dataset}: no usable examples (all lacked passage text); check the file and --split")
     first = prompts[examples[0].task]  # the engine's own templates: those of the first example's task
-    engine = BlendEngine(config.with_overrides(system_prompt=first.render_system(), query_template=first.query))
+    with naming_config(args.config):
+        engine = BlendEngine(config.with_overrides(system_prompt=first.render_system(), query_template=first.query))
     run_settings = {"split": args.split, "passages": args.passages, "field_map": args.field_map}
     with engine:
         run = run_eval(engine, examples, entries=entries, dataset=str(args.dataset), max_new_tokens=args.max_new_tokens,

@@ -19,9 +19,11 @@ def _engine(args: argparse.Namespace, **overrides: Any):
     from blend.config import load_config
 
     config = load_config(args.config, **{k: v for k, v in overrides.items() if v is not None})
+    from blend.config import naming_config
     from blend.engine import BlendEngine
 
-    return BlendEngine(config)
+    with naming_config(args.config):
+        return BlendEngine(config)
 
 
 def cmd_ask(args: argparse.Namespace) -> int:

@@ -23,7 +23,11 @@ def read_records(path: str | Path, split: str | None = None) -> list[dict[str, A
 
         table = datasets.load_dataset(_DATASETS_BUILDERS[p.suffix.lower()], data_files=str(p), split="train")
         return table.to_list()
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{p}: not UTF-8 text; give a JSON list or JSON Lines file of examples, or a .parquet "
+                         "/ .csv file") from None
     stripped = text.lstrip()
     if not stripped:
         raise ValueError(f"{p}: the file is empty; give a JSON list or JSON Lines file of examples")
