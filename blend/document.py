@@ -146,9 +146,11 @@ class DocumentIndex:
         return hashlib.sha256(render_document(document).encode("utf-8")).hexdigest()
 
     def record(self, doc_id: str, document: Document | str, keys: Iterable[str]) -> None:
-        """Remember (or replace) what `doc_id` renders to and which keys hold it."""
+        """Remember what `doc_id` renders to now and which keys hold it; the keys of the
+        versions it rendered to before stay attached (deleting the id removes them too)."""
         with self._lock:
-            self._docs[doc_id] = (self.digest(document), tuple(keys))
+            earlier = self._docs.get(doc_id, ("", ()))[1]
+            self._docs[doc_id] = (self.digest(document), tuple(dict.fromkeys((*earlier, *keys))))
 
     def differs(self, doc_id: str, document: Document | str) -> bool:
         """True if `doc_id` is known and `document` renders to other text than it did."""

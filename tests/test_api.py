@@ -93,6 +93,15 @@ def test_a_changed_document_under_a_known_id_is_reported(lm):
     assert len(changed.warnings) == 1 and "'d'" in changed.warnings[0] and changed.stats.documents.misses > 0
 
 
+def test_deleting_an_id_removes_the_blocks_of_every_version_ingested_under_it(lm):
+    with make_engine(lm) as engine:
+        old = engine.ingest([Document(DOCS[0], id="d")])[0].keys
+        new = engine.ingest([Document(DOCS[1], id="d")])[0].keys
+        assert not set(old) & set(new)
+        assert set(engine.delete_document("d")) == set(old) | set(new)
+        assert all(engine.store.contains(k) is None for k in (*old, *new))
+
+
 # ---------------------------------------------------------------- streaming
 def test_stream_gives_the_same_tokens_and_text_as_generate(lm):
     with make_engine(lm) as engine:
