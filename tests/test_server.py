@@ -359,6 +359,9 @@ MALFORMED = [
     ("chat", {"kvblend": {"selection": "best"}}, 400),
     ("chat", {"documents": [{"text": "word " * 40000}]}, 400),  # longer than the model's positions
     ("chat", {"documents": [{"text": "word " * 40000}], "stream": True}, 400),
+    ("chat", {"logprobs": True}, 422),  # not implemented: refused, not silently ignored
+    ("chat", {"frequency_penalty": 0.5}, 422),
+    ("completions", {"prompt": "q", "echo": True}, 422),
     ("completions", {}, 422),
     ("completions", {"prompt": ["a", "b"]}, 422),
     ("completions", {"prompt": 5}, 422),
@@ -406,8 +409,9 @@ def test_bodies_over_the_limit_get_413_before_parsing_and_huge_text_400_before_t
                       timeout=120)
     assert long.status_code == 400 and "cannot fit" in long.json()["error"]["message"]
     assert httpx.get(server.url + "/health", timeout=10).json()["queue_depth"] == 0
-    reply = httpx.post(server.url + "/v1/chat/completions", json=chat_body("Hi?", max_tokens=2), timeout=120)
-    assert reply.status_code == 200
+    neutral = {"logprobs": False, "frequency_penalty": 0.0, "presence_penalty": 0, "user": "u", "n": 1}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=chat_body("Hi?", max_tokens=2, **neutral), timeout=120)
+    assert reply.status_code == 200, reply.text
 
 
 def test_a_taken_port_is_one_line_exit_2_before_the_model_loads(setup):

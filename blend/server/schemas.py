@@ -14,7 +14,16 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 from blend.conversation import Message
 from blend.document import Document
@@ -68,10 +77,20 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _Generation(BaseModel):
-    """Fields shared by both generation endpoints."""
+# OpenAI request fields this server does not implement: accepted only at their neutral
+# value (clients send them by default); anything else is refused rather than silently ignored
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None, ""),
+    "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
+}
 
-    model_config = ConfigDict(extra="ignore")
+
+class _Generation(BaseModel):
+    """Fields shared by both generation endpoints. Other OpenAI fields are ignored (user,
+    metadata, ...), except those of UNSUPPORTED set to something other than their neutral value."""
+
+    model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: Number | None = None
@@ -83,6 +102,14 @@ class _Generation(BaseModel):
     n: Literal[1] = 1
     documents: list[DocumentIn] = Field(default_factory=list, max_length=1024)
     kvblend: KVBlendOptions = Field(default_factory=KVBlendOptions)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _Generation:
+        for name, value in (self.model_extra or {}).items():
+            neutral = UNSUPPORTED.get(name)
+            if neutral is not None and value not in neutral:
+                raise ValueError(f"{name}={value!r} is not supported by this server; leave it out")
+        return self
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `BlendEngine.generate_stream` (None: the config's default)."""
