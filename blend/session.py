@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from blend.config import BlendConfig
-from blend.conversation import Message
+from blend.conversation import ROLES, Message
 from blend.generation import Decoder, GenerationResult, Prefilled
 from blend.prefix import PrefixCache, intact_end
 from blend.prompt import Prompt
@@ -124,8 +124,12 @@ class SessionManager:
         """Messages from the session's JSON file; None if there is none (a new session)."""
         path = self._path(session_id)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            return [{"role": str(m["role"]), "content": str(m["content"])} for m in data["messages"]]
+            messages = json.loads(path.read_text(encoding="utf-8"))["messages"]
+            if not isinstance(messages, list) or not all(
+                    isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+                    for m in messages):
+                raise ValueError(f"messages must be a list of {{role: {' | '.join(ROLES)}, content: text}}")
+            return [{"role": m["role"], "content": m["content"]} for m in messages]
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as err:

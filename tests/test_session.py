@@ -157,6 +157,11 @@ def test_drop_and_unknown_session(tmp_path):
         (tmp_path / "sessions" / "garbled.json").write_text("{not json")
         with pytest.raises(ValueError, match="unreadable"):  # never silently overwritten
             engine.chat("garbled", "hello")
+        for forged in ('{"messages": [{"role": "user", "content": 5}]}', '{"messages": [{"role": "wizard", "content": "x"}]}',
+                       '{"messages": {"role": "user"}}', '{"messages": ["hi"]}'):
+            (tmp_path / "sessions" / "forged.json").write_text(forged)
+            with pytest.raises(ValueError, match="unreadable.*messages must be a list"):
+                engine.chat("forged", "hello")
         engine.drop("garbled")
         assert engine.chat("garbled", "hello").token_ids
         with pytest.raises(ValueError, match="empty message"):
