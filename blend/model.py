@@ -218,10 +218,17 @@ def wrap_model(model: torch.nn.Module, tokenizer, source: str = "<in-memory>", w
 
 
 def cache_home() -> Path:
-    """Where kvblend keeps converted models: blend.config.kvblend_home() ($KVBLEND_HOME or the XDG cache dir)."""
-    from blend.config import kvblend_home
+    """Where kvblend keeps converted models: blend.config.kvblend_home() ($KVBLEND_HOME or
+    the XDG cache dir), created if missing; ValueError naming the fix when it cannot be."""
+    from blend.config import HOME_ENV, kvblend_home
 
-    return kvblend_home()
+    home = kvblend_home()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot create kvblend's cache directory {str(home)!r} ({err.strerror or err}); set "
+                         f"{HOME_ENV} to a writable directory") from None
+    return home
 
 
 def _converted_gguf_dir(directory: str, gguf_file: str, digest: str) -> Path:
