@@ -102,12 +102,6 @@ def _read(path: Path, repair: bool = True) -> tuple[dict[str, Any], dict[str, di
     lines = raw.split(b"\n")
     complete = lines[:-1]  # everything up to the last newline
     tail = lines[-1]
-    if tail.strip():
-        # a line without its newline: the run was killed while writing it
-        log.warning("%s: dropping a partial last line left by an interrupted run", path)
-        if repair:
-            with path.open("r+b") as fh:
-                fh.truncate(len(raw) - len(tail))
     settings: dict[str, Any] | None = None
     done: dict[str, dict[str, Any]] = {}
     for number, line in enumerate(complete, start=1):
@@ -131,6 +125,12 @@ def _read(path: Path, repair: bool = True) -> tuple[dict[str, Any], dict[str, di
             raise ValueError(f"{path}:{number}: unknown record {kind!r}; delete the file to start over")
     if settings is None:
         raise ValueError(f"{path}: has no settings line; delete the file to start over")
+    if tail.strip():  # only now that the file is known to be ours: never cut a file we did not write
+        # a line without its newline: the run was killed while writing it
+        log.warning("%s: dropping a partial last line left by an interrupted run", path)
+        if repair:
+            with path.open("r+b") as fh:
+                fh.truncate(len(raw) - len(tail))
     return settings, done
 
 

@@ -211,6 +211,15 @@ def test_results_log_rejects_a_foreign_file(tmp_path):
         ResultsLog.open(tmp_path, {})
 
 
+@pytest.mark.parametrize("content", [b"line one of my notes\nimportant unterminated data", b"\x00\x01binary tail",
+                                     b'{"record": "settings", "version": 1, "settings": {}}\nnot json\npartial'])
+def test_a_file_that_is_not_ours_is_refused_and_left_byte_for_byte(tmp_path, content):
+    (tmp_path / FILENAME).write_bytes(content)
+    with pytest.raises(ValueError):
+        ResultsLog.open(tmp_path, {})
+    assert (tmp_path / FILENAME).read_bytes() == content
+
+
 # --------------------------------------------------------------------- reports
 def test_reports_are_written(first_run, tmp_path):
     _, run = first_run
