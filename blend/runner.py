@@ -415,10 +415,13 @@ def sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Gene
     """Pick the next token from logits (vocab,): argmax, or temperature + top-p."""
     if sampling.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
+    logits = logits.double().cpu()
+    # shifted so the largest is 0 before scaling: a tiny temperature gives -inf, never inf - inf
+    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p  # always keeps the top token
+        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p
+        keep[0] = True  # the top token always stays (a top_p that underflows keeps it alone)
         sorted_probs = sorted_probs * keep
         choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
         return int(order[choice])

@@ -123,6 +123,13 @@ def test_sampling_is_seeded_and_top_p_restricts():
     assert picks == {0}
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1)
+    from blend.runner import sample
+
+    # extreme values the API accepts: a temperature near 0 is greedy, a top_p that underflows keeps the top token
+    big = torch.tensor([30.0, 29.0, -3.0e4, 0.0], dtype=torch.bfloat16)
+    assert sample(big, SamplingParams(1e-300, 1.0), torch.Generator().manual_seed(1)) == 0
+    assert sample(big, SamplingParams(1.0, 1e-300), torch.Generator().manual_seed(1)) == 0
+    assert sample(big, SamplingParams(1e300, 1.0), torch.Generator().manual_seed(1)) in range(4)
 
 
 def test_bad_inputs():
