@@ -129,6 +129,15 @@ class PromptBuilder:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
+    def _encode_data(self, text: str) -> list[int]:
+        """Ids of user text: a special token's string in it (e.g. "<|im_start|>") stays
+        plain text, never the control token (text is data, not structure)."""
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+
+    @functools.cached_property
+    def _special_strings(self) -> tuple[str, ...]:
+        return tuple(t for t in self.tokenizer.all_special_tokens if t)
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """The longest vocabulary entry in characters (byte-level entries count bytes): no
@@ -152,8 +161,13 @@ class PromptBuilder:
         if not isinstance(question, str):
             head, tail = split_conversation(self.tokenizer, question, self.system_prompt)
             return self._encode(head), self._encode(tail)
-        query = self.query_template.format(question=clean_text(question))
-        marker = unique_marker([query, self.system_prompt])
+        question = clean_text(question)
+        literal = any(s in question for s in self._special_strings)
+        # a question holding a special token's string is cut out and encoded as data (the
+        # cut sits where the pre-tokenizer splits anyway: before the space that leads it)
+        hole = unique_marker([question, self.query_template, self.system_prompt]) if literal else ""
+        query = self.query_template.format(question=hole or question)
+        marker = unique_marker([query, self.system_prompt, question])
         user = marker + query
         if getattr(self.tokenizer, "chat_template", None):
             messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": user}]
@@ -161,11 +175,16 @@ class PromptBuilder:
         else:
             text = f"{self.system_prompt}\n\n{user}\nAnswer:"
         head, tail = text.split(marker)
-        return self._encode(head), self._encode(tail)
+        if not literal:
+            return self._encode(head), self._encode(tail)
+        before, after = tail.split(hole)
+        template = before.rstrip(" ")
+        return self._encode(head), (self._encode(template) + self._encode_data(before[len(template):] + question)
+                                    + self._encode(after))
 
     def document_ids(self, document: str) -> list[int]:
         """A document's own token ids (stripped text plus a blank line that ends it)."""
-        return self._encode(document.strip() + "\n\n")
+        return self._encode_data(document.strip() + "\n\n")
 
     def split(self, ids: list[int]) -> list[tuple[int, ...]]:
         """A document's ids as parts of at most `max_document_tokens` tokens (one part when it fits)."""
