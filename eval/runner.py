@@ -116,6 +116,13 @@ def run_eval(
     }
     results = ResultsLog.open(out_dir, settings) if out_dir is not None else None
     done = results.done if results is not None else {}
+    changed = [ex.id for ex in examples if ex.id in done and done[ex.id].get("digest", ex.digest) != ex.digest]
+    if changed:
+        assert results is not None
+        results.close()
+        raise ValueError(f"{results.path}: {len(changed)} example(s) changed since their results were written (e.g. "
+                         f"{changed[0]!r}: other question, answers or passages); use another --out, or delete the "
+                         "file to start over")
     todo = [ex for ex in examples if ex.id not in done]
     if results is not None and len(todo) < len(examples):
         log.warning("%s: %d of %d example(s) already done; evaluating the other %d",
@@ -204,7 +211,7 @@ def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_
         rows[entry.name] = _row(ex, entry, result, reference)
         if entry.mode == "prefix":
             rows[entry.name]["repeated_prompt"] = _prefix_hit_beyond_first_seen(engine, prompt, result.stats)
-    return {"id": ex.id, "task": ex.task, "question": ex.question, "answers": list(ex.answers),
+    return {"id": ex.id, "digest": ex.digest, "task": ex.task, "question": ex.question, "answers": list(ex.answers),
             "passages": len(passages), "prompt_tokens": prompt_tokens, "ingest_s": ingest_s, "entries": rows}
 
 

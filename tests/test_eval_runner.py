@@ -4,6 +4,7 @@ their relations to full prefill are not)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -165,6 +166,15 @@ def test_rerun_with_other_settings_is_refused(first_run):
     out, _ = first_run
     with pytest.raises(ValueError, match=r"different settings \(entries: .*max_new_tokens: 3 in the file, 5 now"):
         _run(out, entries=plan_entries(["blend"], [0.5]), max_new_tokens=5)
+
+
+def test_rerun_after_an_example_changed_is_refused_not_mixed(first_run):
+    out, _ = first_run
+    first, *rest = _examples()
+    edited = dataclasses.replace(first, question=first.question + " (edited)", answers=("another",))
+    with pytest.raises(ValueError, match=rf"1 example\(s\) changed .*{first.id!r}.*use another --out"):
+        _run(out, examples=[edited, *rest])
+    assert read_results(out / FILENAME)[1][first.id]["digest"] == first.digest  # the file is left as it was
 
 
 def test_missing_answers_summarization_and_too_long_prompts(caplog):

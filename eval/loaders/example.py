@@ -3,6 +3,8 @@ the question asked after them, and the gold answers used to score the generated 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -25,6 +27,13 @@ class Example:
     question: str
     answers: tuple[str, ...]
     task: Task = "qa"
+
+    @property
+    def digest(self) -> str:
+        """What the example asks, over what, expecting what: a resumed run compares it with
+        the one recorded, so an example whose content changed is never taken as done."""
+        body = json.dumps([self.task, self.question, list(self.answers), list(self.passages)], ensure_ascii=False)
+        return hashlib.sha256(body.encode("utf-8")).hexdigest()[:32]
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
