@@ -160,6 +160,12 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
     ("eval-modes", ["eval", "--dataset", "{tmp}/d.json", "--modes", "full,turbo"], {}, {}),
     ("eval-ratios", ["eval", "--dataset", "{tmp}/d.json", "--ratios", "0.1,1.5"], {}, {}),
     ("eval-dataset-missing", ["eval", "--config", "{tmp}/c.yaml", "--dataset", "{tmp}/none.json"], cfg(CPU_STORE), {}),
+    ("eval-empty-csv", ["eval", "--config", "{tmp}/c.yaml", "--dataset", "{tmp}/e.csv"], {**cfg(CPU_STORE), "e.csv": ""}, {}),
+    ("eval-header-only-csv", ["eval", "--config", "{tmp}/c.yaml", "--dataset", "{tmp}/h.csv"],
+     {**cfg(CPU_STORE), "h.csv": "question,answers\n"}, {}),
+    ("eval-out-empty", ["eval", "--dataset", "{tmp}/none.json", "--out", ""], {}, {}),
+    ("eval-out-is-file", ["eval", "--dataset", "{tmp}/d.json", "--out", "{tmp}/d.json"], {"d.json": "[]"}, {}),
+    ("eval-out-under-file", ["eval", "--dataset", "{tmp}/d.json", "--out", "{tmp}/d.json/sub"], {"d.json": "[]"}, {}),
     ("plan-tokens-0", ["plan", "--tokens", "0"], {}, {}),
     ("plan-no-stage", ["plan", "--tokens", "10", "--layers", "2", "--kv-heads", "2", "--head-dim", "8"], {}, {}),
 ]

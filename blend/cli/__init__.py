@@ -56,11 +56,17 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _progress_bars(show: bool) -> None:
-    """Show or hide transformers / huggingface_hub progress bars (weight loading) in this process."""
-    if show:
-        os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
-    else:
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when transformers is imported
+    """Show or hide transformers / huggingface_hub / datasets progress bars (weight loading,
+    dataset preparation) in this process."""
+    for variable in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):  # read at import
+        if show:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = "1"
+    if "datasets" in sys.modules:
+        import datasets
+
+        datasets.enable_progress_bars() if show else datasets.disable_progress_bars()
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 

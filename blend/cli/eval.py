@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 from blend.cli.common import (
@@ -90,7 +92,33 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def check_out_dir(text: str | None) -> None:
+    """--out must name a directory that exists or can be created by this user (checked
+    before the model loads; nothing is created here)."""
+    if text is None:
+        return
+    if not text.strip():
+        raise ValueError("--out is empty; name a directory for the results (created if missing)")
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {text!r} exists and is not a directory; name a directory (created if missing)")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {text!r}: {str(parent)!r} is not a writable directory; pick another --out")
+    if parent != path:  # a trial directory, removed at once: some file systems refuse even root
+        probe = parent / f".kvblend-out-check-{os.getpid()}"
+        try:
+            probe.mkdir()
+        except OSError as err:
+            raise ValueError(f"--out {text!r}: cannot create directories in {str(parent)!r} ({err.strerror}); pick "
+                             "another --out") from None
+        probe.rmdir()
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
+    check_out_dir(args.out)
     from blend.config import load_config, naming_config
     from blend.engine import BlendEngine
     from eval.entries import plan_entries

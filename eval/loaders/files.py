@@ -21,7 +21,13 @@ def read_records(path: str | Path, split: str | None = None) -> list[dict[str, A
     if p.suffix.lower() in _DATASETS_BUILDERS:
         import datasets  # deferred: importing datasets costs about a second
 
-        table = datasets.load_dataset(_DATASETS_BUILDERS[p.suffix.lower()], data_files=str(p), split="train")
+        try:
+            table = datasets.load_dataset(_DATASETS_BUILDERS[p.suffix.lower()], data_files=str(p), split="train")
+        except Exception as err:  # datasets wraps the reader's error (e.g. pandas' EmptyDataError) in its own
+            cause = err.__cause__ or err
+            reason = " ".join(str(cause).split()) or type(cause).__name__
+            raise ValueError(f"{p}: cannot be read as {p.suffix.lower()[1:]} ({reason}); give a file with a header "
+                             "row and one example per row") from None
         return table.to_list()
     try:
         text = p.read_text(encoding="utf-8")

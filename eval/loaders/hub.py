@@ -28,10 +28,17 @@ def load_hub_records(
     kwargs: dict[str, Any] = {}
     if data_files is not None:
         kwargs["data_files"] = data_files
-    if split is not None:
-        table = datasets.load_dataset(name, config, split=split, **kwargs)
-        return table.to_list()
-    splits = datasets.load_dataset(name, config, **kwargs)
+    try:
+        if split is not None:
+            return datasets.load_dataset(name, config, split=split, **kwargs).to_list()
+        splits = datasets.load_dataset(name, config, **kwargs)
+    except (ValueError, KeyError):
+        raise
+    except Exception as err:  # not on the Hub, no network, no cached copy: datasets' own error types
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise ValueError(f"{name!r} is not a file here, and no dataset of that name could be loaded "
+                         f"({type(err).__name__}: {reason}); check the path, or the dataset name and your "
+                         "network") from None
     for candidate in (*PREFERRED_SPLITS, *splits.keys()):
         if candidate in splits:
             return splits[candidate].to_list()
