@@ -292,6 +292,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> EngineConfi
     default), then the KVBLEND_* environment overrides, then `overrides` (top-level or engine
     keys, or store=). Reads files only; creates nothing. ValueError/FileNotFoundError, one
     line per problem, naming the file and key."""
+    if path is not None and not isinstance(path, str | os.PathLike):
+        raise TypeError(f"config path must be a str or a path, got {type(path).__name__}")
     source = str(path) if path else os.environ.get(CONFIG_ENV) or None
     if source is None:
         config = EngineConfig()

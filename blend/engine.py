@@ -101,9 +101,16 @@ class BlendEngine:
         with naming_config(path):
             return cls(config)
 
+    _closed = False
+
     def close(self) -> None:
-        """Flush pending cache writes and close the tiers."""
+        """Flush pending cache writes and close the tiers; later calls raise ValueError."""
+        self._closed = True
         self.store.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this BlendEngine is closed; create a new one (BlendEngine.from_config)")
 
     def __enter__(self) -> BlendEngine:
         return self
@@ -121,6 +128,9 @@ class BlendEngine:
         writes have reached every tier when this returns. An empty document is skipped
         with a warning (no keys, cached). Remembers each document by id (`delete_document`).
         """
+        self._check_open()
+        if not isinstance(sync, bool):
+            raise TypeError(f"sync must be a bool, got {type(sync).__name__}")
         docs = check_documents(documents)
         prompt = self.prompts.build("ingest", docs)
         kept = [d for d in docs if render_document(d)]
@@ -151,7 +161,12 @@ class BlendEngine:
         """
         if not isinstance(doc_id, str):
             raise TypeError(f"document id must be a str, got {type(doc_id).__name__}")
-        keys = self.documents.forget(doc_id)
+        self._check_open()
+        try:
+            keys = self.documents.forget(doc_id)
+        except KeyError:
+            raise KeyError(f"document id {doc_id!r} is unknown to this engine (ids live in the process that "
+                           "ingested or served them); nothing deleted") from None
         self.store.flush()
         for key in keys:
             self.store.delete(key)
@@ -202,6 +217,7 @@ class BlendEngine:
 
     def _request(self, query, documents, mode, recompute_ratio, max_new_tokens, temperature, top_p, seed, stop,
                  selection) -> GenerationRequest:
+        self._check_open()
         return GenerationRequest.create(self.config.engine, query, documents, mode=mode,
                                         recompute_ratio=recompute_ratio, max_new_tokens=max_new_tokens,
                                         temperature=temperature, top_p=top_p, seed=seed, stop=stop,
@@ -368,6 +384,7 @@ class BlendEngine:
         documents: the configured system prompt). Exact KV is stored as prefix blocks
         after the turn (blend.session). Raises SessionBusy if the session is in a turn.
         """
+        self._check_open()
         if not isinstance(message, str):
             raise TypeError(f"message must be a str, got {type(message).__name__}")
         if not message.strip():

@@ -310,4 +310,22 @@ def test_bad_queries_ingests_and_messages(lm, tmp_path):
             engine.chat("s", "hi", system=5)
         with pytest.raises(TypeError, match="document id"):
             engine.delete_document(5)
+        with pytest.raises(KeyError, match="unknown to this engine"):
+            engine.delete_document("never-ingested")
+        with pytest.raises(TypeError, match="sync must be a bool"):
+            engine.ingest(DOCS, sync="no")
+        with pytest.raises(TypeError, match="config path"):
+            BlendEngine.from_config(5)
         assert list(engine.store.keys()) == []
+
+
+def test_a_closed_engine_says_so_before_any_work(lm):
+    engine = make_engine(lm)
+    engine.close()
+    calls = [lambda: engine.ingest(DOCS), lambda: engine.generate(QUESTION, DOCS),
+             lambda: list(engine.generate_stream(QUESTION, DOCS)), lambda: engine.chat("s", "hi"),
+             lambda: engine.delete_document("x")]
+    for call in calls:
+        with pytest.raises(ValueError, match="this BlendEngine is closed"):
+            call()
+    engine.close()  # closing twice is harmless
