@@ -124,7 +124,12 @@ class SessionManager:
         """Messages from the session's JSON file; None if there is none (a new session)."""
         path = self._path(session_id)
         try:
-            messages = json.loads(path.read_text(encoding="utf-8"))["messages"]
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or "messages" not in data:
+                raise ValueError("expected a JSON object with the session's messages")
+            if data.get("session_id", session_id) != session_id:
+                raise ValueError(f"it holds session {data.get('session_id')!r}")
+            messages = data["messages"]
             if not isinstance(messages, list) or not all(
                     isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
                     for m in messages):
@@ -288,7 +293,11 @@ class SessionManager:
             prompt = None
             ids = list(decoder.tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=True,
                                                              return_dict=False))
-        decoder.runner.check_length(len(ids), max_new)
+        try:
+            decoder.runner.check_length(len(ids), max_new)
+        except ValueError as err:
+            raise ValueError(f"session {session.session_id!r}: {err}; the conversation itself may be what is too "
+                             "long: drop the session (engine.drop) and start a new one") from None
         stored_end = 0
         exact = rag is None or rag.exact
 

@@ -162,6 +162,11 @@ def test_drop_and_unknown_session(tmp_path):
             (tmp_path / "sessions" / "forged.json").write_text(forged)
             with pytest.raises(ValueError, match="unreadable.*messages must be a list"):
                 engine.chat("forged", "hello")
+        for forged, why in (("5", "expected a JSON object"), ('{"session_id": "other", "messages": []}',
+                                                             "it holds session 'other'")):
+            (tmp_path / "sessions" / "forged.json").write_text(forged)
+            with pytest.raises(ValueError, match=f"unreadable \\({why}"):
+                engine.chat("forged", "hello")
         engine.drop("garbled")
         assert engine.chat("garbled", "hello").token_ids
         with pytest.raises(ValueError, match="empty message"):

@@ -244,7 +244,8 @@ def server_model(http: httpx.Client, base: str) -> str:
         response.raise_for_status()
         return str(response.json()["data"][0]["id"])
     except httpx.HTTPError as err:
-        raise ValueError(f"no kvblend server answers at {base} ({type(err).__name__}: {err}); start `kvblend serve` "
+        reason = " ".join(str(err).split())  # httpx's messages span lines; an error is one
+        raise ValueError(f"no kvblend server answers at {base} ({type(err).__name__}: {reason}); start `kvblend serve` "
                          "there or fix --url") from None
     except (ValueError, KeyError, IndexError, TypeError):
         raise ValueError(f"{base}/v1/models did not answer with a model list; is --url a kvblend server?") from None
