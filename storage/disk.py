@@ -530,7 +530,16 @@ class DiskTier:
         self._make_room(size)
         fd, tmp = -1, None
         try:
-            fd, tmp = self._create_temp(key)
+            try:
+                fd, tmp = self._create_temp(key)
+            except FileNotFoundError:
+                if self.path.exists():
+                    raise
+                # the directory was removed under us (a cleanup, `rm -rf`): start it over
+                log.warning("%s tier: directory %s vanished; recreating it (its entries are gone)", self.name, self.path)
+                self.path.mkdir(parents=True, exist_ok=True)
+                self._rescan()
+                fd, tmp = self._create_temp(key)
             parts: list[memoryview] = [memoryview(head)]
             for k, v in entry.layers:
                 parts.append(memoryview(k.view(torch.uint8).reshape(-1).numpy()))

@@ -112,6 +112,23 @@ def test_disk_restart_rebuilds_index_in_lru_order(tmp_path):
     assert sorted(second.keys()) == ["a", "c"]
 
 
+def test_disk_directory_removed_while_running_is_recreated_on_the_next_write(tmp_path, caplog):
+    import shutil
+
+    entries = [random_entry(SMALL, seed=i)[1] for i in range(2)]
+    tier = make_tier("disk", tmp_path)
+    tier.put("a", entries[0])
+    shutil.rmtree(tier.path)
+    assert tier.get_header("a") is None  # gone: a miss
+    with caplog.at_level(logging.WARNING):
+        tier.put("b", entries[1])
+    assert "vanished; recreating it" in caplog.text
+    assert_same(tier.get_layer("b", 1), entries[1].layers[1])
+    stats = tier.stats()
+    assert stats["entries"] == 1 and stats["bytes_used"] == file_size(entries[1]) and stats["errors"] == 0
+    tier.close()
+
+
 def _damage(path: Path, how: str, entry) -> None:
     data = bytearray(path.read_bytes())
     if how == "flip":
