@@ -194,8 +194,8 @@ def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_
     needed = prompt_tokens + max(max_new_tokens, answer_tokens)
     if needed > engine.runner.max_positions:
         log.warning("example %s: prompt of %d tokens plus %d new ones exceeds the model's %d positions; skipped "
-                    "(use --passages to keep fewer passages)", ex.id, prompt_tokens, needed - prompt_tokens,
-                    engine.runner.max_positions)
+                    "(keep fewer passages with --passages, or a smaller --max-new-tokens)", ex.id, prompt_tokens,
+                    needed - prompt_tokens, engine.runner.max_positions)
         return None
     t0 = time.perf_counter()
     engine.ingest(passages)

@@ -80,11 +80,11 @@ def _redis_url(url: str) -> str:
     shown = re.sub(r"(?<=:)[^:/@]*(?=@)", "***", url)  # never echo a password
     if not url.startswith(("redis://", "rediss://")):
         raise ValueError(f"{shown!r} is not a Redis URL; {form}")
-    parts = urlsplit(url)
     try:
+        parts = urlsplit(url)
         port = parts.port
-    except ValueError:
-        port = 0
+    except ValueError:  # a bad port, or an unclosed IPv6 bracket
+        parts, port = urlsplit("redis://"), 0
     if port == 0 or (not parts.hostname and not parts.path.strip("/")):
         raise ValueError(f"{shown!r}: the host or port is not valid (a port is 1..65535); {form}")
     db = parts.path.strip("/")

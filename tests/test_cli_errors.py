@@ -5,6 +5,7 @@ blend.cli.main, and a few through a real `python -m blend.cli` process."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -163,6 +164,10 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
     ("eval-empty-csv", ["eval", "--config", "{tmp}/c.yaml", "--dataset", "{tmp}/e.csv"], {**cfg(CPU_STORE), "e.csv": ""}, {}),
     ("eval-header-only-csv", ["eval", "--config", "{tmp}/c.yaml", "--dataset", "{tmp}/h.csv"],
      {**cfg(CPU_STORE), "h.csv": "question,answers\n"}, {}),
+    ("eval-every-example-skipped", ["eval", "--config", "{tmp}/c.yaml", "--dataset", "{tmp}/long.json", "--modes", "reuse",
+                                    "--no-progress"],
+     {**engine(), "long.json": json.dumps([{"id": "x", "question": "q?", "answers": ["a"],
+                                            "ctxs": [{"title": "t", "text": "word " * 3000}]}])}, {}),
     ("eval-out-empty", ["eval", "--dataset", "{tmp}/none.json", "--out", ""], {}, {}),
     ("eval-out-is-file", ["eval", "--dataset", "{tmp}/d.json", "--out", "{tmp}/d.json"], {"d.json": "[]"}, {}),
     ("eval-out-under-file", ["eval", "--dataset", "{tmp}/d.json", "--out", "{tmp}/d.json/sub"], {"d.json": "[]"}, {}),

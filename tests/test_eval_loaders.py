@@ -47,6 +47,13 @@ def test_cacheblend_json(tmp_path):
     assert first.id == "mqa-0"
 
 
+def test_a_byte_order_mark_is_not_part_of_the_json(tmp_path):
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(CACHEBLEND).encode())
+    assert [e.question for e in load_examples(str(path))] == [e.question for e in load_examples(
+        str(_write_json(tmp_path / "plain.json", CACHEBLEND)))]
+
+
 def test_passages_and_limit(tmp_path):
     path = str(_write_json(tmp_path / "mqa.json", CACHEBLEND))
     examples = load_examples(path, passages=2, limit=1)

@@ -142,6 +142,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     with engine:
         run = run_eval(engine, examples, entries=entries, dataset=str(args.dataset), max_new_tokens=args.max_new_tokens,
                        prompts=prompts, out_dir=args.out, run_settings=run_settings, progress=not args.no_progress)
+    if not run.records:
+        raise ValueError(f"{args.dataset}: every example was skipped ({len(run.skipped)}: prompt plus answer longer "
+                         "than the model's positions); keep fewer passages (--passages) or a smaller --max-new-tokens")
     say = human(args)
     say(f"{args.dataset}: {len(run.records)} example(s)"
         + (f", {len(run.skipped)} skipped (prompt too long)" if run.skipped else ""))

@@ -30,7 +30,7 @@ def read_records(path: str | Path, split: str | None = None) -> list[dict[str, A
                              "row and one example per row") from None
         return table.to_list()
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the JSON
     except UnicodeDecodeError:
         raise ValueError(f"{p}: not UTF-8 text; give a JSON list or JSON Lines file of examples, or a .parquet "
                          "/ .csv file") from None
