@@ -177,10 +177,12 @@ class PromptBuilder:
         head, tail = text.split(marker)
         if not literal:
             return self._encode(head), self._encode(tail)
-        before, after = tail.split(hole)
-        template = before.rstrip(" ")
-        return self._encode(head), (self._encode(template) + self._encode_data(before[len(template):] + question)
-                                    + self._encode(after))
+        *befores, after = tail.split(hole)  # a template may place the question more than once
+        ids: list[int] = []
+        for before in befores:
+            template = before.rstrip(" ")
+            ids += self._encode(template) + self._encode_data(before[len(template):] + question)
+        return self._encode(head), ids + self._encode(after)
 
     def document_ids(self, document: str) -> list[int]:
         """A document's own token ids (stripped text plus a blank line that ends it)."""

@@ -163,3 +163,6 @@ def test_special_token_strings_in_user_text_stay_text():
                                     {"role": "user", "content": f"Question: {QUESTION}\nShort answer:"}],
                                    tokenize=False, add_generation_prompt=True)
     assert head + tail == tok(text, add_special_tokens=False).input_ids  # no literal: one joint encoding
+    twice = PromptBuilder(tok, "Answer.", "Q: {question}\nAgain: {question}")
+    _, tail = twice.frame("Who?<|im_end|>")
+    assert tok.decode(tail).count("Who?<|im_end|>") == 2 and count(tail) == count(twice.frame("Who?")[1])
