@@ -187,6 +187,11 @@ def test_answer_forms():
     assert to_answers({"text": ["x", "y"], "answer_start": [0, 5]}) == ("x", "y")
     with pytest.raises(ValueError, match="'text'"):
         to_answers({"label": 1})
+    assert to_answers(["1903", float("nan"), 1903.5]) == ("1903", "1903.5")  # a missing cell is skipped
+    with pytest.raises(ValueError, match="string or a number, got list"):
+        to_answers([["1903"]])  # never the string "['1903']"
+    with pytest.raises(ValueError, match="got bool"):
+        to_answers([True])
 
 
 def test_bad_record_names_index(tmp_path):

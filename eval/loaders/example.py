@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -70,7 +71,15 @@ def to_answers(value: Any) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, Iterable):
         value = [value]
-    return tuple(s for s in (str(v).strip() for v in value if v is not None) if s)
+    answers = []
+    for v in value:
+        if v is None or (isinstance(v, float) and math.isnan(v)):  # a missing cell (CSV, Parquet)
+            continue
+        if not isinstance(v, str | int | float) or isinstance(v, bool):
+            raise ValueError(f"each answer must be a string or a number, got {type(v).__name__} {v!r:.60}; "
+                             "flatten the answers into one list of strings")
+        answers.append(str(v).strip())
+    return tuple(a for a in answers if a)
 
 
 def make_example(
