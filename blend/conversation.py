@@ -12,6 +12,7 @@ rendered around it, so no character sequence in a message can act as structure.
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -76,8 +77,67 @@ def unique_marker(texts: Iterable[str]) -> str:
     return marker
 
 
-def split_conversation(tokenizer, messages: Sequence[Message], default_system: str | None) -> tuple[str, str]:
-    """The conversation's prompt text before and after the documents' place.
+def special_strings(tokenizer) -> tuple[str, ...]:
+    """The strings of the tokenizer's special (control) tokens, e.g. "<|im_start|>"."""
+    return tuple(t for t in getattr(tokenizer, "all_special_tokens", ()) if t)
+
+
+def hole_literals(tokenizer, dicts: Sequence[Mapping[str, str]]) -> tuple[list[dict[str, str]], dict[str, str]]:
+    """The messages with each content that holds a special token's string swapped for a
+    unique hole, and {hole: content}: rendered through the template as a hole, the content
+    is then encoded as data (`encode_with_holes`), never as control tokens."""
+    specials = special_strings(tokenizer)
+    texts = [d["content"] for d in dicts]
+    holes: dict[str, str] = {}
+    out = []
+    for d in dicts:
+        if any(s in d["content"] for s in specials):
+            hole = unique_marker([*texts, *holes])
+            holes[hole] = d["content"]
+            out.append({**d, "content": hole})
+        else:
+            out.append(dict(d))
+    return out, holes
+
+
+def encode_with_holes(tokenizer, text: str, holes: Mapping[str, str]) -> list[int]:
+    """Token ids of template `text` whose holes stand for user contents: the template parts
+    as usual (their special tokens are structure), each content with split_special_tokens
+    (its special-token strings stay text). The cut before a content moves the spaces that
+    lead it into the content: the pre-tokenizer splits there anyway."""
+
+    def encode(part: str, data: bool = False) -> list[int]:
+        if not part:
+            return []
+        return list(tokenizer(part, add_special_tokens=False, split_special_tokens=data).input_ids)
+
+    if not holes:
+        return encode(text)
+    ids: list[int] = []
+    pos = 0
+    for match in re.finditer("|".join(map(re.escape, holes)), text):
+        piece = text[pos : match.start()]
+        template = piece.rstrip(" ")
+        ids += encode(template) + encode(piece[len(template) :] + holes[match.group()], data=True)
+        pos = match.end()
+    return ids + encode(text[pos:])
+
+
+def chat_ids(tokenizer, dicts: Sequence[Mapping[str, str]]) -> list[int]:
+    """The chat template's prompt ids for `dicts` (with the generation prompt); contents
+    holding special-token strings are encoded as data."""
+    dicts, holes = hole_literals(tokenizer, dicts)
+    if not holes:
+        return list(tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=True, return_dict=False))
+    text = tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True)
+    return encode_with_holes(tokenizer, text, holes)
+
+
+def split_conversation(tokenizer, messages: Sequence[Message], default_system: str | None
+                       ) -> tuple[str, str, dict[str, str]]:
+    """The conversation's prompt text before and after the documents' place, and the holes
+    standing for contents that hold special-token strings (`hole_literals`; encode both
+    texts with `encode_with_holes`).
 
     `default_system` is used when the conversation has no system message (None: none,
     the chat template's own default applies). Without a chat template the messages are
@@ -86,6 +146,7 @@ def split_conversation(tokenizer, messages: Sequence[Message], default_system: s
     dicts = [m.as_template_dict() for m in messages]
     if default_system is not None and not any(d["role"] == "system" for d in dicts):
         dicts.insert(0, {"role": "system", "content": clean_text(default_system)})
+    dicts, holes = hole_literals(tokenizer, dicts)
     marker = unique_marker([d["content"] for d in dicts])
     first_user = next(i for i, d in enumerate(dicts) if d["role"] == "user")
     dicts[first_user] = {"role": "user", "content": marker + dicts[first_user]["content"]}
@@ -97,4 +158,4 @@ def split_conversation(tokenizer, messages: Sequence[Message], default_system: s
     if not sep or marker in tail:
         raise ValueError("the chat template does not render the first user message verbatim; "
                          "documents cannot be placed in this conversation")
-    return head, tail
+    return head, tail, holes

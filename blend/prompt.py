@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from blend.conversation import Message, split_conversation, unique_marker
+from blend.conversation import Message, encode_with_holes, special_strings, split_conversation, unique_marker
 from blend.document import Document, clean_text, render_document
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class PromptBuilder:
 
     @functools.cached_property
     def _special_strings(self) -> tuple[str, ...]:
-        return tuple(t for t in self.tokenizer.all_special_tokens if t)
+        return special_strings(self.tokenizer)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -159,8 +159,8 @@ class PromptBuilder:
         """Token ids before and after the documents for this question (or conversation,
         blend.conversation: the configured system prompt when it has none)."""
         if not isinstance(question, str):
-            head, tail = split_conversation(self.tokenizer, question, self.system_prompt)
-            return self._encode(head), self._encode(tail)
+            head, tail, holes = split_conversation(self.tokenizer, question, self.system_prompt)
+            return encode_with_holes(self.tokenizer, head, holes), encode_with_holes(self.tokenizer, tail, holes)
         question = clean_text(question)
         literal = any(s in question for s in self._special_strings)
         # a question holding a special token's string is cut out and encoded as data (the
@@ -175,14 +175,7 @@ class PromptBuilder:
         else:
             text = f"{self.system_prompt}\n\n{user}\nAnswer:"
         head, tail = text.split(marker)
-        if not literal:
-            return self._encode(head), self._encode(tail)
-        *befores, after = tail.split(hole)  # a template may place the question more than once
-        ids: list[int] = []
-        for before in befores:
-            template = before.rstrip(" ")
-            ids += self._encode(template) + self._encode_data(before[len(template):] + question)
-        return self._encode(head), ids + self._encode(after)
+        return self._encode(head), encode_with_holes(self.tokenizer, tail, {hole: question} if literal else {})
 
     def document_ids(self, document: str) -> list[int]:
         """A document's own token ids (stripped text plus a blank line that ends it)."""

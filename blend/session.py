@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from blend.config import BlendConfig
-from blend.conversation import ROLES, Message
+from blend.conversation import ROLES, Message, chat_ids
 from blend.generation import Decoder, GenerationResult, Prefilled
 from blend.prefix import PrefixCache, intact_end
 from blend.prompt import Prompt
@@ -291,8 +291,7 @@ class SessionManager:
             ids = list(prompt.token_ids)
         else:
             prompt = None
-            ids = list(decoder.tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=False))
+            ids = chat_ids(decoder.tokenizer, shown)
         try:
             decoder.runner.check_length(len(ids), max_new)
         except ValueError as err:
