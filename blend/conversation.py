@@ -100,27 +100,29 @@ def hole_literals(tokenizer, dicts: Sequence[Mapping[str, str]]) -> tuple[list[d
     return out, holes
 
 
+def encode(tokenizer, text: str, *, data: bool = False) -> list[int]:
+    """Token ids of `text` (no BOS/EOS). `data`: user text, whose special-token strings
+    (e.g. "<|im_start|>") stay text instead of becoming control tokens."""
+    if not text:
+        return []
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=data).input_ids)
+
+
 def encode_with_holes(tokenizer, text: str, holes: Mapping[str, str]) -> list[int]:
     """Token ids of template `text` whose holes stand for user contents: the template parts
     as usual (their special tokens are structure), each content with split_special_tokens
     (its special-token strings stay text). The cut before a content moves the spaces that
     lead it into the content: the pre-tokenizer splits there anyway."""
-
-    def encode(part: str, data: bool = False) -> list[int]:
-        if not part:
-            return []
-        return list(tokenizer(part, add_special_tokens=False, split_special_tokens=data).input_ids)
-
     if not holes:
-        return encode(text)
+        return encode(tokenizer, text)
     ids: list[int] = []
     pos = 0
     for match in re.finditer("|".join(map(re.escape, holes)), text):
         piece = text[pos : match.start()]
         template = piece.rstrip(" ")
-        ids += encode(template) + encode(piece[len(template) :] + holes[match.group()], data=True)
+        ids += encode(tokenizer, template) + encode(tokenizer, piece[len(template) :] + holes[match.group()], data=True)
         pos = match.end()
-    return ids + encode(text[pos:])
+    return ids + encode(tokenizer, text[pos:])
 
 
 def chat_ids(tokenizer, dicts: Sequence[Mapping[str, str]]) -> list[int]:

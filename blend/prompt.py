@@ -19,7 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from blend.conversation import Message, encode_with_holes, special_strings, split_conversation, unique_marker
+from blend.conversation import (
+    Message,
+    encode,
+    encode_with_holes,
+    special_strings,
+    split_conversation,
+    unique_marker,
+)
 from blend.document import Document, clean_text, render_document
 
 log = logging.getLogger(__name__)
@@ -126,14 +133,6 @@ class PromptBuilder:
         self.query_template = query_template
         self.max_document_tokens = max_document_tokens
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
-
-    def _encode_data(self, text: str) -> list[int]:
-        """Ids of user text: a special token's string in it (e.g. "<|im_start|>") stays
-        plain text, never the control token (text is data, not structure)."""
-        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids)
-
     @functools.cached_property
     def _special_strings(self) -> tuple[str, ...]:
         return special_strings(self.tokenizer)
@@ -149,7 +148,7 @@ class PromptBuilder:
         """Refuse, before tokenizing, text that cannot fit `positions` tokens: more characters
         than positions x the longest token (a cheap bound: tokenizing megabytes takes seconds)."""
         texts = [question] if isinstance(question, str) else [m.content for m in question]
-        texts += [d if isinstance(d, str) else d.text + (d.title or "") for d in documents]
+        texts += [t for d in documents for t in ((d,) if isinstance(d, str) else (d.text, d.title or ""))]
         chars = sum(len(t) for t in texts)
         if chars > positions * self.max_token_chars:
             raise ValueError(f"the prompt's text ({chars} characters) cannot fit the model's {positions} positions "
@@ -175,11 +174,11 @@ class PromptBuilder:
         else:
             text = f"{self.system_prompt}\n\n{user}\nAnswer:"
         head, tail = text.split(marker)
-        return self._encode(head), encode_with_holes(self.tokenizer, tail, {hole: question} if literal else {})
+        return encode(self.tokenizer, head), encode_with_holes(self.tokenizer, tail, {hole: question} if literal else {})
 
     def document_ids(self, document: str) -> list[int]:
         """A document's own token ids (stripped text plus a blank line that ends it)."""
-        return self._encode_data(document.strip() + "\n\n")
+        return encode(self.tokenizer, document.strip() + "\n\n", data=True)  # text is data, not structure
 
     def split(self, ids: list[int]) -> list[tuple[int, ...]]:
         """A document's ids as parts of at most `max_document_tokens` tokens (one part when it fits)."""

@@ -60,7 +60,10 @@ class ResultsLog:
         directory = Path(out_dir)
         if directory.exists() and not directory.is_dir():
             raise ValueError(f"--out {directory} is a file; give a directory for the results")
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"--out {directory}: cannot create it ({err.strerror or err}); pick another --out") from None
         path = directory / FILENAME
         wanted = jsonable(settings)
         done: dict[str, dict[str, Any]] = {}

@@ -84,8 +84,8 @@ def _redis_url(url: str) -> str:
         parts = urlsplit(url)
         port = parts.port
     except ValueError:  # a bad port, or an unclosed IPv6 bracket
-        parts, port = urlsplit("redis://"), 0
-    if port == 0 or (not parts.hostname and not parts.path.strip("/")):
+        parts = None
+    if parts is None or port == 0 or (not parts.hostname and not parts.path.strip("/")):
         raise ValueError(f"{shown!r}: the host or port is not valid (a port is 1..65535); {form}")
     db = parts.path.strip("/")
     if db and not db.isdigit():

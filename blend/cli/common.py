@@ -75,6 +75,17 @@ def arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
+def open_engine(path: str | None, config: Any) -> Any:
+    """A BlendEngine on `config`, loaded (and checked) from `path` beforehand, so that bad
+    files fail before torch is imported; a setting found wrong only once the model or store
+    is known names that file too (blend.config.naming_config)."""
+    from blend.config import naming_config
+    from blend.engine import BlendEngine
+
+    with naming_config(path):
+        return BlendEngine(config)
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -13,26 +13,24 @@ import sys
 import time
 from typing import Any
 
-from blend.cli.common import RATIO, config_arg, emit_json, json_arg
+from blend.cli.common import RATIO, config_arg, emit_json, json_arg, open_engine
 
 
 def run_demo(config: str | None, *, question: str | None = None, ratio: float | None = None,
              json_out: bool = False) -> int:
     """Run the demo on the config at `config` (None: the default); with `json_out` the human
     lines go to stderr and the summary is the one stdout line."""
-    from blend.config import load_config, naming_config
+    from blend.config import load_config
 
     if question is not None and not question.strip():
         raise ValueError("--question is empty; ask something, or leave --question out for the sample question")
     settings = load_config(config)  # a bad config fails before torch and the model load
-    from blend.engine import BlendEngine
     from eval.metrics import kl_divergence, matching_prefix
     from eval.samples import sample_documents, sample_questions
 
     say = (lambda text: print(text, file=sys.stderr)) if json_out else print
     t0 = time.perf_counter()
-    with naming_config(config):
-        engine = BlendEngine(settings)
+    engine = open_engine(config, settings)
     load_s = time.perf_counter() - t0
     docs = sample_documents()
     qa = sample_questions()[0]

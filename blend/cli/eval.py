@@ -23,6 +23,7 @@ from blend.cli.common import (
     emit_json,
     human,
     json_arg,
+    open_engine,
     positive_int,
     require_eval_extra,
 )
@@ -93,8 +94,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def check_out_dir(text: str | None) -> None:
-    """--out must name a directory that exists or can be created by this user (checked
-    before the model loads; nothing is created here)."""
+    """--out must name a directory, or a path whose nearest existing ancestor is a
+    directory this user may write (checked before the model loads; nothing is created
+    here: a file system that still refuses is reported by ResultsLog.open)."""
     if text is None:
         return
     if not text.strip():
@@ -107,20 +109,11 @@ def check_out_dir(text: str | None) -> None:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"--out {text!r}: {str(parent)!r} is not a writable directory; pick another --out")
-    if parent != path:  # a trial directory, removed at once: some file systems refuse even root
-        probe = parent / f".kvblend-out-check-{os.getpid()}"
-        try:
-            probe.mkdir()
-        except OSError as err:
-            raise ValueError(f"--out {text!r}: cannot create directories in {str(parent)!r} ({err.strerror}); pick "
-                             "another --out") from None
-        probe.rmdir()
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
-    from blend.config import load_config, naming_config
-    from blend.engine import BlendEngine
+    from blend.config import load_config
     from eval.entries import plan_entries
     from eval.loaders import load_examples
     from eval.prompts import load_prompts
@@ -136,8 +129,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not examples:
         raise ValueError(f"{args.dataset}: no usable examples (all lacked passage text); check the file and --split")
     first = prompts[examples[0].task]  # the engine's own templates: those of the first example's task
-    with naming_config(args.config):
-        engine = BlendEngine(config.with_overrides(system_prompt=first.render_system(), query_template=first.query))
+    engine = open_engine(args.config, config.with_overrides(system_prompt=first.render_system(),
+                                                            query_template=first.query))
     run_settings = {"split": args.split, "passages": args.passages, "field_map": args.field_map}
     with engine:
         run = run_eval(engine, examples, entries=entries, dataset=str(args.dataset), max_new_tokens=args.max_new_tokens,

@@ -9,7 +9,16 @@ import argparse
 import sys
 from typing import Any
 
-from blend.cli.common import POSITIVE_INT, RATIO, config_arg, emit_json, human, json_arg, read_documents
+from blend.cli.common import (
+    POSITIVE_INT,
+    RATIO,
+    config_arg,
+    emit_json,
+    human,
+    json_arg,
+    open_engine,
+    read_documents,
+)
 from blend.modes import MODES
 
 
@@ -19,11 +28,7 @@ def _engine(args: argparse.Namespace, **overrides: Any):
     from blend.config import load_config
 
     config = load_config(args.config, **{k: v for k, v in overrides.items() if v is not None})
-    from blend.config import naming_config
-    from blend.engine import BlendEngine
-
-    with naming_config(args.config):
-        return BlendEngine(config)
+    return open_engine(args.config, config)
 
 
 def cmd_ask(args: argparse.Namespace) -> int:

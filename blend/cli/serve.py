@@ -119,12 +119,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def _server_url(text: str) -> str:
     from urllib.parse import urlsplit
 
-    parts = urlsplit(text)
     try:
+        parts = urlsplit(text)
         parts.port  # noqa: B018 - raises ValueError for a bad port
     except ValueError:
-        parts = parts._replace(netloc="")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"--url {text!r} is not a server URL; use e.g. http://127.0.0.1:8000")
     return text.rstrip("/")
 
