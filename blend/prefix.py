@@ -12,6 +12,7 @@ cache entry is made from the model.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -23,12 +24,23 @@ from storage.entry import Expected, KVEntry
 from storage.keys import prefix_block_key
 from storage.stack import TieredStore
 
+CONTEXT_KEEP_BYTES = 64 << 20  # a context's KV above this is not kept between documents
+
 
 class EntryMaker:
-    """Computes cache entries of one model in the storage dtype."""
+    """Computes cache entries of one model in the storage dtype.
+
+    Documents computed after the same context (the prompt's system part) share its KV:
+    the context is prefilled once and kept (in the compute dtype, up to
+    CONTEXT_KEEP_BYTES) while the next document comes with the same context; each
+    document then prefills only its own tokens after a copy of it. Causal attention makes
+    this the same computation as one pass over context + document.
+    """
 
     def __init__(self, runner: Runner, fingerprint: str, kv_dtype: str):
         self.runner, self.fingerprint, self.kv_dtype = runner, fingerprint, kv_dtype
+        self._context: tuple[tuple[int, ...], KVCache] | None = None  # the last context and its KV
+        self._lock = threading.Lock()
 
     def expected(self, token_ids: Sequence[int], pos_start: int) -> Expected:
         """What a stored entry of `token_ids` (keys rotated from `pos_start`) must look like."""
@@ -40,18 +52,38 @@ class EntryMaker:
         """KV of `token_ids` computed after `context` (positions len(context)..), as an entry."""
         ids = list(context) + list(token_ids)
         cache = self.runner.new_cache(len(ids))
-        self.runner.prefill(torch.tensor(ids), cache)
+        self.runner.prefill(torch.tensor(ids), cache, logit_rows=())
         return self.from_cache(cache, list(token_ids), len(context))
 
     def compute_blocks(self, token_ids: Sequence[int], context: Sequence[int],
                        bounds: Sequence[tuple[int, int]]) -> list[KVEntry]:
         """KV of `token_ids` computed as one sequence after `context`, cut into one entry per
-        (start, end) range of `bounds` (offsets into token_ids)."""
-        ids = list(context) + list(token_ids)
+        (start, end) range of `bounds` (offsets into token_ids). The context's KV is
+        computed once for consecutive calls with the same context (`context_kv`)."""
+        own, start = list(token_ids), len(context)
+        cache = self.runner.new_cache(start + len(own))
+        if start:
+            kept = self.context_kv(context)
+            for layer in range(self.runner.num_layers):
+                cache.k[layer][:, :start] = kept.k[layer][:, :start]
+                cache.v[layer][:, :start] = kept.v[layer][:, :start]
+            cache.length = start
+        self.runner.prefill(torch.tensor(own), cache, start=start, logit_rows=())
+        return [self.from_cache(cache, own[a:b], start + a) for a, b in bounds]
+
+    def context_kv(self, context: Sequence[int]) -> KVCache:
+        """The KV of `context` prefilled alone from position 0 (compute dtype): the kept one
+        when the last context was the same, else computed now (and kept when small enough).
+        The returned cache is shared: read it, never write to it."""
+        ids = tuple(context)
+        with self._lock:
+            if self._context is not None and self._context[0] == ids:
+                return self._context[1]
         cache = self.runner.new_cache(len(ids))
-        self.runner.prefill(torch.tensor(ids), cache)
-        own = list(token_ids)
-        return [self.from_cache(cache, own[a:b], len(context) + a) for a, b in bounds]
+        self.runner.prefill(torch.tensor(ids), cache, logit_rows=())
+        with self._lock:
+            self._context = (ids, cache) if cache.nbytes() <= CONTEXT_KEEP_BYTES else None
+        return cache
 
     def from_cache(self, cache: KVCache, token_ids: Sequence[int], start: int) -> KVEntry:
         """Slots start..start+len(token_ids)-1 of `cache` as an entry (copied, storage dtype)."""
@@ -149,7 +181,7 @@ class PrefixCache:
         with LayerLoader(self.store, self.runner, cache, loaded, range(self.runner.num_layers),
                          self.prefetch_depth) as loader:
             if computed:
-                self.runner.prefill(torch.tensor(list(token_ids[:computed])), cache, start=0)
+                self.runner.prefill(torch.tensor(list(token_ids[:computed])), cache, start=0, logit_rows=())
             logits = self.runner.prefill(torch.tensor(list(token_ids[p:])), cache, start=p,
                                          before_layer=loader.wait)[0]
         return logits, loader.report()

@@ -355,7 +355,9 @@ class Runner:
 
         Writes their K/V into `cache` slots start..start+T-1 and sets cache.length.
         `before_layer(i)` is called before layer i reads the cache (a loader's wait).
-        Returns logits (len(logit_rows), vocab) for the requested rows (default: last).
+        Returns logits (len(logit_rows), vocab) for the requested rows (default: last);
+        with no rows (`logit_rows=()`, only the KV is wanted) the last layer stops after
+        writing its K/V and the result is (0, vocab).
         """
         t = token_ids.shape[0]
         self.check_length(start + t)
@@ -372,6 +374,9 @@ class Runner:
             cache.k[layer][:, start:end] = k
             cache.v[layer][:, start:end] = v
             keys, values = cache.layer(layer, end)
+            if layer == self.num_layers - 1 and not rows:  # its output feeds nothing wanted
+                cache.length = end
+                return torch.zeros((0, self.lm_head.weight.shape[0]), dtype=torch.float32, device=h.device)
             if layer == self.num_layers - 1 and len(rows) < t:
                 # only the rows whose logits are wanted need the last layer's output
                 sel = torch.tensor(rows)

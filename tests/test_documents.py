@@ -180,3 +180,26 @@ def test_special_token_strings_in_user_text_stay_text():
     twice = PromptBuilder(tok, "Answer.", "Q: {question}\nAgain: {question}")
     _, tail = twice.frame("Who?<|im_end|>")
     assert tok.decode(tail).count("Who?<|im_end|>") == 2 and count(tail) == count(twice.frame("Who?")[1])
+
+
+def test_documents_after_the_same_context_prefill_it_once():
+    """The system part is prefilled once for every document computed after it; another
+    context replaces it; the entries equal one pass over context + document."""
+    with make_engine(chunk_tokens=16, chunk_context="system") as engine:
+        maker, runner = engine.document_kv.maker, engine.runner
+        calls: list[int] = []
+        prefill = runner.prefill
+        runner.prefill = lambda ids, cache, *a, **kw: (calls.append(len(ids)), prefill(ids, cache, *a, **kw))[1]
+        context = list(engine.build_prompt(QUESTION, DOCS[:1]).prefix.token_ids)
+        docs = [list(engine.build_prompt(QUESTION, [d]).documents[0].token_ids) for d in DOCS[:3]]
+        entries = [maker.compute_blocks(ids, context, [(0, len(ids))])[0] for ids in docs]
+        assert calls == [len(context)] + [len(ids) for ids in docs]  # the context once, then each document
+        other = context[:-1]
+        maker.compute_blocks(docs[0], other, [(0, len(docs[0]))])
+        assert calls[-2:] == [len(other), len(docs[0])]  # a new context is prefilled, then kept
+        runner.prefill = prefill
+        for ids, entry in zip(docs, entries, strict=True):
+            direct = direct_kv(engine, context, ids, len(context))
+            for layer, (k, v) in enumerate(direct):
+                stored_k, stored_v = entry.layers[layer]
+                assert maxdiff(stored_k, k) < 1e-4 and maxdiff(stored_v, v) < 1e-4

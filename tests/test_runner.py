@@ -155,3 +155,16 @@ def test_smollm2_parity_and_generate():
         gen = lm.model.generate(ids[None], max_new_tokens=16, min_new_tokens=16, do_sample=False,
                                 pad_token_id=lm.tokenizer.eos_token_id)[0, len(ids):].tolist()
     assert ours == gen
+
+
+def test_prefill_without_logit_rows_writes_the_same_kv():
+    lm = tiny_model("llama", vocab_size=512)
+    runner = Runner(lm)
+    ids = torch.randint(0, 512, (29,), generator=torch.Generator().manual_seed(5))
+    with_logits, kv_only = runner.new_cache(29), runner.new_cache(29)
+    runner.prefill(ids, with_logits)
+    out = runner.prefill(ids, kv_only, logit_rows=())
+    assert out.shape == (0, 512) and kv_only.length == 29
+    for layer in range(runner.num_layers):
+        assert torch.equal(kv_only.k[layer], with_logits.k[layer])
+        assert torch.equal(kv_only.v[layer], with_logits.v[layer])
