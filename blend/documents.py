@@ -18,7 +18,7 @@ The system part itself is cached the same way with no context (it is exact at po
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from blend.pipeline import Placement
@@ -28,6 +28,15 @@ from blend.stats import LookupTally
 from storage.entry import KVEntry
 from storage.keys import document_block_key, tokens_digest
 from storage.stack import Located, TieredStore
+
+
+class IngestStopped(RuntimeError):
+    """An ingest was asked to stop (`stop()` turned true) before its last document; the
+    segments done before that (`stored`) stay stored."""
+
+    def __init__(self, message: str, stored: list[StoredSegment]):
+        super().__init__(message)
+        self.stored = stored
 
 
 @dataclass(frozen=True)
@@ -118,13 +127,14 @@ class DocumentCache:
                                             rebuild.block(i)))
         return placements
 
-    def ingest(self, prompt: Prompt) -> list[StoredSegment]:
+    def ingest(self, prompt: Prompt, stop: Callable[[], bool] | None = None) -> list[StoredSegment]:
         """Compute and store every block of every cacheable segment of `prompt` that is
         not stored yet; returns what was found for each document segment, in order.
 
         Every segment is looked up before anything is written, so `cached` says what the
         tiers held before this call; a segment whose missing blocks an earlier segment of
-        this call already wrote (the same document twice) is not computed again."""
+        this call already wrote (the same document twice) is not computed again. `stop` is
+        asked before each segment is computed; when it answers True, `IngestStopped`."""
         found = []
         for seg in prompt.segments:
             if seg.kind == "query":
@@ -136,6 +146,8 @@ class DocumentCache:
         out = []
         for seg, ids, context, blocks, missing in found:
             todo = [i for i in missing if blocks[i].key not in written]
+            if todo and stop is not None and stop():
+                raise IngestStopped(f"ingest stopped after {len(written)} new blocks; they stay stored", out)
             if todo:
                 entries = self.compute(ids, context, blocks)
                 for i in todo:

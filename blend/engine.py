@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from blend.document import (
     document_id,
     render_document,
 )
-from blend.documents import DocumentCache
+from blend.documents import DocumentCache, IngestStopped
 from blend.generation import Decoder, GenerationResult, Prefilled, TextDelta
 from blend.model import LoadedModel, load_model
 from blend.pipeline import LayerLoader
@@ -119,7 +119,8 @@ class BlendEngine:
         self.close()
 
     # --------------------------------------------------------------- requests
-    def ingest(self, documents: Sequence[Document | str], *, sync: bool = True) -> list[IngestedDocument]:
+    def ingest(self, documents: Sequence[Document | str], *, sync: bool = True,
+               stop: Callable[[], bool] | None = None) -> list[IngestedDocument]:
         """Precompute each document's KV (one sequence) and store it block by block; returns
         per document its id, block keys and whether it was already cached (every block had
         a valid entry in some tier before this call).
@@ -127,16 +128,26 @@ class BlendEngine:
         Idempotent: blocks already in the store are not recomputed. With sync=True the
         writes have reached every tier when this returns. An empty document is skipped
         with a warning (no keys, cached). Remembers each document by id (`delete_document`).
+        `stop` (e.g. a server job's deadline) is asked before each document (or part of a
+        long one) is computed; when it answers True the call raises `IngestStopped`; what was
+        computed so far stays stored (and known by id).
         """
         self._check_open()
         if not isinstance(sync, bool):
             raise TypeError(f"sync must be a bool, got {type(sync).__name__}")
+        if stop is not None and not callable(stop):
+            raise TypeError(f"stop must be a callable returning a bool, got {type(stop).__name__}")
         docs = check_documents(documents)
         prompt = self.prompts.build("ingest", docs)
         kept = [d for d in docs if render_document(d)]
         keys: list[list[str]] = [[] for _ in kept]
         cached = [True] * len(kept)
-        for stored in self.document_kv.ingest(prompt):  # a long document: several segments
+        stopped: IngestStopped | None = None
+        try:
+            segments = self.document_kv.ingest(prompt, stop)
+        except IngestStopped as err:
+            segments, stopped = err.stored, err
+        for stored in segments:
             keys[stored.segment.doc_index].extend(stored.keys)
             cached[stored.segment.doc_index] &= stored.cached
         if sync:
@@ -148,8 +159,10 @@ class BlendEngine:
                 doc_keys, was_cached = tuple(keys[k]), cached[k]
                 k += 1
             results.append(IngestedDocument(document_id(doc), doc_keys, was_cached))
-            if doc_keys:
+            if doc_keys:  # after a stop: the blocks stored so far, so that a delete finds them
                 self.documents.record(document_id(doc), doc, doc_keys)
+        if stopped is not None:
+            raise stopped
         return results
 
     def delete_document(self, doc_id: str) -> tuple[str, ...]:

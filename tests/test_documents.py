@@ -203,3 +203,23 @@ def test_documents_after_the_same_context_prefill_it_once():
             for layer, (k, v) in enumerate(direct):
                 stored_k, stored_v = entry.layers[layer]
                 assert maxdiff(stored_k, k) < 1e-4 and maxdiff(stored_v, v) < 1e-4
+
+
+def test_ingest_stops_between_documents_and_keeps_what_it_stored():
+    from blend.documents import IngestStopped
+
+    with make_engine(chunk_tokens=16) as engine:
+        asked: list[int] = []
+
+        def stop() -> bool:  # allows the system part and the first document, stops before the second
+            asked.append(1)
+            return len(asked) > 2
+
+        with pytest.raises(IngestStopped, match="stay stored"):
+            engine.ingest([DOCS[0], DOCS[1], DOCS[2]], stop=stop)
+        assert len(asked) == 3
+        again = engine.ingest([DOCS[0], DOCS[1]])
+        assert [d.cached for d in again] == [True, False]  # the first was stored, the second never computed
+        assert engine.delete_document(again[0].id)  # known by id after the stop
+        with pytest.raises(TypeError, match="stop must be a callable"):
+            engine.ingest([DOCS[0]], stop=True)

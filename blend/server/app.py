@@ -384,7 +384,7 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
         except (TypeError, ValueError) as err:
             metrics().request("documents", "ingest", 400)
             raise bad_request(err) from None
-        finished = await document_job("ingest", lambda _job: engine.ingest(docs), request)
+        finished = await document_job("ingest", lambda job: engine.ingest(docs, stop=job.stopped), request)
         for doc in finished.value:
             metrics().documents.labels(str(doc.cached).lower()).inc()
         return JSONResponse({"object": "list", "data": [doc.to_dict() for doc in finished.value]})

@@ -6,8 +6,8 @@ loop; each becomes a `Job` in a FIFO queue of at most `queue_size` waiting jobs,
 one worker thread runs them one at a time on the engine, so the event loop never
 blocks on the model. A full queue is refused at once (`QueueFull`: the server answers
 503 with Retry-After). A job cancelled before it starts is skipped; a running job sees
-its cancellation (client gone, timeout) between two generated tokens — a prefill in
-progress finishes first. `stop` lets the running and queued jobs finish, then ends the
+its cancellation (client gone, timeout) between two generated tokens, or an ingest
+between two documents — a prefill in progress finishes first. `stop` lets the running and queued jobs finish, then ends the
 thread.
 
 Events of a job reach the event loop through `Job.events` (an asyncio.Queue fed with
@@ -133,7 +133,10 @@ class EngineWorker:
                 try:
                     value = job.fn(job)
                 except Exception as err:  # noqa: BLE001 - handed to the request, which answers with it
-                    job.emit(Finished(error=err, queued_s=queued, run_s=time.monotonic() - started))
+                    # a job may end early by raising once stopped (an ingest between documents)
+                    stopped = job.stopped()
+                    job.emit(Finished(error=None if stopped else err, cancelled=stopped, queued_s=queued,
+                                      run_s=time.monotonic() - started))
                 else:
                     job.emit(Finished(value=value, queued_s=queued, run_s=time.monotonic() - started))
             finally:
