@@ -167,17 +167,21 @@ def test_field_map_renames_fields(tmp_path):
         load_examples(path, field_map={"question": "nope"})
 
 
-def test_examples_without_passages_are_skipped(tmp_path, caplog):
+def test_examples_without_passages_or_question_are_skipped(tmp_path, caplog):
     rows = [
         {"question": "q0", "answers": [], "ctxs": []},
         {"question": "q1", "answers": [], "ctxs": [{"title": "", "text": "  "}]},
         {"question": "q2", "answers": [], "ctxs": [{"title": "T", "text": "body"}]},
+        {"question": "  ", "answers": ["a"], "ctxs": [{"title": "T", "text": "body"}]},
+        {"question": None, "answers": ["a"], "ctxs": [{"title": "T", "text": "body"}]},
     ]
     with caplog.at_level(logging.WARNING):
         examples = load_examples(str(_write_json(tmp_path / "gaps.json", rows)))
     assert [e.question for e in examples] == ["q2"]
     assert examples[0].answers == ()
-    assert "skipped 2 example(s)" in caplog.text
+    assert "skipped 4 example(s)" in caplog.text and "gaps-3" in caplog.text
+    with pytest.raises(ValueError, match="record 0 .*'question' must be text, got list"):
+        load_examples(str(_write_json(tmp_path / "odd.json", [{"question": ["q"], "answers": [], "ctxs": ["x"]}])))
 
 
 def test_answer_forms():

@@ -78,7 +78,8 @@ def load_examples(
     field_map: {our field: source field}, applied to every record before layout detection.
     data_files: passed to `datasets.load_dataset` (dataset names only).
 
-    Examples without any passage text are skipped with one logged warning giving their count.
+    Examples without any passage text, and qa examples without a question, are skipped
+    with one logged warning giving their count.
     """
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
@@ -134,7 +135,7 @@ def examples_from_records(
             break
     if skipped:
         log.warning(
-            "%s: skipped %d example(s) without passage text (first: %s)",
+            "%s: skipped %d example(s) without passage text or (qa) without a question (first: %s)",
             source, len(skipped), ", ".join(skipped[:5]),
         )
     if shape is None:

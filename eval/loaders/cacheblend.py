@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from eval.loaders.example import Example, make_example, to_answers
-from eval.loaders.shape import Shape, record_id, require
+from eval.loaders.shape import Shape, record_id, require, text_field
 
 NAME = "CacheBlend JSON"
 
@@ -36,7 +36,7 @@ def _convert(record: Mapping[str, Any], default_id: str) -> Example | None:
     return make_example(
         record_id(record, default_id),
         [passage_text(c) for c in ctxs],
-        str(require(record, "question", NAME)),
+        text_field(record, "question", NAME),
         to_answers(answers),
     )
 

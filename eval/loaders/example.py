@@ -85,8 +85,10 @@ def to_answers(value: Any) -> tuple[str, ...]:
 def make_example(
     id: str, passages: Iterable[str], question: str, answers: tuple[str, ...], task: Task = "qa"
 ) -> Example | None:
-    """Build an `Example`, or return None when no passage has any text (the caller skips it)."""
+    """Build an `Example`, or return None when no passage has any text, or a qa example has
+    no question (the caller skips it)."""
     kept = tuple(p.strip() for p in passages if p and p.strip())
-    if not kept:
+    question = (question or "").strip()
+    if not kept or (task == "qa" and not question):
         return None
-    return Example(id=str(id), passages=kept, question=(question or "").strip(), answers=answers, task=task)
+    return Example(id=str(id), passages=kept, question=question, answers=answers, task=task)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from eval.loaders.example import TASKS, Example, make_example, to_answers
-from eval.loaders.shape import Shape, record_id, require
+from eval.loaders.shape import Shape, record_id, require, text_field
 
 NAME = "kvblend passages"
 
@@ -27,7 +27,7 @@ def _convert(record: Mapping[str, Any], default_id: str) -> Example | None:
     return make_example(
         record_id(record, default_id),
         [str(p) for p in passages],
-        str(require(record, "question", NAME) or ""),
+        text_field(record, "question", NAME),
         to_answers(answers),
         task,
     )

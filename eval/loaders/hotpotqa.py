@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from eval.loaders.example import Example, make_example, to_answers
-from eval.loaders.shape import Shape, record_id, require
+from eval.loaders.shape import Shape, record_id, require, text_field
 
 NAME = "HotpotQA"
 
@@ -44,7 +44,7 @@ def _convert(record: Mapping[str, Any], default_id: str) -> Example | None:
         passages.append(f"{title.strip()}\n{body}" if title.strip() and body else body or title)
     answers = record["answer"] if "answer" in record else record.get("answers")
     return make_example(
-        record_id(record, default_id), passages, str(require(record, "question", NAME)), to_answers(answers)
+        record_id(record, default_id), passages, text_field(record, "question", NAME), to_answers(answers)
     )
 
 

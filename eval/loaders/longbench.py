@@ -9,7 +9,7 @@ from typing import Any
 
 from eval.loaders.example import Example, make_example, to_answers
 from eval.loaders.passages import split_context
-from eval.loaders.shape import Shape, record_id, require
+from eval.loaders.shape import Shape, record_id, require, text_field
 
 NAME = "LongBench JSONL"
 SUMMARIZATION_SUBSETS = frozenset({"gov_report", "qmsum", "multi_news", "vcsum", "samsum"})
@@ -26,7 +26,7 @@ def _convert(record: Mapping[str, Any], default_id: str) -> Example | None:
     return make_example(
         record_id(record, default_id),
         split_context(str(context or "")),
-        str(require(record, "input", NAME) or ""),
+        text_field(record, "input", NAME),
         to_answers(record.get("answers")),
         task,
     )

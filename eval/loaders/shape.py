@@ -3,6 +3,7 @@ of that layout and how to turn it into an `Example`. The dispatcher tries the sh
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,17 @@ def require(record: Mapping[str, Any], field: str, shape: str) -> Any:
             f"a {shape} record needs the field {field!r}; this record has: {', '.join(sorted(map(str, record)))}"
         )
     return record[field]
+
+
+def text_field(record: Mapping[str, Any], field: str, shape: str) -> str:
+    """`record[field]` as text: a missing cell (None, NaN from CSV or Parquet) is "", a
+    number its digits; anything else is a ValueError naming the field."""
+    value = require(record, field, shape)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"a {shape} record's {field!r} must be text, got {type(value).__name__} {value!r:.60}")
+    return str(value)
 
 
 def record_id(record: Mapping[str, Any], default_id: str) -> str:

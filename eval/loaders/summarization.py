@@ -11,7 +11,7 @@ from typing import Any
 
 from eval.loaders.example import Example, make_example, to_answers
 from eval.loaders.passages import DEFAULT_PASSAGE_CHARS, pack
-from eval.loaders.shape import Shape, record_id, require
+from eval.loaders.shape import Shape, record_id, require, text_field
 
 SAMSUM = "SAMSum"
 MULTINEWS = "MultiNews"
@@ -20,7 +20,7 @@ _ARTICLE_SEPARATOR = re.compile(r"\|\|\|\|\||story_separator_special_tag")
 
 
 def _convert_samsum(record: Mapping[str, Any], default_id: str) -> Example | None:
-    dialogue = str(require(record, "dialogue", SAMSUM) or "")
+    dialogue = text_field(record, "dialogue", SAMSUM)
     lines = dialogue.replace("\r\n", "\n").split("\n")
     passages = pack(lines, DEFAULT_PASSAGE_CHARS, joiner="\n")
     return make_example(
@@ -29,7 +29,7 @@ def _convert_samsum(record: Mapping[str, Any], default_id: str) -> Example | Non
 
 
 def _convert_multinews(record: Mapping[str, Any], default_id: str) -> Example | None:
-    document = str(require(record, "document", MULTINEWS) or "")
+    document = text_field(record, "document", MULTINEWS)
     articles = [a.strip() for a in _ARTICLE_SEPARATOR.split(document)]
     return make_example(
         record_id(record, default_id),
