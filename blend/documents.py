@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from blend.pipeline import Placement
-from blend.prefix import EntryMaker
+from blend.prefix import PACK_TOKENS, EntryMaker, pack_groups
 from blend.prompt import Prompt, Segment
 from blend.stats import LookupTally
 from storage.entry import KVEntry
@@ -133,8 +133,10 @@ class DocumentCache:
 
         Every segment is looked up before anything is written, so `cached` says what the
         tiers held before this call; a segment whose missing blocks an earlier segment of
-        this call already wrote (the same document twice) is not computed again. `stop` is
-        asked before each segment is computed; when it answers True, `IngestStopped`."""
+        this call already wrote (the same document twice) is not computed again. Consecutive
+        documents after the same context are prefilled together, PACK_TOKENS tokens per pass
+        (`EntryMaker.compute_documents`). `stop` is asked before each pass; when it answers
+        True, `IngestStopped` (holding the segments stored so far)."""
         found = []
         for seg in prompt.segments:
             if seg.kind == "query":
@@ -142,20 +144,47 @@ class DocumentCache:
             ids, context = list(seg.token_ids), self.context(seg, prompt)
             blocks = self.blocks(ids, context)
             found.append((seg, ids, context, blocks, [i for i, b in enumerate(blocks) if self._find(ids, b) is None]))
-        written: set[str] = set()
-        out = []
-        for seg, ids, context, blocks, missing in found:
-            todo = [i for i in missing if blocks[i].key not in written]
-            if todo and stop is not None and stop():
-                raise IngestStopped(f"ingest stopped after {len(written)} new blocks; they stay stored", out)
+        jobs: list[tuple[int, list[int]]] = []  # (index into found, blocks to store)
+        planned: set[str] = set()
+        for n, (_seg, _ids, _context, blocks, missing) in enumerate(found):
+            todo = [i for i in missing if blocks[i].key not in planned]
+            planned.update(blocks[i].key for i in todo)
             if todo:
-                entries = self.compute(ids, context, blocks)
-                for i in todo:
-                    self.store.put(blocks[i].key, entries[i])
-                    written.add(blocks[i].key)
-            if seg.kind == "document":
-                out.append(StoredSegment(seg, tuple(b.key for b in blocks), not missing))
-        return out
+                jobs.append((n, todo))
+        done = set(range(len(found))) - {n for n, _ in jobs}
+
+        def stored() -> list[StoredSegment]:
+            return [StoredSegment(seg, tuple(b.key for b in blocks), not missing)
+                    for n, (seg, _ids, _context, blocks, missing) in enumerate(found)
+                    if seg.kind == "document" and n in done]
+
+        # documents after the same context are computed together (packed passes)
+        runs: list[list[tuple[int, list[int]]]] = []
+        for job in jobs:
+            if runs and found[runs[-1][0][0]][2] == found[job[0]][2]:
+                runs[-1].append(job)
+            else:
+                runs.append([job])
+        for run in runs:
+            run.sort(key=lambda job: len(found[job[0]][1]))  # similar lengths pack with little padding
+            for pack in _chunks(run, [len(found[n][1]) for n, _ in run]):
+                if stop is not None and stop():
+                    raise IngestStopped(f"ingest stopped with {len(jobs) - sum(n in done for n, _ in jobs)} "
+                                        "documents left to compute; those computed stay stored", stored())
+                context = found[pack[0][0]][2]
+                entries = self.maker.compute_documents(
+                    [(found[n][1], [(b.start, b.end) for b in found[n][3]]) for n, _ in pack], context)
+                for (n, todo), made in zip(pack, entries, strict=True):
+                    for i in todo:
+                        self.store.put(found[n][3][i].key, made[i])
+                    done.add(n)
+        return stored()
+
+
+def _chunks(jobs: list, lengths: list[int]) -> list[list]:
+    """`jobs` in consecutive groups of at most PACK_TOKENS tokens (one packed pass each),
+    so that `stop` is asked between passes."""
+    return [[jobs[i] for i in group] for group in pack_groups(lengths, PACK_TOKENS)]
 
 
 class _Rebuild:

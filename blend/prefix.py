@@ -25,6 +25,7 @@ from storage.keys import prefix_block_key
 from storage.stack import TieredStore
 
 CONTEXT_KEEP_BYTES = 64 << 20  # a context's KV above this is not kept between documents
+PACK_TOKENS = 2048  # documents ingested together are prefilled in passes of at most this many tokens
 
 
 class EntryMaker:
@@ -71,6 +72,28 @@ class EntryMaker:
         self.runner.prefill(torch.tensor(own), cache, start=start, logit_rows=())
         return [self.from_cache(cache, own[a:b], start + a) for a, b in bounds]
 
+    def compute_documents(self, documents: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
+                          context: Sequence[int]) -> list[list[KVEntry]]:
+        """`compute_blocks` for several documents after the same context: per document its
+        token ids and block bounds; returns per document its block entries. Documents are
+        prefilled together (`Runner.prefill_packed`: each sees the context and itself only)
+        in passes of at most PACK_TOKENS tokens; a longer one alone."""
+        out: list[list[KVEntry]] = []
+        start = len(context)
+        kept = self.context_kv(context) if start else None
+        for group in pack_groups([len(ids) for ids, _ in documents], PACK_TOKENS):
+            if len(group) == 1:
+                ids, bounds = documents[group[0]]
+                out.append(self.compute_blocks(ids, context, bounds))
+                continue
+            packed = self.runner.prefill_packed([documents[i][0] for i in group], kept, start)
+            slot = 0
+            for i in group:
+                ids, bounds = list(documents[i][0]), documents[i][1]
+                out.append([self.from_slots(packed, ids[a:b], slot + a, start + a) for a, b in bounds])
+                slot += len(ids)
+        return out
+
     def context_kv(self, context: Sequence[int]) -> KVCache:
         """The KV of `context` prefilled alone from position 0 (compute dtype): the kept one
         when the last context was the same, else computed now (and kept when small enough).
@@ -86,11 +109,31 @@ class EntryMaker:
         return cache
 
     def from_cache(self, cache: KVCache, token_ids: Sequence[int], start: int) -> KVEntry:
-        """Slots start..start+len(token_ids)-1 of `cache` as an entry (copied, storage dtype)."""
-        end = start + len(token_ids)
-        layers = [(cache.k[i][:, start:end], cache.v[i][:, start:end]) for i in range(self.runner.num_layers)]
+        """Slots start..start+len(token_ids)-1 of `cache` (keys rotated at those positions)
+        as an entry (copied, storage dtype)."""
+        return self.from_slots(cache, token_ids, start, start)
+
+    def from_slots(self, cache: KVCache, token_ids: Sequence[int], slot: int, pos_start: int) -> KVEntry:
+        """Slots slot..slot+len(token_ids)-1 of `cache`, whose keys are rotated at positions
+        pos_start.., as an entry (copied, storage dtype)."""
+        end = slot + len(token_ids)
+        layers = [(cache.k[i][:, slot:end], cache.v[i][:, slot:end]) for i in range(self.runner.num_layers)]
         return KVEntry.from_tensors(layers, fingerprint=self.fingerprint, token_ids=list(token_ids),
-                                    pos_start=start, kv_dtype=self.kv_dtype)
+                                    pos_start=pos_start, kv_dtype=self.kv_dtype)
+
+
+def pack_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Consecutive indices grouped so that each group's lengths sum to at most `budget`
+    (a longer item forms a group of its own)."""
+    groups: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(lengths):
+        if not groups or size + n > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
 
 
 class PrefixCache:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from blend.attention import (  # noqa: F401 - ATTN_GROUP_MIN, PAD_TO_CAUSAL: re-exported
     ATTN_GROUP_MIN,
@@ -387,6 +388,68 @@ class Runner:
                 h = self.finish(layer, h, self.attend(q, positions, keys, values))
         cache.length = end
         return self.logits(h[rows])
+
+    @torch.inference_mode()
+    def prefill_packed(self, sequences: Sequence[Sequence[int]], context: KVCache | None = None,
+                       start: int = 0) -> KVCache:
+        """K/V of several independent sequences computed in one pass: each sequence sits at
+        positions start..start+n-1 after the first `start` slots of `context` (shared, only
+        read) and attends to them and to its own earlier tokens, never to another sequence;
+        the same computation as one `prefill` per sequence after that context. The linear
+        layers see every row at once; attention is one masked call per layer over the
+        sequences padded to the longest (pack sequences of similar lengths).
+
+        Returns a new cache holding their K/V back to back, in order (slot = packed row,
+        length = total tokens). Only K/V: the last layer stops after writing them.
+        """
+        lengths = [len(s) for s in sequences]
+        if not lengths or min(lengths) < 1:
+            raise ValueError("prefill_packed needs at least one sequence and no empty one")
+        if start and (context is None or context.length < start):
+            raise ValueError(f"prefill_packed after {start} context slots needs a context cache filled that far")
+        self.check_length(start + max(lengths))
+        total, batch, longest = sum(lengths), len(lengths), max(lengths)
+        ids = torch.tensor([t for seq in sequences for t in seq])  # (T,)
+        cos, sin = self.rope(torch.cat([torch.arange(start, start + n) for n in lengths]))  # (T, D) each
+        # the batch of padded sequences: row i of sequence b is packed row first[b] + i
+        first = torch.tensor([0, *lengths[:-1]]).cumsum(0)  # (B,)
+        n = torch.tensor(lengths)  # (B,)
+        i = torch.arange(longest)  # (Lq,)
+        valid = i[None, :] < n[:, None]  # (B, Lq)
+        rows = torch.where(valid, first[:, None] + i[None, :], 0)  # (B, Lq) packed rows (padding: row 0)
+        width = start + longest
+        key = torch.arange(width)  # (Lk,) key slot: context 0..start-1, then the sequence's own rows
+        own = key[None, :] - start  # (1, Lk) offset into the sequence
+        key_rows = torch.where(own >= 0, start + first[:, None] + own.clamp(min=0), key[None, :])  # (B, Lk)
+        key_rows = torch.where(own < n[:, None], key_rows, 0)  # padding keys: any row, masked below
+        mask = (own[:, None, :] < 0) | (own[:, None, :] <= i[None, :, None])  # (1, Lq, Lk): context or causal
+        mask = mask & (own[:, None, :] < n[:, None, None])  # (B, Lq, Lk): not past the sequence's end
+        mask = mask[:, None].to(self.device)  # (B, 1, Lq, Lk); a padded query row still sees key 0
+        rows_d, key_rows_d = rows.to(self.device), key_rows.to(self.device)
+        keep = (torch.arange(batch)[:, None] * longest + i[None, :])[valid].to(self.device)  # (T,) in packed order
+        packed = self.new_cache(total)
+        h = self.embed(ids)  # (T, hidden)
+        for layer in range(self.num_layers):
+            q, k, v = self.qkv(layer, h, cos, sin)  # (H, T, D), (Hkv, T, D) x2
+            packed.k[layer][:, :total] = k
+            packed.v[layer][:, :total] = v
+            if layer == self.num_layers - 1:  # the last layer's output feeds nothing wanted
+                break
+            if start:
+                assert context is not None
+                k_all = torch.cat([context.k[layer][:, :start], k], dim=1)  # (Hkv, start + T, D)
+                v_all = torch.cat([context.v[layer][:, :start], v], dim=1)
+            else:
+                k_all, v_all = k, v
+            qb = q[:, rows_d].transpose(0, 1)  # (B, H, Lq, D)
+            kb = k_all[:, key_rows_d].transpose(0, 1)  # (B, Hkv, Lk, D)
+            vb = v_all[:, key_rows_d].transpose(0, 1)
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=self.scaling,
+                                                 enable_gqa=True)  # (B, H, Lq, D)
+            out = out.transpose(1, 2).reshape(batch * longest, -1)[keep]  # (T, H*D)
+            h = self.finish(layer, h, out)
+        packed.length = total
+        return packed
 
     @torch.inference_mode()
     def step(self, token_id: int, cache: KVCache) -> torch.Tensor:

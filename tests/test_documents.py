@@ -128,9 +128,10 @@ def test_split_document_parts_are_cached_separately():
 
 def test_ingest_reports_what_was_stored_before_and_computes_a_repeated_document_once():
     with make_engine() as engine:
-        calls = []
-        compute = engine.document_kv.compute
-        engine.document_kv.compute = lambda *a: calls.append(a) or compute(*a)
+        calls = []  # one per document computed
+        maker = engine.document_kv.maker
+        compute = maker.compute_documents
+        maker.compute_documents = lambda docs, context: calls.extend(docs) or compute(docs, context)
         first = engine.ingest([DOCS[0], DOCS[0], DOCS[1]])
         assert [d.cached for d in first] == [False, False, False]  # what the tiers held before the call
         assert first[0].keys == first[1].keys
@@ -205,9 +206,13 @@ def test_documents_after_the_same_context_prefill_it_once():
                 assert maxdiff(stored_k, k) < 1e-4 and maxdiff(stored_v, v) < 1e-4
 
 
-def test_ingest_stops_between_documents_and_keeps_what_it_stored():
+def test_ingest_stops_between_documents_and_keeps_what_it_stored(monkeypatch):
+    import blend.documents
+    import blend.prefix
     from blend.documents import IngestStopped
 
+    for module in (blend.documents, blend.prefix):  # one document per pass
+        monkeypatch.setattr(module, "PACK_TOKENS", 1)
     with make_engine(chunk_tokens=16) as engine:
         asked: list[int] = []
 
@@ -218,8 +223,38 @@ def test_ingest_stops_between_documents_and_keeps_what_it_stored():
         with pytest.raises(IngestStopped, match="stay stored"):
             engine.ingest([DOCS[0], DOCS[1], DOCS[2]], stop=stop)
         assert len(asked) == 3
-        again = engine.ingest([DOCS[0], DOCS[1]])
-        assert [d.cached for d in again] == [True, False]  # the first was stored, the second never computed
-        assert engine.delete_document(again[0].id)  # known by id after the stop
+        before = [engine.document_kv.maker.compute_documents]  # nothing computed from here on
+        engine.document_kv.maker.compute_documents = lambda *a: before.append(a) or before[0](*a)
+        again = engine.ingest([DOCS[0], DOCS[1], DOCS[2]], sync=True)
+        stored = [d for d in again if d.cached]
+        assert len(stored) == 1 and len(before) == 1 + 2  # one stored before the stop, two computed now
+        assert engine.delete_document(stored[0].id)  # known by id after the stop
         with pytest.raises(TypeError, match="stop must be a callable"):
             engine.ingest([DOCS[0]], stop=True)
+
+
+@pytest.mark.parametrize("layout", ["none", "system"])
+def test_documents_ingested_together_equal_one_at_a_time(layout, monkeypatch):
+    """Packed passes (documents of different lengths, sorted, padded) store the same KV as
+    one prefill per document, and every pass stays within PACK_TOKENS."""
+    import blend.documents
+    import blend.prefix
+
+    docs = [DOCS[0], LONG_DOC, DOCS[1], "Short one.", DOCS[2]]
+    with make_engine(chunk_tokens=16, chunk_context=layout) as together:
+        packs: list[int] = []
+        packed = together.runner.prefill_packed
+        together.runner.prefill_packed = lambda seqs, *a: (packs.append(sum(map(len, seqs))), packed(seqs, *a))[1]
+        for module in (blend.documents, blend.prefix):
+            monkeypatch.setattr(module, "PACK_TOKENS", 96)
+        keys = [d.keys for d in together.ingest(docs)]
+        assert packs and max(packs) <= 96  # 4 + 17 + 37 tokens in one pass; the longer ones alone
+        with make_engine(chunk_tokens=16, chunk_context=layout) as alone:
+            for doc, doc_keys in zip(docs, keys, strict=True):
+                assert alone.ingest([doc])[0].keys == doc_keys
+            prompt = together.build_prompt(QUESTION, docs)
+            a, b = together.prefill(prompt, mode="reuse"), alone.prefill(prompt, mode="reuse")
+            assert a.stats.documents.hits == b.stats.documents.hits == len(docs) and not a.stats.documents.misses
+            for layer in range(together.runner.num_layers):
+                assert maxdiff(a.cache.k[layer][:, :len(prompt)], b.cache.k[layer][:, :len(prompt)]) < 1e-4
+                assert maxdiff(a.cache.v[layer][:, :len(prompt)], b.cache.v[layer][:, :len(prompt)]) < 1e-4

@@ -168,3 +168,28 @@ def test_prefill_without_logit_rows_writes_the_same_kv():
     for layer in range(runner.num_layers):
         assert torch.equal(kv_only.k[layer], with_logits.k[layer])
         assert torch.equal(kv_only.v[layer], with_logits.v[layer])
+
+
+@pytest.mark.parametrize("start", [0, 7])
+def test_packed_prefill_equals_one_prefill_per_sequence(start):
+    lm = tiny_model("llama", vocab_size=512)
+    runner = Runner(lm)
+    g = torch.Generator().manual_seed(0)
+    context = torch.randint(0, 512, (start,), generator=g).tolist()
+    seqs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 13, 1, 9)]
+    kept = None
+    if start:
+        kept = runner.new_cache(start)
+        runner.prefill(torch.tensor(context), kept)
+    packed = runner.prefill_packed(seqs, kept, start)
+    assert packed.length == sum(map(len, seqs))
+    slot = 0
+    for seq in seqs:
+        one = runner.new_cache(start + len(seq))
+        runner.prefill(torch.tensor(context + seq), one)
+        for layer in range(runner.num_layers):
+            assert (packed.k[layer][:, slot:slot + len(seq)] - one.k[layer][:, start:]).abs().max() < 1e-5
+            assert (packed.v[layer][:, slot:slot + len(seq)] - one.v[layer][:, start:]).abs().max() < 1e-5
+        slot += len(seq)
+    with pytest.raises(ValueError, match="no empty one"):
+        runner.prefill_packed([[1, 2], []])
