@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from blend.pipeline import Placement
-from blend.prefix import PACK_TOKENS, EntryMaker, pack_groups
+from blend.prefix import EntryMaker, pack_groups
 from blend.prompt import Prompt, Segment
 from blend.stats import LookupTally
 from storage.entry import KVEntry
@@ -134,8 +134,8 @@ class DocumentCache:
         Every segment is looked up before anything is written, so `cached` says what the
         tiers held before this call; a segment whose missing blocks an earlier segment of
         this call already wrote (the same document twice) is not computed again. Consecutive
-        documents after the same context are prefilled together, PACK_TOKENS tokens per pass
-        (`EntryMaker.compute_documents`). `stop` is asked before each pass; when it answers
+        documents after the same context are prefilled together, in passes of
+        `pack_groups` (`EntryMaker.compute_documents`). `stop` is asked before each pass; when it answers
         True, `IngestStopped` (holding the segments stored so far)."""
         found = []
         for seg in prompt.segments:
@@ -167,7 +167,7 @@ class DocumentCache:
                 runs.append([job])
         for run in runs:
             run.sort(key=lambda job: len(found[job[0]][1]))  # similar lengths pack with little padding
-            for pack in _chunks(run, [len(found[n][1]) for n, _ in run]):
+            for pack in _chunks(run, [len(found[n][1]) for n, _ in run], len(found[run[0][0]][2])):
                 if stop is not None and stop():
                     raise IngestStopped(f"ingest stopped with {len(jobs) - sum(n in done for n, _ in jobs)} "
                                         "documents left to compute; those computed stay stored", stored())
@@ -181,10 +181,10 @@ class DocumentCache:
         return stored()
 
 
-def _chunks(jobs: list, lengths: list[int]) -> list[list]:
-    """`jobs` in consecutive groups of at most PACK_TOKENS tokens (one packed pass each),
-    so that `stop` is asked between passes."""
-    return [[jobs[i] for i in group] for group in pack_groups(lengths, PACK_TOKENS)]
+def _chunks(jobs: list, lengths: list[int], context: int) -> list[list]:
+    """`jobs` in consecutive groups of one packed pass each (`pack_groups`), so that `stop`
+    is asked between passes."""
+    return [[jobs[i] for i in group] for group in pack_groups(lengths, context)]
 
 
 class _Rebuild:

@@ -25,7 +25,8 @@ from storage.keys import prefix_block_key
 from storage.stack import TieredStore
 
 CONTEXT_KEEP_BYTES = 64 << 20  # a context's KV above this is not kept between documents
-PACK_TOKENS = 2048  # documents ingested together are prefilled in passes of at most this many tokens
+PACK_TOKENS = 2048  # documents ingested together are prefilled in passes of at most this many tokens ...
+PACK_KEYS = 16384  # ... and at most this many padded keys (documents x (context + the longest)) per pass
 
 
 class EntryMaker:
@@ -77,11 +78,11 @@ class EntryMaker:
         """`compute_blocks` for several documents after the same context: per document its
         token ids and block bounds; returns per document its block entries. Documents are
         prefilled together (`Runner.prefill_packed`: each sees the context and itself only)
-        in passes of at most PACK_TOKENS tokens; a longer one alone."""
+        in passes of `pack_groups`; a document over the budget alone."""
         out: list[list[KVEntry]] = []
         start = len(context)
         kept = self.context_kv(context) if start else None
-        for group in pack_groups([len(ids) for ids, _ in documents], PACK_TOKENS):
+        for group in pack_groups([len(ids) for ids, _ in documents], start):
             if len(group) == 1:
                 ids, bounds = documents[group[0]]
                 out.append(self.compute_blocks(ids, context, bounds))
@@ -122,17 +123,21 @@ class EntryMaker:
                                     pos_start=pos_start, kv_dtype=self.kv_dtype)
 
 
-def pack_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Consecutive indices grouped so that each group's lengths sum to at most `budget`
-    (a longer item forms a group of its own)."""
+def pack_groups(lengths: Sequence[int], context: int) -> list[list[int]]:
+    """Consecutive indices of documents of `lengths` tokens (after `context` tokens) grouped
+    into packed passes: each group holds at most PACK_TOKENS tokens and, padded to its
+    longest, at most PACK_KEYS keys (the context is repeated per document); an item over
+    the budget forms a group of its own. Sorted lengths waste the least padding."""
     groups: list[list[int]] = []
-    size = 0
+    size = longest = 0
     for i, n in enumerate(lengths):
-        if not groups or size + n > budget:
+        wider = max(longest, n)
+        if not groups or size + n > PACK_TOKENS or (len(groups[-1]) + 1) * (context + wider) > PACK_KEYS:
             groups.append([])
-            size = 0
+            size, wider = 0, n
         groups[-1].append(i)
         size += n
+        longest = wider
     return groups
 
 

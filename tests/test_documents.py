@@ -207,12 +207,10 @@ def test_documents_after_the_same_context_prefill_it_once():
 
 
 def test_ingest_stops_between_documents_and_keeps_what_it_stored(monkeypatch):
-    import blend.documents
     import blend.prefix
     from blend.documents import IngestStopped
 
-    for module in (blend.documents, blend.prefix):  # one document per pass
-        monkeypatch.setattr(module, "PACK_TOKENS", 1)
+    monkeypatch.setattr(blend.prefix, "PACK_TOKENS", 1)  # one document per pass
     with make_engine(chunk_tokens=16) as engine:
         asked: list[int] = []
 
@@ -237,7 +235,6 @@ def test_ingest_stops_between_documents_and_keeps_what_it_stored(monkeypatch):
 def test_documents_ingested_together_equal_one_at_a_time(layout, monkeypatch):
     """Packed passes (documents of different lengths, sorted, padded) store the same KV as
     one prefill per document, and every pass stays within PACK_TOKENS."""
-    import blend.documents
     import blend.prefix
 
     docs = [DOCS[0], LONG_DOC, DOCS[1], "Short one.", DOCS[2]]
@@ -245,8 +242,7 @@ def test_documents_ingested_together_equal_one_at_a_time(layout, monkeypatch):
         packs: list[int] = []
         packed = together.runner.prefill_packed
         together.runner.prefill_packed = lambda seqs, *a: (packs.append(sum(map(len, seqs))), packed(seqs, *a))[1]
-        for module in (blend.documents, blend.prefix):
-            monkeypatch.setattr(module, "PACK_TOKENS", 96)
+        monkeypatch.setattr(blend.prefix, "PACK_TOKENS", 96)
         keys = [d.keys for d in together.ingest(docs)]
         assert packs and max(packs) <= 96  # 4 + 17 + 37 tokens in one pass; the longer ones alone
         with make_engine(chunk_tokens=16, chunk_context=layout) as alone:
@@ -258,3 +254,20 @@ def test_documents_ingested_together_equal_one_at_a_time(layout, monkeypatch):
             for layer in range(together.runner.num_layers):
                 assert maxdiff(a.cache.k[layer][:, :len(prompt)], b.cache.k[layer][:, :len(prompt)]) < 1e-4
                 assert maxdiff(a.cache.v[layer][:, :len(prompt)], b.cache.v[layer][:, :len(prompt)]) < 1e-4
+
+
+def test_pack_groups_keep_both_budgets(monkeypatch):
+    import blend.prefix
+    from blend.prefix import pack_groups
+
+    monkeypatch.setattr(blend.prefix, "PACK_TOKENS", 100)
+    monkeypatch.setattr(blend.prefix, "PACK_KEYS", 400)
+    lengths = [5, 10, 20, 30, 40, 150, 60]
+    for context in (0, 50, 500):
+        groups = pack_groups(lengths, context)
+        assert [i for g in groups for i in g] == list(range(len(lengths)))  # consecutive, all, in order
+        for g in groups:
+            sizes = [lengths[i] for i in g]
+            assert len(g) == 1 or (sum(sizes) <= 100 and len(g) * (context + max(sizes)) <= 400)
+    assert pack_groups(lengths, 0) == [[0, 1, 2, 3], [4], [5], [6]]
+    assert pack_groups(lengths, 500) == [[i] for i in range(len(lengths))]  # the context alone fills a pass
