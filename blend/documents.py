@@ -100,18 +100,33 @@ class DocumentCache:
     def resolve(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally) -> list[Placement]:
         """Placements of every block of `segments`, in prompt order.
 
-        A segment is one lookup: a hit when every block is stored. On a miss the whole
-        segment is computed now, its missing blocks are queued for the store, and its
-        placements carry the computed entries. A block that turns out unreadable while
-        loading is rebuilt by recomputing its document (once per document).
+        A segment is one lookup: a hit when every block is stored. The segments that miss
+        are computed now (those after the same context together, `compute_documents`), their
+        missing blocks are queued for the store, and their placements carry the computed
+        entries. A block that turns out unreadable while loading is rebuilt by recomputing
+        its document (once per document).
         """
-        placements: list[Placement] = []
+        looked = []
         for seg in segments:
             ids, context = list(seg.token_ids), self.context(seg, prompt)
             blocks = self.blocks(ids, context)
-            found = [self._find(ids, b) for b in blocks]
+            looked.append((seg, _Rebuild(self, ids, context, blocks), [self._find(ids, b) for b in blocks]))
+        missed: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Rebuild]] = {}  # a repeated document once
+        for _seg, rebuild, found in looked:
+            if any(loc is None for loc in found):
+                missed.setdefault((tuple(rebuild.context), tuple(rebuild.ids)), []).append(rebuild)
+        for context in dict.fromkeys(c for c, _ids in missed):  # documents after the same context together
+            group = [rebuilds for (c, _ids), rebuilds in missed.items() if c == context]
+            made = self.maker.compute_documents(
+                [(r[0].ids, [(b.start, b.end) for b in r[0].block_list]) for r in group], context)
+            for rebuilds, entries in zip(group, made, strict=True):
+                for rebuild in rebuilds:
+                    rebuild.seed(entries)
+        queued: set[str] = set()
+        placements: list[Placement] = []
+        for seg, rebuild, found in looked:
             kind = "system" if seg.kind == "prefix" else "documents"
-            rebuild = _Rebuild(self, ids, context, blocks)
+            blocks = rebuild.block_list
             if all(loc is not None for loc in found):
                 tally.hit(kind, max(loc.tier_index for loc in found))
                 for i, (b, loc) in enumerate(zip(blocks, found, strict=True)):
@@ -121,8 +136,9 @@ class DocumentCache:
             tally.miss(kind)
             entries = rebuild.entries()
             for i, (b, loc) in enumerate(zip(blocks, found, strict=True)):
-                if loc is None:
+                if loc is None and b.key not in queued:
                     self.store.put(b.key, entries[i])
+                    queued.add(b.key)
                 placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, None, entries[i],
                                             rebuild.block(i)))
         return placements
@@ -198,6 +214,10 @@ class _Rebuild:
         if self._entries is None:
             self._entries = self.cache.compute(self.ids, self.context, self.block_list)
         return self._entries
+
+    def seed(self, entries: list[KVEntry]) -> None:
+        """Entries computed elsewhere (with other documents, in one pass)."""
+        self._entries = entries
 
     def block(self, index: int):
         return lambda: self.entries()[index]

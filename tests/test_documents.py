@@ -271,3 +271,26 @@ def test_pack_groups_keep_both_budgets(monkeypatch):
             assert len(g) == 1 or (sum(sizes) <= 100 and len(g) * (context + max(sizes)) <= 400)
     assert pack_groups(lengths, 0) == [[0, 1, 2, 3], [4], [5], [6]]
     assert pack_groups(lengths, 500) == [[i] for i in range(len(lengths))]  # the context alone fills a pass
+
+
+@pytest.mark.parametrize("layout", ["none", "system"])
+def test_a_cold_request_computes_its_missing_documents_together(layout):
+    """Documents that miss are computed in one packed pass per context (a repeated one once)
+    and give the same KV as documents ingested first."""
+    docs = [DOCS[0], DOCS[1], DOCS[0], DOCS[2]]
+    with make_engine(chunk_tokens=16, chunk_context=layout) as cold, \
+            make_engine(chunk_tokens=16, chunk_context=layout) as warm:
+        maker = cold.document_kv.maker
+        passes: list[int] = []
+        compute = maker.compute_documents
+        maker.compute_documents = lambda group, context: passes.append(len(group)) or compute(group, context)
+        prompt = cold.build_prompt(QUESTION, docs)
+        a = cold.prefill(prompt, mode="reuse")
+        # the system part and three distinct documents: one pass when all come after no context
+        assert a.stats.documents.misses == 4 and passes == ([4] if layout == "none" else [1, 3])
+        warm.ingest(docs)
+        b = warm.prefill(prompt, mode="reuse")
+        assert b.stats.documents.hits == 4
+        for layer in range(cold.runner.num_layers):
+            assert maxdiff(a.cache.k[layer][:, :len(prompt)], b.cache.k[layer][:, :len(prompt)]) < 1e-4
+            assert maxdiff(a.cache.v[layer][:, :len(prompt)], b.cache.v[layer][:, :len(prompt)]) < 1e-4
