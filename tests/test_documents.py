@@ -271,6 +271,8 @@ def test_pack_groups_keep_both_budgets(monkeypatch):
             assert len(g) == 1 or (sum(sizes) <= 100 and len(g) * (context + max(sizes)) <= 400)
     assert pack_groups(lengths, 0) == [[0, 1, 2, 3], [4], [5], [6]]
     assert pack_groups(lengths, 500) == [[i] for i in range(len(lengths))]  # the context alone fills a pass
+    monkeypatch.setattr(blend.prefix, "PACK_DOCUMENT_TOKENS", 25)
+    assert pack_groups(lengths, 0) == [[0, 1, 2], [3], [4], [5], [6]]  # longer documents alone
 
 
 @pytest.mark.parametrize("layout", ["none", "system"])
