@@ -164,7 +164,7 @@ def _model(name: str) -> str:
     if config_json.is_file():
         try:
             json.loads(config_json.read_text(encoding="utf-8"))
-        except (ValueError, OSError) as err:
+        except (ValueError, OSError, RecursionError) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ValueError(f"{config_json}: not a valid model config.json ({reason}); restore the model's "
                              "files or point model at another directory") from None

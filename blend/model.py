@@ -312,7 +312,7 @@ def _gguf_digest(path: Path) -> str:
     key = f"{path}:{st.st_size}:{st.st_mtime_ns}"
     try:
         known = json.loads(memo.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         known = {}
     if key not in known:
         known[key] = _file_digest(path)

@@ -33,10 +33,11 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,28 @@ except ImportError:  # pragma: no cover - Windows: threads of one process are st
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
-_SESSION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_SESSION_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+MAX_HISTORY_BYTES = 64 << 20  # a session history file above this is refused (it is text messages)
+# session files are opened like the disk tier's entries: never through a symlink, never blocking on a FIFO
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file at `path` (not through a symlink, never blocking on a FIFO
+    or device), at most `limit` of them; OSError / ValueError otherwise."""
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{st.st_size} bytes, over the {limit} bytes a history may hold")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit + 1)[:limit]
+    finally:
+        os.close(fd)
 
 
 class SessionBusy(RuntimeError):
@@ -68,7 +90,8 @@ class SessionBusy(RuntimeError):
 def check_session_id(session_id: str) -> str:
     """Return `session_id` if it is usable as a file name; ValueError otherwise."""
     if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
-        raise ValueError(f"bad session id {session_id!r}: use 1-128 letters, digits, '_', '-' or '.'")
+        raise ValueError(f"bad session id {session_id!r}: use 1-128 letters, digits, '_', '-' or '.', "
+                         "starting with a letter, digit or '_'")
     return session_id
 
 
@@ -124,7 +147,7 @@ class SessionManager:
         """Messages from the session's JSON file; None if there is none (a new session)."""
         path = self._path(session_id)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(_read_regular(path, MAX_HISTORY_BYTES).decode("utf-8"))
             if not isinstance(data, dict) or "messages" not in data:
                 raise ValueError("expected a JSON object with the session's messages")
             if data.get("session_id", session_id) != session_id:
@@ -137,17 +160,25 @@ class SessionManager:
             return [{"role": m["role"], "content": m["content"]} for m in messages]
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"session {session_id!r}: history file {path} is unreadable ({err}); "
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:  # Recursion: nested too deep
+            raise ValueError(f"session {session_id!r}: history file {path} is unreadable ({str(err)[:200]}); "
                              "repair it, or delete it (engine.drop) to start the session over") from None
 
-    def _save(self, session: Session) -> None:
-        """Write the history atomically (temp file + rename)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self._path(session.session_id)
+    def _save(self, session_id: str, messages: list[dict[str, str]]) -> None:
+        """Write the history atomically (temp file + rename); a failed write leaves the old
+        file and no temp file, and is a one-line error naming the file."""
+        path = self._path(session_id)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-        tmp.write_text(json.dumps({"session_id": session.session_id, "messages": session.messages}), encoding="utf-8")
-        os.replace(tmp, path)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"session_id": session_id, "messages": messages}), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as err:
+            with suppress(OSError):  # a partly written temp file
+                tmp.unlink(missing_ok=True)
+            raise ValueError(f"session {session_id!r}: cannot write its history {path} ({err.strerror or err}); "
+                             "free space or fix the sessions directory (engine.sessions_dir); the turn is not "
+                             "part of the conversation") from None
 
     @contextmanager
     def _exclusive(self, session: Session) -> Iterator[None]:
@@ -160,8 +191,14 @@ class SessionManager:
         fd = None
         try:
             if fcntl is not None:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.directory / f"{session.session_id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+                lock = self.directory / f"{session.session_id}.lock"
+                try:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                    fd = os.open(lock, _LOCK_FLAGS, 0o644)
+                except OSError as err:  # read-only, a symlink or a directory in its place
+                    raise ValueError(f"session {session.session_id!r}: cannot open its lock file {lock} "
+                                     f"({err.strerror or err}); fix the sessions directory (engine.sessions_dir) "
+                                     "or remove what is in the lock file's place") from None
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -201,8 +238,12 @@ class SessionManager:
         with self._exclusive(session):
             with self._lock:
                 self.sessions.pop(session_id, None)
-            self._path(session_id).unlink(missing_ok=True)
-            (self.directory / f"{session_id}.lock").unlink(missing_ok=True)
+            for path in (self._path(session_id), self.directory / f"{session_id}.lock"):
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as err:
+                    raise ValueError(f"session {session_id!r}: cannot remove {path} ({err.strerror or err}); "
+                                     "remove it by hand") from None
             session.cache, session.messages = None, []
 
     def set_history(self, session_id: str, messages: Sequence[Mapping[str, str]]) -> None:
@@ -214,8 +255,8 @@ class SessionManager:
         history = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
         session = self._get(session_id)
         with self._exclusive(session):
+            self._save(session_id, history)
             session.messages, session.cache, session.cache_ids = history, None, []
-            self._save(session)
 
     def resident_bytes(self) -> int:
         """Bytes of device-resident chat KV over all sessions."""
@@ -317,10 +358,11 @@ class SessionManager:
         if exact:
             stored = self.prefix.store_blocks(all_ids, pre.cache, skip_below=stored_end, tail=True)
             result.stats = result.stats.replace(stored_blocks=stored)
-        session.messages = messages + [{"role": "assistant", "content": result.text}]
+        history = messages + [{"role": "assistant", "content": result.text}]
+        self._save(session.session_id, history)  # first: a turn that cannot be saved is not in the conversation
+        session.messages = history
         session.cache, session.cache_ids, session.exact = pre.cache, all_ids, exact
         session.last_used = time.monotonic()
-        self._save(session)
         return result
 
     def _device_prefix(self, session: Session, ids: list[int]) -> int:

@@ -112,8 +112,9 @@ def _read(path: Path, repair: bool = True) -> tuple[dict[str, Any], dict[str, di
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg}); delete the file to start over") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            why = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            raise ValueError(f"{path}:{number}: not valid JSON ({why}); delete the file to start over") from None
         kind = record.get("record") if isinstance(record, dict) else None
         if number == 1:
             if kind != "settings":

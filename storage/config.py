@@ -380,6 +380,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise ValueError(f"{p}: not UTF-8 text; save the file as UTF-8") from None
+    except RecursionError:
+        raise ValueError(f"{p}: nested too deeply to read; a config is a few levels of keys") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

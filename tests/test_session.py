@@ -290,3 +290,46 @@ def test_bench_history_reaches_the_requested_length():
         history = build_history(tokenizer, sample_documents(), target)
         n = len(tokenizer.apply_chat_template(history, tokenize=True, return_dict=False))
         assert target <= n <= target + 3 and history[-1]["role"] == "assistant"
+
+
+def test_session_files_are_opened_safely_and_a_failed_save_leaves_the_conversation(tmp_path, monkeypatch):
+    import os
+    import threading as th
+
+    import blend.session
+
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"messages": [{"role": "user", "content": "planted"}]}))
+    with make_engine(tmp_path) as engine:
+        os.mkfifo(sessions / "fifo.json")  # would block a plain open for reading
+        (sessions / "link.json").symlink_to(outside)
+        (sessions / "deep.json").write_text("[" * 5000)
+        for sid, why in (("fifo", "not a regular file"), ("link", "symbolic links"), ("deep", "recursion")):
+            with pytest.raises(ValueError, match=f"(?i)session '{sid}'.*unreadable.*{why}"):
+                engine.chat(sid, "hello")
+        monkeypatch.setattr(blend.session, "MAX_HISTORY_BYTES", 8)
+        (sessions / "big.json").write_text(json.dumps({"messages": []}))
+        with pytest.raises(ValueError, match="over the 8 bytes"):
+            engine.chat("big", "hello")
+        monkeypatch.undo()
+        (sessions / "planted.lock").symlink_to(tmp_path / "created-through-the-lock")
+        with pytest.raises(ValueError, match="cannot open its lock file"):
+            engine.chat("planted", "hello")
+        assert not (tmp_path / "created-through-the-lock").exists()
+        for bad in (".", "..", "..."):
+            with pytest.raises(ValueError, match="bad session id"):
+                engine.chat(bad, "hello")
+        # a turn whose history cannot be written raises and is not part of the conversation
+        first = engine.chat("kept", MESSAGES[0])
+        blocker = sessions / f"kept.json.tmp-{os.getpid()}-{th.get_ident()}"
+        blocker.mkdir()  # the temp file cannot be created
+        with pytest.raises(ValueError, match="cannot write its history"):
+            engine.chat("kept", "My secret word is BANANA.")
+        blocker.rmdir()
+        engine.chat("kept", MESSAGES[1])
+        history = json.loads((sessions / "kept.json").read_text())["messages"]
+        assert [m["content"] for m in history if m["role"] == "user"] == [MESSAGES[0], MESSAGES[1]]
+        assert history[1]["content"] == first.text
+        assert not [p for p in sessions.iterdir() if ".tmp-" in p.name]

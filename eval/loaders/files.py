@@ -44,6 +44,8 @@ def read_records(path: str | Path, split: str | None = None) -> list[dict[str, A
     except json.JSONDecodeError:
         # A file whose first record is an object may be JSON Lines named .json.
         return _jsonl(text, p)
+    except RecursionError:
+        raise ValueError(f"{p}: JSON nested too deeply to read; give a list of flat example records") from None
     return _records_of(data, p, split)
 
 
@@ -56,6 +58,8 @@ def _jsonl(text: str, p: Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{p}:{number}: not valid JSON ({exc.msg}); JSON Lines needs one object per line") from None
+        except RecursionError:
+            raise ValueError(f"{p}:{number}: JSON nested too deeply to read; give one flat object per line") from None
         if not isinstance(record, dict):
             raise ValueError(f"{p}:{number}: expected a JSON object per line, got {type(record).__name__}")
         records.append(record)
