@@ -54,6 +54,14 @@ log = logging.getLogger("kvblend.storage")
 
 R = TypeVar("R")
 
+# Server replies that describe the server's state, not the key's value: the cluster is
+# down or resharding, the server is loading or a read-only replica. Never a corrupt entry.
+STATE_ERRORS: tuple[type[BaseException], ...] = (
+    redis.exceptions.ClusterDownError,  # also MasterDownError
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.BusyLoadingError,
+)
 # Errors that mean "the server is not usable right now" (as opposed to a bad command).
 DOWN_ERRORS: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
@@ -61,6 +69,7 @@ DOWN_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.ClusterError,
     RedisClusterException,
     OSError,
+    *STATE_ERRORS,
 )
 SOCKET_READ_SIZE = 1 << 20  # large values: fewer recv() calls per layer
 _STATS_CACHE_S = 10.0
@@ -110,7 +119,9 @@ class RedisTier:
         return redact(self.config.url)
 
     def _retry(self) -> Retry:
-        return Retry(NoBackoff(), 1)  # one immediate retry for a stale pooled connection
+        # one immediate retry for a stale pooled connection; never after a timeout, which
+        # would make a stalled server cost two socket timeouts per probe
+        return Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
 
     def _connect(self) -> Any:
         """Create the client (no network I/O for a single server)."""
@@ -215,6 +226,8 @@ class RedisTier:
         server's error (a key of another type)."""
         try:
             return c.getrange(self._hkey(key), 0, MAX_HEADER_BYTES)
+        except STATE_ERRORS:
+            raise  # the tier is down, the entry is not corrupt
         except redis.ResponseError as e:
             return e
 
@@ -264,12 +277,18 @@ class RedisTier:
             if len(layers) == 1:  # no pipeline machinery for one command
                 try:
                     return [c.getrange(self._lkey(key, layers[0]), 0, end)]
+                except STATE_ERRORS:
+                    raise
                 except redis.ResponseError as e:
                     return [e]
             pipe = c.pipeline(transaction=False)
             for i in layers:
                 pipe.getrange(self._lkey(key, i), 0, end)
-            return pipe.execute(raise_on_error=False)
+            replies = pipe.execute(raise_on_error=False)
+            state = next((r for r in replies if isinstance(r, STATE_ERRORS)), None)
+            if state is not None:
+                raise state
+            return replies
 
         replies = self._run("get layers", fetch, None)
         if replies is None:

@@ -186,3 +186,42 @@ def test_redis_reads_are_bounded_before_values_travel(redis_url):
     sent = int(client.info("stats")["total_net_output_bytes"])
     assert tier.get_header("k") is None  # longer than any header may be
     assert int(client.info("stats")["total_net_output_bytes"]) - sent < 2 * MAX_HEADER_BYTES + (16 << 10)
+
+
+@pytest.mark.parametrize("error", [redis.exceptions.ClusterDownError("The cluster is down"),
+                                   redis.exceptions.TryAgainError("Multiple keys request during rehashing"),
+                                   redis.exceptions.ReadOnlyError("You can't write against a read only replica.")])
+@pytest.mark.parametrize("read", ["header", "layers"])
+def test_server_state_replies_mark_the_tier_down_never_the_entry_corrupt(redis_url, error, read):
+    """A cluster that is down (or resharding, or a read-only replica) answers with an error
+    reply: the tier is down for its backoff, the entry is neither counted corrupt nor deleted."""
+    tier = redis_tier(redis_url)
+    _, entry = random_entry(SMALL)
+    tier.put("k", entry)
+    client = tier._client_or_connect()
+    real_getrange, real_pipeline = client.getrange, client.pipeline
+
+    def refuse(*_a, **_k):
+        raise error
+
+    class RefusingPipeline:  # a pipeline whose replies are all the error, as execute(raise_on_error=False) gives
+        def __init__(self, n=0):
+            self.n = n
+
+        def getrange(self, *_a):
+            self.n += 1
+
+        def execute(self, raise_on_error=True):
+            return [error] * self.n
+
+    client.getrange = refuse
+    client.pipeline = lambda **_k: RefusingPipeline()
+    try:
+        if read == "header":
+            assert tier.get_header("k") is None
+        else:
+            assert tier.get_layers("k", [0, 1], entry.header) == [None, None]
+        assert tier.down and tier.stats()["corrupt"] == 0
+    finally:
+        client.getrange, client.pipeline = real_getrange, real_pipeline
+    assert redis.Redis.from_url(redis_url).exists("kvblend:{k}:h", "kvblend:{k}:l0", "kvblend:{k}:l1") == 3

@@ -88,6 +88,9 @@ def test_serialization_rejects_damage():
         decode_header(b"X" + bytes(head[1:]))
     with pytest.raises(CorruptEntry):
         decode_header(bytes(head[:-5]))
+    nested = b"[" * 5000  # deeper than the JSON parser recurses: still just a corrupt entry
+    with pytest.raises(CorruptEntry, match="RecursionError"):
+        decode_header(head[:PRELUDE_SIZE - 4] + len(nested).to_bytes(4, "little") + nested)
 
 
 def _encoded(header, **changes) -> bytes:
