@@ -496,3 +496,29 @@ def test_bench_serve_starts_its_own_server_from_the_default_config(setup, tmp_pa
                               doc_chars=120, mode="blend", ratio=0.3, url=None, compare=True, log=lambda _: None)
     level = summary["levels"][0]
     assert level["ok"] == 2 and level["lost"] == 0 and summary["config"] is None
+
+
+@pytest.mark.redis
+def test_a_required_tier_that_goes_away_is_503_with_the_fix(setup, redis_server, redis_url):
+    root, config = setup
+    required = root / "required.yaml"
+    required.write_text(config.read_text().replace(
+        "    - {kind: cpu, budget: 64MiB}",
+        f"    - {{kind: cpu, budget: 64MiB}}\n    - {{kind: redis, url: '{redis_url}', required: true, "
+        "backoff_initial_s: 30}"))
+    server = Server(required, root, "--no-warmup")
+    try:
+        assert httpx.post(server.url + "/v1/documents", json={"documents": [{"text": "Before the outage."}]},
+                          timeout=120).status_code == 200
+        redis_server.stop()
+        for stream in (False, True):
+            body = chat_body("Where?", docs=[{"text": f"Written during the outage ({stream})."}], max_tokens=2, stream=stream)
+            reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+            assert reply.status_code == 503, reply.text  # a stream fails before its first token: no SSE yet
+            error = reply.json()["error"]
+            assert error["type"] == "store_unavailable" and redis_url.split("@")[-1].split("/")[2] in error["message"]
+        ingest = httpx.post(server.url + "/v1/documents", json={"documents": [{"text": "Also during it."}]}, timeout=120)
+        assert ingest.status_code == 503 and ingest.json()["error"]["type"] == "store_unavailable"
+    finally:
+        redis_server.start()
+        server.stop()

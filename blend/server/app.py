@@ -37,6 +37,7 @@ from blend.request import GenerationRequest
 from blend.server import schemas
 from blend.server.metrics import CONTENT_TYPE, Metrics
 from blend.server.worker import EngineWorker, Finished, Job, QueueFull
+from storage.tier import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +192,15 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
     def bad_request(err: Exception) -> ApiError:
         return ApiError(400, str(err))
 
+    def job_error(err: BaseException) -> ApiError | None:
+        """The answer to an engine error that is the caller's or the store's to fix (None:
+        an internal error, 500): bad input 400; a required tier that cannot be used 503."""
+        if isinstance(err, ValueError | TypeError):
+            return bad_request(err)  # type: ignore[arg-type]
+        if isinstance(err, StoreUnavailable):
+            return ApiError(503, str(err), "store_unavailable")
+        return None
+
     async def run_job(fn: Callable[[Job], Any], request: Request) -> Finished:
         """Submit and wait for the end (cancelled if the client leaves or time runs out)."""
         job = submit(fn)
@@ -199,9 +209,7 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
         if finished.cancelled:
             raise ApiError(499, "the request was cancelled", "cancelled")
         if finished.error is not None:
-            if isinstance(finished.error, ValueError | TypeError):
-                raise bad_request(finished.error)
-            raise finished.error
+            raise job_error(finished.error) or finished.error
         return finished
 
     async def document_job(action: str, fn: Callable[[Job], Any], request: Request,
@@ -270,10 +278,9 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
                                        "timeout")
                     break
             if event.error is not None:
-                status = 400 if isinstance(event.error, ValueError | TypeError) else 500
-                if status == 400:
-                    raise bad_request(event.error)
-                raise event.error
+                known = job_error(event.error)
+                status = known.status if known is not None else 500
+                raise known or event.error
             result = event.value
             if not isinstance(result, GenerationResult):  # cancelled: the client is gone
                 status = 504 if job.stopped() and not job.cancelled else 499
@@ -302,11 +309,9 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
             metrics().request(endpoint, mode, 499 if client_gone else 504)
             raise ApiError(504, f"the request took longer than {settings.request_timeout_s:g} s", "timeout")
         if isinstance(first, Finished) and first.error is not None:
-            status = 400 if isinstance(first.error, ValueError | TypeError) else 500
-            metrics().request(endpoint, mode, status)
-            if status == 400:
-                raise bad_request(first.error)
-            raise first.error
+            known = job_error(first.error)
+            metrics().request(endpoint, mode, known.status if known is not None else 500)
+            raise known or first.error
         chat = endpoint == "chat"
 
         def sse(obj: Any) -> str:
@@ -337,10 +342,14 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
                     else:  # Finished
                         result = event.value
                         if event.error is not None or not isinstance(result, GenerationResult):
-                            status = 500 if event.error is not None else (504 if not job.cancelled else 499)
-                            message = (f"internal error ({type(event.error).__name__})" if event.error is not None
-                                       else "the request was cancelled")
-                            yield sse(schemas.error_body(message, "internal_error" if event.error else "cancelled"))
+                            if event.error is None:
+                                known = ApiError(504 if not job.cancelled else 499, "the request was cancelled",
+                                                 "cancelled")
+                            else:
+                                known = job_error(event.error) or ApiError(
+                                    500, f"internal error ({type(event.error).__name__})", "internal_error")
+                            status = known.status
+                            yield sse(schemas.error_body(known.message, known.kind))
                             break
                         status = 200
                         metrics().finished(result.stats, result.prompt_tokens, time.monotonic() - accepted,
