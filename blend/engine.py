@@ -60,6 +60,7 @@ from blend.split import Splitter
 from blend.stats import LookupTally, RequestStats, tally_fields
 from storage.dtypes import dtype_bytes
 from storage.stack import TieredStore
+from storage.tier import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -171,18 +172,28 @@ class BlendEngine:
         uses are kept. KeyError if the id is unknown to this engine.
 
         Side effects: waits for queued writes first, so no write lands after the delete.
+        A tier that cannot be reached keeps its copy: then the id stays known (a retry
+        deletes again) and StoreUnavailable names the tier.
         """
         if not isinstance(doc_id, str):
             raise TypeError(f"document id must be a str, got {type(doc_id).__name__}")
         self._check_open()
+        record = self.documents.known(doc_id)
         try:
             keys = self.documents.forget(doc_id)
         except KeyError:
             raise KeyError(f"document id {doc_id!r} is unknown to this engine (ids live in the process that "
                            "ingested or served them); nothing deleted") from None
         self.store.flush()
+        unreached: set[str] = set()
         for key in keys:
-            self.store.delete(key)
+            unreached.update(self.store.delete(key))
+        if unreached:
+            assert record is not None
+            self.documents.restore(doc_id, record)
+            raise StoreUnavailable(f"document {doc_id!r}: tier {', '.join(sorted(unreached))} could not be reached, "
+                                   "so its blocks may stay there (the other tiers dropped them); retry the delete "
+                                   "once it is back: the id stays known")
         return keys
 
     def build_prompt(self, query: str | Sequence[Message | dict], documents: Sequence[Document | str]) -> Prompt:

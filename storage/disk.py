@@ -583,9 +583,10 @@ class DiskTier:
             os.close(fd)
         raise err
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str) -> bool:
         self._forget(key)
         _unlink_quiet(self._file(key))
+        return True
 
     def keys(self) -> Iterator[str]:
         """Keys of the regular entry files in this namespace's directory."""

@@ -309,12 +309,13 @@ class CpuTier:
             more += 1
             del victim
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str) -> bool:
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old.nbytes
         del old
+        return True
 
     def keys(self) -> Iterator[str]:
         with self._lock:

@@ -369,7 +369,7 @@ class RedisTier:
             )
             self._stats_cache = None
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str) -> bool:
         """Delete the header, then layers l0, l1, ... in batches of DELETE_BATCH in the same
         pipeline (one round trip for up to DELETE_BATCH layers), continuing while a batch's
         last layer existed. Reads nothing, scans nothing: deleting a junk or forged entry
@@ -385,11 +385,12 @@ class RedisTier:
                     pipe.delete(self._lkey(key, i))
                 replies = pipe.execute(raise_on_error=False)
                 if replies[-1] != 1:
-                    return
+                    return True
                 start += DELETE_BATCH
 
-        self._run("delete", remove, None)
+        reached = bool(self._run("delete", remove, False))
         self._stats_cache = None
+        return reached
 
     def keys(self) -> Iterator[str]:
         pattern = _glob_escape(self._prefix) + "{*}:h"

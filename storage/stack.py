@@ -385,12 +385,12 @@ class TieredStore:
                 tier.close()
 
     # ------------------------------------------------------------- management
-    def delete(self, key: str) -> None:
-        """Remove `key` from every tier."""
+    def delete(self, key: str) -> list[str]:
+        """Remove `key` from every tier; returns the names of the tiers that could not be
+        reached (the entry may stay there)."""
         with self._lock:
             self._pending.pop(key, None)
-        for tier in self.tiers:
-            tier.delete(key)
+        return [tier.name for tier in self.tiers if not tier.delete(key)]
 
     def clear(self) -> list[str]:
         """Wait for queued writes, then empty every tier; returns the names of the tiers

@@ -31,7 +31,8 @@ Layer = tuple[Tensor, Tensor]  # (K, V), each (kv_heads, num_tokens, head_dim)
 
 
 class StoreUnavailable(RuntimeError):
-    """A tier configured `required: true` cannot be used (server unreachable, disk unwritable)."""
+    """A tier cannot be used where it must be: one configured `required: true` (server
+    unreachable, disk unwritable), or any tier a delete must reach."""
 
 
 @runtime_checkable
@@ -64,8 +65,9 @@ class Tier(Protocol):
         """Store `entry` under `key`, replacing any previous one; may evict others."""
         ...
 
-    def delete(self, key: str) -> None:
-        """Remove `key` if present (no error if absent)."""
+    def delete(self, key: str) -> bool:
+        """Remove `key` if present (no error if absent); False when the tier could not be
+        reached (the entry, if any, stays)."""
         ...
 
     def keys(self) -> Iterator[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -274,3 +275,32 @@ def test_prefetch_depth_does_not_change_results(tmp_path):
             results.append(engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.3, max_new_tokens=3))
     assert maxdiff(results[0].first_token_logprobs, results[1].first_token_logprobs) == 0.0
     assert results[0].stats.load_s > 0 and results[0].stats.load.bytes_by_tier
+
+
+@pytest.mark.redis
+def test_delete_document_with_a_tier_down_says_so_and_can_be_retried(redis_server, redis_url):
+    import redis as redis_py
+
+    from storage.tier import StoreUnavailable
+
+    lm = tiny_model("llama", tokenizer=smollm2_tokenizer())
+    tiers = [{"kind": "cpu", "budget": "64MiB"},
+             {"kind": "redis", "url": redis_url, "key_prefix": "delete-test:", "socket_timeout_s": 1.0,
+              "backoff_initial_s": 0.1, "backoff_max_s": 0.2}]
+    cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": tiers}, chunk_tokens=24)
+    with BlendEngine(cfg, model=lm) as engine:
+        keys = engine.ingest([{"id": "d", "text": DOCS[0]}])[0].keys
+        redis_server.stop()
+        try:
+            with pytest.raises(StoreUnavailable, match="tier redis could not be reached.*retry the delete"):
+                engine.delete_document("d")
+            assert not any(engine.store.tiers[0].contains(k) for k in keys)  # the reachable tier dropped them
+        finally:
+            redis_server.start()  # a fresh server: empty, like a restarted one without persistence
+        client = redis_py.Redis.from_url(redis_url)
+        client.set(f"delete-test:{{{keys[0]}}}:h", b"stale")  # as if the outage had kept the entry
+        time.sleep(0.3)  # past the tier's backoff
+        assert engine.delete_document("d") == keys  # the id stayed known: the retry reaches every tier
+        assert client.exists(f"delete-test:{{{keys[0]}}}:h") == 0
+        with pytest.raises(KeyError):
+            engine.delete_document("d")
