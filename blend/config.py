@@ -103,6 +103,9 @@ class BlendConfig:
     # layers fetched ahead of compute; loads land in the request's preallocated cache, so depth
     # costs no memory, and a loader that runs ahead finishes early and stops competing for CPU
     prefetch_depth: PositiveInt = 32
+    # the longest a request waits for one loaded layer: a tier that answers too slowly is given up
+    # (skipped for its backoff where it has one) and the request is computed whole (0: wait forever)
+    load_stall_s: NonNegativeFloat = 10.0
     # what each document is computed after: system (the fixed instruction part) | none (standalone);
     # system won on MuSiQue dev (docs/EVAL.md)
     chunk_context: Literal[CHUNK_CONTEXTS] = "system"  # type: ignore[valid-type]

@@ -47,7 +47,7 @@ from blend.document import (
 from blend.documents import DocumentCache, IngestStopped
 from blend.generation import Decoder, GenerationResult, Prefilled, TextDelta
 from blend.model import LoadedModel, load_model
-from blend.pipeline import LayerLoader
+from blend.pipeline import LayerLoader, LoadStalled
 from blend.planner import LoadCosts, PrefillCosts
 from blend.prefix import EntryMaker, PrefixCache
 from blend.prompt import Prompt, PromptBuilder
@@ -84,7 +84,8 @@ class BlendEngine:
         self.document_kv = DocumentCache(self.store, maker, namespace=config.store.namespace,
                                          chunk_context=cfg.chunk_context, block_tokens=cfg.chunk_tokens)
         self.prefix_cache = PrefixCache(self.store, maker, namespace=config.store.namespace,
-                                        block_tokens=cfg.chunk_tokens, prefetch_depth=cfg.prefetch_depth)
+                                        block_tokens=cfg.chunk_tokens, prefetch_depth=cfg.prefetch_depth,
+                                        stall_s=cfg.load_stall_s or None)
         self.decoder = Decoder(self.lm, self.runner)
         # load-or-compute split: the model's live cost model, fed by every request (blend.split)
         self.splitter = Splitter(PrefillCosts.for_model(self.lm.model), LoadCosts(self.runner.device.type),
@@ -314,13 +315,18 @@ class BlendEngine:
         capacity = max(capacity or 0, len(prompt))
         tuned = len(self.runner.tuner.tunings)
         t0 = time.perf_counter()
-        if mode == "full":
+        try:
+            if mode == "full":
+                pre = self._full(prompt, capacity)
+            elif mode == "prefix":
+                pre = self._prefix(prompt, capacity)
+            else:
+                pre = self._blend(prompt, 0.0 if mode == "reuse" else ratio, capacity, mode,
+                                  check_policy(selection or self.config.engine.selection))
+        except LoadStalled as err:  # a tier too slow to wait for: computed whole, the tier skipped for a while
+            self.store.suspend(err.tiers, str(err))
             pre = self._full(prompt, capacity)
-        elif mode == "prefix":
-            pre = self._prefix(prompt, capacity)
-        else:
-            pre = self._blend(prompt, 0.0 if mode == "reuse" else ratio, capacity, mode,
-                              check_policy(selection or self.config.engine.selection))
+            pre.stats = pre.stats.replace(stalled_tiers=err.tiers)
         if pre.logits.device.type == "cuda":  # timed to the logits, as TTFT is
             torch.cuda.synchronize(pre.logits.device)
         pre.stats = pre.stats.replace(prefill_s=time.perf_counter() - t0)
@@ -357,7 +363,7 @@ class BlendEngine:
         cache = self.runner.new_cache(capacity)
         cache.length = plan.n
         with LayerLoader(self.store, self.runner, cache, split.loaded, range(plan.load_from, self.runner.num_layers),
-                         cfg.prefetch_depth) as loader:
+                         cfg.prefetch_depth, stall_s=cfg.load_stall_s or None) as loader:
             logits, chosen = run_layers(self.runner, cache, torch.tensor(prompt.token_ids), plan, loader,
                                         policy=selection, deviation_kind=cfg.deviation)
         stats = self._stats(prompt, mode, ratio, loaded_tokens=0 if plan.full else int(plan.ctx_rows.numel()),

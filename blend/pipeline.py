@@ -182,15 +182,27 @@ class StagingRing:
 
 
 # ------------------------------------------------------------------ the loader
+class LoadStalled(RuntimeError):
+    """Compute waited longer than the loader's `stall_s` for one layer (a tier that answers,
+    but too slowly). The loader is abandoned: the request's cache is not usable; compute
+    the request without the store. `tiers`: the tiers it was reading from."""
+
+    def __init__(self, message: str, tiers: tuple[str, ...]):
+        super().__init__(message)
+        self.tiers = tiers
+
+
 class LayerLoader:
     """Background loader for one request. Use as a context manager or call close().
 
     staged: None picks by the cache's device (CUDA: staged, else host); True/False force
-    a path (tests run the staged path on the CPU).
+    a path (tests run the staged path on the CPU). stall_s: the longest compute waits for
+    one layer before giving the loads up (`LoadStalled`); None waits as long as it takes.
     """
 
     def __init__(self, store: TieredStore | None, runner: Runner, cache: KVCache, placements: Sequence[Placement],
-                 layers: Sequence[int], depth: int = 2, *, staged: bool | None = None):
+                 layers: Sequence[int], depth: int = 2, *, staged: bool | None = None,
+                 stall_s: float | None = None):
         self.store, self.runner, self.cache = store, runner, cache
         self.placements = sorted(placements, key=lambda p: p.start)
         self.layers = list(layers)
@@ -199,6 +211,8 @@ class LayerLoader:
         self._ready = {layer: threading.Event() for layer in self.layers}
         self._slots = threading.Semaphore(max(1, depth))
         self._stop = False
+        self.stall_s = stall_s
+        self._abandoned = False  # compute gave the loads up: the thread may still be writing into `cache`
         self._error: BaseException | None = None
         self._stream = copy_stream(self.device) if self._cuda else None
         self._cuda_events: dict[int, torch.cuda.Event] = {}
@@ -237,6 +251,8 @@ class LayerLoader:
 
     def _recompute(self, p: Placement, layer: int) -> KVEntry:
         """The in-memory entry of `p`, recomputing it when a stored layer was unreadable."""
+        if self._stop:  # closed or abandoned: nobody waits for this layer any more
+            raise LoadStalled("the loader was stopped", ())
         if p.entry is None:
             assert p.located is not None
             log.warning("cached layer %d of %s unreadable; recomputing that chunk", layer, p.located.key[:16])
@@ -323,7 +339,11 @@ class LayerLoader:
             before.record()
         if not event.is_set():
             t0 = time.perf_counter()
-            event.wait()
+            if not event.wait(self.stall_s):
+                self._abandoned = self._stop = True
+                tiers = tuple(dict.fromkeys(p.source for p in self.placements if p.entry is None))
+                raise LoadStalled(f"layer {layer} did not arrive within {self.stall_s:g} s from {', '.join(tiers)}; "
+                                  "computing without the store", tiers)
             if not self._cuda:
                 self.exposed_load_s += time.perf_counter() - t0
         if self._error is not None:
@@ -342,6 +362,8 @@ class LayerLoader:
         self._stop = True
         for _ in self.layers:
             self._slots.release()
+        if self._abandoned:  # a read that stalled ends in its own time; the thread keeps what it reads from
+            return
         if self._thread.is_alive():
             self._thread.join()
         if self._cuda:
@@ -391,6 +413,8 @@ class _HostPlacer:
         runner, cache = ld.runner, ld.cache
         ld._begin_span()
         for p in ld.placements:
+            if ld._stop:
+                return
             k, v = self._fetch(p, layer)
             t0 = time.perf_counter()
             dst_k = cache.k[layer][:, p.start : p.start + p.length]

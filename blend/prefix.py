@@ -151,10 +151,11 @@ class PrefixCache:
     """Prefix-block chains of one model over a tier stack. Thread-safe as the store is."""
 
     def __init__(self, store: TieredStore, maker: EntryMaker, *, namespace: str, block_tokens: int,
-                 prefetch_depth: int):
+                 prefetch_depth: int, stall_s: float | None = None):
         self.store, self.maker = store, maker
         self.runner = maker.runner
         self.namespace, self.block_tokens, self.prefetch_depth = namespace, block_tokens, prefetch_depth
+        self.stall_s = stall_s  # LayerLoader: the longest wait for one layer (None: no limit)
 
     def blocks(self, n: int) -> list[tuple[int, int]]:
         """(start, end) of the full blocks of a sequence of n tokens."""
@@ -233,7 +234,7 @@ class PrefixCache:
             return self.runner.prefill(torch.tensor(list(token_ids)), cache)[0], LoadReport()
         loaded = [pl for pl in chain if pl.start >= computed]
         with LayerLoader(self.store, self.runner, cache, loaded, range(self.runner.num_layers),
-                         self.prefetch_depth) as loader:
+                         self.prefetch_depth, stall_s=self.stall_s) as loader:
             if computed:
                 self.runner.prefill(torch.tensor(list(token_ids[:computed])), cache, start=0, logit_rows=())
             logits = self.runner.prefill(torch.tensor(list(token_ids[p:])), cache, start=p,

@@ -47,6 +47,7 @@ import torch
 from blend.config import BlendConfig
 from blend.conversation import ROLES, Message, chat_ids
 from blend.generation import Decoder, GenerationResult, Prefilled
+from blend.pipeline import LoadStalled
 from blend.prefix import PrefixCache, intact_end
 from blend.prompt import Prompt
 from blend.runner import KVCache, SamplingParams
@@ -403,7 +404,13 @@ class SessionManager:
         for pl in chain:
             tally.hit_from("prefix_blocks", pl.source)
         cache = runner.new_cache(capacity)
-        logits, load = self.prefix.prefill(ids, chain, cache)
+        try:
+            logits, load = self.prefix.prefill(ids, chain, cache)
+        except LoadStalled as err:  # a tier too slow to wait for: computed whole, the tier skipped for a while
+            self.prefix.store.suspend(err.tiers, str(err))
+            cache = runner.new_cache(capacity)
+            logits = runner.prefill(torch.tensor(ids), cache)[0]
+            return Prefilled(logits, cache, stats("computed", 0, stalled_tiers=err.tiers, **tally_fields(tally))), 0
         # a block whose stored layers were unreadable was recomputed by the loader (exactly,
         # with all tokens before it as context) and deleted by its tier: count it as
         # computed and store it again

@@ -144,6 +144,7 @@ class RequestStats:
     source: str | None = None  # chat: where the history's KV came from (device | store | computed)
     stored_blocks: int = 0  # prefix blocks queued for the store by this request
     split: SplitReport = SplitReport()
+    stalled_tiers: tuple[str, ...] = ()  # tiers given up mid-load (too slow): the request was computed whole
 
     @property
     def load_s(self) -> float:
@@ -191,6 +192,7 @@ class RequestStats:
             "source": self.source, "stored_blocks": self.stored_blocks,
             "load_copies": self.load.copies, "place_s": self.load.place_s,
             "read_s_by_tier": dict(self.load.read_s_by_tier), "split": self.split.to_dict(),
+            "stalled_tiers": list(self.stalled_tiers),
         }
 
 

@@ -181,6 +181,10 @@ class RedisTier:
                 "the URL, or set required: false to continue on the other tiers"
             ) from err
 
+    def suspend(self, reason: str) -> None:
+        """Treat the server as down for the backoff (it answers, but too slowly to use)."""
+        self._mark_down("read", TimeoutError(reason))
+
     def _mark_up(self) -> None:
         if not self._down:
             return

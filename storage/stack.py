@@ -385,6 +385,15 @@ class TieredStore:
                 tier.close()
 
     # ------------------------------------------------------------- management
+    def suspend(self, names: Sequence[str], reason: str) -> None:
+        """Skip the named tiers for their backoff (those that have one: Redis), e.g. after
+        a read too slow to wait for; logs `reason` once. A required tier raises
+        StoreUnavailable instead."""
+        log.warning("%s", reason)
+        for tier in self.tiers:
+            if tier.name in names and hasattr(tier, "suspend"):
+                tier.suspend(reason)
+
     def delete(self, key: str) -> list[str]:
         """Remove `key` from every tier; returns the names of the tiers that could not be
         reached (the entry may stay there)."""

@@ -347,3 +347,42 @@ def test_a_query_driven_blend_is_observed_as_its_two_phases():
     cost = prefill.layer_cost()
     assert cost(10) == pytest.approx((0.4 - 0.1) / 4)  # the query pass: 10 rows per layer
     assert cost(28) == pytest.approx((0.9 - 0.3) / 4)  # the recompute: 18 + 10 rows per layer
+
+
+@pytest.mark.parametrize("mode", ["blend", "reuse", "prefix"])
+def test_a_tier_too_slow_to_wait_for_is_given_up_and_the_request_computed_whole(mode):
+    """A read that takes longer than load_stall_s: the request does not wait for it; it is
+    computed like a full prefill and says which tier stalled."""
+    slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
+    lm = _model()
+    cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [{"kind": "cpu", "budget": "64MiB"}]},
+                                        chunk_tokens=48, split="off", load_stall_s=0.2)
+    with BlendEngine(cfg, model=lm, store=TieredStore([slow], kv_dtype="float32")) as engine:
+        engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=1)  # stores this prompt's prefix blocks
+        engine.ingest(DOCS)
+        full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=3)
+        slow.bytes_per_s = 1e5  # a layer of a block takes ~0.5-1 s
+        got = engine.generate(QUESTION, DOCS, mode=mode, max_new_tokens=3)
+        assert got.stats.stalled_tiers == ("cpu",) and got.stats.to_dict()["stalled_tiers"] == ["cpu"]
+        assert got.token_ids == full.token_ids
+        assert torch.allclose(got.first_token_logprobs, full.first_token_logprobs, atol=1e-4)
+        slow.bytes_per_s = float("inf")
+        again = engine.generate(QUESTION, DOCS, mode=mode, max_new_tokens=1)
+        assert again.stats.stalled_tiers == () and again.stats.loaded_tokens > 0
+
+
+def test_a_chat_turn_resumed_from_a_stalling_tier_is_computed(tmp_path):
+    slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
+    cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [{"kind": "cpu", "budget": "64MiB"}]},
+                                        chunk_tokens=16, split="off", load_stall_s=0.2, sessions_dir=str(tmp_path))
+    with BlendEngine(cfg, model=_model(), store=TieredStore([slow], kv_dtype="float32")) as engine:
+        engine.chat("s", DOCS[0] + " What was shipped?", max_new_tokens=3)
+        engine.chat("t", DOCS[0] + " What was shipped?", max_new_tokens=3)
+        engine.offload("s")
+        engine.offload("t")
+        resumed = engine.chat("t", "And when?", max_new_tokens=3)
+        assert resumed.stats.source == "store" and resumed.stats.stalled_tiers == ()
+        slow.bytes_per_s = 2e4
+        stalled = engine.chat("s", "And when?", max_new_tokens=3)
+        assert stalled.stats.source == "computed" and stalled.stats.stalled_tiers == ("cpu",)
+        assert stalled.token_ids == resumed.token_ids
