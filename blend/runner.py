@@ -158,21 +158,21 @@ class Runner:
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
-    def check_length(self, n: int, new_tokens: int = 0) -> None:
+    def check_length(self, n: int, new_tokens: int = 0, shorten: str = "use fewer or shorter documents") -> None:
         """Raise if a prompt of n tokens plus `new_tokens` to generate does not fit the
-        model's positions (the message says which of the two to reduce)."""
+        model's positions (the message says which of the two to reduce; `shorten`: how to
+        make the prompt shorter)."""
         if n <= 0:
             raise ValueError("empty prompt: give at least one token")
         if n > self.max_positions:
             raise ValueError(
-                f"prompt of {n} tokens is longer than the model's maximum of {self.max_positions} positions; "
-                "use fewer or shorter documents"
+                f"prompt of {n} tokens is longer than the model's maximum of {self.max_positions} positions; {shorten}"
             )
         if n + new_tokens > self.max_positions:
             raise ValueError(
                 f"prompt of {n} tokens plus {new_tokens} new tokens needs {n + new_tokens} positions, more than the "
-                f"model's {self.max_positions}; ask for at most {self.max_positions - n} new tokens "
-                "(max_new_tokens) or use fewer or shorter documents"
+                f"model's {self.max_positions}; ask for at most {max(self.max_positions - n, 0)} new tokens "
+                f"(max_new_tokens) or {shorten}"
             )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -334,11 +334,12 @@ class SessionManager:
         else:
             prompt = None
             ids = chat_ids(decoder.tokenizer, shown)
+        shorten = ("the conversation is too long: drop the session (engine.drop) and start a new one"
+                   + (", or use fewer or shorter documents" if rag is not None else ""))
         try:
-            decoder.runner.check_length(len(ids), max_new)
+            decoder.runner.check_length(len(ids), max_new, shorten)
         except ValueError as err:
-            raise ValueError(f"session {session.session_id!r}: {err}; the conversation itself may be what is too "
-                             "long: drop the session (engine.drop) and start a new one") from None
+            raise ValueError(f"session {session.session_id!r}: {err}") from None
         stored_end = 0
         exact = rag is None or rag.exact
 

@@ -528,6 +528,22 @@ class DiskTier:
             return
         self._forget(key)
         self._make_room(size)
+        for attempt in range(2):
+            try:
+                self._write(key, final, head, entry)
+                break
+            except OSError as e:
+                # a file system fuller than the budget assumed: make room by evicting, once
+                if attempt == 0 and e.errno in (errno.ENOSPC, errno.EDQUOT) and self._evict(size):
+                    continue
+                self._failed(f"cannot write entry {key}", e)
+                return
+        self._remember(key, size, entry.header, offsets, touch=True)
+        self._stats.add(puts=1, bytes_written=size, write_seconds=time.perf_counter() - t0)
+
+    def _write(self, key: str, final: Path, head: bytes, entry: KVEntry) -> None:
+        """Write the entry file through a temp file and publish it; on OSError nothing is
+        left behind (the error is raised)."""
         fd, tmp = -1, None
         try:
             try:
@@ -535,8 +551,9 @@ class DiskTier:
             except FileNotFoundError:
                 if self.path.exists():
                     raise
-                # the directory was removed under us (a cleanup, `rm -rf`): start it over
-                log.warning("%s tier: directory %s vanished; recreating it (its entries are gone)", self.name, self.path)
+                # the directory was removed under us (a cleanup, `rm -rf`), or never made: start it over
+                log.warning("%s tier: directory %s is missing; creating it (entries it held are gone)",
+                            self.name, self.path)
                 self.path.mkdir(parents=True, exist_ok=True)
                 self._rescan()
                 fd, tmp = self._create_temp(key)
@@ -551,16 +568,31 @@ class DiskTier:
             tmp = None
             if self._fsync:
                 _fsync_dir(self.path)
-        except OSError as e:
+        finally:
             if tmp is not None:
                 _unlink_quiet(tmp)
-            self._failed(f"cannot write entry {key}", e)
-            return
-        finally:
             if fd >= 0:
                 os.close(fd)  # releases the writer's lock, after publishing
-        self._remember(key, size, entry.header, offsets, touch=True)
-        self._stats.add(puts=1, bytes_written=size, write_seconds=time.perf_counter() - t0)
+
+    def _evict(self, need: int) -> bool:
+        """Evict least recently used entries holding at least `need` bytes (the file system
+        is full below the budget); False when there was nothing to evict."""
+        victims: list[str] = []
+        freed = 0
+        with self._lock:
+            while freed < need and self._index:
+                key, info = self._index.popitem(last=False)
+                self._bytes -= info.size
+                freed += info.size
+                victims.append(key)
+        for key in victims:
+            self._handles.drop(key)
+            _unlink_quiet(self._file(key))
+        if victims:
+            self._stats.add(evictions=len(victims))
+            log.warning("%s tier at %s: the file system is full; evicted %d entries (%d bytes) to make room",
+                        self.name, self.path, len(victims), freed)
+        return bool(victims)
 
     def _create_temp(self, key: str) -> tuple[int, Path]:
         """A new, locked temp file for `key` (descriptor, path): O_EXCL | O_NOFOLLOW under an

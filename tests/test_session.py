@@ -333,3 +333,16 @@ def test_session_files_are_opened_safely_and_a_failed_save_leaves_the_conversati
         assert [m["content"] for m in history if m["role"] == "user"] == [MESSAGES[0], MESSAGES[1]]
         assert history[1]["content"] == first.text
         assert not [p for p in sessions.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_conversation_over_the_positions_says_what_to_shorten(tmp_path):
+    cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [{"kind": "cpu", "budget": "64MiB"}]},
+                                        chunk_tokens=BLOCK, sessions_dir=str(tmp_path / "sessions"), split="off")
+    lm = tiny_model("llama", tokenizer=smollm2_tokenizer(), max_position_embeddings=64)
+    with BlendEngine(cfg, model=lm) as engine:
+        with pytest.raises(ValueError, match="session 'long'.*conversation is too long: drop the session") as err:
+            engine.chat("long", "word " * 80)
+        assert "documents" not in str(err.value)
+        with pytest.raises(ValueError, match="at most \\d+ new tokens.*conversation is too long.*documents"):
+            engine.chat("long", "Hi.", documents=["A short passage."], max_new_tokens=60)
+        assert not (tmp_path / "sessions" / "long.json").exists()  # nothing saved

@@ -122,7 +122,7 @@ def test_disk_directory_removed_while_running_is_recreated_on_the_next_write(tmp
     assert tier.get_header("a") is None  # gone: a miss
     with caplog.at_level(logging.WARNING):
         tier.put("b", entries[1])
-    assert "vanished; recreating it" in caplog.text
+    assert "is missing; creating it" in caplog.text
     assert_same(tier.get_layer("b", 1), entries[1].layers[1])
     stats = tier.stats()
     assert stats["entries"] == 1 and stats["bytes_used"] == file_size(entries[1]) and stats["errors"] == 0
@@ -322,3 +322,38 @@ def test_disk_namespace_directory_is_never_a_link(tmp_path):
     tier.put("k", entry)
     assert (tmp_path / "disk" / "alpha").is_dir() and not (tmp_path / "disk" / "alpha").is_symlink()
     assert os.listdir(outside) == [] and tier.get("k") is not None
+
+
+def test_a_full_file_system_below_the_budget_evicts_lru_entries_and_retries(tmp_path, caplog, monkeypatch):
+    """ENOSPC (a disk smaller than the tier's budget): the least recently used entries make
+    room and the write is retried once; with nothing left to evict it is a counted failure."""
+    import errno as errno_codes
+
+    import storage.disk as disk
+
+    entries = [random_entry(SMALL, seed=i)[1] for i in range(4)]
+    tier = make_tier("disk", tmp_path)  # a budget far above what the "disk" below holds
+    for key, entry in zip("abc", entries, strict=False):
+        tier.put(key, entry)
+    tier.get_header("a")  # a is now the most recently used: b goes first
+    capacity = 3 * file_size(entries[0])
+    write_all = disk._write_all
+
+    def bounded(fd, parts):  # a file system of `capacity` bytes
+        used = sum(p.stat().st_size for p in tier.path.iterdir() if p.name.endswith(disk.SUFFIX))
+        if used + sum(len(p) for p in parts) > capacity:
+            raise OSError(errno_codes.ENOSPC, "No space left on device")
+        write_all(fd, parts)
+
+    monkeypatch.setattr(disk, "_write_all", bounded)
+    with caplog.at_level(logging.WARNING):
+        tier.put("d", entries[3])
+    assert "file system is full; evicted 1 entries" in caplog.text
+    assert sorted(tier.keys()) == ["a", "c", "d"] and tier.stats()["errors"] == 0
+    assert_same(tier.get_layer("d", 1), entries[3].layers[1])
+    assert not [p for p in tier.path.iterdir() if not p.name.endswith(disk.SUFFIX)]  # no temp file left
+    monkeypatch.setattr(disk, "_write_all", lambda fd, parts: (_ for _ in ()).throw(
+        OSError(errno_codes.ENOSPC, "No space left on device")))
+    tier.put("e", entries[0])  # evicts once, still no room: counted, nothing published
+    assert tier.stats()["errors"] == 1 and tier.get_header("e") is None
+    tier.close()
