@@ -61,6 +61,7 @@ except ImportError:  # pragma: no cover - Windows: threads of one process are st
 
 log = logging.getLogger(__name__)
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+LOCK_ATTEMPTS = 3  # lock files replaced under us (a concurrent drop) before giving up
 MAX_HISTORY_BYTES = 64 << 20  # a session history file above this is refused (it is text messages)
 # session files are opened like the disk tier's entries: never through a symlink, never blocking on a FIFO
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -192,24 +193,42 @@ class SessionManager:
         fd = None
         try:
             if fcntl is not None:
-                lock = self.directory / f"{session.session_id}.lock"
-                try:
-                    self.directory.mkdir(parents=True, exist_ok=True)
-                    fd = os.open(lock, _LOCK_FLAGS, 0o644)
-                except OSError as err:  # read-only, a symlink or a directory in its place
-                    raise ValueError(f"session {session.session_id!r}: cannot open its lock file {lock} "
-                                     f"({err.strerror or err}); fix the sessions directory (engine.sessions_dir) "
-                                     "or remove what is in the lock file's place") from None
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    raise SessionBusy(f"session {session.session_id!r} is running a turn in another process; "
-                                      "wait for it to finish") from None
+                fd = self._lock_file(session.session_id)
             yield
         finally:
             if fd is not None:
                 os.close(fd)  # releases the flock
             session.lock.release()
+
+    def _lock_file(self, session_id: str) -> int:
+        """A descriptor holding the flock of `<id>.lock`. A lock file that another process's
+        `drop` unlinked between our open and our flock guards nothing: open it anew."""
+        lock = self.directory / f"{session_id}.lock"
+        for _ in range(LOCK_ATTEMPTS):
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                fd = os.open(lock, _LOCK_FLAGS, 0o644)
+            except OSError as err:  # read-only, a symlink or a directory in its place
+                raise ValueError(f"session {session_id!r}: cannot open its lock file {lock} "
+                                 f"({err.strerror or err}); fix the sessions directory (engine.sessions_dir) "
+                                 "or remove what is in the lock file's place") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                try:
+                    current = os.stat(lock, follow_symlinks=False)
+                except FileNotFoundError:
+                    current = None
+                if current is not None and os.path.samestat(os.fstat(fd), current):
+                    return fd
+            except BlockingIOError:
+                os.close(fd)
+                raise SessionBusy(f"session {session_id!r} is running a turn in another process; "
+                                  "wait for it to finish") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)  # locked a file that is no longer the session's lock: try again
+        raise SessionBusy(f"session {session_id!r} is being dropped and recreated by another process; try again")
 
     # ----------------------------------------------------------------- policy
     def offload(self, session_id: str) -> None:

@@ -346,3 +346,26 @@ def test_a_conversation_over_the_positions_says_what_to_shorten(tmp_path):
         with pytest.raises(ValueError, match="at most \\d+ new tokens.*conversation is too long.*documents"):
             engine.chat("long", "Hi.", documents=["A short passage."], max_new_tokens=60)
         assert not (tmp_path / "sessions" / "long.json").exists()  # nothing saved
+
+
+def test_a_lock_file_dropped_between_open_and_flock_is_opened_again(tmp_path, monkeypatch):
+    """Another process's `drop` unlinks `<id>.lock` after our open but before our flock: the
+    flock we got guards nothing, so the turn locks the new file instead."""
+    import os
+
+    import blend.session
+
+    real_flock = fcntl.flock
+    calls: list[int] = []
+
+    def racing_flock(fd, op):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "sessions" / "raced.lock")):
+            calls.append(fd)
+            if len(calls) == 1:
+                (tmp_path / "sessions" / "raced.lock").unlink()  # the concurrent drop
+        return real_flock(fd, op)
+
+    with make_engine(tmp_path) as engine:
+        monkeypatch.setattr(blend.session.fcntl, "flock", racing_flock)
+        assert engine.chat("raced", "hello").token_ids
+        assert len(calls) == 2 and (tmp_path / "sessions" / "raced.lock").exists()
