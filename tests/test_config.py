@@ -101,6 +101,8 @@ def test_yaml_problems_are_one_line_naming_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="is not a file"):
         load_yaml(tmp_path)
     assert load_yaml(write(tmp_path, "# only a comment\n")) == {}
+    with pytest.raises(ValueError, match="nested too deeply"):
+        load_yaml(write(tmp_path, "model: " + "[" * 20000 + "\n"))
 
 
 def test_byte_sizes_and_strict_numbers():

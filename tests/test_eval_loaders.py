@@ -235,3 +235,13 @@ def test_hub_path_with_local_json_builder(tmp_path, monkeypatch):
     assert examples[0].question == "Which first?"
     # Without a split, the only split the builder makes ("train") is used.
     assert len(load_examples("json", data_files=str(data), field_map={"input": "query"})) == 2
+
+
+def test_json_nested_too_deeply_is_one_line(tmp_path):
+    deep = "[" * 20000 + "]" * 20000
+    (tmp_path / "deep.json").write_text(deep)
+    with pytest.raises(ValueError, match="deep.json: JSON nested too deeply"):
+        load_examples(str(tmp_path / "deep.json"))
+    (tmp_path / "deep.jsonl").write_text('{"question": "q", "ctxs": ["x"]}\n{"a": ' + deep + "}\n")
+    with pytest.raises(ValueError, match="deep.jsonl:2: JSON nested too deeply"):
+        load_examples(str(tmp_path / "deep.jsonl"))
