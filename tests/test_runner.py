@@ -193,3 +193,27 @@ def test_packed_prefill_equals_one_prefill_per_sequence(start):
         slot += len(seq)
     with pytest.raises(ValueError, match="no empty one"):
         runner.prefill_packed([[1, 2], []])
+
+
+def test_packed_prefill_in_half_precision():
+    """bfloat16 (the GPU dtype): the packed pass's masks and gathers keep the model dtype and
+    agree with one prefill per sequence to bf16 rounding."""
+    from blend.model import load_model
+
+    runner = Runner(load_model("random:tiny", device="cpu", dtype="bfloat16"))
+    g = torch.Generator().manual_seed(2)
+    context = torch.randint(0, 1000, (6,), generator=g).tolist()
+    seqs = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (3, 11, 7)]
+    kept = runner.new_cache(6)
+    runner.prefill(torch.tensor(context), kept)
+    packed = runner.prefill_packed(seqs, kept, 6)
+    assert packed.k[0].dtype == torch.bfloat16
+    slot = 0
+    for seq in seqs:
+        one = runner.new_cache(6 + len(seq))
+        runner.prefill(torch.tensor(context + seq), one)
+        for layer in range(runner.num_layers):
+            for a, b in ((packed.k[layer][:, slot:slot + len(seq)], one.k[layer][:, 6:]),
+                         (packed.v[layer][:, slot:slot + len(seq)], one.v[layer][:, 6:])):
+                assert (a.float() - b.float()).abs().max() <= 0.05 * (1 + b.float().abs().max())
+        slot += len(seq)
