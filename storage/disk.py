@@ -40,7 +40,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -502,17 +502,25 @@ class DiskTier:
             self._rescan()  # account for files other processes wrote or removed
         elif time.monotonic() - self._last_clean >= _CLEAN_INTERVAL_S:
             self._clean_temp_files()
+        self._evict_lru(lambda _freed: self._bytes + self._temp_bytes + need > self.budget)
+
+    def _evict_lru(self, more: Callable[[int], bool]) -> tuple[int, int]:
+        """Evict least recently used entries while `more(bytes freed so far)` holds (asked
+        under the lock); returns (entries, bytes) evicted."""
         victims: list[str] = []
+        freed = 0
         with self._lock:
-            while self._bytes + self._temp_bytes + need > self.budget and self._index:
+            while self._index and more(freed):
                 key, info = self._index.popitem(last=False)
                 self._bytes -= info.size
+                freed += info.size
                 victims.append(key)
         for key in victims:
             self._handles.drop(key)
             _unlink_quiet(self._file(key))
         if victims:
             self._stats.add(evictions=len(victims))
+        return len(victims), freed
 
     def put(self, key: str, entry: KVEntry) -> None:
         """Write `entry` atomically (temp file + os.replace), evicting LRU files past the budget.
@@ -577,22 +585,11 @@ class DiskTier:
     def _evict(self, need: int) -> bool:
         """Evict least recently used entries holding at least `need` bytes (the file system
         is full below the budget); False when there was nothing to evict."""
-        victims: list[str] = []
-        freed = 0
-        with self._lock:
-            while freed < need and self._index:
-                key, info = self._index.popitem(last=False)
-                self._bytes -= info.size
-                freed += info.size
-                victims.append(key)
-        for key in victims:
-            self._handles.drop(key)
-            _unlink_quiet(self._file(key))
-        if victims:
-            self._stats.add(evictions=len(victims))
+        count, freed = self._evict_lru(lambda freed: freed < need)
+        if count:
             log.warning("%s tier at %s: the file system is full; evicted %d entries (%d bytes) to make room",
-                        self.name, self.path, len(victims), freed)
-        return bool(victims)
+                        self.name, self.path, count, freed)
+        return count > 0
 
     def _create_temp(self, key: str) -> tuple[int, Path]:
         """A new, locked temp file for `key` (descriptor, path): O_EXCL | O_NOFOLLOW under an
