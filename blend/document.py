@@ -162,22 +162,14 @@ class DocumentIndex:
         with self._lock:
             return doc_id in self._docs
 
-    def forget(self, doc_id: str) -> tuple[str, ...]:
-        """Remove `doc_id`; returns its keys that no other known document uses.
-        KeyError if unknown. `restore` undoes it (with the record from `known`)."""
+    def own_keys(self, doc_id: str) -> tuple[str, ...]:
+        """The keys of `doc_id` that no other known document uses. KeyError if unknown."""
         with self._lock:
-            _, keys = self._docs.pop(doc_id)
-            shared = {k for _, other in self._docs.values() for k in other}
+            keys = self._docs[doc_id][1]
+            shared = {k for other_id, (_, other) in self._docs.items() if other_id != doc_id for k in other}
         return tuple(k for k in keys if k not in shared)
 
-    def known(self, doc_id: str) -> tuple[str, tuple[str, ...]] | None:
-        """The record of `doc_id` (digest, keys), or None."""
+    def forget(self, doc_id: str) -> None:
+        """Remove `doc_id` (no error if unknown)."""
         with self._lock:
-            return self._docs.get(doc_id)
-
-    def restore(self, doc_id: str, record: tuple[str, tuple[str, ...]]) -> None:
-        """Put back a record taken from `known` (a delete that could not finish)."""
-        with self._lock:
-            digest, keys = record
-            earlier = self._docs.get(doc_id, ("", ()))[1]
-            self._docs[doc_id] = (digest, tuple(dict.fromkeys((*keys, *earlier))))
+            self._docs.pop(doc_id, None)

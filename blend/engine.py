@@ -130,9 +130,9 @@ class BlendEngine:
         Idempotent: blocks already in the store are not recomputed. With sync=True the
         writes have reached every tier when this returns. An empty document is skipped
         with a warning (no keys, cached). Remembers each document by id (`delete_document`).
-        `stop` (e.g. a server job's deadline) is asked before each document (or part of a
-        long one) is computed; when it answers True the call raises `IngestStopped`; what was
-        computed so far stays stored (and known by id).
+        `stop` (e.g. a server job's deadline) is asked before each forward pass (one long
+        document, or several short ones packed); when it answers True the call raises
+        `IngestStopped`; what was computed so far stays stored (and known by id).
         """
         self._check_open()
         if not isinstance(sync, bool):
@@ -179,9 +179,8 @@ class BlendEngine:
         if not isinstance(doc_id, str):
             raise TypeError(f"document id must be a str, got {type(doc_id).__name__}")
         self._check_open()
-        record = self.documents.known(doc_id)
         try:
-            keys = self.documents.forget(doc_id)
+            keys = self.documents.own_keys(doc_id)
         except KeyError:
             raise KeyError(f"document id {doc_id!r} is unknown to this engine (ids live in the process that "
                            "ingested or served them); nothing deleted") from None
@@ -189,12 +188,11 @@ class BlendEngine:
         unreached: set[str] = set()
         for key in keys:
             unreached.update(self.store.delete(key))
-        if unreached:
-            assert record is not None
-            self.documents.restore(doc_id, record)
+        if unreached:  # the id stays known: a retry deletes again
             raise StoreUnavailable(f"document {doc_id!r}: tier {', '.join(sorted(unreached))} could not be reached, "
                                    "so its blocks may stay there (the other tiers dropped them); retry the delete "
                                    "once it is back: the id stays known")
+        self.documents.forget(doc_id)
         return keys
 
     def build_prompt(self, query: str | Sequence[Message | dict], documents: Sequence[Document | str]) -> Prompt:
@@ -323,8 +321,7 @@ class BlendEngine:
             else:
                 pre = self._blend(prompt, 0.0 if mode == "reuse" else ratio, capacity, mode,
                                   check_policy(selection or self.config.engine.selection))
-        except LoadStalled as err:  # a tier too slow to wait for: computed whole, the tier skipped for a while
-            self.store.suspend(err.tiers, str(err))
+        except LoadStalled as err:  # a tier too slow to wait for (now suspended): computed whole
             pre = self._full(prompt, capacity)
             pre.stats = pre.stats.replace(stalled_tiers=err.tiers)
         if pre.logits.device.type == "cuda":  # timed to the logits, as TTFT is

@@ -184,8 +184,9 @@ class StagingRing:
 # ------------------------------------------------------------------ the loader
 class LoadStalled(RuntimeError):
     """Compute waited longer than the loader's `stall_s` for one layer (a tier that answers,
-    but too slowly). The loader is abandoned: the request's cache is not usable; compute
-    the request without the store. `tiers`: the tiers it was reading from."""
+    but too slowly). The loader is abandoned and those tiers suspended (TieredStore.suspend):
+    the request's cache is not usable; compute the request without the store. `tiers`: the
+    tiers it was reading from."""
 
     def __init__(self, message: str, tiers: tuple[str, ...]):
         super().__init__(message)
@@ -342,8 +343,11 @@ class LayerLoader:
             if not event.wait(self.stall_s):
                 self._abandoned = self._stop = True
                 tiers = tuple(dict.fromkeys(p.source for p in self.placements if p.entry is None))
-                raise LoadStalled(f"layer {layer} did not arrive within {self.stall_s:g} s from {', '.join(tiers)}; "
-                                  "computing without the store", tiers)
+                stalled = LoadStalled(f"layer {layer} did not arrive within {self.stall_s:g} s from "
+                                      f"{', '.join(tiers)}; computing without the store", tiers)
+                if self.store is not None:
+                    self.store.suspend(tiers, str(stalled))  # skipped for a while (where a tier has a backoff)
+                raise stalled
             if not self._cuda:
                 self.exposed_load_s += time.perf_counter() - t0
         if self._error is not None:

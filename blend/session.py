@@ -426,8 +426,7 @@ class SessionManager:
         cache = runner.new_cache(capacity)
         try:
             logits, load = self.prefix.prefill(ids, chain, cache)
-        except LoadStalled as err:  # a tier too slow to wait for: computed whole, the tier skipped for a while
-            self.prefix.store.suspend(err.tiers, str(err))
+        except LoadStalled as err:  # a tier too slow to wait for (now suspended): computed whole
             cache = runner.new_cache(capacity)
             logits = runner.prefill(torch.tensor(ids), cache)[0]
             return Prefilled(logits, cache, stats("computed", 0, stalled_tiers=err.tiers, **tally_fields(tally))), 0
