@@ -430,6 +430,22 @@ def test_a_taken_port_is_one_line_exit_2_before_the_model_loads(setup):
     assert "serving" not in proc.stdout and "Traceback" not in proc.stderr
 
 
+def test_the_socket_listens_before_the_model_loads_so_a_second_server_fails_at_once():
+    # SO_REUSEADDR lets two sockets bind one port while neither listens: the second server
+    # must be refused at bind time, not after its model has loaded
+    from blend.server import listen_socket
+
+    first = listen_socket("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(ValueError, match=r"cannot listen on 127\.0\.0\.1:\d+: .*pick another --port"):
+            listen_socket("127.0.0.1", port)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # queued in the backlog, not refused
+            pass
+    finally:
+        first.close()
+
+
 def test_unknown_model_and_document_and_data_that_looks_like_structure(server):
     client = server.client()
     with pytest.raises(openai.NotFoundError, match="serves 'tiny'"):

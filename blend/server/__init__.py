@@ -5,8 +5,8 @@
   worker.py   the engine's worker thread and bounded queue (the concurrency contract)
   metrics.py  Prometheus metrics
 
-`listen_socket(host, port)` binds the address first (one-line errors naming the fix, before
-the model loads); `serve(engine, settings, sock)` runs the app on it with uvicorn until
+`listen_socket(host, port)` binds and listens first (one-line errors naming the fix, before
+the model loads; connections that arrive while it loads wait in the backlog); `serve(engine, settings, sock)` runs the app on it with uvicorn until
 SIGINT/SIGTERM, letting in-flight requests finish.
 """
 
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from blend.server.app import ServerSettings
 
 
+LISTEN_BACKLOG = 2048  # uvicorn's default
+
 _BIND_FIXES = {
     errno.EADDRINUSE: "another process listens there: pick another --port or stop it",
     errno.EACCES: "ports below 1024 need privileges: pick a --port above 1023",
@@ -29,8 +31,11 @@ _BIND_FIXES = {
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (uvicorn listens on it). ValueError, one line naming
-    the fix, when the name does not resolve or the address cannot be bound."""
+    """A TCP socket bound to host:port and listening (uvicorn accepts on it). ValueError,
+    one line naming the fix, when the name does not resolve or the address cannot be bound.
+
+    It listens at once: with SO_REUSEADDR two processes may both bind a port that nobody
+    listens on yet, and the second would only fail once its model had loaded."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -42,6 +47,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
     except OSError as err:
         sock.close()
         fix = _BIND_FIXES.get(err.errno or 0, "check --host and --port")
