@@ -59,11 +59,14 @@ class IngestedDocument:
     """What `BlendEngine.ingest` did with one document."""
 
     id: str  # the document's id, or its content digest (`document_id`)
-    keys: tuple[str, ...]  # the store keys of its KV blocks, in order
-    cached: bool  # every block already had a valid entry in some tier before the ingest
+    keys: tuple[str, ...]  # the store keys of its KV blocks, in order (none: an empty document, skipped)
+    cached: bool  # it has blocks and every one already had a valid entry in some tier before the ingest
+    # every block is held by some tier after the ingest (None: not checked, `sync=False`);
+    # False for an empty document and when no tier accepted the writes (see the tiers' warnings)
+    stored: bool | None = None
 
     def to_dict(self) -> dict[str, object]:
-        return {"id": self.id, "keys": list(self.keys), "cached": self.cached}
+        return {"id": self.id, "keys": list(self.keys), "cached": self.cached, "stored": self.stored}
 
 
 def clean_text(text: str) -> str:

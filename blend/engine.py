@@ -128,8 +128,10 @@ class BlendEngine:
         a valid entry in some tier before this call).
 
         Idempotent: blocks already in the store are not recomputed. With sync=True the
-        writes have reached every tier when this returns. An empty document is skipped
-        with a warning (no keys, cached). Remembers each document by id (`delete_document`).
+        writes have reached every tier when this returns, and `stored` says whether some
+        tier now holds every block (False when no tier accepted them: an unusable disk
+        path, Redis down; the tiers log why). An empty document is skipped with a warning
+        (no keys, not cached, not stored). Remembers each document by id (`delete_document`).
         `stop` (e.g. a server job's deadline) is asked before each forward pass (one long
         document, or several short ones packed); when it answers True the call raises
         `IngestStopped`; what was computed so far stays stored (and known by id).
@@ -156,11 +158,12 @@ class BlendEngine:
             self.store.flush()
         results, k = [], 0
         for doc in docs:
-            doc_keys, was_cached = ((), True)
+            doc_keys, was_cached = (), False
             if render_document(doc):
                 doc_keys, was_cached = tuple(keys[k]), cached[k]
                 k += 1
-            results.append(IngestedDocument(document_id(doc), doc_keys, was_cached))
+            stored = bool(doc_keys) and all(self.store.contains(key) for key in doc_keys) if sync else None
+            results.append(IngestedDocument(document_id(doc), doc_keys, was_cached, stored))
             if doc_keys:  # after a stop: the blocks stored so far, so that a delete finds them
                 self.documents.record(document_id(doc), doc, doc_keys)
         if stopped is not None:
@@ -270,9 +273,12 @@ class BlendEngine:
             yield item
 
     def _note_documents(self, prompt: Prompt, documents: Sequence[Document | str]) -> tuple[str, ...]:
-        """Warn about documents whose id was ingested with other text; remember the ones with ids."""
+        """Warn about empty documents (skipped) and documents whose id was ingested with
+        other text; remember the ones with ids."""
         warnings = []
         kept = [d for d in documents if render_document(d)]
+        if len(kept) < len(documents):
+            warnings.append(f"skipped {len(documents) - len(kept)} empty document(s): they add nothing to the prompt")
         keys = None
         for i, doc in enumerate(kept):
             if not isinstance(doc, Document) or doc.id is None:

@@ -59,13 +59,15 @@ def test_ingest_returns_typed_results_and_delete_removes_the_chunks(lm):
         docs = [Document(DOCS[0], id="carrow"), DOCS[1], "   "]
         first = engine.ingest(docs)
         assert [d.id for d in first] == ["carrow", document_id(DOCS[1]), document_id("   ")]
-        assert [d.cached for d in first] == [False, False, True] and first[2].keys == ()
+        # the empty document is skipped: no blocks, so neither cached nor stored
+        assert [d.cached for d in first] == [False, False, False] and first[2].keys == ()
+        assert [d.stored for d in first] == [True, True, False]
         prompt = engine.build_prompt("ingest", docs)
         expected = [key for seg in prompt.documents for key in engine.document_kv.keys(seg, prompt)]
         assert list(first[0].keys) + list(first[1].keys) == expected
         assert len(first[0].keys) > 1  # the first document spans several blocks
         again = engine.ingest(docs)
-        assert [d.cached for d in again] == [True, True, True] and again[0].keys == first[0].keys
+        assert [d.cached for d in again] == [True, True, False] and again[0].keys == first[0].keys
         reuse = engine.generate(QUESTION, docs, mode="reuse", max_new_tokens=2)
         assert reuse.stats.documents.misses == 0
 

@@ -73,6 +73,19 @@ def test_ingest_ask_and_store(config_file, capsys):
     assert main(["store", "clear", "--config", cfg, "--yes"]) == 0
 
 
+def test_ingest_that_no_tier_stored_is_an_error_after_the_json(config_file, capsys):
+    blocker = config_file / "blocker"
+    blocker.write_text("a file where the cache directory's parent should be")
+    text = (config_file / "c.yaml").read_text()
+    start = text.index("    - {kind: cpu")
+    (config_file / "lost.yaml").write_text(text[:start] + f"    - {{kind: disk, path: {blocker / 'cache'}, budget: 1MiB}}\n")
+    assert main(["ingest", "--config", str(config_file / "lost.yaml"), str(config_file / "a.txt"), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["documents"][0]["stored"] is False
+    errors = [line for line in err.splitlines() if line.startswith("kvblend: error:")]
+    assert len(errors) == 1 and "1 of 1 document(s) were not stored" in errors[0] and "path, permissions" in errors[0]
+
+
 def test_bad_input_is_a_clear_error(config_file, capsys):
     cfg = str(config_file / "c.yaml")
     with pytest.raises(SystemExit, match="2"):

@@ -153,6 +153,24 @@ def test_bad_input(caplog):
             result = engine.generate(QUESTION, ["", DOCS[0], "   "], mode="blend", max_new_tokens=2)
         assert "skipped 2 empty document" in caplog.text
         assert result.token_ids
+        assert any("skipped 2 empty document" in w for w in result.warnings)  # the caller sees it too
+
+
+def test_ingest_says_whether_a_tier_holds_each_document(tmp_path):
+    # an empty document has nothing to cache: neither cached nor stored
+    with make_engine() as engine:
+        empty, doc = engine.ingest(["  ", DOCS[0]])
+        assert (empty.keys, empty.cached, empty.stored) == ((), False, False)
+        assert doc.keys and doc.stored is True and not doc.cached
+        assert engine.ingest([DOCS[0]])[0].cached and engine.ingest([DOCS[0]], sync=False)[0].stored is None
+    # the only tier cannot create its directory (required: false, so only warnings): not stored
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [
+        {"kind": "disk", "path": str(blocker / "cache"), "budget": "64MiB"}]}, chunk_tokens=24, split="off")
+    with BlendEngine(cfg, model=tiny_model("llama", tokenizer=smollm2_tokenizer())) as engine:
+        (lost,) = engine.ingest([DOCS[1]])
+        assert lost.keys and lost.stored is False and not lost.cached
 
 
 def test_other_models_chunks_are_never_loaded(tmp_path):

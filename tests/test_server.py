@@ -188,7 +188,10 @@ def test_documents_hit_the_cache_on_the_second_request(server, engine):
     local = engine.ingest([{"id": "fresh", "title": "Harrow", "text": docs[0]["text"]}, docs[1]["text"]])
     assert [d["id"] for d in ingested] == [d.id for d in local]
     assert [d["keys"] for d in ingested] == [list(d.keys) for d in local]
-    assert [d["cached"] for d in ingested] == [True, True]
+    assert [d["cached"] for d in ingested] == [True, True] and [d["stored"] for d in ingested] == [True, True]
+    empty = httpx.post(server.url + "/v1/documents", json={"documents": [docs[1], {"text": " ", "title": ""}]},
+                       timeout=60)
+    assert empty.status_code == 400 and "documents[1] is empty" in empty.json()["error"]["message"]
     deleted = httpx.delete(server.url + "/v1/documents/fresh", timeout=60)
     assert deleted.status_code == 200 and deleted.json()["keys"] == ingested[0]["keys"]
     assert httpx.delete(server.url + "/v1/documents/fresh", timeout=60).status_code == 404

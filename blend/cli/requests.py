@@ -55,8 +55,14 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"documents": [doc.to_dict() for doc in ingested], "chunks": keys})
     else:
-        new = sum(not doc.cached for doc in ingested)
+        new = sum(doc.keys != () and not doc.cached for doc in ingested)
         print(f"ingested {len(docs)} document(s) as {len(keys)} chunk(s), {new} newly computed")
+    lost = [doc.id for doc in ingested if doc.keys and doc.stored is False]
+    if lost:
+        print(f"kvblend: error: {len(lost)} of {len(docs)} document(s) were not stored, e.g. {lost[0]!r}: no tier "
+              "accepted their blocks (the warnings above say why); fix the tier's path, permissions or server "
+              "in the config", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -2,7 +2,7 @@
 
   POST   /v1/chat/completions   messages (+ documents, kvblend) -> chat.completion, or SSE chunks
   POST   /v1/completions        prompt = the question of the engine's RAG prompt -> text_completion
-  POST   /v1/documents          ingest: per document its id, block keys, cached
+  POST   /v1/documents          ingest: per document its id, block keys, cached, stored (an empty one: 400)
   DELETE /v1/documents/{id}     remove a document's KV blocks from every tier
   GET    /v1/models, /health, /metrics
 
@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blend.document import check_documents
+from blend.document import check_documents, render_document
 from blend.engine import BlendEngine
 from blend.generation import GenerationResult, TextDelta
 from blend.request import GenerationRequest
@@ -390,6 +390,10 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
     async def ingest(body: schemas.IngestRequest, request: Request) -> Response:
         try:
             docs = check_documents([d.to_document() for d in body.documents])
+            empty = next((i for i, d in enumerate(docs) if not render_document(d)), None)
+            if empty is not None:
+                raise ValueError(f"documents[{empty}] is empty (no text nor title): there is nothing to cache; "
+                                 "give its text or leave it out")
         except (TypeError, ValueError) as err:
             metrics().request("documents", "ingest", 400)
             raise bad_request(err) from None
