@@ -370,14 +370,48 @@ def _walk(root: type, loc: tuple) -> tuple[str, Any]:
     return path, _data_type(tp)
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; prompts files a few kilobytes
+MAX_CONFIG_VALUES = 10_000  # scalars, lists and mappings after YAML aliases are expanded
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_: set[int]) -> int:
+    """How many values `node` stands for once every alias is expanded (shared nodes are
+    counted once per use, computed once); a node that contains itself counts as unbounded."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        return MAX_CONFIG_VALUES + 1
+    open_.add(key)
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(child, sizes, open_) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, sizes, open_) + _expanded_size(v, sizes, open_) for k, v in node.value)
+    open_.discard(key)
+    sizes[key] = size = min(size, MAX_CONFIG_VALUES + 1)
+    return size
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into a dict; every error is one line naming the file."""
+    """Read a YAML config file into a dict; every error is one line naming the file.
+
+    Bounded: at most MAX_CONFIG_BYTES of text and MAX_CONFIG_VALUES values with aliases
+    expanded, so a small file of nested aliases ("billion laughs") is refused at once."""
     p = Path(path)
     if not p.is_file():
         problem = "is not a file" if p.exists() else "not found"
         raise FileNotFoundError(f"config file {str(p)!r} {problem}; pass --config with the path of a YAML file")
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{p}: {p.stat().st_size} bytes is too large for a config (at most {MAX_CONFIG_BYTES}); "
+                         "check that --config names the YAML config")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        if root is not None and _expanded_size(root, {}, set()) > MAX_CONFIG_VALUES:
+            raise ValueError(f"{p}: expands to more than {MAX_CONFIG_VALUES} values once its YAML aliases "
+                             "(*name) are expanded; write the settings out, a config is a few dozen keys")
+        data = yaml.safe_load(text)
     except UnicodeDecodeError:
         raise ValueError(f"{p}: not UTF-8 text; save the file as UTF-8") from None
     except RecursionError:

@@ -42,6 +42,8 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
     ("yaml-syntax", STATS, cfg("a: [\n"), {}),
     ("yaml-top-list", STATS, cfg("- 1\n- 2\n"), {}),
     ("yaml-int-key", STATS, cfg("1: 2\n"), {}),
+    ("yaml-alias-bomb", STATS, cfg("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join(['*a' + (str(i - 1) if i > 1 else '')] * 9)}]\n" for i in range(1, 9))), {}),
     ("yaml-not-utf8", STATS, {"c.yaml": b"model: caf\xe9\n"}, {}),
     ("config-missing", ["store", "stats", "--config", "{tmp}/none.yaml"], {}, {}),
     ("config-is-dir", ["store", "stats", "--config", "{tmp}"], {}, {}),

@@ -105,6 +105,24 @@ def test_yaml_problems_are_one_line_naming_the_file(tmp_path):
         load_yaml(write(tmp_path, "model: " + "[" * 20000 + "\n"))
 
 
+LAUGHS = "a0: &a0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 9))  # 9**9 values from 1 KB
+
+
+def test_yaml_aliases_are_bounded_once_expanded(tmp_path):
+    for text in (LAUGHS, "a: &a [1, *a]\n", "engine: &e {x: [" + ", ".join(["1"] * 10_001) + "]}\n"):
+        with pytest.raises(ValueError, match=r"c.yaml: expands to more than 10000 values .*aliases") as info:
+            load_yaml(write(tmp_path, text))
+        assert "\n" not in str(info.value)
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (1 << 20) + "\n")
+    with pytest.raises(ValueError, match="too large for a config"):
+        load_yaml(big)
+    # an alias in a normal config is fine: the value is shared
+    assert load_yaml(write(tmp_path, "a: &d {kv_dtype: float16}\nb: *d\n")) == {"a": {"kv_dtype": "float16"},
+                                                                               "b": {"kv_dtype": "float16"}}
+
+
 def test_byte_sizes_and_strict_numbers():
     cfg = StoreConfig.from_mapping({"tiers": [{"kind": "cpu", "budget": "1.5GiB"}, {"kind": "disk", "path": "d",
                                                                                       "budget": 4096}]})
