@@ -46,6 +46,7 @@ import torch
 
 from blend.config import BlendConfig
 from blend.conversation import ROLES, Message, chat_ids
+from blend.document import clean_text
 from blend.generation import Decoder, GenerationResult, Prefilled
 from blend.pipeline import LoadStalled
 from blend.prefix import PrefixCache, intact_end
@@ -323,6 +324,10 @@ class SessionManager:
             raise ValueError("empty message: pass some text")
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a str or None, got {type(system).__name__}")
+        # text UTF-8 cannot encode (lone surrogates, e.g. undecodable bytes from argv) is stored
+        # and tokenized with U+FFFD in their place, as documents and messages are elsewhere
+        message = clean_text(message)
+        system = None if system is None else clean_text(system)
         cfg = self.config
         max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:

@@ -369,3 +369,13 @@ def test_a_lock_file_dropped_between_open_and_flock_is_opened_again(tmp_path, mo
         monkeypatch.setattr(blend.session.fcntl, "flock", racing_flock)
         assert engine.chat("raced", "hello").token_ids
         assert len(calls) == 2 and (tmp_path / "sessions" / "raced.lock").exists()
+
+
+def test_a_message_with_undecodable_bytes_is_replaced_text_not_a_tokenizer_error(tmp_path):
+    # argv decodes bytes that are not UTF-8 as lone surrogates (surrogateescape)
+    raw = b"caf\xe9 au lait?".decode("utf-8", "surrogateescape")
+    with make_engine(tmp_path) as engine:
+        result = engine.chat("s", raw, max_new_tokens=2, system="be brief \udcff")
+        assert result.token_ids
+        saved = json.loads((tmp_path / "sessions" / "s.json").read_text(encoding="utf-8"))["messages"]
+        assert saved[0]["content"] == "caf\ufffd au lait?"
