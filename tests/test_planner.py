@@ -238,3 +238,16 @@ def test_measure_prefill_smollm2():
     pytest.importorskip("blend.model")
     rate = planner.measure_prefill_tokens_per_s("smollm2-135m-instruct", tokens=64)
     assert rate > 0
+
+
+@pytest.mark.parametrize("stage, message", [((), "no transfer stage given"),
+                                            (("--read-iops", "100"), "--read-iops needs the I/O block size")])
+def test_flag_errors_come_before_the_model_loads(stage, message, monkeypatch, capsys):
+    def no_loading(*_args, **_kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(planner, "model_kv_shape", no_loading)
+    monkeypatch.setattr(planner, "profile_prefill", no_loading)
+    with pytest.raises(SystemExit) as info:
+        _run(["--model", "smollm2-135m-instruct", "--tokens", "100", *stage])
+    assert info.value.code == 2 and message in capsys.readouterr().err

@@ -124,6 +124,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def _inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     """Resolve the KV shape, validate the path, and get the prefill rate (may measure)."""
     dims = (args.layers, args.kv_heads, args.head_dim)
+    transfer_stages(args.read_mibps, args.read_iops, args.io_block, args.link_gibps)  # before any model loads
+    if args.prefill_tokens_per_s is None and args.model is None:
+        raise ValueError("pass --prefill-tokens-per-s, or --model to measure the prefill rate")
     if args.model is not None:
         if any(d is not None for d in dims):
             raise ValueError("pass either --model or --layers/--kv-heads/--head-dim, not both")
@@ -132,11 +135,8 @@ def _inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         raise ValueError("pass --model NAME, or all of --layers, --kv-heads and --head-dim")
     else:
         shape = ModelKVShape(*dims)
-    transfer_stages(args.read_mibps, args.read_iops, args.io_block, args.link_gibps)  # fail before measuring
     rate, source = args.prefill_tokens_per_s, "given"
     if rate is None:
-        if args.model is None:
-            raise ValueError("pass --prefill-tokens-per-s, or --model to measure the prefill rate")
         print(f"measuring prefill of {args.model} ({PROFILE_TOKENS} tokens) ...", file=sys.stderr)
         prof = planner.profile_prefill(args.model, PROFILE_TOKENS)
         rate, source = prof.tokens_per_s, f"measured on {prof.device} ({prof.tokens} tokens)"
