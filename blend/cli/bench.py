@@ -12,8 +12,10 @@ from blend.cli import serve
 from blend.cli.common import (
     POSITIVE_FLOAT,
     POSITIVE_INT,
+    arg_type,
     config_arg,
     csv_list,
+    directory,
     emit_json,
     human,
     json_arg,
@@ -166,7 +168,7 @@ def _register_resume(sub: Any) -> None:
     p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="measured rounds after the warm-up (median reported)")
     p.add_argument("--redis-url", default=None,
                    help="redis tier URL (default: the config's redis tier, else redis://127.0.0.1:6379/0)")
-    p.add_argument("--disk-path", default=None,
+    p.add_argument("--disk-path", default=None, type=arg_type(directory),
                    help="scratch directory for the disk tier (default: under the config's disk path, else a temp dir)")
     p.add_argument("--warm-disk", action="store_true", help="leave disk entries in the OS page cache")
     json_arg(p)

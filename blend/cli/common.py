@@ -106,6 +106,15 @@ def positive_float(text: str) -> float:
     return value
 
 
+def directory(text: str) -> str:
+    """A directory to create if missing: not empty, and not an existing non-directory."""
+    if not text.strip():
+        raise ValueError("is empty; give a directory (created if missing)")
+    if Path(text).expanduser().exists() and not Path(text).expanduser().is_dir():
+        raise ValueError(f"{text!r} exists and is not a directory; give a directory (created if missing)")
+    return str(Path(text).expanduser())
+
+
 def csv_list(text: str, what: str) -> list[str]:
     items = [v.strip() for v in text.split(",") if v.strip()]
     if not items:

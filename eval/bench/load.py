@@ -235,6 +235,30 @@ def measure_tier(
     }
 
 
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation without swapping (Linux: MemAvailable),
+    None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_memory(needed: int, what: str) -> None:
+    """ValueError naming `what` when `needed` bytes exceed 80% of the available memory."""
+    available = available_memory()
+    if available is not None and needed > 0.8 * available:
+        raise ValueError(f"{what} needs about {needed / MiB:,.0f} MiB of memory and {available / MiB:,.0f} MiB are "
+                         "available; pass a smaller size")
+
+
 def run_load(
     kind: str,
     size_mb: float,
@@ -246,10 +270,13 @@ def run_load(
     rounds: int = 5,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Benchmark one tier kind; uses its own keys/directory and removes them afterwards."""
+    """Benchmark one tier kind; uses its own keys/directory and removes them afterwards.
+    ValueError (one line) when the entries, built in memory first, cannot fit this
+    machine's available memory."""
     watch = LoadWatch.begin()
     _, template = random_entry(shape, seed=0)
     n = max(1, math.ceil(size_mb * MiB / template.nbytes))
+    check_memory(n * template.nbytes * (2 if kind == "cpu" else 1), f"--size-mb {size_mb:g}")
     keyed: list[tuple[str, KVEntry]] = []
     for i in range(n):
         token_ids, entry = random_entry(shape, seed=i)
