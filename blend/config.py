@@ -297,6 +297,9 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> EngineConfi
     line per problem, naming the file and key."""
     if path is not None and not isinstance(path, str | os.PathLike):
         raise TypeError(f"config path must be a str or a path, got {type(path).__name__}")
+    if isinstance(path, str) and not path.strip():
+        raise ValueError("the config path (--config) is empty; give the path of a YAML file, or leave it out "
+                         f"for ${CONFIG_ENV} or the built-in default")
     source = str(path) if path else os.environ.get(CONFIG_ENV) or None
     if source is None:
         config = EngineConfig()

@@ -47,6 +47,7 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
     ("yaml-not-utf8", STATS, {"c.yaml": b"model: caf\xe9\n"}, {}),
     ("config-missing", ["store", "stats", "--config", "{tmp}/none.yaml"], {}, {}),
     ("config-is-dir", ["store", "stats", "--config", "{tmp}"], {}, {}),
+    ("config-empty-path", ["store", "stats", "--config", ""], {}, {}),
     ("engine-list", STATS, cfg("engine: [1, 2]\n"), {}),
     ("store-int", STATS, cfg("store: 5\n"), {}),
     ("device-banana", STATS, cfg("device: banana\n"), {}),

@@ -127,7 +127,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     examples = load_examples(args.dataset, split=args.split, limit=args.limit, passages=args.passages,
                              field_map=args.field_map)
     if not examples:
-        raise ValueError(f"{args.dataset}: no usable examples (all lacked passage text); check the file and --split")
+        raise ValueError(f"{args.dataset}: no usable examples (each lacked passage text or, for qa, a question); check the file, --split and --field-map")
     first = prompts[examples[0].task]  # the engine's own templates: those of the first example's task
     engine = open_engine(args.config, config.with_overrides(system_prompt=first.render_system(),
                                                             query_template=first.query))
