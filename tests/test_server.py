@@ -391,6 +391,17 @@ def test_malformed_bodies_get_400_or_422_with_a_message(server, endpoint, body, 
     assert error["message"] and "Traceback" not in response.text
 
 
+def test_unparsable_bodies_and_other_content_types_say_what_to_send(server):
+    url = server.url + "/v1/chat/completions"
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    for content in (b'{"messages": "caf\xe9"}', b"[" * 5000 + b"]" * 5000):
+        bad = httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=60)
+        assert bad.status_code == 400 and "send UTF-8 JSON" in bad.json()["error"]["message"], bad.text
+    plain = httpx.post(url, content=body, headers={"content-type": "text/plain"}, timeout=60)
+    assert plain.status_code == 415, plain.text
+    assert "Content-Type: application/json (got 'text/plain')" in plain.json()["error"]["message"]
+
+
 def test_bodies_over_the_limit_get_413_before_parsing_and_huge_text_400_before_tokenizing(server):
     limit = 16 << 20  # the default --max-body
     big = b'{"messages": [{"role": "user", "content": "' + b"w" * limit + b'"}]}'

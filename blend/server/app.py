@@ -155,10 +155,14 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
         return JSONResponse(schemas.error_body(err.message, err.kind), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_request: Request, err: RequestValidationError) -> JSONResponse:
+    async def invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
         problems = err.errors()
         if any(p.get("type") == "json_invalid" for p in problems):
             return JSONResponse(schemas.error_body("the request body is not valid JSON"), status_code=400)
+        kind = request.headers.get("content-type", "")
+        if tuple(problems[0].get("loc", ())) == ("body",) and "json" not in kind.lower():
+            return JSONResponse(schemas.error_body(f"send the body as JSON with Content-Type: application/json "
+                                                   f"(got {kind[:60] or 'none'!r})"), status_code=415)
         parts = []
         for p in problems[:5]:
             where = ".".join(str(x) for x in p.get("loc", ()) if x != "body")
@@ -168,6 +172,10 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+        if err.status_code == 400 and err.detail == "There was an error parsing the body":
+            return JSONResponse(schemas.error_body("the request body could not be parsed: send UTF-8 JSON (nested at "
+                                                   "most a few hundred levels) with Content-Type: application/json"),
+                                status_code=400)
         return JSONResponse(schemas.error_body(str(err.detail), "not_found" if err.status_code == 404 else
                                                "invalid_request_error"), status_code=err.status_code)
 
