@@ -498,6 +498,24 @@ def test_timeout_and_graceful_shutdown(setup):
         server.stop()
 
 
+def test_a_second_interrupt_stops_at_once_and_says_so(setup):
+    root, config = setup
+    server = Server(config, root, "--no-warmup")
+    try:
+        body = chat_body("Go.", max_tokens=LONG, stream=True)
+        with httpx.Client(timeout=120) as http, http.stream("POST", server.url + "/v1/chat/completions",
+                                                            json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.proc.send_signal(signal.SIGINT)  # graceful: would wait for this request
+            time.sleep(0.5)
+            server.proc.send_signal(signal.SIGINT)  # forced
+            assert server.proc.wait(60) == 130
+        assert "stopped at once by a second signal" in server.log.read_text()
+    finally:
+        server.stop()
+
+
 def test_bench_serve_against_the_running_server(server, setup, tmp_path):
     from eval.bench.serve import compare_ttft, run_serve_bench, write_report
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     print(f"kvblend: serving {settings.served_model_name} on http://{args.host}:{args.port} "
           f"(queue {settings.queue_size}, timeout {settings.request_timeout_s:g} s)", flush=True)
-    serve(engine, settings, sock, log_level="info" if args.verbose else "warning")
+    if serve(engine, settings, sock, log_level="info" if args.verbose else "warning"):
+        print("kvblend: stopped at once by a second signal: requests in flight were dropped", file=sys.stderr)
+        return 130
     return 0
 
 

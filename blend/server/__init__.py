@@ -55,10 +55,12 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(engine: BlendEngine, settings: ServerSettings, sock: socket.socket, log_level: str = "warning") -> None:
+def serve(engine: BlendEngine, settings: ServerSettings, sock: socket.socket, log_level: str = "warning") -> bool:
     """Serve `engine` over HTTP on `sock` (from `listen_socket`) until SIGINT or SIGTERM,
     then stop accepting, let the in-flight requests finish (up to the request timeout),
-    close the engine and return."""
+    close the engine and return False. A second signal stops at once (uvicorn's forced
+    exit: in-flight requests are dropped); the engine is still closed, so queued cache
+    writes are flushed, and it returns True."""
     import signal
 
     import uvicorn
@@ -75,8 +77,9 @@ def serve(engine: BlendEngine, settings: ServerSettings, sock: socket.socket, lo
     # uvicorn handles the signal (graceful shutdown), restores these handlers and raises
     # the signal again: the process then ends normally instead of dying from it
     previous = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+    server = uvicorn.Server(config)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             raise
@@ -84,3 +87,5 @@ def serve(engine: BlendEngine, settings: ServerSettings, sock: socket.socket, lo
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        engine.close()  # idempotent; the lifespan's close may not have run after a forced exit
+    return bool(server.force_exit)
