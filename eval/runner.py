@@ -293,19 +293,32 @@ def _median_speedup(records: Sequence[Mapping[str, Any]], name: str) -> float | 
     return statistics.median(ratios) if ratios else None
 
 
+WARMUP_CHARS = 400  # of the first example's question and first passage, for the untimed warm-up
+
+
 def _unique_ids(examples: Sequence[Example]) -> list[Example]:
-    """Examples with distinct ids (the resume key): a repeated id gets a #2, #3 suffix."""
+    """Examples with distinct ids (the resume key): a repeated id gets a #2, #3 suffix,
+    skipping any name another example already has (`a`, `a`, `a#2` -> `a`, `a#3`, `a#2`)."""
     from dataclasses import replace
 
+    taken = {ex.id for ex in examples}
     seen: dict[str, int] = {}
-    out = []
+    out, repeated = [], set()
     for ex in examples:
         count = seen.get(ex.id, 0) + 1
+        if count == 1:
+            seen[ex.id] = 1
+            out.append(ex)
+            continue
+        repeated.add(ex.id)
+        while f"{ex.id}#{count}" in taken:
+            count += 1
         seen[ex.id] = count
-        out.append(ex if count == 1 else replace(ex, id=f"{ex.id}#{count}"))
-    if len(seen) < len(out):
-        log.warning("%d example id(s) repeat in the dataset; repeats are named <id>#2, <id>#3, ...",
-                    sum(1 for c in seen.values() if c > 1))
+        taken.add(f"{ex.id}#{count}")
+        out.append(replace(ex, id=f"{ex.id}#{count}"))
+    if repeated:
+        log.warning("%d example id(s) repeat in the dataset; repeats are named <id>#2, <id>#3, ... (a name "
+                    "already in use is skipped)", len(repeated))
     return out
 
 
@@ -321,10 +334,12 @@ def _use_template(engine: Any, template: PromptTemplate) -> None:
 
 
 def _warm_up(engine: Any, ex: Example, template: PromptTemplate) -> None:
-    """One short untimed request (first passage, one token) so that lazy initialisation
-    does not land in the first example's TTFT."""
+    """One short untimed request (the start of the first passage, one token) so that lazy
+    initialisation does not land in the first example's TTFT. Short, so that an example too
+    long for the model is skipped by `evaluate_example` like any other, not failed here."""
     _use_template(engine, template)
-    engine.generate(ex.question or NO_QUESTION, list(ex.passages[:1]), mode="full", max_new_tokens=1, temperature=0.0)
+    engine.generate((ex.question or NO_QUESTION)[:WARMUP_CHARS], [p[:WARMUP_CHARS] for p in ex.passages[:1]],
+                    mode="full", max_new_tokens=1, temperature=0.0)
 
 
 def _progress(items: Sequence[Example], enabled: bool) -> Iterable[Example]:

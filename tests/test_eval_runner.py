@@ -194,6 +194,17 @@ def test_missing_answers_summarization_and_too_long_prompts(caplog):
     assert run.summary["reuse"]["f1"] is None and run.summary["reuse"]["rouge_l"] is not None
 
 
+def test_a_too_long_first_example_is_skipped_too_and_repeated_ids_never_collide(caplog):
+    base = _examples()[0]
+    too_long = Example("a", ("word " * 3000,), "What?", ("x",))
+    second = Example("a", base.passages, "Q two?", ("x",))  # repeats id a: named a#3, as a#2 is taken
+    third = Example("a#2", base.passages, "Q three?", ("y",))
+    with caplog.at_level(logging.WARNING, logger="eval.runner"):
+        run = _run(examples=[too_long, second, third], entries=plan_entries(["reuse"], [0.15]))
+    assert run.skipped == ["a"]
+    assert {r["id"]: r["question"] for r in run.records} == {"a#3": "Q two?", "a#2": "Q three?"}
+
+
 def test_run_eval_refuses_bad_calls():
     with pytest.raises(ValueError, match="no examples"):
         _run(examples=[])
