@@ -184,6 +184,26 @@ def test_examples_without_passages_or_question_are_skipped(tmp_path, caplog):
         load_examples(str(_write_json(tmp_path / "odd.json", [{"question": ["q"], "answers": [], "ctxs": ["x"]}])))
 
 
+@pytest.mark.parametrize("passages, message", [
+    ([["a", "b"], "c"], "'passages' item must be text, got list"),
+    (["a", {"text": "t"}], "'passages' item must be text, got dict"),
+    (["a", True], "'passages' item must be text, got bool"),
+    ({"a": 1}, "'passages' must be a list of texts .*got dict"),
+    (5, "'passages' must be a list of texts .*got int"),
+])
+def test_passages_that_are_not_text_are_errors_not_their_repr(tmp_path, passages, message):
+    rows = [{"passages": passages, "question": "q", "answers": ["x"]}]
+    with pytest.raises(ValueError, match=f"record 0 .*{message}"):
+        load_examples(str(_write_json(tmp_path / "odd.json", rows)))
+    # a missing cell (null) is skipped text, never the passage "None"; a ctx's NaN title is no title
+    (ok,) = load_examples(str(_write_json(tmp_path / "ok.json", [{"passages": ["a", None], "question": "q"}])))
+    assert ok.passages == ("a",)
+    rows = [{"question": "q", "ctxs": [{"title": float("nan"), "text": "body"}]}]
+    assert load_examples(str(_write_json(tmp_path / "nan.json", rows)))[0].passages == ("body",)
+    with pytest.raises(ValueError, match="ctx's 'text' must be text, got list"):
+        load_examples(str(_write_json(tmp_path / "l.json", [{"question": "q", "ctxs": [{"text": ["a"]}]}])))
+
+
 def test_answer_forms():
     assert to_answers(None) == ()
     assert to_answers(" Paris ") == ("Paris",)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from eval.loaders.example import Example, make_example, to_answers
-from eval.loaders.shape import Shape, record_id, require, text_field
+from eval.loaders.shape import Shape, cell_text, record_id, require, text_field
 
 NAME = "CacheBlend JSON"
 
@@ -23,8 +23,8 @@ def passage_text(ctx: Any) -> str:
         return ctx
     if not isinstance(ctx, Mapping):
         raise ValueError(f"a {NAME} ctx must be a mapping with 'title' and 'text', got {type(ctx).__name__}")
-    title = str(ctx.get("title") or "").strip()
-    text = str(ctx.get("text") or "").strip()
+    title = cell_text(ctx.get("title"), f"a {NAME} ctx's 'title'").strip()
+    text = cell_text(ctx.get("text"), f"a {NAME} ctx's 'text'").strip()
     return f"{title}\n{text}" if title and text else (text or title)
 
 

@@ -3,11 +3,12 @@ Handy with `field_map` for any dataset that already has a list of passages per r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from eval.loaders.example import TASKS, Example, make_example, to_answers
-from eval.loaders.shape import Shape, record_id, require, text_field
+from eval.loaders.shape import Shape, cell_text, record_id, require, text_field
 
 NAME = "kvblend passages"
 
@@ -17,16 +18,21 @@ def _matches(record: Mapping[str, Any]) -> bool:
 
 
 def _convert(record: Mapping[str, Any], default_id: str) -> Example | None:
-    passages = require(record, "passages", NAME) or []
+    passages = require(record, "passages", NAME)
+    if passages is None or isinstance(passages, float) and math.isnan(passages):
+        passages = []
     if isinstance(passages, str):
         passages = [passages]
+    if not isinstance(passages, list | tuple):
+        raise ValueError(f"a {NAME} record's 'passages' must be a list of texts (or one text), "
+                         f"got {type(passages).__name__} {passages!r:.60}")
     task = record.get("task") or "qa"
     if task not in TASKS:
         raise ValueError(f"a {NAME} record's 'task' must be one of {', '.join(TASKS)}, got {task!r}")
     answers = record["answers"] if "answers" in record else record.get("answer")
     return make_example(
         record_id(record, default_id),
-        [str(p) for p in passages],
+        [cell_text(p, f"a {NAME} record's 'passages' item") for p in passages],
         text_field(record, "question", NAME),
         to_answers(answers),
         task,

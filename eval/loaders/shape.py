@@ -38,11 +38,16 @@ def require(record: Mapping[str, Any], field: str, shape: str) -> Any:
 def text_field(record: Mapping[str, Any], field: str, shape: str) -> str:
     """`record[field]` as text: a missing cell (None, NaN from CSV or Parquet) is "", a
     number its digits; anything else is a ValueError naming the field."""
-    value = require(record, field, shape)
+    return cell_text(require(record, field, shape), f"a {shape} record's {field!r}")
+
+
+def cell_text(value: Any, what: str) -> str:
+    """One cell as text: None or NaN (a missing CSV / Parquet cell) is "", a number its
+    digits, a str itself; a list, mapping or bool is a ValueError naming `what`."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise ValueError(f"a {shape} record's {field!r} must be text, got {type(value).__name__} {value!r:.60}")
+        raise ValueError(f"{what} must be text, got {type(value).__name__} {value!r:.60}")
     return str(value)
 
 
