@@ -23,6 +23,17 @@ from typing import IO, Any
 log = logging.getLogger(__name__)
 
 FILENAME = "results.jsonl"
+REPORT_FILES = ("summary.json", "summary.md", "quality_vs_ttft.png", "kl_vs_ttft.png")  # eval.report writes these
+
+
+def check_output_files(directory: str | Path) -> None:
+    """ValueError naming the fix when a file eval writes in `directory` is a link or not a
+    regular file (it would be written through, or fail only after the run)."""
+    for name in (FILENAME, *REPORT_FILES):
+        path = Path(directory) / name
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            kind = "a link" if path.is_symlink() else "not a regular file"
+            raise ValueError(f"--out {directory}: {name} is {kind}; remove it or pick another --out")
 VERSION = 1
 
 
@@ -64,6 +75,7 @@ class ResultsLog:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise ValueError(f"--out {directory}: cannot create it ({err.strerror or err}); pick another --out") from None
+        check_output_files(directory)
         path = directory / FILENAME
         wanted = jsonable(settings)
         done: dict[str, dict[str, Any]] = {}

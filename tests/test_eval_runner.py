@@ -232,6 +232,21 @@ def test_results_log_rejects_a_foreign_file(tmp_path):
         ResultsLog.open(tmp_path, {})
 
 
+def test_links_and_directories_where_eval_writes_are_refused_before_anything_runs(tmp_path):
+    outside = tmp_path / "outside.jsonl"
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / FILENAME).symlink_to(outside)  # dangling: writing would create a file outside --out
+    with pytest.raises(ValueError, match="results.jsonl is a link; remove it"):
+        ResultsLog.open(out, {})
+    assert not outside.exists()
+    (out / FILENAME).unlink()
+    (out / "summary.json").mkdir()  # found before the run, not after it
+    with pytest.raises(ValueError, match="summary.json is not a regular file"):
+        ResultsLog.open(out, {})
+    assert not (out / FILENAME).exists()
+
+
 @pytest.mark.parametrize("content", [b"line one of my notes\nimportant unterminated data", b"\x00\x01binary tail",
                                      b'{"record": "settings", "version": 1, "settings": {}}\nnot json\npartial'])
 def test_a_file_that_is_not_ours_is_refused_and_left_byte_for_byte(tmp_path, content):

@@ -104,6 +104,10 @@ def check_out_dir(text: str | None) -> None:
     path = Path(text).expanduser()
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {text!r} exists and is not a directory; name a directory (created if missing)")
+    if path.is_dir():
+        from eval.results import check_output_files
+
+        check_output_files(path)
     parent = path
     while not parent.exists():
         parent = parent.parent
