@@ -231,6 +231,32 @@ def test_split_of_json_mapping(tmp_path):
         load_examples(path)
 
 
+def test_a_split_the_file_lacks_is_named_and_a_file_without_splits_refuses_one(tmp_path):
+    path = str(_write_json(tmp_path / "one.json", {"train": CACHEBLEND}))
+    with pytest.raises(ValueError, match="has no split 'test'; its splits are train"):
+        load_examples(path, split="test")
+    for name, writer in (("list.json", _write_json), ("lines.jsonl", _write_jsonl)):
+        with pytest.raises(ValueError, match="--split 'test': this file has no splits"):
+            load_examples(str(writer(tmp_path / name, CACHEBLEND)), split="test")
+    single = {"passages": ["The bridge opened in 1888."], "question": "When?", "answers": ["1888"]}
+    (example,) = load_examples(str(_write_json(tmp_path / "single.json", single)))  # one example, not its list
+    assert example.passages == ("The bridge opened in 1888.",)
+
+
+def test_csv_cells_are_text_as_written_and_a_ragged_row_is_an_error(tmp_path):
+    pytest.importorskip("datasets")
+    good = tmp_path / "na.csv"
+    good.write_text("passages,question,answers\nNamibia borders Angola.,Which country?,NA\nx,None,null\n")
+    first, second = load_examples(str(good))
+    assert first.answers == ("NA",) and (second.question, second.answers) == ("None", ("null",))
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text("passages,question,answers\na,q,x\nEXTRA,MORE,a,b,c\n")
+    with pytest.raises(ValueError, match="ragged.csv: cannot be read as csv .*Expected 3 fields in line 3, saw 5"):
+        load_examples(str(ragged))
+    with pytest.raises(ValueError, match="this file has no splits"):
+        load_examples(str(good), split="train")
+
+
 def test_missing_local_file(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_examples(str(tmp_path / "nope.json"))

@@ -9,20 +9,28 @@ from pathlib import Path
 from typing import Any
 
 _DATASETS_BUILDERS = {".parquet": "parquet", ".csv": "csv"}
+# CSV cells are text as written ("NA" is an answer, not a missing value; an empty cell is
+# ""), and a row with more fields than the header is an error, not shifted into an index
+_READER_OPTIONS = {".csv": {"keep_default_na": False, "index_col": False}}
 
 
 def read_records(path: str | Path, split: str | None = None) -> list[dict[str, Any]]:
     """All records of the file at `path` as dicts. Does not modify the file.
 
-    `split` picks one list out of a JSON mapping such as {"train": [...], "test": [...]}; it is
-    ignored for a plain list or JSONL.
+    `split` picks one list out of a JSON mapping such as {"train": [...], "test": [...]}; a
+    split that the file does not have, or any split for a file without splits (a plain list,
+    JSON Lines, CSV, Parquet), is a ValueError.
     """
     p = Path(path)
-    if p.suffix.lower() in _DATASETS_BUILDERS:
+    suffix = p.suffix.lower()
+    if suffix in _DATASETS_BUILDERS:
+        if split is not None:
+            raise ValueError(_no_splits(p, split))
         import datasets  # deferred: importing datasets costs about a second
 
         try:
-            table = datasets.load_dataset(_DATASETS_BUILDERS[p.suffix.lower()], data_files=str(p), split="train")
+            table = datasets.load_dataset(_DATASETS_BUILDERS[suffix], data_files=str(p), split="train",
+                                          **_READER_OPTIONS.get(suffix, {}))
         except Exception as err:  # datasets wraps the reader's error (e.g. pandas' EmptyDataError) in its own
             cause = err.__cause__ or err
             reason = " ".join(str(cause).split()) or type(cause).__name__
@@ -38,15 +46,25 @@ def read_records(path: str | Path, split: str | None = None) -> list[dict[str, A
     if not stripped:
         raise ValueError(f"{p}: the file is empty; give a JSON list or JSON Lines file of examples")
     if p.suffix.lower() == ".jsonl" or not stripped.startswith(("[", "{")):
-        return _jsonl(text, p)
+        return _jsonl_without_split(text, p, split)
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
         # A file whose first record is an object may be JSON Lines named .json.
-        return _jsonl(text, p)
+        return _jsonl_without_split(text, p, split)
     except RecursionError:
         raise ValueError(f"{p}: JSON nested too deeply to read; give a list of flat example records") from None
     return _records_of(data, p, split)
+
+
+def _no_splits(p: Path, split: str) -> str:
+    return f"{p}: --split {split!r}: this file has no splits (it is one list of examples); leave --split out"
+
+
+def _jsonl_without_split(text: str, p: Path, split: str | None) -> list[dict[str, Any]]:
+    if split is not None:
+        raise ValueError(_no_splits(p, split))
+    return _jsonl(text, p)
 
 
 def _jsonl(text: str, p: Path) -> list[dict[str, Any]]:
@@ -67,16 +85,23 @@ def _jsonl(text: str, p: Path) -> list[dict[str, Any]]:
 
 
 def _records_of(data: Any, p: Path, split: str | None) -> list[dict[str, Any]]:
+    if isinstance(data, list) and split is not None:
+        raise ValueError(_no_splits(p, split))
     if isinstance(data, dict):
         lists = {k: v for k, v in data.items() if isinstance(v, list)}
+        splits = bool(lists) and len(lists) == len(data)  # a mapping of split name -> examples
         if split is not None and split in lists:
             data = lists[split]
-        elif split is None and len(lists) == 1:
+        elif split is not None and splits:
+            raise ValueError(f"{p}: has no split {split!r}; its splits are {', '.join(lists)} (--split)")
+        elif split is None and splits and len(lists) == 1:
             data = next(iter(lists.values()))
-        elif lists and len(lists) == len(data):
+        elif splits:
             raise ValueError(
                 f"{p}: holds several splits ({', '.join(lists)}); choose one with split=... (--split)"
             )
+        elif split is not None:
+            raise ValueError(_no_splits(p, split))
         else:
             data = [data]  # a single example
     if not isinstance(data, list):
