@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import KW_ONLY, dataclass
 
 _SPACES = re.compile(r"\s+")
@@ -116,8 +116,10 @@ def check_documents(documents: object, what: str = "documents") -> tuple[Documen
     if isinstance(documents, str | bytes | bytearray):
         raise TypeError(f"{what} must be a list of documents, got a single {type(documents).__name__}; "
                         f"wrap it in a list: [text]")
-    if isinstance(documents, Mapping) or not isinstance(documents, Iterable):
-        raise TypeError(f"{what} must be a list of str or Document, got {type(documents).__name__}")
+    if isinstance(documents, Mapping | Set) or not isinstance(documents, Iterable):
+        order = " (a set has no order, and the order of documents is part of the prompt)" if isinstance(
+            documents, Set) else ""
+        raise TypeError(f"{what} must be a list of str or Document, got {type(documents).__name__}{order}")
     out: list[Document | str] = []
     for i, doc in enumerate(documents):
         if isinstance(doc, str | Document):

@@ -264,6 +264,7 @@ class BlendEngine:
 
     def _decode(self, prompt: Prompt, req: GenerationRequest, sampling: SamplingParams, answer: str | None,
                 warnings: tuple[str, ...]) -> Iterator[TextDelta | GenerationResult]:
+        self._check_open()  # a stream created before `close` and started after it
         pre, ttft, t0 = self.decoder.timed(lambda: self.prefill(
             prompt, mode=req.mode, ratio=req.recompute_ratio, selection=req.selection,
             capacity=len(prompt) + req.max_new_tokens))
@@ -424,7 +425,8 @@ class BlendEngine:
             raise ValueError("empty message: pass some text")
         if system is not None and not isinstance(system, str):
             raise TypeError(f"system must be a str or None, got {type(system).__name__}")
-        req = GenerationRequest.create(self.config.engine, message, documents, mode=mode or "blend",
+        req = GenerationRequest.create(self.config.engine, message, documents,
+                                       mode="blend" if mode is None else mode,
                                        recompute_ratio=recompute_ratio, max_new_tokens=max_new_tokens,
                                        temperature=temperature, top_p=top_p, seed=seed, stop=stop)
         self.check_fits(req)
@@ -447,8 +449,10 @@ class BlendEngine:
 
     def offload(self, session_id: str) -> None:
         """Move a session's KV off the compute device (its blocks stay in the tier stack)."""
+        self._check_open()
         self.sessions.offload(session_id)
 
     def drop(self, session_id: str) -> None:
         """Forget a session entirely (its history and its device-resident KV)."""
+        self._check_open()
         self.sessions.drop(session_id)

@@ -91,8 +91,11 @@ class SessionBusy(RuntimeError):
 
 
 def check_session_id(session_id: str) -> str:
-    """Return `session_id` if it is usable as a file name; ValueError otherwise."""
-    if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
+    """Return `session_id` if it is usable as a file name; TypeError for a non-str,
+    ValueError otherwise."""
+    if not isinstance(session_id, str):
+        raise TypeError(f"session id must be a str, got {type(session_id).__name__}")
+    if not _SESSION_ID.match(session_id):
         raise ValueError(f"bad session id {session_id!r}: use 1-128 letters, digits, '_', '-' or '.', "
                          "starting with a letter, digit or '_'")
     return session_id

@@ -323,11 +323,18 @@ def test_bad_queries_ingests_and_messages(lm, tmp_path):
 
 def test_a_closed_engine_says_so_before_any_work(lm):
     engine = make_engine(lm)
+    early = engine.generate_stream(QUESTION, DOCS)  # created before close, started after it
     engine.close()
     calls = [lambda: engine.ingest(DOCS), lambda: engine.generate(QUESTION, DOCS),
              lambda: list(engine.generate_stream(QUESTION, DOCS)), lambda: engine.chat("s", "hi"),
-             lambda: engine.delete_document("x")]
+             lambda: engine.delete_document("x"), lambda: engine.offload("s"), lambda: engine.drop("s"),
+             lambda: next(early)]
     for call in calls:
         with pytest.raises(ValueError, match="this BlendEngine is closed"):
             call()
     engine.close()  # closing twice is harmless
+
+
+def test_a_set_of_documents_is_refused_for_its_order(lm):
+    with make_engine(lm) as engine, pytest.raises(TypeError, match="got set .*a set has no order"):
+        engine.generate(QUESTION, set(DOCS))

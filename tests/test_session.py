@@ -154,6 +154,11 @@ def test_drop_and_unknown_session(tmp_path):
                 engine.chat(bad, "hello")
             with pytest.raises(ValueError, match="bad session id"):
                 engine.drop(bad)
+        for bad in (1, None):
+            with pytest.raises(TypeError, match="session id must be a str"):
+                engine.chat(bad, "hello")
+        with pytest.raises(ValueError, match="full, reuse, prefix, blend"):
+            engine.chat("new-id", "hello", mode="")  # not read as "no mode"
         (tmp_path / "sessions" / "garbled.json").write_text("{not json")
         with pytest.raises(ValueError, match="unreadable"):  # never silently overwritten
             engine.chat("garbled", "hello")
