@@ -257,7 +257,10 @@ class BlendEngine:
     def _stream(self, req: GenerationRequest, answer: str | None = None) -> Iterator[TextDelta | GenerationResult]:
         self.check_fits(req)
         prompt = self.prompts.build(req.query, req.documents)
-        self.runner.check_length(len(prompt), req.max_new_tokens)
+        shorten = "use fewer or shorter documents" if isinstance(req.query, str) else (
+            "shorten the conversation (fewer or shorter messages)"
+            + (" or use fewer or shorter documents" if req.documents else ""))
+        self.runner.check_length(len(prompt), req.max_new_tokens, shorten)
         warnings = self._note_documents(prompt, req.documents)
         sampling = SamplingParams(req.temperature, req.top_p, req.seed)
         return self._decode(prompt, req, sampling, answer, warnings)

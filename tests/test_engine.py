@@ -135,8 +135,10 @@ def test_bad_input(caplog):
             engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=1.5)
         with pytest.raises(ValueError, match="full, reuse, prefix, blend"):
             engine.generate(QUESTION, DOCS, mode="fast")
-        with pytest.raises(ValueError, match="maximum of 2048 positions"):
+        with pytest.raises(ValueError, match="maximum of 2048 positions; use fewer or shorter documents"):
             engine.generate(QUESTION, ["word " * 2100], mode="full")
+        with pytest.raises(ValueError, match="positions; shorten the conversation .*messages\\)$"):
+            engine.generate([{"role": "user", "content": "word " * 2100}], mode="full")
         with pytest.raises(ValueError, match=r"ask for at most \d+ new tokens \(max_new_tokens\)"):
             engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=2048)
         # text that cannot fit is refused by its length, before tokenizing (megabytes take seconds)
