@@ -73,7 +73,8 @@ def check_seed(value: object) -> int | None:
 
 
 def check_stop(value: object) -> tuple[str, ...]:
-    """Stop strings: None, one str, or a list of non-empty str (at most MAX_STOP_STRINGS)."""
+    """Stop strings: None, one str, or a list of non-empty str (at most MAX_STOP_STRINGS
+    distinct ones; repeats are dropped, order kept)."""
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
@@ -86,9 +87,10 @@ def check_stop(value: object) -> tuple[str, ...]:
         if not s:
             raise ValueError(f"stop[{i}] is empty; stop strings must have at least one character")
         out.append(clean_text(s))
-    if len(out) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(out)}")
-    return tuple(dict.fromkeys(out))
+    unique = tuple(dict.fromkeys(out))
+    if len(unique) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} distinct stop strings are supported, got {len(unique)}")
+    return unique
 
 
 def check_query(query: object) -> str | tuple[Message, ...]:

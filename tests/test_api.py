@@ -258,6 +258,7 @@ BAD_GENERATE = [
     (dict(stop=[""]), ValueError, "empty"),
     (dict(stop=5), TypeError, "stop"),
     (dict(stop=["a", 5]), TypeError, r"stop\[1\]"),
+    (dict(stop=[f"s{i}" for i in range(17)]), ValueError, "at most 16 distinct stop strings .*got 17"),
     (dict(mode="fast"), ValueError, "valid modes"),
     (dict(mode=None), TypeError, "mode"),
     (dict(selection="best"), ValueError, "valid selections"),
@@ -338,3 +339,9 @@ def test_a_closed_engine_says_so_before_any_work(lm):
 def test_a_set_of_documents_is_refused_for_its_order(lm):
     with make_engine(lm) as engine, pytest.raises(TypeError, match="got set .*a set has no order"):
         engine.generate(QUESTION, set(DOCS))
+
+
+def test_repeated_stop_strings_count_once():
+    from blend.request import check_stop
+
+    assert check_stop(["a"] * 20 + ["b", "a"]) == ("a", "b")
