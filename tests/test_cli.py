@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,38 @@ def test_missing_eval_extra_names_the_install_command(monkeypatch, capsys, tmp_p
     monkeypatch.setattr("blend.cli.demo.register", lambda sub: sub.add_parser("demo").set_defaults(func=needs_rouge))
     assert main(["demo"]) == 2
     assert "pip install 'kvblend[eval]'" in capsys.readouterr().err
+
+
+_SLOW_COMMAND = """
+import sys, time
+import blend.cli as cli
+
+def slow(argv):
+    try:
+        print("started", flush=True)
+        time.sleep(60)
+    finally:
+        time.sleep(float(sys.argv[1]))  # winding down (flushing writes, closing files)
+    return 0
+
+cli._run = slow
+raise SystemExit(cli.main([]))
+"""
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_interrupt_exits_130_with_one_line_and_a_second_one_at_once(second):
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_COMMAND, "30" if second else "0.2"], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"
+    proc.send_signal(signal.SIGINT)
+    if second:
+        time.sleep(0.5)  # inside the 30 s wind-down
+        proc.send_signal(signal.SIGINT)
+    assert proc.wait(20) == 130
+    err = proc.stderr.read()
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("kvblend: interrupted again; exiting now" if second else "kvblend: interrupted")

@@ -237,7 +237,9 @@ def test_bad_input_is_one_line_and_exit_2(argv, files, env, tmp_path, monkeypatc
     except SystemExit as exit_info:  # argparse usage errors
         code = exit_info.code
     out, err = capsys.readouterr()
-    lines = err.splitlines()
+    # a busy machine (e.g. this suite's own server tests) adds the benchmarks' contention
+    # warning: a fact about the machine, not about the input
+    lines = [line for line in err.splitlines() if not line.startswith("warning: load average")]
     assert code == 2, (out, err)
     assert len(lines) == 1 and "error: " in lines[0], err
     assert "Traceback" not in err and len(lines[0]) < 500  # an unknown key lists the ~25 valid ones

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 
 # Errors that are the user's to fix: one line and exit 2. Classes of modules that are not
@@ -73,9 +75,26 @@ def _progress_bars(show: bool) -> None:
         hf_logging.enable_progress_bar() if show else hf_logging.disable_progress_bar()
 
 
+def _interrupted(_signum: int, _frame: object) -> None:
+    """The first ^C: KeyboardInterrupt, so the command winds down (queued writes flushed,
+    result files left valid); from then on a second ^C ends the process at once."""
+    signal.signal(signal.SIGINT, _interrupted_again)
+    raise KeyboardInterrupt
+
+
+def _interrupted_again(_signum: int, _frame: object) -> None:
+    os.write(2, b"kvblend: interrupted again; exiting now\n")
+    os._exit(130)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one `kvblend` command; returns the exit code (argparse usage errors and --help
-    raise SystemExit, code 2 and 0)."""
+    raise SystemExit, code 2 and 0; ^C: 130, a second ^C exits at once, also 130)."""
+    previous = None
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous = signal.signal(signal.SIGINT, _interrupted)
+    interrupted = False
     try:
         code = _run(argv)
         sys.stdout.flush()
@@ -85,8 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
         return 141
     except KeyboardInterrupt:
+        interrupted = True
         print("kvblend: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None and not interrupted:  # interrupted: the process winds down, ^C stays final
+            signal.signal(signal.SIGINT, previous)
 
 
 def _run(argv: list[str] | None) -> int:
