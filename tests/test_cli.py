@@ -231,8 +231,12 @@ def test_missing_eval_extra_names_the_install_command(monkeypatch, capsys, tmp_p
 
 
 _SLOW_COMMAND = """
-import sys, time
+import signal, sys, time
 import blend.cli as cli
+
+# as in a terminal: a test run in the background inherits SIGINT ignored (POSIX shells
+# ignore it for background jobs), and kvblend leaves an ignored SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def slow(argv):
     try:
