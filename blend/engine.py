@@ -81,11 +81,12 @@ class BlendEngine:
         self.fingerprint = self.lm.fingerprint
         self.kv_dtype = config.store.kv_dtype
         maker = EntryMaker(self.runner, self.fingerprint, self.kv_dtype)
+        self._stall_s = cfg.load_stall_s or None  # LayerLoader's longest wait for one layer (0: none)
         self.document_kv = DocumentCache(self.store, maker, namespace=config.store.namespace,
                                          chunk_context=cfg.chunk_context, block_tokens=cfg.chunk_tokens)
         self.prefix_cache = PrefixCache(self.store, maker, namespace=config.store.namespace,
                                         block_tokens=cfg.chunk_tokens, prefetch_depth=cfg.prefetch_depth,
-                                        stall_s=cfg.load_stall_s or None)
+                                        stall_s=self._stall_s)
         self.decoder = Decoder(self.lm, self.runner)
         # load-or-compute split: the model's live cost model, fed by every request (blend.split)
         self.splitter = Splitter(PrefillCosts.for_model(self.lm.model), LoadCosts(self.runner.device.type),
@@ -370,7 +371,7 @@ class BlendEngine:
         cache = self.runner.new_cache(capacity)
         cache.length = plan.n
         with LayerLoader(self.store, self.runner, cache, split.loaded, range(plan.load_from, self.runner.num_layers),
-                         cfg.prefetch_depth, stall_s=cfg.load_stall_s or None) as loader:
+                         cfg.prefetch_depth, stall_s=self._stall_s) as loader:
             logits, chosen = run_layers(self.runner, cache, torch.tensor(prompt.token_ids), plan, loader,
                                         policy=selection, deviation_kind=cfg.deviation)
         stats = self._stats(prompt, mode, ratio, loaded_tokens=0 if plan.full else int(plan.ctx_rows.numel()),

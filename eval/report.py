@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from eval.results import jsonable
+from eval.results import KL_PLOT, QUALITY_PLOT, SUMMARY_JSON, SUMMARY_MD, jsonable
 
 COLUMNS = (  # (summary key, header, format)
     ("n", "n", "{:d}"),
@@ -120,19 +120,19 @@ def write_reports(run: Any, out_dir: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     doc = {**run.to_json(), "settings": run.settings}
-    paths["summary.json"] = out / "summary.json"
-    paths["summary.json"].write_text(json.dumps(jsonable(doc), indent=2) + "\n", encoding="utf-8")
-    paths["summary.md"] = out / "summary.md"
+    paths[SUMMARY_JSON] = out / SUMMARY_JSON
+    paths[SUMMARY_JSON].write_text(json.dumps(jsonable(doc), indent=2) + "\n", encoding="utf-8")
+    paths[SUMMARY_MD] = out / SUMMARY_MD
     head = f"# kvblend eval: {run.dataset}\n\n{len(run.records)} example(s)"
     if run.skipped:
         head += f", {len(run.skipped)} skipped (prompt too long)"
-    paths["summary.md"].write_text(f"{head}\n\n{summary_table(run.summary)}", encoding="utf-8")
+    paths[SUMMARY_MD].write_text(f"{head}\n\n{summary_table(run.summary)}", encoding="utf-8")
     subtitle = f"{run.dataset} (n={len(run.records)})"
     metric = quality_key(run.summary)
     if metric is not None:
         label = {"f1": "F1", "rouge_l": "Rouge-L"}[metric]
-        paths["quality_vs_ttft.png"] = plot_tradeoff(run.summary, metric, out / "quality_vs_ttft.png",
-                                                     title=f"{label} vs TTFT — {subtitle}")
-    paths["kl_vs_ttft.png"] = plot_tradeoff(run.summary, "kl_to_full", out / "kl_vs_ttft.png",
-                                            title=f"KL to full prefill vs TTFT — {subtitle}")
+        paths[QUALITY_PLOT] = plot_tradeoff(run.summary, metric, out / QUALITY_PLOT,
+                                            title=f"{label} vs TTFT — {subtitle}")
+    paths[KL_PLOT] = plot_tradeoff(run.summary, "kl_to_full", out / KL_PLOT,
+                                   title=f"KL to full prefill vs TTFT — {subtitle}")
     return paths

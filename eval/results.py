@@ -23,7 +23,9 @@ from typing import IO, Any
 log = logging.getLogger(__name__)
 
 FILENAME = "results.jsonl"
-REPORT_FILES = ("summary.json", "summary.md", "quality_vs_ttft.png", "kl_vs_ttft.png")  # eval.report writes these
+VERSION = 1
+SUMMARY_JSON, SUMMARY_MD, QUALITY_PLOT, KL_PLOT = REPORT_FILES = (
+    "summary.json", "summary.md", "quality_vs_ttft.png", "kl_vs_ttft.png")  # what eval.report writes
 
 
 def check_output_files(directory: str | Path) -> None:
@@ -34,7 +36,6 @@ def check_output_files(directory: str | Path) -> None:
         if path.is_symlink() or (path.exists() and not path.is_file()):
             kind = "a link" if path.is_symlink() else "not a regular file"
             raise ValueError(f"--out {directory}: {name} is {kind}; remove it or pick another --out")
-VERSION = 1
 
 
 def jsonable(value: Any) -> Any:

@@ -402,16 +402,20 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         problem = "is not a file" if p.exists() else "not found"
         raise FileNotFoundError(f"config file {str(p)!r} {problem}; pass --config with the path of a YAML file")
-    if p.stat().st_size > MAX_CONFIG_BYTES:
-        raise ValueError(f"{p}: {p.stat().st_size} bytes is too large for a config (at most {MAX_CONFIG_BYTES}); "
+    size = p.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{p}: {size} bytes is too large for a config (at most {MAX_CONFIG_BYTES}); "
                          "check that --config names the YAML config")
     try:
-        text = p.read_text(encoding="utf-8")
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        if root is not None and _expanded_size(root, {}, set()) > MAX_CONFIG_VALUES:
-            raise ValueError(f"{p}: expands to more than {MAX_CONFIG_VALUES} values once its YAML aliases "
-                             "(*name) are expanded; write the settings out, a config is a few dozen keys")
-        data = yaml.safe_load(text)
+        loader = yaml.SafeLoader(p.read_text(encoding="utf-8"))
+        try:  # compose the node graph, bound it, then build the values from it (one parse)
+            root = loader.get_single_node()
+            if root is not None and _expanded_size(root, {}, set()) > MAX_CONFIG_VALUES:
+                raise ValueError(f"{p}: expands to more than {MAX_CONFIG_VALUES} values once its YAML aliases "
+                                 "(*name) are expanded; write the settings out, a config is a few dozen keys")
+            data = loader.construct_document(root) if root is not None else None
+        finally:
+            loader.dispose()
     except UnicodeDecodeError:
         raise ValueError(f"{p}: not UTF-8 text; save the file as UTF-8") from None
     except RecursionError:

@@ -3,12 +3,11 @@ Handy with `field_map` for any dataset that already has a list of passages per r
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from eval.loaders.example import TASKS, Example, make_example, to_answers
-from eval.loaders.shape import Shape, cell_text, record_id, require, text_field
+from eval.loaders.shape import Shape, cell_text, missing, record_id, require, text_field
 
 NAME = "kvblend passages"
 
@@ -19,7 +18,7 @@ def _matches(record: Mapping[str, Any]) -> bool:
 
 def _convert(record: Mapping[str, Any], default_id: str) -> Example | None:
     passages = require(record, "passages", NAME)
-    if passages is None or isinstance(passages, float) and math.isnan(passages):
+    if missing(passages):
         passages = []
     if isinstance(passages, str):
         passages = [passages]

@@ -41,10 +41,15 @@ def text_field(record: Mapping[str, Any], field: str, shape: str) -> str:
     return cell_text(require(record, field, shape), f"a {shape} record's {field!r}")
 
 
+def missing(value: Any) -> bool:
+    """Whether `value` is a missing cell: None, or NaN (CSV / Parquet)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def cell_text(value: Any, what: str) -> str:
-    """One cell as text: None or NaN (a missing CSV / Parquet cell) is "", a number its
-    digits, a str itself; a list, mapping or bool is a ValueError naming `what`."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    """One cell as text: a missing cell is "", a number its digits, a str itself; a list,
+    mapping or bool is a ValueError naming `what`."""
+    if missing(value):
         return ""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise ValueError(f"{what} must be text, got {type(value).__name__} {value!r:.60}")
