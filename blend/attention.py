@@ -261,6 +261,47 @@ def _attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
     return out.permute(1, 0, 2, 3).reshape(tq, -1)  # (Tq, H*D): head = kv head * g + member
 
 
+def causal_float_masks(plan: AttentionPlan, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The bool masks of a `groups` plan as additive float masks (0 visible, -inf not),
+    (Tg, keys) each in `dtype`; [] for other plans."""
+    if plan.kind != "groups":
+        return []
+    return [torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            for _, _, _, mask in plan.groups]
+
+
+def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+                     plan: AttentionPlan, masks: list[torch.Tensor]) -> torch.Tensor:
+    """Exact causal attention plus an additive logit bias per KV head and key.
+
+    q (H, Tq, D), k and v (Hkv, Tk, D), bias (Hkv, Tk) float: every query's score of key j
+    under KV head h is q.k_j * scale + bias[h, j]. `plan` is `all` (one query that sees
+    every key: one call, the bias broadcast over the heads of each group) or `groups` (not
+    folded) with `masks` = causal_float_masks(plan): per group and KV head one call whose
+    float mask is the causal mask plus that head's bias, so the mask is never materialised
+    for all query heads. Returns (Tq, H*D).
+    """
+    heads, tq, d = q.shape
+    hkv = k.shape[0]
+    g = heads // hkv
+    if plan.kind == "all":
+        mask = bias.to(q.dtype).repeat_interleave(g, dim=0)[None, :, None, :]  # (1, H, 1, Tk)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                             enable_gqa=True)[0]  # (H, Tq, D)
+        return out.transpose(0, 1).reshape(tq, -1)
+    if plan.kind != "groups" or plan.fold != 1 or len(masks) != len(plan.groups):
+        raise ValueError(f"biased attention runs an unfolded groups plan or `all`, got {plan.strategy!r}")
+    b = bias.to(q.dtype)
+    outs = []
+    for (a, e, end, _), causal in zip(plan.groups, masks, strict=True):
+        per_head = [F.scaled_dot_product_attention(q[None, h * g:(h + 1) * g, a:e], k[None, h:h + 1, :end],
+                                                   v[None, h:h + 1, :end], attn_mask=causal + b[h, None, :end],
+                                                   scale=scale, enable_gqa=True)[0]  # (g, Tg, D)
+                    for h in range(hkv)]
+        outs.append(torch.cat(per_head, dim=0))  # (H, Tg, D)
+    return torch.cat(outs, dim=1).transpose(0, 1).reshape(tq, -1)  # (Tq, H*D)
+
+
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked (or square causal) attention that also returns the log-sum-exp of each

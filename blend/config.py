@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, Strict, StrictStr
+from pydantic import AfterValidator, BeforeValidator, Field, Strict, StrictBool, StrictStr
 
 from blend.modes import MODES, check_mode, check_ratio  # noqa: F401 - re-exported
 from blend.prompt import QA
@@ -117,6 +117,10 @@ class BlendConfig:
     # selection `query`: the query pass keeps this many times the budget; the check layers narrow it
     # to the budget by query attention x KV deviation (1.0: no narrowing, no check layer)
     query_pool: Annotated[float, Strict(), Field(ge=1.0, allow_inf_nan=False)] = 1.0
+    # blend: per layer and KV head, the logit offset between the recomputed rows' stale and fresh
+    # keys (as the query rows see them) is subtracted from the scores of the keys left stale, in
+    # the recompute and in every decoded token's attention (blend.recompute; docs/EVAL.md)
+    stale_bias: StrictBool = True
     # load-or-compute split (blend.split): auto computes a prefix instead of loading it when loads
     # would take longer than compute; off always loads every cached segment
     split: Annotated[Literal["auto", "off"], BeforeValidator(_yaml_switch)] = "auto"

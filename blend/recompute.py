@@ -58,6 +58,7 @@ from blend.selector import (
     schedule_counts,
     select,
     select_top,
+    stale_key_bias,
     uses_check_layers,
 )
 from blend.stats import SelectionReport
@@ -166,16 +167,57 @@ def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], 
     return make(layers, counts, partial[0])
 
 
+class StaleKeys:
+    """The candidate rows whose cached K/V the recompute leaves stale, and the bias on their keys.
+
+    With `enabled` (config `stale_bias`), `correct` measures at each layer, before the
+    layer's fresh K/V are written, how much more the query rows attend to the recomputed
+    rows' loaded keys than to their fresh ones (selector.stale_key_bias, per KV head), and
+    sets minus that on the stale rows' keys in the cache (`KVCache.set_bias`): every later
+    attention over the cache (this recompute, then each decoded token) adds it. No
+    recomputed row (reuse) or no stale row (ratio 1): nothing is set.
+    """
+
+    def __init__(self, cand_rows: torch.Tensor, n: int, device: torch.device, enabled: bool):
+        self.is_cand = torch.zeros(n, dtype=torch.bool)
+        self.is_cand[cand_rows] = True
+        self.device, self.enabled = device, enabled
+        self.rows = _EMPTY  # (S,) stale rows, host
+        self.rows_dev = _EMPTY.to(device)
+        self.per_layer: list[float] = []
+
+    def update(self, active: torch.Tensor) -> None:
+        """The stale rows are the candidates not in `active` (sorted host positions)."""
+        stale = self.is_cand.clone()
+        stale[active] = False
+        self.rows = stale.nonzero().flatten()
+        self.rows_dev = self.rows.to(self.device)
+
+    def correct(self, runner: Runner, cache: KVCache, layer: int, query_q: torch.Tensor, fresh_k: torch.Tensor,
+                recomputed: torch.Tensor) -> None:
+        """query_q (H, Q, D) the query rows' fresh queries; fresh_k (Hkv, S, D) the fresh keys of
+        the recomputed candidate rows `recomputed` (S,) (device positions) at `layer`."""
+        if not self.enabled or self.rows.numel() == 0 or recomputed.numel() == 0:
+            self.per_layer.append(0.0)
+            return
+        loaded = cache.k[layer][:, recomputed]  # (Hkv, S, D) as placed by the loader: read before the write
+        bias = stale_key_bias(query_q, fresh_k, loaded, runner.scaling)  # (Hkv,)
+        cache.set_bias(layer, self.rows_dev, -bias)
+        self.per_layer.append(float(bias.mean()))
+
+
 @torch.inference_mode()
 def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
-               *, policy: str, deviation_kind: str, value_weighted: bool = False
+               *, policy: str, deviation_kind: str, value_weighted: bool = False, stale_bias: bool = False
                ) -> tuple[torch.Tensor, SelectionReport]:
     """Run every layer over `cache` (filled by `loader`) computing only the planned rows.
 
-    Returns the last row's logits (vocab,) and what was selected.
+    `stale_bias`: correct the scores of the keys left stale (`StaleKeys`). Returns the
+    last row's logits (vocab,) and what was selected.
     """
+    stale = StaleKeys(plan.cand_rows, plan.n, runner.device, stale_bias and not plan.full)
     if plan.query_pass:
-        return _run_query_driven(runner, cache, token_ids, plan, loader, value_weighted, deviation_kind)
+        return _run_query_driven(runner, cache, token_ids, plan, loader, value_weighted, deviation_kind, stale)
     n, dev = plan.n, runner.device
     is_cand = torch.zeros(n, dtype=torch.bool)
     is_cand[plan.cand_rows] = True
@@ -193,6 +235,12 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
     for layer in range(runner.num_layers):
         loader.wait(layer)
         q, k, v = runner.qkv(layer, h, cos, sin)  # (H, T, D), (Hkv, T, D) x2
+        if stale.rows.numel():  # rows were dropped at an earlier check layer
+            rec = is_cand[active]  # (T,) the recomputed candidates among the active rows
+            q_idx = torch.searchsorted(active, plan.query_rows).to(dev)
+            stale.correct(runner, cache, layer, q[:, q_idx], k[:, rec.to(dev)], rows[rec.to(dev)])
+        else:
+            stale.per_layer.append(0.0)
         changed = False
         if layer in plan.check_layers:
             t0 = time.perf_counter()
@@ -219,11 +267,14 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
             keep_dev = keep.to(dev)
             q, h, active, changed = q[:, keep_dev], h[keep_dev], active[keep], True
             selection_s += time.perf_counter() - t0
+            if layer >= plan.load_from:  # from the next layer on, the dropped candidates are stale
+                stale.update(active)
         else:
             cache.write(layer, rows, k, v, n)
         if layer == runner.num_layers - 1:  # only the last row's output is needed
             q, h, active, changed = q[:, -1:], h[-1:], active[-1:], True
-        attn = runner.attend(q, active, cache.k[layer][:, :n], cache.v[layer][:, :n])  # host positions: no sync
+        attn = runner.attend(q, active, cache.k[layer][:, :n], cache.v[layer][:, :n],  # host positions: no sync
+                             bias=cache.layer_bias(layer, n))
         h = runner.finish(layer, h, attn)
         if changed:
             rows = active.to(dev)
@@ -231,7 +282,7 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
     if plan.full:
         recomputed = int(plan.ctx_rows.numel())
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), recomputed,
-                             selection_s, tuple(selected))
+                             selection_s, tuple(selected), key_bias=tuple(stale.per_layer))
     return runner.logits(h[-1:])[0], report
 
 
@@ -273,7 +324,7 @@ def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
 
 
 def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan,
-                      loader: LayerLoader, value_weighted: bool, deviation_kind: str
+                      loader: LayerLoader, value_weighted: bool, deviation_kind: str, stale: StaleKeys
                       ) -> tuple[torch.Tensor, SelectionReport]:
     t0 = time.perf_counter()
     scores = query_pass(runner, cache, token_ids, plan, loader, value_weighted).cpu()  # (q_start,)
@@ -290,16 +341,19 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
     cos, sin = runner.rope(active)  # (T, D), kept for the rows that stay active
     h = runner.embed(token_ids[active])  # (T, hidden)
     last = runner.num_layers - 1
+    nq = plan.query_rows.numel()
+    stale.update(active)
     for layer in range(runner.num_layers):
         if layer >= plan.query_layers:  # layers the query pass did not wait for
             loader.wait(layer)
         q, k, v = runner.qkv(layer, h, cos, sin)
+        m = active.numel() - nq  # the recomputed context rows come first
+        stale.correct(runner, cache, layer, q[:, m:], k[:, :m], rows[:m])
         if layer in plan.check_layers[1:]:  # refine the pool: query attention x KV deviation
             t1 = time.perf_counter()
             pool = active[: chosen.numel()]
             pool_dev = rows[: pool.numel()]  # the same positions, already on the device
             prior = (cache.k[layer][:, pool_dev], cache.v[layer][:, pool_dev])  # copies, before overwriting
-            m = pool.numel()
             dev_score = deviation(k[:, :m], v[:, :m], *prior, deviation_kind).cpu()
             score = normalised(dev_score) * normalised(scores[pool])
             chosen = select_top(score, pool, plan.counts[plan.check_layers.index(layer)], forced[pool])
@@ -310,13 +364,18 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
             active, rows = active[keep], rows[keep_dev]
             q, h, cos, sin = q[:, keep_dev], h[keep_dev], cos[keep_dev], sin[keep_dev]
             selection_s += time.perf_counter() - t1
+            narrowed = True
         else:
             cache.write(layer, rows, k, v, n)
+            narrowed = False
         keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]
+        bias = cache.layer_bias(layer, n)
         if layer == last:  # only the last row's output is needed
-            h = runner.finish(layer, h[-1:], runner.attend(q[:, -1:], active[-1:], keys, values))
+            h = runner.finish(layer, h[-1:], runner.attend(q[:, -1:], active[-1:], keys, values, bias=bias))
         else:  # host positions: no sync; the plan is reused while `active` stays the same tensor
-            h = runner.finish(layer, h, runner.attend(q, active, keys, values))
+            h = runner.finish(layer, h, runner.attend(q, active, keys, values, bias=bias))
+        if narrowed:  # the pool was narrowed: the dropped rows are stale from the next layer on
+            stale.update(active)
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), int(chosen.numel()),
-                             selection_s, tuple(selected), query_pass=True)
+                             selection_s, tuple(selected), query_pass=True, key_bias=tuple(stale.per_layer))
     return runner.logits(h[-1:])[0], report

@@ -29,8 +29,10 @@ from blend.attention import (  # noqa: F401 - ATTN_GROUP_MIN, PAD_TO_CAUSAL: re-
     PAD_TO_CAUSAL,
     AttentionPlan,
     AttentionTuner,
+    biased_attention,
     build_plan,
     candidates,
+    causal_float_masks,
     cuda_event_timer,
     flash_attn_func,
     is_tail,
@@ -63,6 +65,13 @@ class KVCache:
 
     k[layer], v[layer]: (kv_heads, capacity, head_dim). `length` is the number of
     positions filled (0..length-1); it is set by whoever fills the cache.
+
+    `bias` (None, or per layer a (kv_heads, capacity) float32 tensor) is an additive
+    attention-logit bias per key slot that every attention over this cache adds: blend
+    sets it on slots whose K/V were loaded stale and not recomputed (blend.recompute,
+    `stale_bias`), so that later queries (the query rows, then every decoded token)
+    weigh those keys as the recomputed ones say they should. Slots computed afresh
+    (`Runner.prefill`, `write`) are unbiased.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int,
@@ -72,6 +81,7 @@ class KVCache:
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.length = 0
+        self.bias: list[torch.Tensor] | None = None
 
     @property
     def capacity(self) -> int:
@@ -87,6 +97,28 @@ class KVCache:
                 grown = t.new_empty((t.shape[0], new_cap, t.shape[2]))
                 grown[:, : self.length] = t[:, : self.length]
                 store[i] = grown
+        if self.bias is not None:
+            for i, b in enumerate(self.bias):
+                grown = b.new_zeros((b.shape[0], new_cap))
+                grown[:, : b.shape[1]] = b
+                self.bias[i] = grown
+
+    def set_bias(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Bias the keys of slots `rows` (R,) of `layer` by `values` (kv_heads,) (a logit added
+        to every query's score of those keys); other slots keep theirs (0 unless set)."""
+        if self.bias is None:
+            self.bias = [torch.zeros((t.shape[0], t.shape[1]), dtype=torch.float32, device=t.device) for t in self.k]
+        self.bias[layer][:, rows] = values.to(self.bias[layer].device, torch.float32)[:, None]
+
+    def clear_bias(self, start: int, end: int) -> None:
+        """Unbias slots start..end-1 in every layer (their K/V are being computed afresh)."""
+        if self.bias is not None:
+            for b in self.bias:
+                b[:, start:end] = 0.0
+
+    def layer_bias(self, layer: int, n: int) -> torch.Tensor | None:
+        """(kv_heads, n) logit bias of slots 0..n-1 of `layer`, or None when the cache has none."""
+        return None if self.bias is None else self.bias[layer][:, :n]
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
         """Write fresh k/v (Hkv, T, D) of prompt rows `rows` (T,) into the layer; n = prompt length
@@ -97,6 +129,8 @@ class KVCache:
         else:
             self.k[layer][:, rows] = k
             self.v[layer][:, rows] = v
+        if self.bias is not None:
+            self.bias[layer][:, rows.to(self.bias[layer].device)] = 0.0
 
     def layer(self, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.length if length is None else length
@@ -148,6 +182,7 @@ class Runner:
                           and self.dtype in (torch.float16, torch.bfloat16))
         self._shifts: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._plan: tuple[torch.Tensor, AttentionPlan] | None = None  # the last attention plan and its q_pos
+        self._biased_plan: tuple[torch.Tensor, AttentionPlan, list[torch.Tensor]] | None = None  # biased attention's
         # scattered query rows: on CUDA the fastest exact strategy per shape, measured once
         # (the engine's warm-up and the benches' warm-ups absorb it); elsewhere a fixed rule
         self.autotune = self.device.type == "cuda"
@@ -299,7 +334,7 @@ class Runner:
                              bucket=bucket)
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               plan: AttentionPlan | None = None) -> torch.Tensor:
+               plan: AttentionPlan | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Exact causal attention by position.
 
         q (H, Tq, D) at positions q_pos (Tq,), sorted ascending; k, v (Hkv, Tk, D) hold
@@ -307,9 +342,13 @@ class Runner:
         `plan` (from `plan_attention`) is found or built when not given. A `tune` plan's
         first use times its candidates (synchronizing the device; see AttentionTuner) and
         from then on runs the winner. Counts the strategy run in `self.strategies`.
-        Returns (Tq, H*D).
+        `bias` (Hkv, Tk) float: a logit added to every query's score of each key (per KV
+        head; `KVCache.bias`); then the rows go through masked groups with a float mask
+        (`biased` in `strategies`). Returns (Tq, H*D).
         """
         tq, tk = q.shape[1], k.shape[1]
+        if bias is not None:
+            return self._attend_biased(q, q_pos, k, v, bias)
         if plan is None:
             cached = self._plan
             if cached is not None and cached[0] is q_pos and cached[1].tk == tk and cached[1].tq == tq:
@@ -325,6 +364,23 @@ class Runner:
             plan = tuned
         self.strategies[plan.strategy] += 1
         return out if out is not None else run_plan(plan, q, k, v, self.scaling)
+
+    def _attend_biased(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       bias: torch.Tensor) -> torch.Tensor:
+        """`attend` with a per-key logit bias: one call with a broadcast mask for a single
+        query that sees every key, else masked groups (plan built once per row set)."""
+        tq, tk = q.shape[1], k.shape[1]
+        cached = self._biased_plan
+        if cached is not None and cached[0] is q_pos and cached[1].tk == tk and cached[1].tq == tq:
+            plan, masks = cached[1], cached[2]
+        else:
+            pos = q_pos.cpu() if q_pos.device.type != "cpu" else q_pos
+            plan = (AttentionPlan("all", tq, tk) if tq == 1 and int(pos[0]) >= tk - 1
+                    else build_plan("groups", pos, tk, 1, self.device))
+            masks = causal_float_masks(plan, q.dtype)
+            self._biased_plan = (q_pos, plan, masks)  # keeps q_pos alive: its identity stays unique
+        self.strategies["biased"] += 1
+        return biased_attention(q, k, v, bias, self.scaling, plan, masks)
 
     def _tune(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
               ) -> tuple[AttentionPlan, torch.Tensor | None]:
@@ -368,6 +424,7 @@ class Runner:
         cos, sin = self.rope(positions)
         h = self.embed(token_ids)
         end = start + t
+        cache.clear_bias(start, end)  # computed afresh here
         for layer in range(self.num_layers):
             if before_layer is not None:
                 before_layer(layer)
@@ -381,11 +438,12 @@ class Runner:
             if layer == self.num_layers - 1 and len(rows) < t:
                 # only the rows whose logits are wanted need the last layer's output
                 sel = torch.tensor(rows)
-                attn = self.attend(q[:, sel.to(self.device)], positions[sel], keys, values)
+                attn = self.attend(q[:, sel.to(self.device)], positions[sel], keys, values,
+                                   bias=cache.layer_bias(layer, end))
                 h = self.finish(layer, h[sel], attn)
                 rows = list(range(len(rows)))
             else:
-                h = self.finish(layer, h, self.attend(q, positions, keys, values))
+                h = self.finish(layer, h, self.attend(q, positions, keys, values, bias=cache.layer_bias(layer, end)))
         cache.length = end
         return self.logits(h[rows])
 

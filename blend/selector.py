@@ -19,6 +19,10 @@ recomputed from layer 0 (blend.recompute). Comparison on MuSiQue: docs/EVAL.md.
 
 Forced rows (e.g. the first tokens of each document, `sink_tokens`) are always kept and
 count inside the budget.
+
+`stale_key_bias` is not a selection: once rows are chosen, it measures per layer how
+much more the query attends to the recomputed rows' stale keys than to their fresh ones;
+blend.recompute subtracts that from the scores of the keys left stale.
 """
 
 from __future__ import annotations
@@ -176,6 +180,29 @@ def query_probs(q: torch.Tensor, k: torch.Tensor, scale: float, q_start: int) ->
     row_pos = (q_start + torch.arange(tq, device=q.device)).repeat(groups)  # (g*Q,)
     logits.masked_fill_(pos[None, None, :] > row_pos[None, :, None], float("-inf"))
     return torch.softmax(logits, dim=-1)
+
+
+def stale_key_bias(query_q: torch.Tensor, fresh_k: torch.Tensor, stale_k: torch.Tensor, scale: float) -> torch.Tensor:
+    """How much more the query attends to keys loaded stale than to the same keys computed
+    fresh, per KV head: the logit offset to subtract from the scores of the keys left stale.
+
+    query_q (H, Q, D): fresh queries of the query rows; fresh_k, stale_k (Hkv, S, D): the
+    recomputed rows' keys as computed in this request and as loaded (before the write).
+    Per query row and head, logsumexp of the scores over the S rows with the stale keys
+    minus with the fresh ones (the log of the attention mass the stale keys draw in
+    excess), averaged over the rows and the query heads of each KV head. Returns (Hkv,)
+    float32 (zeros when S is 0). Stale keys of documents computed without the documents
+    before them draw too much of the query's attention at most layers (measured on
+    MuSiQue: docs/EVAL.md); the recomputed rows show by how much, in this very request.
+    """
+    kv_heads, s, d = fresh_k.shape
+    if s == 0 or query_q.shape[1] == 0:
+        return torch.zeros(kv_heads, dtype=torch.float32, device=fresh_k.device)
+    heads, tq, _ = query_q.shape
+    qg = query_q.float().reshape(kv_heads, (heads // kv_heads) * tq, d)  # (Hkv, g*Q, D)
+    fresh = torch.logsumexp(qg @ fresh_k.float().transpose(1, 2) * scale, dim=-1)  # (Hkv, g*Q)
+    stale = torch.logsumexp(qg @ stale_k.float().transpose(1, 2) * scale, dim=-1)
+    return (stale - fresh).mean(dim=-1)
 
 
 class QueryAttention:

@@ -117,6 +117,9 @@ class SelectionReport:
     selection_s: float = 0.0  # time spent scoring and choosing rows
     selected_rows: tuple[Any, ...] = ()  # per check layer: the kept context positions, a (k,) CPU tensor
     query_pass: bool = False  # selected by a query pass over every layer first (policy `query`)
+    # per layer: the mean over KV heads of the logit offset subtracted from the stale keys' scores
+    # (`stale_bias`; 0 where no key was left stale or the correction is off)
+    key_bias: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,7 @@ class RequestStats:
             "check_layers": list(self.selection.check_layers),
             "selected_per_layer": list(self.selection.selected_per_layer),
             "selection_s": self.selection.selection_s,
+            "stale_key_bias": [round(b, 4) for b in self.selection.key_bias],
             "prefill_s": self.prefill_s, "compute_s": self.compute_s, "ttft_s": self.ttft_s,
             "total_s": self.total_s, "new_tokens": self.new_tokens, "answer_nll": self.answer_nll,
             "source": self.source, "stored_blocks": self.stored_blocks,
