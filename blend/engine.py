@@ -208,7 +208,8 @@ class BlendEngine:
                  mode: str = "blend", recompute_ratio: float | None = None, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
                  stop: str | Sequence[str] | None = None, answer: str | None = None,
-                 selection: str | None = None) -> GenerationResult:
+                 selection: str | None = None, logprobs: bool = False,
+                 follow: Sequence[int] | None = None) -> GenerationResult:
         """Answer `query` over `documents` in `mode`.
 
         `query` is a question (laid out with the configured system prompt and query
@@ -219,12 +220,23 @@ class BlendEngine:
 
         Side effects: document misses are computed and written to the store. With `answer`,
         stats.answer_nll is the mean negative log-likelihood of that text teacher-forced
-        after the prompt (decoding continues from the same cache).
+        after the prompt (decoding continues from the same cache). With `logprobs`,
+        result.token_logprobs (T, vocab) are the log-probs of each decoding step; with
+        `follow` (token ids), result.follow_logprobs (len, vocab) are the log-probs before
+        each of those ids teacher-forced after the prompt (eval compares modes token by
+        token along full prefill's answer this way).
         """
         if answer is not None and not isinstance(answer, str):
             raise TypeError(f"answer must be a str or None, got {type(answer).__name__}")
+        if not isinstance(logprobs, bool):
+            raise TypeError(f"logprobs must be a bool, got {type(logprobs).__name__}")
+        vocab = self.runner.lm_head.weight.shape[0]
+        if follow is not None and (not isinstance(follow, Sequence) or isinstance(follow, str | bytes) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in follow)):
+            raise TypeError(f"follow must be a sequence of token ids in [0, {vocab}) or None")
         *_, result = self._stream(self._request(query, documents, mode, recompute_ratio, max_new_tokens,
-                                                temperature, top_p, seed, stop, selection), answer)
+                                                temperature, top_p, seed, stop, selection), answer,
+                                  logprobs=logprobs, follow=tuple(follow) if follow is not None else None)
         return result
 
     def generate_stream(self, query: str | Sequence[Message | dict], documents: Sequence[Document | str] = (), *,
@@ -255,7 +267,8 @@ class BlendEngine:
         (the exact check, on tokens, follows when the prompt is built)."""
         self.prompts.check_text_fits(req.query, req.documents, self.runner.max_positions)
 
-    def _stream(self, req: GenerationRequest, answer: str | None = None) -> Iterator[TextDelta | GenerationResult]:
+    def _stream(self, req: GenerationRequest, answer: str | None = None, *, logprobs: bool = False,
+                follow: tuple[int, ...] | None = None) -> Iterator[TextDelta | GenerationResult]:
         self.check_fits(req)
         prompt = self.prompts.build(req.query, req.documents)
         shorten = "use fewer or shorter documents" if isinstance(req.query, str) else (
@@ -264,15 +277,19 @@ class BlendEngine:
         self.runner.check_length(len(prompt), req.max_new_tokens, shorten)
         warnings = self._note_documents(prompt, req.documents)
         sampling = SamplingParams(req.temperature, req.top_p, req.seed)
-        return self._decode(prompt, req, sampling, answer, warnings)
+        if follow:
+            self.runner.check_length(len(prompt), len(follow), shorten)
+        return self._decode(prompt, req, sampling, answer, warnings, logprobs, follow)
 
     def _decode(self, prompt: Prompt, req: GenerationRequest, sampling: SamplingParams, answer: str | None,
-                warnings: tuple[str, ...]) -> Iterator[TextDelta | GenerationResult]:
+                warnings: tuple[str, ...], logprobs: bool = False, follow: tuple[int, ...] | None = None
+                ) -> Iterator[TextDelta | GenerationResult]:
         self._check_open()  # a stream created before `close` and started after it
         pre, ttft, t0 = self.decoder.timed(lambda: self.prefill(
             prompt, mode=req.mode, ratio=req.recompute_ratio, selection=req.selection,
             capacity=len(prompt) + req.max_new_tokens))
-        for item in self.decoder.stream(pre, ttft, t0, req.max_new_tokens, sampling, req.stop, answer):
+        for item in self.decoder.stream(pre, ttft, t0, req.max_new_tokens, sampling, req.stop, answer,
+                                        logprobs=logprobs, follow=follow):
             if isinstance(item, GenerationResult):
                 item.warnings = warnings
             yield item

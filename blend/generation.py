@@ -43,6 +43,11 @@ class GenerationResult:
     finish_reason: str = "length"  # stop (end-of-sequence or a stop string) | length (max_new_tokens)
     prompt_tokens: int = 0  # tokens of the prompt (context + query)
     warnings: tuple[str, ...] = field(default_factory=tuple)  # e.g. a document differing from its ingest
+    # asked for with `logprobs=True`: (T, vocab) float32 log-probs each generated token was drawn from
+    token_logprobs: torch.Tensor | None = None
+    # asked for with `follow=ids`: (len(ids), vocab) float32 log-probs before each of those ids,
+    # teacher-forced after the prompt (e.g. another mode's answer, for a per-token comparison)
+    follow_logprobs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -146,17 +151,22 @@ class Decoder:
         return pre, time.perf_counter() - t0, t0
 
     def stream(self, pre: Prefilled, ttft: float, t0: float, max_new_tokens: int, sampling: SamplingParams,
-               stop: Sequence[str] = (), answer: str | None = None) -> Iterator[TextDelta | GenerationResult]:
+               stop: Sequence[str] = (), answer: str | None = None, *, logprobs: bool = False,
+               follow: Sequence[int] | None = None) -> Iterator[TextDelta | GenerationResult]:
         """Decode up to `max_new_tokens` from `pre`: yields one TextDelta per generated
         token but an end-of-sequence one (its text may be "": held back), one more for the
         held-back rest at the end if any, then the GenerationResult (the last item).
 
         Appends to `pre.cache`. Closing the iterator early stops decoding (no result).
         With `answer`, stats.answer_nll is that text's mean NLL teacher-forced after the
-        prompt (the cache is restored before decoding).
+        prompt; with `follow`, result.follow_logprobs are the log-probs along those ids
+        teacher-forced after the prompt (either way the cache is restored before decoding).
+        With `logprobs`, result.token_logprobs holds each step's log-probs.
         """
-        logprobs = torch.log_softmax(pre.logits.float(), dim=-1).cpu()
+        first = torch.log_softmax(pre.logits.float(), dim=-1).cpu()
         nll = self.answer_nll(pre.cache, pre.logits, answer) if answer is not None else None
+        followed = self.forced_logprobs(pre.cache, pre.logits, follow).cpu() if follow else None
+        steps: list[torch.Tensor] = []
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         text = TextAssembler(self.tokenizer, self.eos_ids, stop)
         pre.cache.ensure_capacity(pre.cache.length + max_new_tokens)
@@ -166,6 +176,8 @@ class Decoder:
         for i in range(max_new_tokens):
             token = sample(logits, sampling, gen)
             tokens.append(token)
+            if logprobs:
+                steps.append(torch.log_softmax(logits.float(), dim=-1).cpu())
             if token in self.eos_ids:
                 finish_reason = "stop"
                 break
@@ -180,8 +192,9 @@ class Decoder:
             yield TextDelta(rest, len(tokens))
         stats = pre.stats.replace(ttft_s=ttft, total_s=time.perf_counter() - t0, new_tokens=len(tokens),
                                   answer_nll=nll)
-        yield GenerationResult(text.out, tokens, ttft, logprobs, stats, finish_reason,
-                               prompt_tokens=stats.context_tokens + stats.query_tokens)
+        yield GenerationResult(text.out, tokens, ttft, first, stats, finish_reason,
+                               prompt_tokens=stats.context_tokens + stats.query_tokens,
+                               token_logprobs=torch.stack(steps) if logprobs else None, follow_logprobs=followed)
 
     def finish(self, pre: Prefilled, ttft: float, t0: float, max_new_tokens: int, sampling: SamplingParams,
                answer: str | None = None, stop: Sequence[str] = ()) -> GenerationResult:
@@ -197,14 +210,22 @@ class Decoder:
         ids = list(self.tokenizer(answer.strip(), add_special_tokens=False).input_ids)
         if not ids:
             return float("nan")
+        logp = self.forced_logprobs(cache, first_logits, ids)
+        return float(-logp[torch.arange(len(ids)), torch.tensor(ids)].mean())
+
+    def forced_logprobs(self, cache: KVCache, first_logits: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+        """(len(ids), vocab) float32 log-probs before each of `ids`, teacher-forced after the
+        prompt in `cache` (first_logits: the prompt's last logits). The cache length is
+        restored afterwards (decoding overwrites those slots)."""
+        ids = [int(t) for t in ids]
         length = cache.length
+        cache.ensure_capacity(length + len(ids))
         logits = [first_logits[None]]
         if len(ids) > 1:
             logits.append(self.runner.prefill(torch.tensor(ids[:-1]), cache, start=length,
                                               logit_rows=range(len(ids) - 1)))
         cache.length = length
-        logp = torch.log_softmax(torch.cat(logits).float(), dim=-1)
-        return float(-logp[torch.arange(len(ids)), torch.tensor(ids)].mean())
+        return torch.log_softmax(torch.cat(logits).float(), dim=-1)
 
 
 def eos_ids(lm: LoadedModel) -> tuple[int, ...]:

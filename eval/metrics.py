@@ -89,6 +89,17 @@ def _check_distribution_pair(p: torch.Tensor, q: torch.Tensor, what: str) -> Non
         raise ValueError(f"{what}: the distributions are empty")
 
 
+def mean_kl(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> float:
+    """Mean over positions of `kl_divergence` for (T, V) log-probabilities row by row (e.g.
+    full prefill's distribution at each token of its answer and another mode's, teacher-
+    forced along the same tokens). NaN for T = 0."""
+    if p_logprobs.dim() != 2 or p_logprobs.shape != q_logprobs.shape:
+        raise ValueError(f"mean_kl needs two (T, V) tensors of one shape, got {tuple(p_logprobs.shape)} and "
+                         f"{tuple(q_logprobs.shape)}")
+    rows = [kl_divergence(a, b) for a, b in zip(p_logprobs, q_logprobs, strict=True)]
+    return sum(rows) / len(rows) if rows else math.nan
+
+
 def kl_divergence(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor) -> float:
     """KL(P || Q) = sum_v P(v) (log P(v) - log Q(v)) in nats, P = full prefill, Q = blended.
 

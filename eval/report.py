@@ -21,6 +21,7 @@ COLUMNS = (  # (summary key, header, format)
     ("rouge_l", "Rouge-L", "{:.3f}"),
     ("kl_to_full", "KL to full", "{:.4f}"),
     ("kl_max", "KL max", "{:.3f}"),
+    ("answer_kl", "answer KL", "{:.4f}"),
     ("worse_than_reuse", "worse than reuse", "{:d}"),
     ("top1_agree", "top-1 agree", "{:.2f}"),
     ("greedy_match", "greedy match", "{:.2f}"),

@@ -10,6 +10,9 @@ Per example and entry (a row):
     f1, em        QA token F1 / exact match (LongBench normalisation); None for summarization
     rouge_l       Rouge-L for summarization; None for QA
     kl_to_full    KL(full || entry) of the first generated token's distribution (nats)
+    answer_kl     KL(full || entry) at every token of full prefill's greedy answer, the entry
+                  teacher-forced along that answer, averaged over its tokens (nats): how far
+                  the whole answer's distributions move, not only the first token's
     top1_agree    both distributions rank the same first token highest
     greedy_match  the greedy answer text equals full prefill's
     answer_nll    mean NLL of the first gold answer, teacher-forced after the prompt
@@ -44,7 +47,7 @@ from eval.results import ResultsLog, jsonable
 log = logging.getLogger(__name__)
 __all__ = ["Entry", "entry_name", "parse_modes", "parse_ratios", "parse_selections", "plan_entries", "run_eval"]
 
-METRICS = ("f1", "em", "rouge_l", "kl_to_full", "top1_agree", "greedy_match", "answer_nll", "ttft_s",
+METRICS = ("f1", "em", "rouge_l", "kl_to_full", "answer_kl", "top1_agree", "greedy_match", "answer_nll", "ttft_s",
            "recomputed_fraction")
 # A template without {question} (summarization) still needs a non-empty question for the
 # prompt builder; it only shows where the template uses {question} and an example has none.
@@ -203,9 +206,11 @@ def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_
     rows: dict[str, dict[str, Any]] = {}
     reference = None
     for entry in entries:
+        first = reference is None  # full prefill: the reference of every later entry
         result = engine.generate(question, passages, mode=entry.mode, recompute_ratio=entry.ratio,
                                  max_new_tokens=max_new_tokens, temperature=0.0, answer=gold,
-                                 selection=entry.selection)
+                                 selection=entry.selection, logprobs=first,
+                                 follow=None if first else reference.token_ids)
         if reference is None:
             reference = result
         rows[entry.name] = _row(ex, entry, result, reference)
@@ -238,6 +243,7 @@ def _row(ex: Example, entry: Entry, result: Any, reference: Any) -> dict[str, An
         "em": metrics.exact_match(text, ex.answers) if qa else None,
         "rouge_l": None if qa else metrics.rouge_l(text, ex.answers),
         "kl_to_full": metrics.kl_divergence(reference.first_token_logprobs, result.first_token_logprobs),
+        "answer_kl": _answer_kl(reference, result),
         "top1_agree": float(metrics.top1_agree(reference.first_token_logprobs, result.first_token_logprobs)),
         "greedy_match": float(text == reference.text),
         "answer_nll": nll if nll is not None and math.isfinite(nll) else None,
@@ -249,6 +255,16 @@ def _row(ex: Example, entry: Entry, result: Any, reference: Any) -> dict[str, An
         "exposed_load_s": stats.exposed_load_s, "new_tokens": stats.new_tokens,
         "selection_s": stats.selection.selection_s,
     }
+
+
+def _answer_kl(reference: Any, result: Any) -> float | None:
+    """Mean KL(full || entry) along full prefill's answer (0 for full itself)."""
+    if result is reference:
+        return 0.0
+    full, entry = reference.token_logprobs, result.follow_logprobs
+    if full is None or entry is None or full.shape[0] == 0:
+        return None
+    return metrics.mean_kl(full, entry)
 
 
 def summarize(records: Sequence[Mapping[str, Any]], entries: Sequence[Entry]) -> dict[str, dict[str, Any]]:

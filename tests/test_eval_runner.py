@@ -125,7 +125,7 @@ def test_summary_has_the_contract_fields(first_run):
     for name, entry in doc["summary"].items():
         assert set(METRICS) <= set(entry), name
         assert entry["rouge_l"] is None  # QA set
-        for key in ("f1", "em", "kl_to_full", "top1_agree", "greedy_match", "answer_nll", "ttft_s"):
+        for key in ("f1", "em", "kl_to_full", "answer_kl", "top1_agree", "greedy_match", "answer_nll", "ttft_s"):
             assert isinstance(entry[key], float), (name, key)
         assert entry["n"] == 2
 
@@ -140,6 +140,9 @@ def test_full_is_its_own_reference_and_blend_at_one_matches_it(first_run):
     assert s["blend@1.0"]["greedy_match"] == 1.0 and s["blend@1.0"]["recomputed_fraction"] == 1.0
     assert 0.1 < s["blend@0.15"]["recomputed_fraction"] < 0.2
     assert s["reuse"]["kl_to_full"] > s["blend@1.0"]["kl_to_full"]
+    # along full prefill's whole answer: 0 for full, ~0 at ratio 1, more for reuse
+    assert s["full"]["answer_kl"] == 0.0 and s["blend@1.0"]["answer_kl"] < 1e-5
+    assert s["reuse"]["answer_kl"] > 10 * s["blend@1.0"]["answer_kl"] + 1e-6
     assert abs(s["blend@1.0"]["answer_nll"] - s["full"]["answer_nll"]) < 1e-4
     for record in run.records:  # documents were ingested first: every lookup hits
         assert record["entries"]["reuse"]["chunk_misses"] == 0 and record["entries"]["reuse"]["chunk_hits"] > 0

@@ -1,0 +1,153 @@
+"""The stale-key logit correction (`stale_bias`): biased attention against an explicit
+softmax, the estimator, the cache's bias through writes and decoding, and which rows
+blend biases; teacher-forced log-probs (`follow`) against decoding's own (`logprobs`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from blend.attention import AttentionPlan, biased_attention, build_plan, causal_float_masks, run_plan
+from blend.runner import KVCache, Runner
+from blend.selector import SELECTIONS, stale_key_bias
+from tests.models import tiny_model
+from tests.test_engine import DOCS, QUESTION, make_engine, maxdiff
+
+
+def _reference(q, k, v, pos, bias, scale):
+    """Explicit softmax: q (H, Tq, D) at positions pos over k, v (Hkv, Tk, D), bias (Hkv, Tk)."""
+    heads, hkv = q.shape[0], k.shape[0]
+    g = heads // hkv
+    kk, vv = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    scores = q @ kk.transpose(1, 2) * scale + bias.repeat_interleave(g, 0)[:, None, :]  # (H, Tq, Tk)
+    scores.masked_fill_(torch.arange(k.shape[1])[None, None, :] > pos[None, :, None], float("-inf"))
+    return (torch.softmax(scores, -1) @ vv).transpose(0, 1).reshape(q.shape[1], -1)  # (Tq, H*D)
+
+
+@pytest.mark.parametrize("rows", ["scattered", "tail", "one"])
+def test_biased_attention_equals_explicit_softmax(rows):
+    torch.manual_seed(0)
+    heads, hkv, d, tk = 6, 2, 16, 300
+    pos = {"scattered": torch.tensor([3, 40, 41, 77, 150, 151, 152, 260, 299]),
+           "tail": torch.arange(270, 300), "one": torch.tensor([299])}[rows]
+    q, k, v = torch.randn(heads, pos.numel(), d), torch.randn(hkv, tk, d), torch.randn(hkv, tk, d)
+    bias = torch.randn(hkv, tk)
+    scale = d ** -0.5
+    plan = AttentionPlan("all", 1, tk) if rows == "one" else build_plan("groups/3", pos, tk, 1, torch.device("cpu"))
+    out = biased_attention(q, k, v, bias, scale, plan, causal_float_masks(plan, q.dtype))
+    assert maxdiff(out, _reference(q, k, v, pos, bias, scale)) < 1e-5
+    zero = biased_attention(q, k, v, torch.zeros(hkv, tk), scale, plan, causal_float_masks(plan, q.dtype))
+    unbiased = run_plan(plan, q, k, v, scale)
+    assert maxdiff(zero, unbiased) < 1e-5 and maxdiff(out, unbiased) > 1e-2  # the bias is applied
+
+
+def test_biased_attention_refuses_a_folded_plan():
+    plan = build_plan("groups/fold3", torch.arange(5, 10), 10, 3, torch.device("cpu"))
+    with pytest.raises(ValueError, match="unfolded groups"):
+        biased_attention(torch.zeros(3, 5, 4), torch.zeros(1, 10, 4), torch.zeros(1, 10, 4), torch.zeros(1, 10),
+                         1.0, plan, causal_float_masks(plan, torch.float32))
+
+
+def test_stale_key_bias_recovers_a_constant_score_offset():
+    torch.manual_seed(1)
+    heads, hkv, d, s = 4, 2, 8, 12
+    scale = d ** -0.5
+    u = torch.randn(hkv, d)  # every query row of kv head h points along u[h]
+    q = u.repeat_interleave(heads // hkv, 0)[:, None, :].expand(heads, 5, d).clone()  # (H, Q, D)
+    fresh = torch.randn(hkv, s, d)
+    offset = torch.tensor([0.7, -0.3])
+    stale = fresh + (offset / (scale * (u * u).sum(-1)))[:, None, None] * u[:, None, :]  # q.k shifts by offset
+    assert maxdiff(stale_key_bias(q, fresh, stale, scale), offset) < 1e-5
+    assert maxdiff(stale_key_bias(q, fresh, fresh, scale), torch.zeros(hkv)) == 0.0
+    assert stale_key_bias(q, fresh[:, :0], stale[:, :0], scale).tolist() == [0.0, 0.0]
+
+
+def test_cache_bias_is_cleared_where_kv_is_written_and_survives_growth():
+    cache = KVCache(2, 2, 4, 10, torch.float32, torch.device("cpu"))
+    assert cache.layer_bias(0, 10) is None
+    cache.set_bias(1, torch.tensor([2, 3, 7]), torch.tensor([-0.5, -1.0]))
+    assert cache.layer_bias(0, 10).abs().sum() == 0
+    assert cache.layer_bias(1, 10)[:, 3].tolist() == [-0.5, -1.0]
+    cache.write(1, torch.tensor([3]), torch.zeros(2, 1, 4), torch.zeros(2, 1, 4), 10)  # computed afresh
+    assert cache.layer_bias(1, 10)[:, 3].tolist() == [0.0, 0.0] and cache.layer_bias(1, 10)[:, 2].tolist() == [-0.5, -1.0]
+    cache.length = 10
+    cache.ensure_capacity(30)
+    assert cache.layer_bias(1, 30).shape == (2, 30) and cache.layer_bias(1, 30)[:, 7].tolist() == [-0.5, -1.0]
+    assert cache.layer_bias(1, 30)[:, 10:].abs().sum() == 0
+    cache.clear_bias(0, 8)
+    assert cache.layer_bias(1, 30).abs().sum() == 0
+
+
+def test_decoding_applies_the_cache_bias():
+    """A key biased far down gets no weight: whatever its K/V hold, the next token's logits
+    stay the same; unbiased, the same change moves them."""
+    torch.manual_seed(2)
+    runner = Runner(tiny_model())
+    ids = torch.randint(0, 1000, (40,))
+
+    def continuation(junk_seed: int, bias: float) -> torch.Tensor:
+        cache = runner.new_cache(48)
+        runner.prefill(ids, cache)
+        gen = torch.Generator().manual_seed(junk_seed)
+        rows = torch.arange(10, 20)
+        for layer in range(runner.num_layers):
+            cache.k[layer][:, rows] = torch.randn(cache.k[layer][:, rows].shape, generator=gen) * 3
+            cache.v[layer][:, rows] = torch.randn(cache.v[layer][:, rows].shape, generator=gen) * 3
+            cache.set_bias(layer, rows, torch.full((runner.kv_heads,), bias))
+        return runner.prefill(torch.tensor([5, 6]), cache, start=40)[0]
+
+    assert maxdiff(continuation(0, -80.0), continuation(1, -80.0)) < 1e-4
+    assert maxdiff(continuation(0, 0.0), continuation(1, 0.0)) > 1e-2
+
+
+@pytest.mark.parametrize("selection", SELECTIONS)
+def test_blend_biases_exactly_the_stale_rows(selection):
+    with make_engine(chunk_tokens=16, selection=selection) as engine, \
+            make_engine(chunk_tokens=16, selection=selection, stale_bias=False) as plain:
+        engine.ingest(DOCS)
+        plain.ingest(DOCS)
+        prompt = engine.build_prompt(QUESTION, DOCS)
+        pre = engine.prefill(prompt, mode="blend", ratio=0.3)
+        off = plain.prefill(prompt, mode="blend", ratio=0.3)
+        reuse = engine.prefill(prompt, mode="blend", ratio=0.0)
+        whole = engine.prefill(prompt, mode="blend", ratio=1.0)
+    assert off.cache.bias is None and reuse.cache.bias is None and whole.cache.bias is None
+    assert set(off.stats.selection.key_bias) <= {0.0}
+    n = len(prompt)
+    cand = torch.zeros(n, dtype=torch.bool)
+    cand[prompt.documents[1].start:prompt.query.start] = True  # system layout: the first document is exact
+    stale = cand.clone()
+    stale[pre.stats.selection.selected_rows[-1]] = False
+    biased_layers = 0
+    for layer, mean in enumerate(pre.stats.selection.key_bias):
+        bias = pre.cache.layer_bias(layer, n)  # (Hkv, N)
+        assert bias[:, ~stale].abs().sum() == 0  # exact, recomputed and query rows: unbiased
+        per_head = bias[:, stale]
+        assert torch.equal(per_head, per_head[:, :1].expand_as(per_head))  # one value per head and layer
+        assert math.isclose(float(-per_head[:, 0].mean()), mean, rel_tol=1e-5, abs_tol=1e-6)
+        biased_layers += bool(per_head.abs().sum() > 0)
+    if selection == "query":
+        assert biased_layers >= engine.runner.num_layers - 1  # every layer (layer 0's keys can match exactly)
+    else:  # from the layer after the check layer on
+        assert biased_layers >= 1 and set(pre.stats.selection.key_bias[:2]) == {0.0}
+    assert pre.stats.to_dict()["stale_key_bias"] == [round(b, 4) for b in pre.stats.selection.key_bias]
+
+
+def test_follow_logprobs_equal_decoding_logprobs():
+    """Teacher-forcing full prefill's own answer reproduces its decoding distributions."""
+    with make_engine() as engine:
+        engine.ingest(DOCS)
+        full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=6, logprobs=True)
+        again = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=2, follow=full.token_ids)
+        blend = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.3, max_new_tokens=2,
+                                follow=full.token_ids)
+        with pytest.raises(TypeError, match="follow must be"):
+            engine.generate(QUESTION, DOCS, mode="full", follow="abc")
+        with pytest.raises(TypeError, match="follow must be"):
+            engine.generate(QUESTION, DOCS, mode="full", follow=[10 ** 9])
+    assert full.token_logprobs.shape == (len(full.token_ids), full.first_token_logprobs.shape[0])
+    assert maxdiff(full.token_logprobs[0], full.first_token_logprobs) == 0.0
+    assert maxdiff(again.follow_logprobs, full.token_logprobs) < 1e-4
+    assert blend.follow_logprobs.shape == full.token_logprobs.shape and full.follow_logprobs is None
