@@ -184,7 +184,7 @@ class StaleKeys:
         self.device, self.enabled = device, enabled
         self.rows = _EMPTY  # (S,) stale rows, host
         self.rows_dev = _EMPTY.to(device)
-        self.per_layer: list[float] = []
+        self._means: list[torch.Tensor | None] = []  # per layer: the mean bias over heads (None: none set)
 
     def update(self, active: torch.Tensor) -> None:
         """The stale rows are the candidates not in `active` (sorted host positions)."""
@@ -198,12 +198,20 @@ class StaleKeys:
         """query_q (H, Q, D) the query rows' fresh queries; fresh_k (Hkv, S, D) the fresh keys of
         the recomputed candidate rows `recomputed` (S,) (device positions) at `layer`."""
         if not self.enabled or self.rows.numel() == 0 or recomputed.numel() == 0:
-            self.per_layer.append(0.0)
+            self._means.append(None)
             return
         loaded = cache.k[layer][:, recomputed]  # (Hkv, S, D) as placed by the loader: read before the write
         bias = stale_key_bias(query_q, fresh_k, loaded, runner.scaling)  # (Hkv,)
         cache.set_bias(layer, self.rows_dev, -bias)
-        self.per_layer.append(float(bias.mean()))
+        self._means.append(bias.mean())  # kept on the device: no sync per layer
+
+    def skip(self) -> None:
+        """A layer with nothing to correct."""
+        self._means.append(None)
+
+    def per_layer(self) -> tuple[float, ...]:
+        """The mean over heads of the offset taken off the stale keys at each layer so far."""
+        return tuple(0.0 if m is None else float(m) for m in self._means)
 
 
 @torch.inference_mode()
@@ -240,7 +248,7 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
             q_idx = torch.searchsorted(active, plan.query_rows).to(dev)
             stale.correct(runner, cache, layer, q[:, q_idx], k[:, rec.to(dev)], rows[rec.to(dev)])
         else:
-            stale.per_layer.append(0.0)
+            stale.skip()
         changed = False
         if layer in plan.check_layers:
             t0 = time.perf_counter()
@@ -282,7 +290,7 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
     if plan.full:
         recomputed = int(plan.ctx_rows.numel())
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), recomputed,
-                             selection_s, tuple(selected), key_bias=tuple(stale.per_layer))
+                             selection_s, tuple(selected), key_bias=stale.per_layer())
     return runner.logits(h[-1:])[0], report
 
 
@@ -377,5 +385,5 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
         if narrowed:  # the pool was narrowed: the dropped rows are stale from the next layer on
             stale.update(active)
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), int(chosen.numel()),
-                             selection_s, tuple(selected), query_pass=True, key_bias=tuple(stale.per_layer))
+                             selection_s, tuple(selected), query_pass=True, key_bias=stale.per_layer())
     return runner.logits(h[-1:])[0], report
