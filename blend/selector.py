@@ -172,13 +172,16 @@ def query_probs(q: torch.Tensor, k: torch.Tensor, scale: float, q_start: int) ->
     query heads sharing kv head j are rows j*g*Q .. (j+1)*g*Q-1, head-major.
     """
     heads, tq, d = q.shape
-    kv_heads, n = k.shape[0], k.shape[1]
+    kv_heads = k.shape[0]
+    if k.shape[1] != q_start + tq:
+        raise ValueError(f"query_probs needs the keys of positions 0..{q_start + tq - 1} (the query rows are the "
+                         f"last ones), got {k.shape[1]}")
     groups = heads // kv_heads
-    qg = q.float().reshape(kv_heads, groups * tq, d)
-    logits = qg @ k.float().transpose(1, 2) * scale  # (Hkv, g*Q, N)
-    pos = torch.arange(n, device=q.device)
-    row_pos = (q_start + torch.arange(tq, device=q.device)).repeat(groups)  # (g*Q,)
-    logits.masked_fill_(pos[None, None, :] > row_pos[None, :, None], float("-inf"))
+    qg = (q.float() * scale).reshape(kv_heads, groups * tq, d)  # scaled here: Q rows, not N columns
+    logits = qg @ k.float().transpose(1, 2)  # (Hkv, g*Q, N)
+    # every query row sees all of the context; only the query's own columns need the causal mask
+    later = torch.ones(tq, tq, dtype=torch.bool, device=q.device).triu_(1).repeat(groups, 1)  # (g*Q, Q)
+    logits[:, :, q_start:q_start + tq].masked_fill_(later, float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 

@@ -81,6 +81,22 @@ def test_select_top_takes_forced_rows_first():
     assert select_top(scores, rows, 3).tolist() == [17, 18, 19]
 
 
+def test_query_probs_equal_an_explicit_causal_softmax_per_head():
+    torch.manual_seed(1)
+    heads, kv_heads, tq, n, d = 6, 2, 5, 40, 8
+    q, k = torch.randn(heads, tq, d), torch.randn(kv_heads, n, d)
+    probs = query_probs(q, k, d ** -0.5, q_start=n - tq)  # (Hkv, g*Q, N)
+    g = heads // kv_heads
+    for h in range(heads):
+        scores = (q[h] @ k[h // g].T) * d ** -0.5  # (Q, N)
+        visible = torch.arange(n)[None, :] <= (n - tq + torch.arange(tq))[:, None]
+        expected = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        rows = probs[h // g, (h % g) * tq:(h % g + 1) * tq]  # head-major rows of its KV head
+        assert torch.allclose(rows, expected, atol=1e-6)
+    with pytest.raises(ValueError, match="last ones"):
+        query_probs(q, k, d ** -0.5, q_start=n - tq - 1)
+
+
 def test_query_attention_is_a_causal_distribution_fused_over_layers():
     torch.manual_seed(0)
     q, k = torch.randn(4, 3, 8), torch.randn(2, 10, 8)  # 3 query rows at positions 7, 8, 9
