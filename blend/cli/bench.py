@@ -100,7 +100,7 @@ def cmd_ttft(args: argparse.Namespace) -> int:
             say(f"{r['tier']:>6}: {r['error']}")
             continue
         say(f"{r['tier']:>6} r={r['ratio']:<5} TTFT {r['ttft_s']:.3f} s  speedup {r['speedup']:.2f}x "
-            f"(ideal {r['ideal_speedup']:.2f}x)  exposed load {r['exposed_load_s']:.3f} s  {r['load_gbps']} GB/s")
+            f"(ideal {r['ideal_speedup']:.2f}x, bound {r['bound_speedup']:.2f}x)  exposed load {r['exposed_load_s']:.3f} s  {r['load_gbps']} GB/s")
     say(f"full prefill TTFT {summary['full_ttft_s']:.3f} s over {summary['context_tokens']} tokens "
         f"({summary['model']}, {summary['dtype']}, {summary['device_name']})")
     if summary["random_weights"]:
