@@ -159,8 +159,8 @@ def bound_speedup(layer_s: list[float], attention_s: list[float], work: list[tup
 def blend_work(stats: RequestStats, num_layers: int, n: int, query_layers: int = 0) -> list[tuple[int, int]]:
     """Per layer, the rows a blend run computes and the (query, key) pairs they attend over.
 
-    From the request's statistics: rows loaded for nothing (reuse) compute only the query
-    and the split's computed prefix; a plan that loads nothing computes every row; a
+    From the request's statistics: a plan without a selection computes only the query rows
+    and the split's computed prefix (reuse), or every row when it loads nothing (ratio 1); a
     selection keeps `selected_rows[i]` (plus the query and the computed prefix) from check
     layer i on, every row before the first check layer. A query pass (selection `query`)
     adds the query rows and the computed prefix over its `query_layers` (0: every layer).
