@@ -1,5 +1,7 @@
 """Benchmark hygiene: when a measurement is flagged as contended."""
 
+import time
+
 import pytest
 
 import eval.bench.common as common
@@ -16,4 +18,54 @@ from eval.bench.common import LoadWatch
 def test_contended_counts_other_work_not_the_benchmark_itself(monkeypatch, start, end, own, contended):
     monkeypatch.setattr(common, "load_average", lambda: end)
     fields = LoadWatch(start, 2).finish(own_threads=own)
-    assert fields == {"load_average_start": start, "load_average_end": end, "cpu_cores": 2, "contended": contended}
+    assert fields == {"load_average_start": start, "load_average_end": end, "load_average_peak": end, "cpu_cores": 2,
+                      "contended": contended}
+
+
+def wait_for_samples(watch: LoadWatch, count: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(watch.samples) < count:
+        assert time.monotonic() < deadline, "the load sampler took no samples"
+        time.sleep(0.001)
+
+
+def test_other_work_in_the_middle_of_a_run_is_contended(monkeypatch, capsys):
+    """Quiet at both ends, busy in between (e.g. a test suite that ran for a while): the
+    sampled peak flags it, and the warning names the peak."""
+    readings = iter([0.3, 2.0, 4.2, 3.9, 2.1])  # begin, three samples, finish
+    last = {"value": 0.3}
+
+    def reading():
+        last["value"] = next(readings, 2.05)  # then the run's own 2 threads
+        return last["value"]
+
+    monkeypatch.setattr(common, "load_average", reading)
+    watch = LoadWatch.begin(every_s=0.001)
+    wait_for_samples(watch, 3)  # the sampler has read the busy stretch
+    fields = watch.finish(own_threads=2)
+    assert fields["load_average_start"] == 0.3 and fields["load_average_peak"] == 4.2
+    assert fields["contended"] is True
+    assert "4.2 at its peak" in capsys.readouterr().err
+    assert watch._thread is not None and not watch._thread.is_alive()  # stopped by finish
+
+
+def test_a_quiet_run_stays_uncontended_with_its_samples(monkeypatch):
+    monkeypatch.setattr(common, "load_average", lambda: 1.9)  # its own 2 threads, nothing else
+    watch = LoadWatch.begin(every_s=0.001)
+    wait_for_samples(watch, 2)
+    fields = watch.finish(own_threads=2)
+    assert fields["contended"] is False and fields["load_average_peak"] == 1.9
+
+
+def test_an_abandoned_watch_stops_its_sampler(monkeypatch):
+    """A run that fails before finish() drops its watch: the sampler thread ends too."""
+    import gc
+
+    monkeypatch.setattr(common, "load_average", lambda: 1.0)
+    watch = LoadWatch.begin(every_s=0.001)
+    thread = watch._thread
+    wait_for_samples(watch, 1)
+    del watch
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()

@@ -9,8 +9,10 @@ import dataclasses
 import os
 import statistics
 import sys
+import threading
+import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,31 +106,68 @@ def _busy_threads() -> int:
     return int(torch.get_num_threads()) if torch is not None else 1
 
 
+LOAD_SAMPLE_S = 5.0  # how often a LoadWatch reads the load average while a measurement runs
+
+
+def _sample_load(watch: weakref.ref[LoadWatch], stop: threading.Event, every_s: float) -> None:
+    """A LoadWatch's sampler: one load-average reading every `every_s` until `stop` is set or
+    the watch is gone."""
+    while not stop.wait(every_s):
+        current = watch()
+        if current is None:
+            return
+        value = load_average()
+        if value is not None:
+            current.samples.append(value)
+        del current
+
+
 @dataclass
 class LoadWatch:
-    """The machine's load average at the start and the end of a measurement.
+    """The machine's load average at the start, during and at the end of a measurement.
 
-    `finish()` returns the JSON fields (load_average_start / _end, cpu_cores, contended)
-    and, when other work was running, prints one warning line to stderr: timings taken
-    then are contended. Other work means a load average above the core count at the
-    start, or, at the end, more than half the cores busy besides the benchmark's own
-    threads (`own_threads`: a 2-thread benchmark alone on 2 cores ends near 2.0).
+    `begin()` also starts a daemon thread that reads the load average every `every_s`
+    seconds until `finish()`: other work that came and went in the middle of a long run
+    (a test suite, a second benchmark) is caught by its peak, not only by the two ends.
+    `finish()` returns the JSON fields (load_average_start / _end / _peak, cpu_cores,
+    contended) and, when other work was running, prints one warning line to stderr:
+    timings taken then are contended. Other work means a load average above the core count
+    at the start, or, at its peak or at the end, more than half the cores busy besides the
+    benchmark's own threads (`own_threads`: a 2-thread benchmark alone on 2 cores stays near
+    2.0).
     """
 
     start: float | None
     cores: int
+    samples: list[float] = field(default_factory=list)  # load averages read during the run
+    _stop: threading.Event | None = field(default=None, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
 
     @classmethod
-    def begin(cls) -> LoadWatch:
-        return cls(load_average(), cpu_cores())
+    def begin(cls, every_s: float = LOAD_SAMPLE_S) -> LoadWatch:
+        watch = cls(load_average(), cpu_cores())
+        if watch.start is not None:
+            watch._stop = threading.Event()
+            # the thread holds the watch weakly: a run that fails before finish() drops its
+            # watch, and the thread ends at its next reading
+            watch._thread = threading.Thread(target=_sample_load, args=(weakref.ref(watch), watch._stop, every_s),
+                                             name="kvblend-loadwatch", daemon=True)
+            watch._thread.start()
+        return watch
 
     def finish(self, what: str = "benchmark", own_threads: int | None = None) -> dict[str, Any]:
+        if self._stop is not None and self._thread is not None:
+            self._stop.set()
+            self._thread.join()
         end = load_average()
+        seen = [v for v in (*self.samples, end) if v is not None]
+        peak = max(seen) if seen else None
         own = min(self.cores, own_threads if own_threads is not None else _busy_threads())
         contended = ((self.start is not None and self.start > self.cores)
-                     or (end is not None and end - own > self.cores / 2))
+                     or (peak is not None and peak - own > self.cores / 2))
         if contended:
-            print(f"warning: load average {self.start} at start, {end} at end (this {what} keeps {own} thread(s) "
-                  f"busy) shows other work on the {self.cores} cores: its timings are contended", file=sys.stderr)
-        return {"load_average_start": self.start, "load_average_end": end, "cpu_cores": self.cores,
-                "contended": contended}
+            print(f"warning: load average {self.start} at start, {peak} at its peak, {end} at end (this {what} keeps "
+                  f"{own} thread(s) busy) shows other work on the {self.cores} cores: its timings are contended",
+                  file=sys.stderr)
+        return {"load_average_start": self.start, "load_average_end": end, "load_average_peak": peak,
+                "cpu_cores": self.cores, "contended": contended}
