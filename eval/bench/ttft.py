@@ -101,8 +101,8 @@ def layer_times_full(engine, prompt) -> tuple[float, list[float]]:
 
 def attention_time(engine, prompt, repeats: int = 3) -> float:
     """Seconds one layer of a full prefill of `prompt` spends in attention: every row over
-    its causal keys, timed alone (the best of `repeats`) on random queries, keys and values
-    of the model's shapes (its cost depends on the shapes only)."""
+    its causal keys, timed alone (the median of `repeats`, as the layer times are) on random
+    queries, keys and values of the model's shapes (its cost depends on the shapes only)."""
     runner = engine.runner
     n = len(prompt)
     cuda = runner.device.type == "cuda"
@@ -125,7 +125,7 @@ def attention_time(engine, prompt, repeats: int = 3) -> float:
 
     with torch.inference_mode():
         once()  # plans and warms up
-        return min(once() for _ in range(repeats))
+        return statistics.median(once() for _ in range(repeats))
 
 
 def ideal_speedup(layer_s: list[float], rows_per_layer: list[int], n: int) -> float:
@@ -156,59 +156,50 @@ def bound_speedup(layer_s: list[float], attention_s: list[float], work: list[tup
     return sum(layer_s) / total if total > 0 else float("inf")
 
 
-def blend_work(stats: RequestStats, num_layers: int, n: int, query_layers: int = 0) -> list[tuple[int, int]]:
-    """Per layer, the rows a blend run computes and the (query, key) pairs they attend over.
+def blend_rows(stats: RequestStats, num_layers: int, n: int) -> list[torch.Tensor]:
+    """Per layer, the positions (R,) whose hidden states a blend run computes there (the
+    query pass not counted), from the request's statistics.
 
-    From the request's statistics: a plan without a selection computes only the query rows
-    and the split's computed prefix (reuse), or every row when it loads nothing (ratio 1); a
-    selection keeps `selected_rows[i]` (plus the query and the computed prefix) from check
-    layer i on, every row before the first check layer. A query pass (selection `query`)
-    adds the query rows and the computed prefix over its `query_layers` (0: every layer).
-    The last layer attends only the last row (its K/V are computed for every kept row)."""
+    A plan without a selection computes only the query rows and the split's computed
+    prefix (reuse), or every row when it loads nothing (ratio 1); a selection keeps
+    `selected_rows[i]` (plus the query and the computed prefix) from check layer i on,
+    every row before the first check layer."""
     sel = stats.selection
-    q0 = stats.context_tokens
-    query = torch.arange(q0, n)
-    fresh = torch.arange(stats.split.computed_tokens)
-    base = torch.cat([fresh, query])
-    everything = torch.arange(n)
+    base = torch.cat([torch.arange(stats.split.computed_tokens), torch.arange(stats.context_tokens, n)])
     if not sel.check_layers:
-        current = everything if stats.loaded_tokens == 0 else base
-        plan = [current] * num_layers
-    else:
-        starts = dict(zip(sel.check_layers, sel.selected_rows, strict=False))
-        current = everything
-        plan = []
-        for layer in range(num_layers):
-            if layer in starts:
-                current = torch.cat([starts[layer].long(), base]).unique(sorted=True)
-            plan.append(current)
+        return [torch.arange(n) if stats.loaded_tokens == 0 else base] * num_layers
+    starts = dict(zip(sel.check_layers, sel.selected_rows, strict=False))
+    current = torch.arange(n)
+    plan = []
+    for layer in range(num_layers):
+        if layer in starts:
+            current = torch.cat([starts[layer].long(), base]).unique(sorted=True)
+        plan.append(current)
+    return plan
+
+
+def blend_rows_per_layer(stats: RequestStats, num_layers: int, n: int) -> list[int]:
+    """How many rows each layer computes in a blend run (`blend_rows`; the query pass's rows
+    not counted: `ideal_speedup`'s definition)."""
+    return [int(rows.numel()) for rows in blend_rows(stats, num_layers, n)]
+
+
+def blend_work(stats: RequestStats, num_layers: int, n: int, query_layers: int = 0) -> list[tuple[int, int]]:
+    """Per layer, the rows a blend run computes (`blend_rows`) and the (query, key) pairs they
+    attend over. A query pass (selection `query`) adds the query rows and the split's computed
+    prefix over its `query_layers` (0: every layer). The last layer attends only the last row
+    (its K/V are computed for every kept row)."""
+    base = torch.cat([torch.arange(stats.split.computed_tokens), torch.arange(stats.context_tokens, n)])
     passes = num_layers if query_layers <= 0 else min(query_layers, num_layers)
     work = []
-    for layer, rows in enumerate(plan):
+    for layer, rows in enumerate(blend_rows(stats, num_layers, n)):
         count = int(rows.numel())
         pairs = n if layer == num_layers - 1 else causal_pairs(rows)
-        if sel.query_pass and layer < passes:
+        if stats.selection.query_pass and layer < passes:
             count += int(base.numel())
             pairs += causal_pairs(base)
         work.append((count, pairs))
     return work
-
-
-def blend_rows_per_layer(stats: RequestStats, num_layers: int, n: int) -> list[int]:
-    """Rows whose hidden states each layer computes in a blend run (the query pass's rows
-    not counted: `ideal_speedup`'s definition)."""
-    checks = stats.selection.check_layers
-    q = stats.query_tokens
-    if not checks:
-        return [n if stats.loaded_tokens == 0 else q] * num_layers
-    rows = []
-    current = n
-    sel = dict(zip(checks, stats.selection.selected_per_layer, strict=False))
-    for layer in range(num_layers):
-        if layer in sel:
-            current = sel[layer] + q
-        rows.append(current)
-    return rows
 
 
 def bench_config(args: argparse.Namespace):
