@@ -65,6 +65,12 @@ def bench_documents(tokenizer, n_chunks: int, chunk_tokens: int) -> list[str]:
     return [tokenizer.decode(ids[i * size:(i + 1) * size]) for i in range(n_chunks)]
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work before reading the clock (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def layer_times_full(engine, prompt) -> tuple[float, list[float]]:
     """TTFT of a full prefill and the time spent in each layer (via the runner's hook).
 
@@ -77,18 +83,15 @@ def layer_times_full(engine, prompt) -> tuple[float, list[float]]:
     marks: list[float] = []
 
     def mark(_layer: int) -> None:
-        if cuda:
-            torch.cuda.synchronize(runner.device)
+        _sync(runner.device)
         marks.append(time.perf_counter())
 
     def timed(hook) -> tuple[float, float]:
         cache = runner.new_cache(len(prompt))
-        if cuda:
-            torch.cuda.synchronize(runner.device)
+        _sync(runner.device)
         t0 = time.perf_counter()
         runner.prefill(ids, cache, before_layer=hook)
-        if cuda:
-            torch.cuda.synchronize(runner.device)
+        _sync(runner.device)
         return t0, time.perf_counter()
 
     t0, end = timed(mark if not cuda else None)
@@ -105,7 +108,6 @@ def attention_time(engine, prompt, repeats: int = 3) -> float:
     queries, keys and values of the model's shapes (its cost depends on the shapes only)."""
     runner = engine.runner
     n = len(prompt)
-    cuda = runner.device.type == "cuda"
     gen = torch.Generator(device=runner.device).manual_seed(0)
 
     def rand(heads: int) -> torch.Tensor:
@@ -115,12 +117,10 @@ def attention_time(engine, prompt, repeats: int = 3) -> float:
     positions = torch.arange(n)
 
     def once() -> float:
-        if cuda:
-            torch.cuda.synchronize(runner.device)
+        _sync(runner.device)
         t0 = time.perf_counter()
         runner.attend(q, positions, k, v)
-        if cuda:
-            torch.cuda.synchronize(runner.device)
+        _sync(runner.device)
         return time.perf_counter() - t0
 
     with torch.inference_mode():
@@ -156,6 +156,12 @@ def bound_speedup(layer_s: list[float], attention_s: list[float], work: list[tup
     return sum(layer_s) / total if total > 0 else float("inf")
 
 
+def always_computed(stats: RequestStats, n: int) -> torch.Tensor:
+    """Positions (R,) a blend run computes whatever it selects: the split's computed prefix
+    and the query rows (the rows a query pass runs)."""
+    return torch.cat([torch.arange(stats.split.computed_tokens), torch.arange(stats.context_tokens, n)])
+
+
 def blend_rows(stats: RequestStats, num_layers: int, n: int) -> list[torch.Tensor]:
     """Per layer, the positions (R,) whose hidden states a blend run computes there (the
     query pass not counted), from the request's statistics.
@@ -165,7 +171,7 @@ def blend_rows(stats: RequestStats, num_layers: int, n: int) -> list[torch.Tenso
     `selected_rows[i]` (plus the query and the computed prefix) from check layer i on,
     every row before the first check layer."""
     sel = stats.selection
-    base = torch.cat([torch.arange(stats.split.computed_tokens), torch.arange(stats.context_tokens, n)])
+    base = always_computed(stats, n)
     if not sel.check_layers:
         return [torch.arange(n) if stats.loaded_tokens == 0 else base] * num_layers
     starts = dict(zip(sel.check_layers, sel.selected_rows, strict=False))
@@ -189,7 +195,7 @@ def blend_work(stats: RequestStats, num_layers: int, n: int, query_layers: int =
     attend over. A query pass (selection `query`) adds the query rows and the split's computed
     prefix over its `query_layers` (0: every layer). The last layer attends only the last row
     (its K/V are computed for every kept row)."""
-    base = torch.cat([torch.arange(stats.split.computed_tokens), torch.arange(stats.context_tokens, n)])
+    base = always_computed(stats, n)
     passes = num_layers if query_layers <= 0 else min(query_layers, num_layers)
     work = []
     for layer, rows in enumerate(blend_rows(stats, num_layers, n)):
