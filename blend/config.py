@@ -121,6 +121,10 @@ class BlendConfig:
     # keys (as the query rows see them) is subtracted from the scores of the keys left stale, in
     # the recompute and in every decoded token's attention (blend.recompute; docs/EVAL.md)
     stale_bias: StrictBool = True
+    # blend: per layer and KV head, the mean offset between the recomputed rows' fresh and loaded
+    # K/V (keys un-rotated) is added to the K/V left stale, before `stale_bias` is measured
+    # (blend.recompute.StaleKeys; docs/EVAL.md)
+    stale_shift: StrictBool = True
     # load-or-compute split (blend.split): auto computes a prefix instead of loading it when loads
     # would take longer than compute; off always loads every cached segment
     split: Annotated[Literal["auto", "off"], BeforeValidator(_yaml_switch)] = "auto"

@@ -390,7 +390,8 @@ class BlendEngine:
         with LayerLoader(self.store, self.runner, cache, split.loaded, range(plan.load_from, self.runner.num_layers),
                          cfg.prefetch_depth, stall_s=self._stall_s) as loader:
             logits, chosen = run_layers(self.runner, cache, torch.tensor(prompt.token_ids), plan, loader,
-                                        policy=selection, deviation_kind=cfg.deviation, stale_bias=cfg.stale_bias)
+                                        policy=selection, deviation_kind=cfg.deviation, stale_bias=cfg.stale_bias,
+                                        stale_shift=cfg.stale_shift)
         stats = self._stats(prompt, mode, ratio, loaded_tokens=0 if plan.full else int(plan.ctx_rows.numel()),
                             recomputed_tokens=chosen.recomputed_tokens + split.computed_tokens, load=loader.report(),
                             selection=chosen, split=split.report, **tally_fields(tally))

@@ -48,7 +48,7 @@ import torch
 
 from blend.pipeline import LayerLoader, Placement
 from blend.prompt import Prompt
-from blend.runner import KVCache, Runner
+from blend.runner import KVCache, Runner, apply_rope
 from blend.selector import (
     CheckLayerKV,
     QueryAttention,
@@ -167,23 +167,33 @@ def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], 
     return make(layers, counts, partial[0])
 
 
-class StaleKeys:
-    """The candidate rows whose cached K/V the recompute leaves stale, and the bias on their keys.
+# fewer recomputed rows than this at a layer: no K/V shift there (too few to take a mean over)
+MIN_SHIFT_ROWS = 16
 
-    With `enabled` (config `stale_bias`), `correct` measures at each layer, before the
-    layer's fresh K/V are written, how much more the query rows attend to the recomputed
-    rows' loaded keys than to their fresh ones (selector.stale_key_bias, per KV head), and
-    sets minus that on the stale rows' keys in the cache (`KVCache.set_bias`): every later
-    attention over the cache (this recompute, then each decoded token) adds it. No
-    recomputed row (reuse) or no stale row (ratio 1): nothing is set.
+
+class StaleKeys:
+    """The candidate rows whose cached K/V the recompute leaves stale, and their correction.
+
+    At each layer, before the layer's fresh K/V are written, the recomputed candidate rows
+    show in this very request how their loaded K/V differ from what a full prefill gives:
+    - with `shift` (config `stale_shift`), the mean of fresh minus loaded over those rows,
+      per KV head (keys un-rotated first, so the offset is position-free), is added to the
+      stale rows' K/V in the cache (keys rotated back to each row's position);
+    - with `enabled` (config `stale_bias`), how much more the query rows attend to the
+      recomputed rows' loaded keys (shifted, with `shift`) than to their fresh ones
+      (selector.stale_key_bias, per KV head) is set, negated, on the stale rows' keys
+      (`KVCache.set_bias`): every later attention over the cache adds it.
+    Both apply to the recompute and then to each decoded token. No recomputed row (reuse) or
+    no stale row (ratio 1): nothing is changed.
     """
 
-    def __init__(self, cand_rows: torch.Tensor, n: int, device: torch.device, enabled: bool):
+    def __init__(self, cand_rows: torch.Tensor, n: int, device: torch.device, enabled: bool, shift: bool = False):
         self.is_cand = torch.zeros(n, dtype=torch.bool)
         self.is_cand[cand_rows] = True
-        self.device, self.enabled = device, enabled
+        self.device, self.enabled, self.shift = device, enabled, shift
         self.rows = _EMPTY  # (S,) stale rows, host
         self.rows_dev = _EMPTY.to(device)
+        self._rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (S, D) of the stale rows
         self._means: list[torch.Tensor | None] = []  # per layer: the mean bias over heads (None: none set)
 
     def update(self, active: torch.Tensor) -> None:
@@ -192,18 +202,40 @@ class StaleKeys:
         stale[active] = False
         self.rows = stale.nonzero().flatten()
         self.rows_dev = self.rows.to(self.device)
+        self._rotation = None
 
     def correct(self, runner: Runner, cache: KVCache, layer: int, query_q: torch.Tensor, fresh_k: torch.Tensor,
-                recomputed: torch.Tensor) -> None:
-        """query_q (H, Q, D) the query rows' fresh queries; fresh_k (Hkv, S, D) the fresh keys of
-        the recomputed candidate rows `recomputed` (S,) (device positions) at `layer`."""
-        if not self.enabled or self.rows.numel() == 0 or recomputed.numel() == 0:
+                fresh_v: torch.Tensor, recomputed: torch.Tensor) -> None:
+        """query_q (H, Q, D) the query rows' fresh queries; fresh_k, fresh_v (Hkv, S, D) the fresh
+        K/V of the recomputed candidate rows `recomputed` (S,) (device positions) at `layer`."""
+        if not (self.enabled or self.shift) or self.rows.numel() == 0 or recomputed.numel() == 0:
             self._means.append(None)
             return
         loaded = cache.k[layer][:, recomputed]  # (Hkv, S, D) as placed by the loader: read before the write
+        if self.shift and recomputed.numel() >= MIN_SHIFT_ROWS:
+            loaded = self._shift(runner, cache, layer, fresh_k, fresh_v, loaded, recomputed)
+        if not self.enabled:
+            self._means.append(None)
+            return
         bias = stale_key_bias(query_q, fresh_k, loaded, runner.scaling)  # (Hkv,)
         cache.set_bias(layer, self.rows_dev, -bias)
         self._means.append(bias.mean())  # kept on the device: no sync per layer
+
+    def _shift(self, runner: Runner, cache: KVCache, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
+               loaded_k: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
+        """Add the recomputed rows' mean K/V offset to the stale rows of `layer`; returns the
+        recomputed rows' loaded keys with the same offset (Hkv, S, D), for the bias."""
+        cos, sin = runner.rotation(recomputed)  # (S, D) float32: R(p) of each recomputed row
+        # R(p) k_fresh - R(p) k_loaded, turned back by R(-p): cos(-x) = cos x, sin(-x) = -sin x
+        dk = apply_rope(fresh_k.float() - loaded_k.float(), cos, -sin).mean(dim=1, keepdim=True)  # (Hkv, 1, D)
+        dv = (fresh_v.float() - cache.v[layer][:, recomputed].float()).mean(dim=1, keepdim=True)  # (Hkv, 1, D)
+        if self._rotation is None:
+            self._rotation = runner.rotation(self.rows)
+        st_cos, st_sin = self._rotation  # (T, D) of the T stale rows
+        keys, values, st = cache.k[layer], cache.v[layer], self.rows_dev
+        keys[:, st] += apply_rope(dk.expand(-1, st.numel(), -1).contiguous(), st_cos, st_sin).to(keys.dtype)
+        values[:, st] += dv.to(values.dtype)
+        return loaded_k + apply_rope(dk.expand(-1, recomputed.numel(), -1).contiguous(), cos, sin).to(loaded_k.dtype)
 
     def skip(self) -> None:
         """A layer with nothing to correct."""
@@ -216,14 +248,15 @@ class StaleKeys:
 
 @torch.inference_mode()
 def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
-               *, policy: str, deviation_kind: str, value_weighted: bool = False, stale_bias: bool = False
-               ) -> tuple[torch.Tensor, SelectionReport]:
+               *, policy: str, deviation_kind: str, value_weighted: bool = False, stale_bias: bool = False,
+               stale_shift: bool = False) -> tuple[torch.Tensor, SelectionReport]:
     """Run every layer over `cache` (filled by `loader`) computing only the planned rows.
 
-    `stale_bias`: correct the scores of the keys left stale (`StaleKeys`). Returns the
-    last row's logits (vocab,) and what was selected.
+    `stale_shift`, `stale_bias`: correct the K/V and the scores of the keys left stale
+    (`StaleKeys`). Returns the last row's logits (vocab,) and what was selected.
     """
-    stale = StaleKeys(plan.cand_rows, plan.n, runner.device, stale_bias and not plan.full)
+    stale = StaleKeys(plan.cand_rows, plan.n, runner.device, stale_bias and not plan.full,
+                      shift=stale_shift and not plan.full)
     if plan.query_pass:
         return _run_query_driven(runner, cache, token_ids, plan, loader, value_weighted, deviation_kind, stale)
     n, dev = plan.n, runner.device
@@ -244,9 +277,9 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
         loader.wait(layer)
         q, k, v = runner.qkv(layer, h, cos, sin)  # (H, T, D), (Hkv, T, D) x2
         if stale.rows.numel():  # rows were dropped at an earlier check layer
-            rec = is_cand[active]  # (T,) the recomputed candidates among the active rows
+            rec = is_cand[active].to(dev)  # (T,) the recomputed candidates among the active rows
             q_idx = torch.searchsorted(active, plan.query_rows).to(dev)
-            stale.correct(runner, cache, layer, q[:, q_idx], k[:, rec.to(dev)], rows[rec.to(dev)])
+            stale.correct(runner, cache, layer, q[:, q_idx], k[:, rec], v[:, rec], rows[rec])
         else:
             stale.skip()
         changed = False
@@ -356,7 +389,7 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
             loader.wait(layer)
         q, k, v = runner.qkv(layer, h, cos, sin)
         m = active.numel() - nq  # the recomputed context rows come first
-        stale.correct(runner, cache, layer, q[:, m:], k[:, :m], rows[:m])
+        stale.correct(runner, cache, layer, q[:, m:], k[:, :m], v[:, :m], rows[:m])
         if layer in plan.check_layers[1:]:  # refine the pool: query attention x KV deviation
             t1 = time.perf_counter()
             pool = active[: chosen.numel()]

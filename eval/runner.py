@@ -178,7 +178,7 @@ def engine_settings(engine: Any) -> dict[str, Any]:
         "engine": {k: getattr(cfg.engine, k) for k in ("chunk_tokens", "check_layers", "filter_schedule",
                                                        "deviation", "selection", "chunk_context",
                                                        "sink_tokens", "max_document_tokens", "query_layers",
-                                                       "query_pool", "stale_bias")},
+                                                       "query_pool", "stale_bias", "stale_shift")},
     }
 
 

@@ -1,6 +1,7 @@
-"""The stale-key logit correction (`stale_bias`): biased attention against an explicit
-softmax, the estimator, the cache's bias through writes and decoding, and which rows
-blend biases; teacher-forced log-probs (`follow`) against decoding's own (`logprobs`)."""
+"""The corrections of the K/V blend leaves stale: the logit correction (`stale_bias`):
+biased attention against an explicit softmax, the estimator, the cache's bias through
+writes and decoding, and which rows blend biases; the mean K/V offset (`stale_shift`): what
+it adds and where; teacher-forced log-probs (`follow`) against decoding's own (`logprobs`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from blend.attention import AttentionPlan, biased_attention, build_plan, causal_float_masks, run_plan
-from blend.runner import KVCache, Runner
+from blend.recompute import MIN_SHIFT_ROWS, StaleKeys
+from blend.runner import KVCache, Runner, apply_rope
 from blend.selector import SELECTIONS, stale_key_bias
 from tests.models import tiny_model
 from tests.test_engine import DOCS, QUESTION, make_engine, maxdiff
@@ -133,6 +135,81 @@ def test_blend_biases_exactly_the_stale_rows(selection):
     else:  # from the layer after the check layer on
         assert biased_layers >= 1 and set(pre.stats.selection.key_bias[:2]) == {0.0}
     assert pre.stats.to_dict()["stale_key_bias"] == [round(b, 4) for b in pre.stats.selection.key_bias]
+
+
+def _rotated(offset: torch.Tensor, rows: torch.Tensor, runner: Runner) -> torch.Tensor:
+    """offset (Hkv, 1, D) rotated to each position of rows (R,): (Hkv, R, D)."""
+    cos, sin = runner.rotation(rows)
+    return apply_rope(offset.expand(-1, rows.numel(), -1).contiguous(), cos, sin)
+
+
+@pytest.mark.parametrize("recomputed_rows", [MIN_SHIFT_ROWS + 4, MIN_SHIFT_ROWS - 1])
+def test_stale_shift_adds_the_recomputed_rows_mean_offset_to_the_stale_rows(recomputed_rows):
+    """Fresh K/V = loaded + one offset per head (keys: the offset rotated to each position):
+    the stale rows get exactly that offset, nothing else changes, and the shifted keys leave
+    no excess attention for the bias to take off. Too few recomputed rows: no shift."""
+    torch.manual_seed(3)
+    runner = Runner(tiny_model())
+    n, hkv, d = 60, runner.kv_heads, runner.head_dim
+    cache = runner.new_cache(n)
+    cache.length = n
+    cache.k[0][:, :n], cache.v[0][:, :n] = torch.randn(hkv, n, d), torch.randn(hkv, n, d)
+    before_k, before_v = cache.k[0][:, :n].clone(), cache.v[0][:, :n].clone()
+    recomputed = torch.arange(10, 10 + recomputed_rows)
+    stale_rows = torch.arange(10 + recomputed_rows, 50)
+    stale = StaleKeys(torch.arange(10, 50), n, torch.device("cpu"), enabled=True, shift=True)
+    stale.update(torch.cat([recomputed, torch.arange(50, n)]))  # active: the recomputed and query rows
+    assert torch.equal(stale.rows, stale_rows)
+    off_k, off_v = torch.randn(hkv, 1, d), torch.randn(hkv, 1, d)
+    fresh_k = before_k[:, recomputed] + _rotated(off_k, recomputed, runner)
+    fresh_v = before_v[:, recomputed] + off_v
+    stale.correct(runner, cache, 0, torch.randn(runner.num_heads, 10, d), fresh_k, fresh_v, recomputed)
+    others = torch.ones(n, dtype=torch.bool)
+    others[stale_rows] = False
+    assert torch.equal(cache.k[0][:, others], before_k[:, others])
+    assert torch.equal(cache.v[0][:, others], before_v[:, others])
+    if recomputed_rows < MIN_SHIFT_ROWS:
+        assert torch.equal(cache.k[0][:, :n], before_k) and torch.equal(cache.v[0][:, :n], before_v)
+        assert abs(stale.per_layer()[0]) > 1e-3  # the bias alone still corrects
+        return
+    assert maxdiff(cache.v[0][:, stale_rows], before_v[:, stale_rows] + off_v) < 1e-5
+    assert maxdiff(cache.k[0][:, stale_rows], before_k[:, stale_rows] + _rotated(off_k, stale_rows, runner)) < 1e-5
+    assert abs(stale.per_layer()[0]) < 1e-5  # shifted loaded keys == fresh keys: nothing left to bias
+
+
+@pytest.mark.parametrize("selection", ["query", "deviation"])
+def test_blend_shifts_only_the_stale_rows_by_one_offset_per_layer_and_head(selection):
+    with make_engine(chunk_tokens=16, selection=selection, stale_bias=False) as engine, \
+            make_engine(chunk_tokens=16, selection=selection, stale_bias=False, stale_shift=False) as plain:
+        engine.ingest(DOCS)
+        plain.ingest(DOCS)
+        prompt = engine.build_prompt(QUESTION, DOCS)
+        pre = engine.prefill(prompt, mode="blend", ratio=0.3)
+        off = plain.prefill(prompt, mode="blend", ratio=0.3)
+        ends = [engine.prefill(prompt, mode="blend", ratio=r).cache for r in (0.0, 1.0)]
+        plain_ends = [plain.prefill(prompt, mode="blend", ratio=r).cache for r in (0.0, 1.0)]
+    n = len(prompt)
+    for shifted, unshifted in zip(ends, plain_ends, strict=True):  # reuse and ratio 1: nothing to shift
+        assert all(torch.equal(a[:, :n], b[:, :n]) for a, b in zip(shifted.k + shifted.v, unshifted.k + unshifted.v, strict=True))
+    exact = prompt.documents[1].start  # system layout: the system part and the first document are exact
+    stale = torch.zeros(n, dtype=torch.bool)
+    stale[exact:prompt.query.start] = True
+    stale[pre.stats.selection.selected_rows[-1]] = False
+    rows = stale.nonzero().flatten()
+    first = 0 if selection == "query" else engine.config.engine.check_layers[-1] + 1  # stale from this layer on
+    shifted_layers = 0
+    for layer in range(engine.runner.num_layers):
+        k, v = pre.cache.layer(layer, n)
+        k0, v0 = off.cache.layer(layer, n)
+        assert torch.equal(k[:, :exact], k0[:, :exact]) and torch.equal(v[:, :exact], v0[:, :exact])
+        dv = v[:, rows] - v0[:, rows]  # (Hkv, S, D)
+        cos, sin = engine.runner.rotation(rows)
+        dk = apply_rope(k[:, rows] - k0[:, rows], cos, -sin)  # un-rotated
+        assert maxdiff(dv, dv[:, :1].expand_as(dv)) < 1e-5 and maxdiff(dk, dk[:, :1].expand_as(dk)) < 1e-5
+        if layer < first:
+            assert float(dv.abs().max()) == 0.0
+        shifted_layers += bool(dv.abs().max() > 1e-4)
+    assert shifted_layers >= engine.runner.num_layers - first - 1  # layer 0's K/V can match exactly
 
 
 def test_follow_logprobs_equal_decoding_logprobs():
