@@ -77,6 +77,11 @@ def _yaml_switch(value: Any) -> Any:
     return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
 
+def _on_off(value: Any) -> Any:
+    """YAML reads a bare `on` / `off` (or true / false) as a boolean: take it as the switch it names."""
+    return {False: "off", True: "on"}.get(value, value) if isinstance(value, bool) else value
+
+
 def _query_template(text: str) -> str:
     try:
         text.format(question="")
@@ -123,8 +128,9 @@ class BlendConfig:
     stale_bias: StrictBool = True
     # blend: per layer and KV head, the mean offset between the recomputed rows' fresh and loaded
     # K/V (keys un-rotated) is added to the K/V left stale, before `stale_bias` is measured
-    # (blend.recompute.StaleKeys; docs/EVAL.md)
-    stale_shift: StrictBool = True
+    # (blend.recompute.StaleKeys; docs/EVAL.md). auto: on, except with selection `deviation`,
+    # whose recomputed rows are the most deviated by construction (it measured worse there)
+    stale_shift: Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)] = "auto"
     # load-or-compute split (blend.split): auto computes a prefix instead of loading it when loads
     # would take longer than compute; off always loads every cached segment
     split: Annotated[Literal["auto", "off"], BeforeValidator(_yaml_switch)] = "auto"

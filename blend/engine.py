@@ -51,7 +51,7 @@ from blend.pipeline import LayerLoader, LoadStalled
 from blend.planner import LoadCosts, PrefillCosts
 from blend.prefix import EntryMaker, PrefixCache
 from blend.prompt import Prompt, PromptBuilder
-from blend.recompute import plan_recompute, run_layers
+from blend.recompute import plan_recompute, run_layers, shift_applies
 from blend.request import GenerationRequest
 from blend.runner import Runner, SamplingParams
 from blend.selector import check_policy, uses_check_layers
@@ -391,7 +391,7 @@ class BlendEngine:
                          cfg.prefetch_depth, stall_s=self._stall_s) as loader:
             logits, chosen = run_layers(self.runner, cache, torch.tensor(prompt.token_ids), plan, loader,
                                         policy=selection, deviation_kind=cfg.deviation, stale_bias=cfg.stale_bias,
-                                        stale_shift=cfg.stale_shift)
+                                        stale_shift=shift_applies(cfg.stale_shift, selection))
         stats = self._stats(prompt, mode, ratio, loaded_tokens=0 if plan.full else int(plan.ctx_rows.numel()),
                             recomputed_tokens=chosen.recomputed_tokens + split.computed_tokens, load=loader.report(),
                             selection=chosen, split=split.report, **tally_fields(tally))

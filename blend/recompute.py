@@ -171,6 +171,14 @@ def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], 
 MIN_SHIFT_ROWS = 16
 
 
+def shift_applies(setting: str, policy: str) -> bool:
+    """Whether config `stale_shift` (auto | on | off) shifts the stale K/V under selection `policy`.
+
+    auto leaves out `deviation`: it recomputes the rows whose K/V deviate most, so their mean
+    offset overstates the stale rows' (measured worse on MuSiQue dev; docs/EVAL.md)."""
+    return setting == "on" or (setting == "auto" and policy != "deviation")
+
+
 class StaleKeys:
     """The candidate rows whose cached K/V the recompute leaves stale, and their correction.
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from blend.attention import AttentionPlan, biased_attention, build_plan, causal_float_masks, run_plan
-from blend.recompute import MIN_SHIFT_ROWS, StaleKeys
+from blend.config import EngineConfig
+from blend.recompute import MIN_SHIFT_ROWS, StaleKeys, shift_applies
 from blend.runner import KVCache, Runner, apply_rope
 from blend.selector import SELECTIONS, stale_key_bias
 from tests.models import tiny_model
@@ -179,8 +180,8 @@ def test_stale_shift_adds_the_recomputed_rows_mean_offset_to_the_stale_rows(reco
 
 @pytest.mark.parametrize("selection", ["query", "deviation"])
 def test_blend_shifts_only_the_stale_rows_by_one_offset_per_layer_and_head(selection):
-    with make_engine(chunk_tokens=16, selection=selection, stale_bias=False) as engine, \
-            make_engine(chunk_tokens=16, selection=selection, stale_bias=False, stale_shift=False) as plain:
+    with make_engine(chunk_tokens=16, selection=selection, stale_bias=False, stale_shift="on") as engine, \
+            make_engine(chunk_tokens=16, selection=selection, stale_bias=False, stale_shift="off") as plain:
         engine.ingest(DOCS)
         plain.ingest(DOCS)
         prompt = engine.build_prompt(QUESTION, DOCS)
@@ -210,6 +211,27 @@ def test_blend_shifts_only_the_stale_rows_by_one_offset_per_layer_and_head(selec
             assert float(dv.abs().max()) == 0.0
         shifted_layers += bool(dv.abs().max() > 1e-4)
     assert shifted_layers >= engine.runner.num_layers - first - 1  # layer 0's K/V can match exactly
+
+
+def test_stale_shift_auto_leaves_out_the_deviation_rule_and_reads_yaml_switches():
+    assert [shift_applies("auto", p) for p in SELECTIONS] == [p != "deviation" for p in SELECTIONS]
+    assert all(shift_applies("on", p) for p in SELECTIONS) and not any(shift_applies("off", p) for p in SELECTIONS)
+    cfg = EngineConfig()
+    assert cfg.engine.stale_shift == "auto"
+    assert cfg.with_overrides(stale_shift=True).engine.stale_shift == "on"
+    assert cfg.with_overrides(stale_shift=False).engine.stale_shift == "off"
+    with pytest.raises(ValueError, match="stale_shift"):
+        cfg.with_overrides(stale_shift="sometimes")
+    with make_engine(chunk_tokens=16, stale_bias=False) as auto, \
+            make_engine(chunk_tokens=16, stale_bias=False, stale_shift="off") as off:
+        for engine in (auto, off):
+            engine.ingest(DOCS)
+        prompt = auto.build_prompt(QUESTION, DOCS)
+        for selection, moved in (("deviation", False), ("query", True)):
+            a = auto.prefill(prompt, mode="blend", ratio=0.3, selection=selection).cache
+            b = off.prefill(prompt, mode="blend", ratio=0.3, selection=selection).cache
+            same = all(torch.equal(x[:, :len(prompt)], y[:, :len(prompt)]) for x, y in zip(a.v, b.v, strict=True))
+            assert same != moved, selection
 
 
 def test_follow_logprobs_equal_decoding_logprobs():
