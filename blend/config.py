@@ -72,14 +72,10 @@ def _policy(registry: str) -> Callable[[str], str]:
     return check
 
 
-def _yaml_switch(value: Any) -> Any:
-    """YAML reads a bare `off` / `on` as a boolean: take it as the switch it names."""
-    return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
-
-
-def _on_off(value: Any) -> Any:
-    """YAML reads a bare `on` / `off` (or true / false) as a boolean: take it as the switch it names."""
-    return {False: "off", True: "on"}.get(value, value) if isinstance(value, bool) else value
+def _yaml_switch(true_means: str) -> Callable[[Any], Any]:
+    """YAML reads a bare `on` / `off` (or true / false) as a boolean: a validator taking it as
+    the switch it names (`off`, or `true_means`)."""
+    return lambda value: ({False: "off", True: true_means}[value] if isinstance(value, bool) else value)
 
 
 def _query_template(text: str) -> str:
@@ -130,10 +126,10 @@ class BlendConfig:
     # K/V (keys un-rotated) is added to the K/V left stale, before `stale_bias` is measured
     # (blend.recompute.StaleKeys; docs/EVAL.md). auto: on, except with selection `deviation`,
     # whose recomputed rows are the most deviated by construction (it measured worse there)
-    stale_shift: Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)] = "auto"
+    stale_shift: Annotated[Literal["auto", "on", "off"], BeforeValidator(_yaml_switch("on"))] = "auto"
     # load-or-compute split (blend.split): auto computes a prefix instead of loading it when loads
     # would take longer than compute; off always loads every cached segment
-    split: Annotated[Literal["auto", "off"], BeforeValidator(_yaml_switch)] = "auto"
+    split: Annotated[Literal["auto", "off"], BeforeValidator(_yaml_switch("auto"))] = "auto"
     max_new_tokens: PositiveInt = 32
     temperature: NonNegativeFloat = 0.0
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0

@@ -171,6 +171,12 @@ def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], 
 MIN_SHIFT_ROWS = 16
 
 
+def _at_positions(offset: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One un-rotated vector per KV head, offset (Hkv, 1, D), rotated to each of T positions
+    given by their cos, sin (T, D): (Hkv, T, D)."""
+    return apply_rope(offset.expand(-1, cos.shape[0], -1).contiguous(), cos, sin)
+
+
 def shift_applies(setting: str, policy: str) -> bool:
     """Whether config `stale_shift` (auto | on | off) shifts the stale K/V under selection `policy`.
 
@@ -241,9 +247,9 @@ class StaleKeys:
             self._rotation = runner.rotation(self.rows)
         st_cos, st_sin = self._rotation  # (T, D) of the T stale rows
         keys, values, st = cache.k[layer], cache.v[layer], self.rows_dev
-        keys[:, st] += apply_rope(dk.expand(-1, st.numel(), -1).contiguous(), st_cos, st_sin).to(keys.dtype)
+        keys[:, st] += _at_positions(dk, st_cos, st_sin).to(keys.dtype)
         values[:, st] += dv.to(values.dtype)
-        return loaded_k + apply_rope(dk.expand(-1, recomputed.numel(), -1).contiguous(), cos, sin).to(loaded_k.dtype)
+        return loaded_k + _at_positions(dk, cos, sin).to(loaded_k.dtype)
 
     def skip(self) -> None:
         """A layer with nothing to correct."""

@@ -13,7 +13,7 @@ import torch
 from blend.attention import AttentionPlan, biased_attention, build_plan, causal_float_masks, run_plan
 from blend.config import EngineConfig
 from blend.recompute import MIN_SHIFT_ROWS, StaleKeys, shift_applies
-from blend.runner import KVCache, Runner, apply_rope
+from blend.runner import KVCache, Runner
 from blend.selector import SELECTIONS, stale_key_bias
 from tests.models import tiny_model
 from tests.test_engine import DOCS, QUESTION, make_engine, maxdiff
@@ -139,9 +139,8 @@ def test_blend_biases_exactly_the_stale_rows(selection):
 
 
 def _rotated(offset: torch.Tensor, rows: torch.Tensor, runner: Runner) -> torch.Tensor:
-    """offset (Hkv, 1, D) rotated to each position of rows (R,): (Hkv, R, D)."""
-    cos, sin = runner.rotation(rows)
-    return apply_rope(offset.expand(-1, rows.numel(), -1).contiguous(), cos, sin)
+    """offset (Hkv, 1, D), as at position 0, moved to each position of rows (R,): (Hkv, R, D)."""
+    return runner.rerotate(offset.expand(-1, rows.numel(), -1).contiguous(), rows)
 
 
 @pytest.mark.parametrize("recomputed_rows", [MIN_SHIFT_ROWS + 4, MIN_SHIFT_ROWS - 1])
@@ -204,8 +203,7 @@ def test_blend_shifts_only_the_stale_rows_by_one_offset_per_layer_and_head(selec
         k0, v0 = off.cache.layer(layer, n)
         assert torch.equal(k[:, :exact], k0[:, :exact]) and torch.equal(v[:, :exact], v0[:, :exact])
         dv = v[:, rows] - v0[:, rows]  # (Hkv, S, D)
-        cos, sin = engine.runner.rotation(rows)
-        dk = apply_rope(k[:, rows] - k0[:, rows], cos, -sin)  # un-rotated
+        dk = engine.runner.rerotate(k[:, rows] - k0[:, rows], -rows)  # un-rotated
         assert maxdiff(dv, dv[:, :1].expand_as(dv)) < 1e-5 and maxdiff(dk, dk[:, :1].expand_as(dk)) < 1e-5
         if layer < first:
             assert float(dv.abs().max()) == 0.0
