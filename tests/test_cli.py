@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from blend.cli import main
 from tests.models import smollm2_tokenizer, tiny_model
@@ -267,3 +269,49 @@ def test_interrupt_exits_130_with_one_line_and_a_second_one_at_once(second):
     err = proc.stderr.read()
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == ("kvblend: interrupted again; exiting now" if second else "kvblend: interrupted")
+
+
+def test_demo_shows_both_answers_the_kls_and_where_they_part(tmp_path, capsys):
+    """`kvblend demo` on a tiny random model: ratio 1 is full prefill (same answer, KL ~0, no
+    parting); reuse (ratio 0) shows, where the answers part, each mode's top tokens there."""
+    lm = tiny_model("llama", tokenizer=smollm2_tokenizer(), max_position_embeddings=8192)
+    lm.model.save_pretrained(tmp_path / "model")
+    smollm2_tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "d.yaml").write_text(f"""
+model: {tmp_path / "model"}
+device: cpu
+engine:
+  max_new_tokens: 6
+store:
+  kv_dtype: float32
+  tiers:
+    - {{kind: cpu, budget: 256MiB}}
+""")
+    cfg = str(tmp_path / "d.yaml")
+    assert main(["demo", "--config", cfg, "--ratio", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    same = json.loads(captured.out.strip().splitlines()[-1])
+    assert same["answers_agree"] and same["parting"] is None
+    assert same["first_token_kl_to_full"] < 1e-4 and same["answer_kl_to_full"] < 1e-4
+    assert "where they part" not in captured.err and "the answers agree" in captured.err
+    assert main(["demo", "--config", cfg, "--ratio", "0", "--json"]) == 0
+    captured = capsys.readouterr()
+    reuse = json.loads(captured.out.strip().splitlines()[-1])
+    assert reuse["answer_kl_to_full"] > 1e-3  # random weights: the documents' context matters
+
+
+def test_parting_shows_each_modes_top_tokens():
+    from blend.cli.demo import Parting, top_tokens
+
+    tok = smollm2_tokenizer()
+    zero, seven = (tok(d, add_special_tokens=False).input_ids[0] for d in ("0", "7"))
+    full = torch.full((len(tok),), -30.0)
+    full[zero], full[seven] = 0.0, -0.3
+    blend = full.clone()
+    blend[seven] = 0.5
+    parting = Parting(12, top_tokens(full.log_softmax(-1), tok, 2), top_tokens(blend.log_softmax(-1), tok, 2))
+    assert [t for t, _ in parting.full_top] == ["0", "7"] and [t for t, _ in parting.blend_top] == ["7", "0"]
+    assert parting.full_top[0][1] == pytest.approx(1 / (1 + math.exp(-0.3)), abs=1e-3)
+    assert parting.line().startswith("where they part (token 13): full prefill '0' 0.57, '7' 0.43; blend on the "
+                                     "same first 12 tokens '7' 0.62, '0' 0.38")
+    assert json.loads(json.dumps(parting.to_dict()))["full_top"][0] == ["0", parting.full_top[0][1]]
