@@ -69,3 +69,31 @@ def test_an_abandoned_watch_stops_its_sampler(monkeypatch):
     gc.collect()
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_probe_gflops_times_a_real_matrix_product():
+    rate = common.probe_gflops(seconds=0.02)
+    assert isinstance(rate, float) and rate > 0
+
+
+@pytest.mark.parametrize(("spreads", "probes", "unsteady", "named"), [
+    ({"full prefill": (8.0, 7.9, 8.3), "cpu r=0.15": (2.0, 1.95, 2.1)}, (80.0, 82.0), False, None),
+    ({"full prefill": (8.0, 7.9, 8.3), "cpu r=0.15": (4.8, 3.5, 5.0)}, (80.0, 82.0), True, "cpu r=0.15"),
+    ({"full prefill": (8.0, 7.9, 8.3)}, (150.0, 84.0), True, "150.0 GFLOP/s at the start and 84.0 at the end"),
+    ({"one repeat": (8.0, 8.0, 8.0)}, (80.0, 80.0), False, None),
+])
+def test_unsteady_names_the_setting_or_the_probe(monkeypatch, capsys, spreads, probes, unsteady, named):
+    """A host that slows the VM down shows in no load average: the spread of one setting's
+    repeats or a probe that moved between start and end flags the run."""
+    readings = iter(probes)
+    monkeypatch.setattr(common, "probe_gflops", lambda seconds=common.PROBE_S: next(readings))
+    fields = common.Steadiness.begin().finish(spreads, "ttft benchmark")
+    err = capsys.readouterr().err
+    assert fields["unsteady"] is unsteady
+    assert (fields["probe_gflops_start"], fields["probe_gflops_end"]) == probes
+    if unsteady:
+        assert err.startswith("warning: this ttft benchmark's machine changed speed") and named in err
+    else:
+        assert err == ""
+    widest = max((high - low) / mid for mid, low, high in spreads.values())
+    assert fields["widest_spread"] == round(widest, 3)

@@ -85,3 +85,6 @@ def test_bench_ttft_reports_both_bounds_on_a_tiny_model(tmp_path):
     assert {r["split_taken"] for r in rows.values()} == {0}
     assert rows[0.0]["recomputed_tokens"] == 0 < rows[0.3]["recomputed_tokens"] < rows[1.0]["recomputed_tokens"]
     assert rows[0.0]["bound_speedup"] > rows[0.3]["bound_speedup"] > 1.0
+    # one repeat per setting: no spread; the CPU probe ran at both ends
+    assert summary["widest_spread"] == 0.0 and summary["probe_gflops_start"] > 0 and summary["probe_gflops_end"] > 0
+    assert isinstance(summary["unsteady"], bool)

@@ -102,7 +102,9 @@ def cmd_ttft(args: argparse.Namespace) -> int:
         say(f"{r['tier']:>6} r={r['ratio']:<5} TTFT {r['ttft_s']:.3f} s  speedup {r['speedup']:.2f}x "
             f"(ideal {r['ideal_speedup']:.2f}x, bound {r['bound_speedup']:.2f}x)  exposed load {r['exposed_load_s']:.3f} s  {r['load_gbps']} GB/s")
     say(f"full prefill TTFT {summary['full_ttft_s']:.3f} s over {summary['context_tokens']} tokens "
-        f"({summary['model']}, {summary['dtype']}, {summary['device_name']})")
+        f"({summary['model']}, {summary['dtype']}, {summary['device_name']}); CPU probe "
+        f"{summary['probe_gflops_start']} -> {summary['probe_gflops_end']} GFLOP/s, widest spread of repeats "
+        f"{summary['widest_spread']:.0%}")
     if summary["random_weights"]:
         say("random weights: these figures are timings only")
     if args.json:

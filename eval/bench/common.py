@@ -1,7 +1,10 @@
 """What the benchmarks share: dropping files from the page cache so a disk tier reads a
 disk, building a store that holds exactly one tier of a kind, and hygiene: the spread of
 repeated timings and whether the machine was busy while they were taken (a number
-measured on a contended machine says so in its JSON and in a warning line)."""
+measured on a contended machine says so in its JSON and in a warning line), and whether
+its speed held steady (`Steadiness`: the spread of each setting's repeats, and a fixed
+matrix product timed at the start and the end; a VM's host can slow it down while its
+own load average shows nothing)."""
 
 from __future__ import annotations
 
@@ -82,6 +85,73 @@ def spread(values: Sequence[float], digits: int = 5) -> dict[str, float | None]:
         return {"median": None, "min": None, "max": None}
     return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
             "max": round(max(values), digits)}
+
+
+UNSTEADY_SPREAD = 0.25  # (max - min) / median of one setting's repeats above which a run is unsteady
+PROBE_SHAPE = (1024, 576, 1536)  # rows, in, out of the probe's float32 matrix product (~1.8 GFLOP a call)
+PROBE_S = 0.6  # seconds the probe runs each time
+
+
+def probe_gflops(seconds: float = PROBE_S) -> float:
+    """This machine's float32 matrix-product rate on the CPU (GFLOP/s) with torch's threads:
+    after a warm-up of a third of `seconds` (thread start-up, clock ramp), the best of five
+    windows over the rest, so one descheduled moment does not decide it. The same figure on
+    two days means the same compute speed."""
+    import time
+
+    import torch
+
+    rows, d_in, d_out = PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    a, w = torch.randn(rows, d_in, generator=gen), torch.randn(d_out, d_in, generator=gen)
+
+    def rate(window: float) -> float:
+        calls, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < window or calls == 0:
+            a @ w.T
+            calls += 1
+        return 2 * rows * d_in * d_out * calls / elapsed / 1e9
+
+    rate(seconds / 3)  # warm-up
+    return round(max(rate(seconds * 2 / 15) for _ in range(5)), 1)
+
+
+@dataclass
+class Steadiness:
+    """Whether a benchmark's machine kept one speed: `begin()` times the probe, `finish(timings)`
+    times it again and takes the spread of each setting's repeated timings. Unsteady: a
+    setting whose repeats spread by more than `limit` of their median, or a probe that moved by
+    more than `limit` between start and end; then one warning line goes to stderr. Either way
+    the JSON carries the probe rates and the widest spread, so runs on different days compare."""
+
+    probe_start: float
+    limit: float = UNSTEADY_SPREAD
+
+    @classmethod
+    def begin(cls, limit: float = UNSTEADY_SPREAD) -> Steadiness:
+        return cls(probe_gflops(), limit)
+
+    def finish(self, spreads: dict[str, tuple[float, float, float]], what: str = "benchmark") -> dict[str, Any]:
+        """`spreads`: per setting, (median, min, max) seconds of its repeats."""
+        probe_end = probe_gflops()
+        widest, widest_name = 0.0, None
+        for name, (mid, low, high) in spreads.items():
+            width = (high - low) / mid if mid > 0 else 0.0
+            if width > widest:
+                widest, widest_name = width, name
+        drift = abs(probe_end - self.probe_start) / max(self.probe_start, probe_end, 1e-9)
+        reasons = []
+        if widest > self.limit:
+            reasons.append(f"the repeats of {widest_name} spread by {widest:.0%} of their median")
+        if drift > self.limit:
+            reasons.append(f"a fixed matrix product ran at {self.probe_start} GFLOP/s at the start and "
+                           f"{probe_end} at the end")
+        if reasons:
+            print(f"warning: this {what}'s machine changed speed while it ran ({'; '.join(reasons)}): its "
+                  f"timings and speedups are uncertain by about that much; rerun when the machine is steady",
+                  file=sys.stderr)
+        return {"probe_gflops_start": self.probe_start, "probe_gflops_end": probe_end,
+                "widest_spread": round(widest, 3), "widest_spread_of": widest_name, "unsteady": bool(reasons)}
 
 
 def cpu_cores() -> int:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eval.bench.common import LoadWatch, drop_page_cache, one_tier_store, spread
+from eval.bench.common import LoadWatch, Steadiness, drop_page_cache, one_tier_store, spread
 
 TIER_KINDS = ("cpu", "disk", "redis")
 MAX_NEW_TOKENS = 1  # a resume is timed to its first token
@@ -84,6 +84,7 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
     from storage.tier import StoreUnavailable
 
     watch = LoadWatch.begin()
+    steady = Steadiness.begin()
     config = load_config(config_path)
     t0 = time.perf_counter()
     lm = load_model(config.model, device=config.device, dtype=config.dtype)
@@ -208,11 +209,14 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
         shutil.rmtree(work, ignore_errors=True)
         if not disk_path:
             shutil.rmtree(disk_dir, ignore_errors=True)
+    spreads = {f"{r['tier']} {r['history_tokens']} tokens {which}": (r[f"{which}_ttft_s"], r[f"{which}_ttft_min_s"],
+                                                                   r[f"{which}_ttft_max_s"])
+               for r in results if "error" not in r for which in ("resume", "reprefill")}
     return {
         "model": config.model, "random_weights": bool(getattr(lm, "random_weights", False)), "device": str(lm.device),
         "dtype": config.dtype, "kv_dtype": config.store.kv_dtype,
         "chunk_tokens": config.engine.chunk_tokens, "repeats": repeats, "cold_disk": cold_disk, "results": results,
-        **watch.finish("resume benchmark"),
+        **watch.finish("resume benchmark"), **steady.finish(spreads, "resume benchmark"),
     }
 
 

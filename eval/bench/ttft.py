@@ -20,7 +20,9 @@ loads).
 Hygiene: two untimed full prefills and one untimed blend per (tier, ratio) first; each
 TTFT is reported as the median with min and max over the repeats; the load average at
 start and end is recorded and `contended: true` (plus a warning line) marks a run taken
-while it exceeded the core count. `--model random:<shape>` runs a random-weight model
+while it exceeded the core count; `unsteady: true` (plus a warning line) marks a run whose
+repeats of one setting spread by more than 25% or whose CPU probe (`probe_gflops_start` /
+`_end`: a fixed float32 matrix product) moved by as much. `--model random:<shape>` runs a random-weight model
 (timing only: `random_weights: true` in the JSON).
 """
 
@@ -40,7 +42,7 @@ from typing import Any
 import torch
 
 from blend.stats import RequestStats
-from eval.bench.common import LoadWatch, drop_page_cache, one_tier_store, spread
+from eval.bench.common import LoadWatch, Steadiness, drop_page_cache, one_tier_store, spread
 from storage.dtypes import dtype_bytes
 
 log = logging.getLogger(__name__)
@@ -230,6 +232,7 @@ def run_ttft(args: argparse.Namespace, lm: Any = None) -> dict[str, Any]:
     from blend.model import load_model
 
     watch = LoadWatch.begin()
+    steady = Steadiness.begin()
     config = bench_config(args)
     ratios = [float(r) for r in args.ratios.split(",")]
     tiers = [t for t in args.tiers.split(",") if t]
@@ -260,6 +263,10 @@ def run_ttft(args: argparse.Namespace, lm: Any = None) -> dict[str, Any]:
     for kind, err in errors.items():
         summary["results"].append({"tier": kind, "error": err})
     summary.update(watch.finish("ttft benchmark"))
+    spreads = {"full prefill": (summary["full_ttft_s"], summary["full_ttft_min_s"], summary["full_ttft_max_s"])}
+    spreads |= {f"{r['tier']} r={r['ratio']}": (r["ttft_s"], r["ttft_min_s"], r["ttft_max_s"])
+                for r in summary["results"] if "error" not in r}
+    summary.update(steady.finish(spreads, "ttft benchmark"))
     return summary
 
 
