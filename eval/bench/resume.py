@@ -13,7 +13,9 @@ Each message differs per repeat, so no block past the history is reused.
 Hygiene: a warm-up per tier first (not recorded), then `--repeats` rounds interleaving
 tiers, lengths and the two variants (alternating which goes first); medians are
 reported with min and max, and the load average at start and end (`contended: true`
-and a warning line when it exceeded the core count). Disk entries are evicted from the OS page cache before each disk resume
+and a warning line when it exceeded the core count), and `unsteady: true` (a warning line) when
+one setting's repeats spread by more than 25% or the CPU probe moved by as much
+(`eval.bench.common.Steadiness`). Disk entries are evicted from the OS page cache before each disk resume
 (fsync + POSIX_FADV_DONTNEED) unless `--warm-disk`, so the disk row measures a disk.
 The last stdout line is one JSON object: {"results": [{tier, history_tokens,
 resume_ttft_s, reprefill_ttft_s, speedup, ...}, ...]}; a tier that cannot be used
