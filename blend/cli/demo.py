@@ -74,7 +74,8 @@ def run_demo(config: str | None, *, question: str | None = None, ratio: float | 
         ingest_s = time.perf_counter() - t0
         engine.generate(question, texts[:1], mode="full", max_new_tokens=1)  # warm-up
         full = engine.generate(question, texts, mode="full", logprobs=True)
-        # teacher-forced along full prefill's answer after the TTFT is taken; decoding is its own
+        # follow: teacher-forced along full prefill's answer after the TTFT is taken; blend.text is
+        # still blend's own greedy answer
         blend = engine.generate(question, texts, mode="blend", recompute_ratio=ratio, follow=full.token_ids)
         tokenizer = engine.lm.tokenizer
     speedup = full.ttft_s / blend.ttft_s

@@ -118,7 +118,7 @@ def probe_gflops(seconds: float = PROBE_S) -> float:
 
 @dataclass
 class Steadiness:
-    """Whether a benchmark's machine kept one speed: `begin()` times the probe, `finish(timings)`
+    """Whether a benchmark's machine kept one speed: `begin()` times the probe, `finish(spreads)`
     times it again and takes the spread of each setting's repeated timings. Unsteady: a
     setting whose repeats spread by more than `limit` of their median, or a probe that moved by
     more than `limit` between start and end; then one warning line goes to stderr. Either way
