@@ -531,7 +531,15 @@ def test_bench_serve_against_the_running_server(server, setup, tmp_path):
     assert json.loads((tmp_path / "serve.json").read_text())["levels"] and (tmp_path / "serve.png").stat().st_size
     verdict = compare_ttft(1.0, [0.9, 1.0, 2.0])
     assert verdict["target_s"] == round(1.05 * 1.0 + 0.02, 4) and verdict["within_target"]
+    assert verdict["pair_ratio"] is None
     assert not compare_ttft(1.2, [1.0])["within_target"]
+    paired = compare_ttft(1.0, [1.0, 2.0, 4.0], [(1.1, 1.0), (2.0, 2.0), (6.0, 4.0)])
+    assert paired["pair_ratio"] == {"median": 1.1, "min": 1.0, "max": 1.5}
+    # the machine's hygiene: load average watched, CPU probe at both ends; no comparison, no spreads
+    assert summary["load_average_start"] is not None and summary["cpu_cores"] >= 1
+    assert summary["probe_gflops_start"] > 0 and summary["probe_gflops_end"] > 0
+    assert summary["widest_spread"] == 0.0 and summary["widest_spread_of"] is None
+    assert isinstance(summary["contended"], bool) and isinstance(summary["unsteady"], bool)
 
 
 def test_bench_serve_starts_its_own_server_from_the_default_config(setup, tmp_path, monkeypatch):
@@ -544,6 +552,11 @@ def test_bench_serve_starts_its_own_server_from_the_default_config(setup, tmp_pa
                               doc_chars=120, mode="blend", ratio=0.3, url=None, compare=True, log=lambda _: None)
     level = summary["levels"][0]
     assert level["ok"] == 2 and level["lost"] == 0 and summary["config"] is None
+    # at 1 client each HTTP request is paired with the same request in-process: their ratio is the spread
+    pair = summary["in_process"]["pair_ratio"]
+    assert summary["in_process"]["in_process_samples"] == 2 and 0 < pair["min"] <= pair["median"] <= pair["max"]
+    assert summary["widest_spread_of"] == "HTTP / in-process TTFT of one request (1 client)"
+    assert summary["widest_spread"] == round((pair["max"] - pair["min"]) / pair["median"], 3)
 
 
 @pytest.mark.redis

@@ -112,6 +112,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                               docs_per_request=args.docs_per_request, max_tokens=args.max_tokens,
                               doc_chars=args.doc_chars, mode=args.mode, ratio=args.ratio, url=url,
                               compare=not args.no_compare, log=say)
+    pair = (summary["in_process"] or {}).get("pair_ratio")
+    say(f"CPU probe {summary['probe_gflops_start']} -> {summary['probe_gflops_end']} GFLOP/s; load average "
+        f"{summary['load_average_start']} at start, {summary['load_average_peak']} at its peak"
+        + (f"; HTTP / in-process TTFT per request {pair['min']}-{pair['max']} (median {pair['median']})" if pair else ""))
     if args.out:
         write_report(summary, Path(args.out))
         say(f"wrote {Path(args.out) / 'serve.json'} and serve.png")
