@@ -82,7 +82,7 @@ class DocumentCache:
         out = []
         for start in range(0, len(ids), self.block_tokens):
             end = min(start + self.block_tokens, len(ids))
-            key = document_block_key(fingerprint, ids[:end], kv_dtype, self.namespace, digest)
+            key = document_block_key(fingerprint, ids[:end], kv_dtype, self.namespace, digest, start=start)
             out.append(Block(key, start, end, len(context) + start))
         return out
 

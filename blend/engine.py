@@ -91,7 +91,7 @@ class BlendEngine:
         # load-or-compute split: the model's live cost model, fed by every request (blend.split)
         self.splitter = Splitter(PrefillCosts.for_model(self.lm.model), LoadCosts(self.runner.device.type),
                                  {t.name: getattr(t.config, "kind", t.name) for t in self.store.tiers}, mode=cfg.split)
-        self.sessions = SessionManager(cfg, self.prefix_cache, self.decoder)
+        self.sessions = SessionManager(cfg, self.prefix_cache, self.decoder, self.prompts)
         self._warm = False  # set after the first prefill (not a cost sample: see `prefill`)
         self.documents = DocumentIndex()
 
@@ -464,7 +464,7 @@ class BlendEngine:
             def prefill(prompt: Prompt, capacity: int) -> Prefilled:
                 return self.prefill(prompt, mode=req.mode, ratio=req.recompute_ratio, capacity=capacity)
 
-            rag = RagTurn(build=build, prefill=prefill, exact=req.mode in ("full", "prefix"))
+            rag = RagTurn(build=build, prefill=prefill, exact=req.mode in ("full", "prefix"), documents=docs)
         return self.sessions.turn(session_id, message, max_new_tokens=req.max_new_tokens,
                                   sampling=SamplingParams(req.temperature, req.top_p, req.seed), stop=req.stop,
                                   system=system, rag=rag)

@@ -163,8 +163,9 @@ class PrefixCache:
         b = self.block_tokens
         return [(s, s + b) for s in range(0, n - b + 1, b)]
 
-    def key(self, ids: Sequence[int], end: int) -> str:
-        return prefix_block_key(self.maker.fingerprint, ids[:end], self.maker.kv_dtype, self.namespace)
+    def key(self, ids: Sequence[int], start: int, end: int) -> str:
+        """The key of the block ids[start:end] (a full block, or a chat turn's partial tail)."""
+        return prefix_block_key(self.maker.fingerprint, ids[:end], self.maker.kv_dtype, self.namespace, start=start)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, token_ids: Sequence[int], limit: int, tail_ends: Sequence[int] = ()) -> list[Placement]:
@@ -195,7 +196,7 @@ class PrefixCache:
 
     def _find(self, ids: list[int], start: int, end: int) -> Placement | None:
         """The stored block ids[start:end], verified, or None."""
-        located = self.store.lookup(self.key(ids, end), self.maker.expected(ids[start:end], start))
+        located = self.store.lookup(self.key(ids, start, end), self.maker.expected(ids[start:end], start))
         if located is None:
             return None
         return Placement(start, end - start, start, located, None,
@@ -216,7 +217,7 @@ class PrefixCache:
         for start, end in blocks:
             if end <= skip_below:
                 continue
-            self.store.put(self.key(ids, end), self.maker.from_cache(cache, ids[start:end], start))
+            self.store.put(self.key(ids, start, end), self.maker.from_cache(cache, ids[start:end], start))
             queued += 1
         return queued
 

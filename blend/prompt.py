@@ -144,15 +144,16 @@ class PromptBuilder:
         return max((len(t) for t in self.tokenizer.get_vocab()), default=1)
 
     def check_text_fits(self, question: str | Sequence[Message], documents: Sequence[Document | str],
-                        positions: int) -> None:
+                        positions: int, fix: str = "use fewer or shorter documents") -> None:
         """Refuse, before tokenizing, text that cannot fit `positions` tokens: more characters
-        than positions x the longest token (a cheap bound: tokenizing megabytes takes seconds)."""
+        than positions x the longest token (a cheap bound: tokenizing megabytes takes seconds);
+        the error ends with `fix`."""
         texts = [question] if isinstance(question, str) else [m.content for m in question]
         texts += [t for d in documents for t in ((d,) if isinstance(d, str) else (d.text, d.title or ""))]
         chars = sum(len(t) for t in texts)
         if chars > positions * self.max_token_chars:
             raise ValueError(f"the prompt's text ({chars} characters) cannot fit the model's {positions} positions "
-                             f"(at most {self.max_token_chars} characters per token); use fewer or shorter documents")
+                             f"(at most {self.max_token_chars} characters per token); {fix}")
 
     def frame(self, question: str | Sequence[Message]) -> tuple[list[int], list[int]]:
         """Token ids before and after the documents for this question (or conversation,

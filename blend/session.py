@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import stat
 import threading
 import time
@@ -46,11 +47,11 @@ import torch
 
 from blend.config import BlendConfig
 from blend.conversation import ROLES, Message, chat_ids
-from blend.document import clean_text
+from blend.document import Document, clean_text
 from blend.generation import Decoder, GenerationResult, Prefilled
 from blend.pipeline import LoadStalled
 from blend.prefix import PrefixCache, intact_end
-from blend.prompt import Prompt
+from blend.prompt import Prompt, PromptBuilder
 from blend.runner import KVCache, SamplingParams
 from blend.stats import LookupTally, RequestStats, tally_fields
 from storage.tier import StoreUnavailable
@@ -66,6 +67,7 @@ LOCK_ATTEMPTS = 3  # lock files replaced under us (a concurrent drop) before giv
 MAX_HISTORY_BYTES = 64 << 20  # a session history file above this is refused (it is text messages)
 # session files are opened like the disk tier's entries: never through a symlink, never blocking on a FIFO
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -113,6 +115,7 @@ class RagTurn:
     build: Callable[[Sequence[Message]], Prompt]
     prefill: Callable[[Prompt, int], Prefilled]
     exact: bool
+    documents: Sequence[Document | str] = ()  # what `build` places (their text counts toward the length)
 
 
 @dataclass
@@ -129,8 +132,8 @@ class Session:
 class SessionManager:
     """The chat sessions of one engine. Thread-safe: turns on one session are exclusive."""
 
-    def __init__(self, config: BlendConfig, prefix: PrefixCache, decoder: Decoder):
-        self.config, self.prefix, self.decoder = config, prefix, decoder
+    def __init__(self, config: BlendConfig, prefix: PrefixCache, decoder: Decoder, prompts: PromptBuilder):
+        self.config, self.prefix, self.decoder, self.prompts = config, prefix, decoder, prompts
         self.tier_names = [t.name for t in prefix.store.tiers]
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()  # guards `sessions`
@@ -174,14 +177,20 @@ class SessionManager:
         """Write the history atomically (temp file + rename); a failed write leaves the old
         file and no temp file, and is a one-line error naming the file."""
         path = self._path(session_id)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        # a fresh, unguessable temp name created exclusively, never through a link planted there
+        tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(8)}")
+        created = False
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"session_id": session_id, "messages": messages}), encoding="utf-8")
+            fd = os.open(tmp, _CREATE_FLAGS, 0o600)
+            created = True
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write(json.dumps({"session_id": session_id, "messages": messages}))
             os.replace(tmp, path)
         except OSError as err:
-            with suppress(OSError):  # a partly written temp file
-                tmp.unlink(missing_ok=True)
+            if created:  # a partly written temp file of ours (never a file someone else put there)
+                with suppress(OSError):
+                    tmp.unlink(missing_ok=True)
             raise ValueError(f"session {session_id!r}: cannot write its history {path} ({err.strerror or err}); "
                              "free space or fix the sessions directory (engine.sessions_dir); the turn is not "
                              "part of the conversation") from None
@@ -355,14 +364,20 @@ class SessionManager:
             session.messages = history
         messages = session.messages + [{"role": "user", "content": message}]
         shown = ([{"role": "system", "content": system}] if system is not None else []) + messages
+        shorten = ("the conversation is too long: drop the session (engine.drop) and start a new one"
+                   + (", or use fewer or shorter documents" if rag is not None else ""))
+        try:  # before tokenizing: a history of megabytes would take minutes to be refused
+            self.prompts.check_text_fits([Message(m["role"], m["content"]) for m in shown],
+                                         rag.documents if rag is not None else (), decoder.runner.max_positions,
+                                         fix=shorten)
+        except ValueError as err:
+            raise ValueError(f"session {session.session_id!r}: {err}") from None
         if rag is not None:
             prompt = rag.build([Message(m["role"], m["content"]) for m in shown])
             ids = list(prompt.token_ids)
         else:
             prompt = None
             ids = chat_ids(decoder.tokenizer, shown)
-        shorten = ("the conversation is too long: drop the session (engine.drop) and start a new one"
-                   + (", or use fewer or shorter documents" if rag is not None else ""))
         try:
             decoder.runner.check_length(len(ids), max_new, shorten)
         except ValueError as err:

@@ -33,7 +33,6 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import secrets
 import stat
 import struct
@@ -48,6 +47,7 @@ import torch
 
 from storage.config import DiskTierConfig, tier_display_name
 from storage.entry import CorruptEntry, EntryHeader, KVEntry
+from storage.keys import ENTRY_KEY_RE
 from storage.serialization import decode_header, encode_header, header_size, layer_from_bytes
 from storage.tier import Layer, StoreUnavailable, TierStats, over_budget, read_entry, report_corrupt
 
@@ -63,7 +63,6 @@ _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOE
 _NOT_A_FILE = {errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EOPNOTSUPP}  # link (Linux, BSD), socket
 _RESCAN_MIN_INTERVAL_S = 2.0
 _WARN_INTERVAL_S = 30.0
-_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
 
 
 @dataclass
@@ -225,7 +224,7 @@ class DiskTier:
         self.path.mkdir(parents=True, exist_ok=True)
 
     def _file(self, key: str) -> Path:
-        if not _KEY_RE.match(key):
+        if not ENTRY_KEY_RE.match(key):
             raise ValueError(f"disk tier: key {key!r} is not a safe file name; use keys from storage.keys")
         return self.path / (key + SUFFIX)
 
@@ -257,7 +256,7 @@ class DiskTier:
                         temps.append(de.name)
                         continue
                     key = de.name[: -len(SUFFIX)]
-                    if not de.name.endswith(SUFFIX) or not _KEY_RE.match(key):
+                    if not de.name.endswith(SUFFIX) or not ENTRY_KEY_RE.match(key):
                         continue
                     try:
                         st = de.stat(follow_symlinks=False)
@@ -624,7 +623,7 @@ class DiskTier:
             with os.scandir(self.path) as it:
                 for de in it:
                     key = de.name[: -len(SUFFIX)]
-                    if de.name.endswith(SUFFIX) and _KEY_RE.match(key) and de.is_file(follow_symlinks=False):
+                    if de.name.endswith(SUFFIX) and ENTRY_KEY_RE.match(key) and de.is_file(follow_symlinks=False):
                         out.append(key)
         except OSError:
             pass

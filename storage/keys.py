@@ -1,11 +1,14 @@
 """Content addresses for cached KV: document block keys and conversation-prefix block keys.
 
 A document block key depends on the model fingerprint, the document's context (by
-digest), every token of the document up to the block end, the storage dtype and the KV
-layout version - never on what precedes the document in a prompt, so the same document
-hits in every prompt that contains it, and the blocks of a document form a chain whose
-shared leading blocks are stored once. A prefix block key covers every token from the
-start of the sequence up to the block end. The two use different domain tags, so they
+digest), every token of the document up to the block end, where the block starts, the
+storage dtype and the KV layout version - never on what precedes the document in a
+prompt, so the same document hits in every prompt that contains it, and the blocks of a
+document form a chain whose shared leading blocks are stored once. A prefix block key
+covers every token from the start of the sequence up to the block end, and where the
+block starts. The start keeps stores shared by engines of different block sizes apart:
+block [16, 32) of 16-token blocks and block [0, 32) of 32-token blocks end alike but hold
+different rows. The two use different domain tags, so they
 never collide (nor with the independent-chunk keys, `c<hex>`, of the retired chunk
 layout, which are never looked up). Keys are short ASCII strings (`[namespace-]d<hex>` /
 `p<hex>`), safe as file names and Redis keys.
@@ -25,6 +28,8 @@ LAYOUT_VERSION: int = 1
 
 _DIGEST_HEX = 40  # 160 bits; a hit additionally verifies the stored tokens digest
 _NAMESPACE_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{0,63})?$")
+# what a tier accepts as an entry key (every key made here matches): a safe file name and Redis key part
+ENTRY_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
 _PREFIX_TAG = b"kvblend/prefix\x00"
 _DOCUMENT_TAG = b"kvblend/document\x00"
 
@@ -78,9 +83,12 @@ def prefix_block_key(
     prefix_token_ids: Sequence[int],
     kv_dtype: str,
     namespace: str = "",
+    *,
+    start: int,
 ) -> str:
-    """Key of a conversation prefix block: digest over ALL tokens from the sequence start to the block end."""
-    return _key(_PREFIX_TAG, "p", namespace, fingerprint, prefix_token_ids, kv_dtype)
+    """Key of a conversation prefix block [start, len(prefix_token_ids)): digest over ALL
+    tokens from the sequence start to the block end, and the block's start."""
+    return _key(_PREFIX_TAG, "p", namespace, fingerprint, prefix_token_ids, kv_dtype, _block_start(start, prefix_token_ids))
 
 
 def document_block_key(
@@ -89,12 +97,23 @@ def document_block_key(
     kv_dtype: str,
     namespace: str = "",
     context_digest: str = "",
+    *,
+    start: int,
 ) -> str:
-    """Key of one block of a document's KV: digest over (fingerprint, the document's tokens
-    from its first token to the block end, kv_dtype, LAYOUT_VERSION, context_digest).
+    """Key of the block [start, len(token_ids)) of a document's KV: digest over (fingerprint,
+    the document's tokens from its first token to the block end, kv_dtype, LAYOUT_VERSION,
+    context_digest, start).
 
     The document is computed as one sequence after the context named by `context_digest`
     (empty: computed standalone at positions 0..); two documents that share their leading
     blocks share those blocks' keys.
     """
-    return _key(_DOCUMENT_TAG, "d", namespace, fingerprint, token_ids, kv_dtype, context_digest)
+    return _key(_DOCUMENT_TAG, "d", namespace, fingerprint, token_ids, kv_dtype, context_digest,
+                _block_start(start, token_ids))
+
+
+def _block_start(start: int, token_ids: Sequence[int]) -> str:
+    """`start` as a key field, checked: a block holds at least one token."""
+    if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < len(token_ids):
+        raise ValueError(f"block start {start!r} must be an int in [0, {len(token_ids)}) (the tokens up to the block end)")
+    return str(start)

@@ -41,6 +41,7 @@ from redis.retry import Retry
 
 from storage.config import RedisTierConfig, tier_display_name
 from storage.entry import CorruptEntry, EntryHeader, KVEntry
+from storage.keys import ENTRY_KEY_RE
 from storage.serialization import (
     MAX_HEADER_BYTES,
     decode_header,
@@ -217,9 +218,15 @@ class RedisTier:
     def _lkey(self, key: str, layer: int) -> str:
         return f"{self._prefix}{{{key}}}:l{layer}"
 
-    def _key_of(self, redis_key: bytes | str) -> str:
-        text = redis_key.decode() if isinstance(redis_key, bytes) else redis_key
-        return text[len(self._prefix) + 1 : text.rindex("}")]
+    def _key_of(self, redis_key: bytes | str) -> str | None:
+        """The entry key inside a scanned header key name; None for a name no put of ours
+        wrote (not UTF-8, or not a key's characters): someone else's key under the prefix."""
+        try:
+            text = redis_key.decode() if isinstance(redis_key, bytes) else redis_key
+        except UnicodeDecodeError:
+            return None
+        key = text[len(self._prefix) + 1 : text.rfind("}")]
+        return key if ENTRY_KEY_RE.match(key) else None
 
     # ------------------------------------------------------------------- reads
     def contains(self, key: str) -> bool:
@@ -399,7 +406,7 @@ class RedisTier:
     def keys(self) -> Iterator[str]:
         pattern = _glob_escape(self._prefix) + "{*}:h"
         names = self._run("scan", lambda c: list(c.scan_iter(match=pattern, count=1000)), [])
-        return iter(sorted(self._key_of(n) for n in names))
+        return iter(sorted(key for key in map(self._key_of, names) if key is not None))
 
     def clear(self) -> bool:
         """Delete every key under this tier's key_prefix (other prefixes are untouched);

@@ -66,7 +66,8 @@ def decode_header(data: bytes | bytearray | memoryview) -> EntryHeader:
         raise CorruptEntry(f"header truncated: {len(data)} of {total} bytes")
     try:
         body: dict[str, Any] = json.loads(bytes(data[PRELUDE_SIZE:total]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+    # ValueError also covers json's refusal of integers over sys's digit limit; RecursionError: nested too deep
+    except (ValueError, RecursionError) as e:
         raise CorruptEntry(f"header JSON unreadable: {type(e).__name__}: {str(e)[:100]}") from None
     if not isinstance(body, dict) or not set(_FIELDS) - _OPTIONAL <= set(body) <= set(_FIELDS):
         raise CorruptEntry(f"header fields {sorted(body) if isinstance(body, dict) else body!r} do not match")

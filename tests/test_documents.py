@@ -59,6 +59,23 @@ def test_shared_document_prefix_is_stored_once():
         assert written == second[full_blocks:]  # only the new blocks were stored
 
 
+def test_engines_of_different_block_sizes_share_a_store_without_evicting_each_other():
+    """Block [16, 32) of 16-token blocks and block [0, 32) of 32-token blocks end at the same
+    token: keyed alike, each engine would take the other's entry for a damaged one of its own,
+    delete it and recompute, request after request."""
+    with make_engine(chunk_tokens=16) as small:
+        cfg = small.config.with_overrides(chunk_tokens=32)
+        with BlendEngine(cfg, model=small.lm, store=small.store) as large:
+            for engine in (small, large):
+                engine.ingest([LONG_DOC])
+            small.store.flush()
+            for _ in range(2):
+                for engine in (small, large):
+                    result = engine.generate(QUESTION, [LONG_DOC], mode="reuse", max_new_tokens=1)
+                    assert (result.stats.documents.hits, result.stats.documents.misses) == (1, 0)
+            assert small.store.stats()["cpu"]["mismatches"] == 0
+
+
 def layout1_chunk_key(fingerprint: str, token_ids, kv_dtype: str, namespace: str) -> str:
     """The address layout 1 gave an independent chunk (kept here, not in storage: the
     engine no longer writes or reads such keys)."""

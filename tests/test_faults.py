@@ -59,6 +59,7 @@ TIMEOUT_S = 30.0
 SECRET = "correct horse battery staple"
 JUNK_BYTES = 4 << 20
 HEADER_FIELDS = {f.name for f in dataclasses.fields(EntryHeader)}
+HUGE_INT = "<an integer of 5000 digits>"  # raw_header writes it as such: over json's 4300-digit limit
 
 
 # ----------------------------------------------------------------------------- engine
@@ -206,6 +207,7 @@ def raw_header(header: EntryHeader, mutate: Callable[[dict], Any] = lambda body:
     body = json.loads(encode_header(header)[16:])
     mutate(body)
     data = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+    data = data.replace(b'"%s"' % HUGE_INT.encode(), b"9" * 5000)  # Python's json refuses to parse it
     return MAGIC + struct.pack("<II", version, len(data)) + data
 
 
@@ -323,6 +325,7 @@ HEADER_FAULTS = [
     Fault("header", "num_tokens negative", ALL, every_raw_header(_set("num_tokens", -16))),
     Fault("header", "num_layers 0, no checksums", ALL,
           every_raw_header(lambda b: b.update(num_layers=0, layer_checksums=[]))),
+    Fault("header", "pos_start an integer of 5000 digits", ALL, every_raw_header(_set("pos_start", HUGE_INT))),
     Fault("header", "kv_heads a string", ALL, every_raw_header(_set("kv_heads", "2"))),
     Fault("header", "kv_heads true", ALL, every_raw_header(_set("kv_heads", True))),
     Fault("header", "unknown extra field", ALL, every_raw_header(_set("owner", "mallory"))),

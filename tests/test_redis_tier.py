@@ -65,6 +65,22 @@ def test_redis_ttl_prefix_isolation_and_clear(redis_url):
     assert a.get_header("k") is None and b.get("k") is not None
 
 
+def test_foreign_key_names_under_the_prefix_are_not_entries(redis_url):
+    """Names no put of ours wrote (not UTF-8, characters no key has) are skipped by keys()
+    and stats(), not an error that breaks `kvblend store ls / stats`."""
+    tier = redis_tier(redis_url)
+    _, entry = random_entry(SMALL)
+    tier.put("k", entry)
+    client = redis.Redis.from_url(redis_url)
+    client.set(b"kvblend:{\xff}:h", b"junk")
+    client.set(b"kvblend:{a b}:h", b"junk")
+    client.set(b"kvblend:{}:h", b"junk")
+    assert list(tier.keys()) == ["k"]
+    assert tier.stats()["entries"] == 1
+    tier.clear()
+    tier.close()
+
+
 def test_redis_corrupt_layer_is_deleted_and_counted(redis_url, caplog):
     tier = redis_tier(redis_url)
     _, entry = random_entry(SMALL)

@@ -54,7 +54,7 @@ def check_equals_full_prefill(engine: BlendEngine, session_id: str, result) -> N
 def block_keys(engine: BlendEngine, session_id: str) -> list[str]:
     """Store keys of the full prefix blocks of the session's last conversation."""
     ids = engine.sessions.sessions[session_id].cache_ids
-    return [engine.prefix_cache.key(ids, end) for end in range(BLOCK, len(ids), BLOCK)]
+    return [engine.prefix_cache.key(ids, end - BLOCK, end) for end in range(BLOCK, len(ids), BLOCK)]
 
 
 def test_multi_turn_equals_full_prefill_and_resumes_from_store(tmp_path):
@@ -299,7 +299,6 @@ def test_bench_history_reaches_the_requested_length():
 
 def test_session_files_are_opened_safely_and_a_failed_save_leaves_the_conversation(tmp_path, monkeypatch):
     import os
-    import threading as th
 
     import blend.session
 
@@ -328,11 +327,20 @@ def test_session_files_are_opened_safely_and_a_failed_save_leaves_the_conversati
                 engine.chat(bad, "hello")
         # a turn whose history cannot be written raises and is not part of the conversation
         first = engine.chat("kept", MESSAGES[0])
-        blocker = sessions / f"kept.json.tmp-{os.getpid()}-{th.get_ident()}"
+        monkeypatch.setattr(blend.session.secrets, "token_hex", lambda n: "0" * (2 * n))  # a guessed temp name
+        blocker = sessions / f"kept.json.tmp-{'0' * 16}"
         blocker.mkdir()  # the temp file cannot be created
         with pytest.raises(ValueError, match="cannot write its history"):
             engine.chat("kept", "My secret word is BANANA.")
         blocker.rmdir()
+        victim = tmp_path / "victim.txt"
+        victim.write_text("keep me")
+        blocker.symlink_to(victim)  # a link planted at the temp name is not written through
+        with pytest.raises(ValueError, match="cannot write its history"):
+            engine.chat("kept", "My secret word is BANANA.")
+        assert victim.read_text() == "keep me" and blocker.is_symlink()
+        blocker.unlink()
+        monkeypatch.undo()
         engine.chat("kept", MESSAGES[1])
         history = json.loads((sessions / "kept.json").read_text())["messages"]
         assert [m["content"] for m in history if m["role"] == "user"] == [MESSAGES[0], MESSAGES[1]]
@@ -351,6 +359,35 @@ def test_a_conversation_over_the_positions_says_what_to_shorten(tmp_path):
         with pytest.raises(ValueError, match="at most \\d+ new tokens.*conversation is too long.*documents"):
             engine.chat("long", "Hi.", documents=["A short passage."], max_new_tokens=60)
         assert not (tmp_path / "sessions" / "long.json").exists()  # nothing saved
+
+
+def test_a_history_too_long_for_the_positions_is_refused_before_tokenizing(tmp_path, monkeypatch):
+    """A stored history (or a turn's documents) with more characters than the positions can
+    hold at the longest token's length is refused at once: tokenizing megabytes takes minutes."""
+    import blend.session
+
+    cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [{"kind": "cpu", "budget": "64MiB"}]},
+                                        chunk_tokens=BLOCK, sessions_dir=str(tmp_path / "sessions"), split="off")
+    lm = tiny_model("llama", tokenizer=smollm2_tokenizer(), max_position_embeddings=64)
+    with BlendEngine(cfg, model=lm) as engine:
+        limit = 64 * engine.prompts.max_token_chars
+        (tmp_path / "sessions").mkdir()
+        history = [{"role": "user", "content": "x" * limit}, {"role": "assistant", "content": "Ok."}]
+        (tmp_path / "sessions" / "huge.json").write_text(json.dumps({"session_id": "huge", "messages": history}))
+
+        def tokenized(*args, **kwargs):
+            raise AssertionError("tokenized a history that cannot fit")
+
+        monkeypatch.setattr(blend.session, "chat_ids", tokenized)
+        with pytest.raises(ValueError, match="session 'huge'.*cannot fit the model's 64 positions.*"
+                                             "conversation is too long: drop the session"):
+            engine.chat("huge", "Hi.")
+        # the documents alone fit (the engine checks them with the message); with the history they do not
+        half = [{"role": "user", "content": "x" * (limit // 2)}, {"role": "assistant", "content": "Ok."}]
+        (tmp_path / "sessions" / "half.json").write_text(json.dumps({"session_id": "half", "messages": half}))
+        with pytest.raises(ValueError, match="session 'half'.*64 positions.*or use fewer or shorter documents"):
+            engine.chat("half", "Hi.", documents=["y" * (limit // 2)])
+        assert json.loads((tmp_path / "sessions" / "half.json").read_text())["messages"] == half  # nothing saved
 
 
 def test_a_lock_file_dropped_between_open_and_flock_is_opened_again(tmp_path, monkeypatch):

@@ -36,7 +36,7 @@ def tenant(tmp_path: Path, namespace: str, tier: dict, count: int, seed: int = 0
     with TieredStore.from_config(StoreConfig.from_mapping({"namespace": namespace, "tiers": [tier]})) as store:
         for i in range(count):
             token_ids, entry = random_entry(SMALL, seed=seed + i)
-            key = document_block_key("bench", token_ids, "float16", namespace=namespace)
+            key = document_block_key("bench", token_ids, "float16", namespace=namespace, start=0)
             store.put(key, entry, sync=True)
             keys.append(key)
     return config, keys

@@ -30,29 +30,43 @@ SMALL = ChunkShape(layers=3, kv_heads=2, head_dim=8, tokens=16)
 
 def test_document_key_ignores_what_precedes_but_not_content():
     doc = [5, 6, 7, 8]
-    a = document_block_key("fp", doc, "float16")
-    assert a == document_block_key("fp", list(doc), "float16")  # same document, any prompt it sits in
-    assert a != document_block_key("fp", doc[:-1], "float16")
-    assert a != document_block_key("fp2", doc, "float16")
-    assert a != document_block_key("fp", doc, "bfloat16")
-    assert a != document_block_key("fp", doc, "float16", context_digest=tokens_digest([1, 2]))
-    assert a != document_block_key("fp", doc, "float16", namespace="tenant1")
-    assert document_block_key("fp", doc, "float16", namespace="tenant1").startswith("tenant1-")
-    assert document_block_key("fp", torch.tensor(doc), "float16") == a  # tensors hash like lists
+    a = document_block_key("fp", doc, "float16", start=0)
+    assert a == document_block_key("fp", list(doc), "float16", start=0)  # same document, any prompt it sits in
+    assert a != document_block_key("fp", doc[:-1], "float16", start=0)
+    assert a != document_block_key("fp2", doc, "float16", start=0)
+    assert a != document_block_key("fp", doc, "bfloat16", start=0)
+    assert a != document_block_key("fp", doc, "float16", context_digest=tokens_digest([1, 2]), start=0)
+    assert a != document_block_key("fp", doc, "float16", namespace="tenant1", start=0)
+    assert document_block_key("fp", doc, "float16", namespace="tenant1", start=0).startswith("tenant1-")
+    assert document_block_key("fp", torch.tensor(doc), "float16", start=0) == a  # tensors hash like lists
+
+
+def test_block_keys_name_where_the_block_starts():
+    """Block [2, 4) of 2-token blocks and block [0, 4) of 4-token blocks end at the same token
+    but hold different rows: engines with different block sizes over one store must not share
+    (and, on the header's mismatch, delete) each other's entries."""
+    doc = [5, 6, 7, 8]
+    assert document_block_key("fp", doc, "float16", start=2) != document_block_key("fp", doc, "float16", start=0)
+    assert prefix_block_key("fp", doc, "float16", start=2) != prefix_block_key("fp", doc, "float16", start=0)
+    for bad in (-1, 4, True, 1.0):
+        with pytest.raises(ValueError, match="block start"):
+            document_block_key("fp", doc, "float16", start=bad)
+        with pytest.raises(ValueError, match="block start"):
+            prefix_block_key("fp", doc, "float16", start=bad)
 
 
 def test_prefix_and_document_keys_never_collide():
     tokens = [1, 2, 3]
-    assert document_block_key("fp", tokens, "float16") != prefix_block_key("fp", tokens, "float16")
-    assert prefix_block_key("fp", [9, 1, 2, 3], "float16") != prefix_block_key("fp", tokens, "float16")
+    assert document_block_key("fp", tokens, "float16", start=0) != prefix_block_key("fp", tokens, "float16", start=0)
+    assert prefix_block_key("fp", [9, 1, 2, 3], "float16", start=1) != prefix_block_key("fp", tokens, "float16", start=0)
 
 
 def test_keys_are_safe_short_ascii():
-    key = document_block_key("fp", range(1000), "float16", namespace="ns.1")
+    key = document_block_key("fp", range(1000), "float16", namespace="ns.1", start=512)
     assert key.isascii() and len(key) < 64 and "/" not in key and " " not in key
     assert isinstance(LAYOUT_VERSION, int)
     with pytest.raises(ValueError, match="namespace"):
-        document_block_key("fp", [1], "float16", namespace="bad/ns")
+        document_block_key("fp", [1], "float16", namespace="bad/ns", start=0)
 
 
 def test_tokens_digest_is_little_endian_32bit():

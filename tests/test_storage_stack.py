@@ -26,7 +26,7 @@ SMALL = ChunkShape(layers=3, kv_heads=2, head_dim=8, tokens=16)
 
 def keyed(seed: int = 0, fingerprint: str = "bench"):
     token_ids, entry = random_entry(SMALL, seed=seed, fingerprint=fingerprint)
-    return document_block_key(fingerprint, token_ids, "float16"), token_ids, entry
+    return document_block_key(fingerprint, token_ids, "float16", start=0), token_ids, entry
 
 
 def expect(token_ids, fingerprint: str = "bench", **changes) -> Expected:

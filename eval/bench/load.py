@@ -280,7 +280,7 @@ def run_load(
     keyed: list[tuple[str, KVEntry]] = []
     for i in range(n):
         token_ids, entry = random_entry(shape, seed=i)
-        keyed.append((document_block_key("bench", token_ids, shape.kv_dtype, namespace=f"bench{os.getpid()}"), entry))
+        keyed.append((document_block_key("bench", token_ids, shape.kv_dtype, namespace=f"bench{os.getpid()}", start=0), entry))
     total = n * template.nbytes
     block = template.header.layer_nbytes
     budget = int(total * 1.2) + 64 * MiB
