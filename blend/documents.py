@@ -27,7 +27,7 @@ from blend.prompt import Prompt, Segment
 from blend.stats import LookupTally
 from storage.entry import KVEntry
 from storage.keys import document_block_key, tokens_digest
-from storage.stack import Located, TieredStore
+from storage.stack import Located, LookupBudget, TieredStore
 
 
 class IngestStopped(RuntimeError):
@@ -62,11 +62,12 @@ class DocumentCache:
     """Document block chains of one model and one layout over a tier stack."""
 
     def __init__(self, store: TieredStore, maker: EntryMaker, *, namespace: str, chunk_context: str,
-                 block_tokens: int):
+                 block_tokens: int, stall_s: float | None = None):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.store, self.maker = store, maker
         self.namespace, self.chunk_context, self.block_tokens = namespace, chunk_context, block_tokens
+        self.stall_s = stall_s  # one call's header lookups per tier (LookupBudget; None: no limit)
 
     def context(self, seg: Segment, prompt: Prompt) -> list[int]:
         """The token ids `seg` is computed after: the system part for a document under
@@ -90,8 +91,8 @@ class DocumentCache:
         """The block keys of a cacheable segment of `prompt`, in order."""
         return [b.key for b in self.blocks(list(seg.token_ids), self.context(seg, prompt))]
 
-    def _find(self, ids: Sequence[int], block: Block) -> Located | None:
-        return self.store.lookup(block.key, self.maker.expected(ids[block.start:block.end], block.pos_start))
+    def _find(self, ids: Sequence[int], block: Block, budget: LookupBudget) -> Located | None:
+        return self.store.lookup(block.key, self.maker.expected(ids[block.start:block.end], block.pos_start), budget)
 
     def compute(self, ids: Sequence[int], context: Sequence[int], blocks: Sequence[Block]) -> list[KVEntry]:
         """Prefill the whole document after `context` once; one entry per block (storage dtype)."""
@@ -107,10 +108,11 @@ class DocumentCache:
         its document (once per document).
         """
         looked = []
+        budget = LookupBudget(self.stall_s)
         for seg in segments:
             ids, context = list(seg.token_ids), self.context(seg, prompt)
             blocks = self.blocks(ids, context)
-            looked.append((seg, _Rebuild(self, ids, context, blocks), [self._find(ids, b) for b in blocks]))
+            looked.append((seg, _Rebuild(self, ids, context, blocks), [self._find(ids, b, budget) for b in blocks]))
         missed: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Rebuild]] = {}  # a repeated document once
         for _seg, rebuild, found in looked:
             if any(loc is None for loc in found):
@@ -154,12 +156,14 @@ class DocumentCache:
         `pack_groups` (`EntryMaker.compute_documents`). `stop` is asked before each pass; when it answers
         True, `IngestStopped` (holding the segments stored so far)."""
         found = []
+        budget = LookupBudget(self.stall_s)
         for seg in prompt.segments:
             if seg.kind == "query":
                 continue
             ids, context = list(seg.token_ids), self.context(seg, prompt)
             blocks = self.blocks(ids, context)
-            found.append((seg, ids, context, blocks, [i for i, b in enumerate(blocks) if self._find(ids, b) is None]))
+            found.append((seg, ids, context, blocks,
+                          [i for i, b in enumerate(blocks) if self._find(ids, b, budget) is None]))
         jobs: list[tuple[int, list[int]]] = []  # (index into found, blocks to store)
         planned: set[str] = set()
         for n, (_seg, _ids, _context, blocks, missing) in enumerate(found):

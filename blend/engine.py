@@ -83,7 +83,8 @@ class BlendEngine:
         maker = EntryMaker(self.runner, self.fingerprint, self.kv_dtype)
         self._stall_s = cfg.load_stall_s or None  # LayerLoader's longest wait for one layer (0: none)
         self.document_kv = DocumentCache(self.store, maker, namespace=config.store.namespace,
-                                         chunk_context=cfg.chunk_context, block_tokens=cfg.chunk_tokens)
+                                         chunk_context=cfg.chunk_context, block_tokens=cfg.chunk_tokens,
+                                         stall_s=self._stall_s)
         self.prefix_cache = PrefixCache(self.store, maker, namespace=config.store.namespace,
                                         block_tokens=cfg.chunk_tokens, prefetch_depth=cfg.prefetch_depth,
                                         stall_s=self._stall_s)

@@ -22,7 +22,7 @@ from blend.runner import KVCache, Runner
 from blend.stats import LoadReport
 from storage.entry import Expected, KVEntry
 from storage.keys import prefix_block_key
-from storage.stack import TieredStore
+from storage.stack import LookupBudget, TieredStore
 
 CONTEXT_KEEP_BYTES = 64 << 20  # a context's KV above this is not kept between documents
 PACK_TOKENS = 2048  # documents ingested together are prefilled in passes of at most this many tokens ...
@@ -156,7 +156,8 @@ class PrefixCache:
         self.store, self.maker = store, maker
         self.runner = maker.runner
         self.namespace, self.block_tokens, self.prefetch_depth = namespace, block_tokens, prefetch_depth
-        self.stall_s = stall_s  # LayerLoader: the longest wait for one layer (None: no limit)
+        # LayerLoader: the longest wait for one layer; also one lookup's header reads per tier (None: no limit)
+        self.stall_s = stall_s
 
     def blocks(self, n: int) -> list[tuple[int, int]]:
         """(start, end) of the full blocks of a sequence of n tokens."""
@@ -178,25 +179,26 @@ class PrefixCache:
         ids = list(token_ids)
         chain: list[Placement] = []
         reached = 0
+        budget = LookupBudget(self.stall_s)
         for start, end in self.blocks(len(ids)):
             if end > limit:
                 break
-            placement = self._find(ids, start, end)
+            placement = self._find(ids, start, end, budget)
             if placement is None:
                 break
             chain.append(placement)
             reached = end
         for end in sorted(set(tail_ends), reverse=True):
             if reached < end <= min(limit, reached + self.block_tokens - 1):
-                placement = self._find(ids, reached, end)
+                placement = self._find(ids, reached, end, budget)
                 if placement is not None:
                     chain.append(placement)
                     break
         return chain
 
-    def _find(self, ids: list[int], start: int, end: int) -> Placement | None:
+    def _find(self, ids: list[int], start: int, end: int, budget: LookupBudget) -> Placement | None:
         """The stored block ids[start:end], verified, or None."""
-        located = self.store.lookup(self.key(ids, start, end), self.maker.expected(ids[start:end], start))
+        located = self.store.lookup(self.key(ids, start, end), self.maker.expected(ids[start:end], start), budget)
         if located is None:
             return None
         return Placement(start, end - start, start, located, None,

@@ -22,7 +22,7 @@ _EXPORTS = {
     "LAYOUT_VERSION": "storage.keys", "document_block_key": "storage.keys", "prefix_block_key": "storage.keys",
     "tokens_digest": "storage.keys", "StoreConfig": "storage.config", "CorruptEntry": "storage.entry",
     "EntryHeader": "storage.entry", "KVEntry": "storage.entry", "entry_nbytes": "storage.entry",
-    "Located": "storage.stack", "TieredStore": "storage.stack", "build_tier": "storage.stack",
+    "Located": "storage.stack", "LookupBudget": "storage.stack", "TieredStore": "storage.stack", "build_tier": "storage.stack",
     "StoreUnavailable": "storage.tier", "Tier": "storage.tier",
 }
 __all__ = sorted(_EXPORTS)

@@ -108,8 +108,11 @@ class RedisTier:
         self._client_lock = threading.Lock()
         self._client: Any = None
         self._down = False
+        self._down_at = 0.0  # when it was last marked down: an operation begun before proves nothing
         self._retry_at = 0.0
         self._backoff = config.backoff_initial_s
+        self._suspended_s = config.backoff_initial_s  # the last suspension's length (suspend: slow, not gone)
+        self._suspended_until = -float("inf")
         self._stats_cache: tuple[float, int, int] | None = None
         self._run("connect", lambda c: c.ping(), None)  # reports the initial state; raises if required
 
@@ -160,15 +163,18 @@ class RedisTier:
             )
         return False
 
-    def _mark_down(self, what: str, err: BaseException) -> None:
+    def _mark_down(self, what: str, err: BaseException, backoff_s: float | None = None) -> None:
         with self._state_lock:
             first = not self._down
-            if first:
+            if backoff_s is not None:
+                self._backoff = backoff_s
+            elif first:
                 self._backoff = self.config.backoff_initial_s
             else:
                 self._backoff = min(self._backoff * 2, self.config.backoff_max_s)
             self._down = True
-            self._retry_at = time.monotonic() + self._backoff
+            self._down_at = time.monotonic()
+            self._retry_at = self._down_at + self._backoff
             backoff = self._backoff
         self._stats.add(errors=1)
         if first and not self.config.required:  # a required tier raises instead: one message, not two
@@ -183,13 +189,27 @@ class RedisTier:
             ) from err
 
     def suspend(self, reason: str) -> None:
-        """Treat the server as down for the backoff (it answers, but too slowly to use)."""
-        self._mark_down("read", TimeoutError(reason))
+        """Treat the server as down for a while: it answers, but too slowly to use. A server
+        still slow when that ends (suspended again within backoff_max_s) is suspended twice
+        as long, up to backoff_max_s: a reply that arrives is no sign it became fast."""
+        cfg = self.config
+        with self._state_lock:
+            now = time.monotonic()
+            again = now - self._suspended_until <= cfg.backoff_max_s
+            self._suspended_s = min(self._suspended_s * 2, cfg.backoff_max_s) if again else cfg.backoff_initial_s
+            self._suspended_until = now + self._suspended_s
+            backoff = self._suspended_s
+        self._mark_down("read", TimeoutError(reason), backoff)
 
-    def _mark_up(self) -> None:
+    def _mark_up(self, started: float) -> None:
+        """An operation begun at `started` (time.monotonic) succeeded: the server is up again,
+        unless it was marked down after that operation began (a slow reply still arriving
+        from before a suspension says nothing new)."""
         if not self._down:
             return
         with self._state_lock:
+            if started < self._down_at:
+                return
             was_down, self._down = self._down, False
             self._backoff = self.config.backoff_initial_s
         if was_down:
@@ -199,6 +219,7 @@ class RedisTier:
         """Run `fn(client)` with fault handling: `default` when down or on a server error."""
         if not self._usable():
             return default
+        started = time.monotonic()
         try:
             result = fn(self._client_or_connect())
         except DOWN_ERRORS as e:
@@ -208,7 +229,7 @@ class RedisTier:
             self._stats.add(errors=1)
             log.warning("%s tier at %s: %s failed: %s", self.name, self.target, what, e)
             return default
-        self._mark_up()
+        self._mark_up(started)
         return result
 
     # -------------------------------------------------------------------- keys

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,19 @@ def build_tier(config: TierConfig, namespace: str = "") -> Tier:
     """Instantiate the tier for `config.kind` (storage.tier.tier_class), scoped to `namespace`;
     ValueError lists the valid kinds."""
     return tier_class(config.kind)(config, namespace=namespace)
+
+
+@dataclass
+class LookupBudget:
+    """The time one request may spend in each tier's header lookups (`seconds`; None: no
+    limit). A tier whose lookups add up to more is suspended by the store (skipped for its
+    backoff, where it has one): the request's remaining lookups there miss at once, so a
+    server that answers, but slowly, costs a request about `seconds`, not one slow reply
+    per block. `spent`: seconds per tier name so far."""
+
+    seconds: float | None
+    spent: dict[str, float] = field(default_factory=dict)
+    suspended: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -155,16 +169,20 @@ class TieredStore:
         """True when this store has a secret (entries are sealed and verified)."""
         return self._secret is not None
 
-    def lookup(self, key: str, expected: Expected) -> Located | None:
+    def lookup(self, key: str, expected: Expected, budget: LookupBudget | None = None) -> Located | None:
         """First tier whose header for `key` matches `expected` (and has a valid tag when the
         store has a secret).
 
         Any other header is a miss counted in that tier's `mismatches` (or
         `unauthenticated`) and deleted from that tier (the recompute rewrites it). A hit
-        below the top tier registers a promotion.
+        below the top tier registers a promotion. With `budget`, each tier's time is
+        charged to it (see LookupBudget).
         """
         for i, tier in enumerate(self.tiers):
+            t0 = time.monotonic()
             header = tier.get_header(key)
+            if budget is not None:
+                self._charge(budget, tier, time.monotonic() - t0)
             if header is None:
                 self._count(i, lookup_misses=1)
                 continue
@@ -185,6 +203,17 @@ class TieredStore:
                 self._register_promotion(located)
             return located
         return None
+
+    def _charge(self, budget: LookupBudget, tier: Tier, seconds: float) -> None:
+        """Add one lookup's time to `budget`; past its limit, suspend the tier (once)."""
+        spent = budget.spent[tier.name] = budget.spent.get(tier.name, 0.0) + seconds
+        if budget.seconds is None or spent <= budget.seconds or tier.name in budget.suspended:
+            return
+        budget.suspended.add(tier.name)
+        if hasattr(tier, "suspend"):
+            self.suspend([tier.name], f"{tier.name} tier: header lookups took {spent:.1f} s in one request, over "
+                                      f"the {budget.seconds:g} s allowed (engine.load_stall_s); skipped for its "
+                                      "backoff, the request computes what it lacks")
 
     def contains(self, key: str) -> str | None:
         """Name of the first tier holding `key` (unverified), or None."""

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
+import threading
 import time
+from contextlib import suppress
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -14,8 +18,10 @@ from redis.cluster import RedisCluster
 from eval.bench.load import ChunkShape, random_entry
 from storage.cluster import RedisClusterTier
 from storage.config import RedisClusterTierConfig, RedisTierConfig
+from storage.entry import Expected
 from storage.redis_tier import RedisTier, redact
 from storage.serialization import MAX_HEADER_BYTES, encode_header
+from storage.stack import LookupBudget, TieredStore
 from storage.tier import StoreUnavailable
 
 pytestmark = pytest.mark.redis
@@ -241,3 +247,85 @@ def test_server_state_replies_mark_the_tier_down_never_the_entry_corrupt(redis_u
     finally:
         client.getrange, client.pipeline = real_getrange, real_pipeline
     assert redis.Redis.from_url(redis_url).exists("kvblend:{k}:h", "kvblend:{k}:l0", "kvblend:{k}:l1") == 3
+
+
+class SlowProxy:
+    """A TCP proxy on a free loopback port in front of a real Redis server that holds every
+    chunk of the server's replies for `delay` seconds (0: passes them at once): a server
+    that answers, but slowly."""
+
+    def __init__(self, upstream_url: str) -> None:
+        parts = urlsplit(upstream_url)
+        self.upstream = (parts.hostname, parts.port)
+        self.delay = 0.0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
+        with suppress(OSError):
+            while data := src.recv(1 << 16):
+                if slow and self.delay:
+                    time.sleep(self.delay)
+                dst.sendall(data)
+        for sock in (src, dst):
+            with suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
+
+
+def test_a_slow_server_costs_a_request_its_lookup_budget_then_is_skipped(redis_url):
+    """A server that answers every lookup, each under the socket timeout but slowly: one
+    request's header reads stop costing once they add up to the budget (load_stall_s); the
+    tier is suspended, later lookups miss at once, a late reply does not lift the suspension,
+    and a server still slow after it is suspended twice as long."""
+    proxy = SlowProxy(redis_url)
+    config = RedisTierConfig(url=proxy.url, backoff_initial_s=1.0, backoff_max_s=30.0, socket_timeout_s=2.0)
+    tier = RedisTier(config)
+    store = TieredStore([tier], kv_dtype="float32")
+    try:
+        entries = [random_entry(SMALL, seed=i) for i in range(12)]
+        for i, (_, entry) in enumerate(entries):
+            store.put(f"k{i}", entry, sync=True)
+
+        def expected(entry) -> Expected:
+            h = entry.header
+            return Expected(h.fingerprint, h.tokens_digest, h.num_tokens, h.num_layers, h.kv_heads, h.head_dim,
+                            h.kv_dtype, h.pos_start)
+
+        def lookups(budget: LookupBudget) -> tuple[int, float]:
+            t0 = time.monotonic()
+            hits = sum(store.lookup(f"k{i}", expected(e), budget) is not None for i, (_, e) in enumerate(entries))
+            return hits, time.monotonic() - t0
+
+        assert lookups(LookupBudget(0.6))[0] == 12  # fast: every entry found
+        proxy.delay = 0.25
+        hits, took = lookups(LookupBudget(0.6))  # unbounded, 12 x 0.25 s = 3 s
+        assert 1 <= hits < 12 and took < 1.5 and tier.down
+        hits, took = lookups(LookupBudget(0.6))
+        assert hits == 0 and took < 0.2  # suspended: no request waits on it
+        late = threading.Thread(target=tier.get_header, args=("k0",))
+        time.sleep(1.1)  # the suspension ends: the next read probes the server
+        late.start()
+        time.sleep(0.05)
+        tier.suspend("slow again")  # while that read is still on its way
+        late.join()
+        assert tier.down  # the late reply did not lift it
+        assert tier._retry_at - tier._down_at == pytest.approx(2.0)  # the second suspension: twice as long
+    finally:
+        store.close()
+        proxy.close()
