@@ -135,8 +135,11 @@ def _read(path: Path, repair: bool = True) -> tuple[dict[str, Any], dict[str, di
             if record.get("version") != VERSION:
                 raise ValueError(f"{path}: results format version {record.get('version')} is not {VERSION}; "
                                  "pick another --out")
-            settings = record["settings"]
+            settings = record.get("settings")
+            if not isinstance(settings, dict):
+                raise ValueError(f"{path}:1: the settings line holds no settings mapping; delete the file to start over")
         elif kind == "example":
+            _check_example(record, path, number)
             done[str(record["id"])] = record
         else:
             raise ValueError(f"{path}:{number}: unknown record {kind!r}; delete the file to start over")
@@ -149,6 +152,29 @@ def _read(path: Path, repair: bool = True) -> tuple[dict[str, Any], dict[str, di
             with path.open("r+b") as fh:
                 fh.truncate(len(raw) - len(tail))
     return settings, done
+
+
+# the fields of an entry's row that the summary reads as numbers (eval.runner.METRICS and the rest)
+NUMBER_FIELDS = ("f1", "em", "rouge_l", "kl_to_full", "answer_kl", "top1_agree", "greedy_match", "answer_nll",
+                 "ttft_s", "recomputed_fraction", "chunk_hit_rate", "exposed_load_s", "selection_s", "load_s")
+
+
+def _check_example(record: Mapping[str, Any], path: Path, number: int) -> None:
+    """An example line as the runner writes it: an id, and per entry a mapping whose metric
+    fields are numbers or null; ValueError naming the line otherwise."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path}:{number}: {what}; delete the file (or that line) to start over")
+
+    if not isinstance(record.get("id"), str | int) or isinstance(record.get("id"), bool):
+        raise bad("an example line without a string or integer id")
+    entries = record.get("entries")
+    if not isinstance(entries, dict) or not all(isinstance(row, dict) for row in entries.values()):
+        raise bad("an example line without a mapping of entries")
+    for name, row in entries.items():
+        for field in NUMBER_FIELDS:
+            value = row.get(field)
+            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+                raise bad(f"entry {name!r} has {field} {json.dumps(value)[:40]}, not a number")
 
 
 def _check_same(path: Path, stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> None:

@@ -11,7 +11,10 @@ complete one. A file deleted or evicted while another process reads it is a miss
 Failed writes (disk full, permission denied) are logged, counted in `errors`, leave no
 file behind and do not raise unless the tier is `required`.
 
-The tier stays inside its directory: entries are opened with O_NOFOLLOW | O_NONBLOCK and
+The tier stays inside its directory: it holds the directory open and resolves every name
+relative to that descriptor (openat, renameat, unlinkat), so a directory renamed or
+replaced by a link while the tier runs is never followed (the configured path itself may
+be a link; a namespace's subdirectory may not); entries are opened with O_NOFOLLOW | O_NONBLOCK and
 used only if fstat says they are regular files (a symlink, FIFO, socket or directory at
 an entry path is a corrupt entry: a miss, removed without following it); temp files get
 an unpredictable name and are created with O_EXCL | O_NOFOLLOW; publishing renames over
@@ -81,20 +84,20 @@ def temp_name(key: str, token: str) -> str:
     return f"{TMP_PREFIX}{key}.{token}"
 
 
-def open_regular(path: Path) -> int:
-    """A read-only descriptor of the regular file at `path`, never following a link and
-    never blocking (a FIFO). FileNotFoundError if absent; CorruptEntry if something else
-    than a regular file is there; other OSErrors as raised."""
+def open_regular(name: str, dir_fd: int) -> int:
+    """A read-only descriptor of the regular file `name` in the directory open as `dir_fd`,
+    never following a link and never blocking (a FIFO). FileNotFoundError if absent;
+    CorruptEntry if something else than a regular file is there; other OSErrors as raised."""
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in _NOT_A_FILE:
-            raise CorruptEntry(f"{path.name} is a symbolic link or a socket, not a file") from None
+            raise CorruptEntry(f"{name} is a symbolic link or a socket, not a file") from None
         raise
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise CorruptEntry(f"{path.name} is not a regular file (mode {stat.filemode(mode)})")
+        raise CorruptEntry(f"{name} is not a regular file (mode {stat.filemode(mode)})")
     return fd
 
 
@@ -118,8 +121,9 @@ class _Handles:
         self._open: OrderedDict[str, _Handle] = OrderedDict()
         self._lock = threading.Lock()
 
-    def acquire(self, key: str, path: Path, fresh: bool) -> tuple[_Handle, bool]:
-        """A held descriptor for `path` and whether it was just opened; `fresh` forces a reopen.
+    def acquire(self, key: str, open_file: Callable[[], int], fresh: bool) -> tuple[_Handle, bool]:
+        """A held descriptor of `key`'s file (`open_file()` opens it) and whether it was just
+        opened; `fresh` forces a reopen.
 
         Raises OSError (FileNotFoundError: the entry is gone) or CorruptEntry (not a
         regular file). Pair with `release`.
@@ -131,7 +135,7 @@ class _Handles:
                     self._open.move_to_end(key)
                     handle.refs += 1
                     return handle, False
-        handle = _Handle(open_regular(path))
+        handle = _Handle(open_file())
         with self._lock:
             handle.refs += 1  # one reference for the cache, one for the caller
             old = self._open.pop(key, None)
@@ -201,8 +205,12 @@ class DiskTier:
         self._last_rescan = 0.0
         self._last_warning = 0.0
         self._suppressed = 0
+        self._dir_fd = -1  # the directory, held open: every name is resolved relative to it
+        self._old_dir_fds: list[int] = []  # directories held before it moved (closed by close())
+        self._dir_lock = threading.Lock()
         try:
             self._make_directory()
+            self._open_directory()
         except OSError as e:
             self._failed("cannot create the cache directory", e)
         self._rescan()
@@ -223,10 +231,60 @@ class DiskTier:
                 os.unlink(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
 
-    def _file(self, key: str) -> Path:
+    def _open_directory(self) -> None:
+        """(Re)open the directory: O_NOFOLLOW for a namespace's subdirectory (a link planted
+        at its name is refused), the configured path as the user gave it."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (os.O_NOFOLLOW if self.namespace else 0)
+        fd = os.open(self.path, flags)
+        with self._dir_lock:
+            if self._dir_fd >= 0:
+                # kept open until close(): a call that took it just before must not find its number
+                # reused by another directory (directories move rarely; each keeps one descriptor)
+                self._old_dir_fds.append(self._dir_fd)
+            self._dir_fd = fd
+
+    def _dir(self) -> int:
+        """The directory's descriptor; FileNotFoundError while there is none."""
+        fd = self._dir_fd
+        if fd < 0:
+            raise FileNotFoundError(errno.ENOENT, "the cache directory is not open", str(self.path))
+        return fd
+
+    def _moved(self) -> bool:
+        """Whether the name `self.path` no longer refers to the directory held open (removed,
+        or replaced by another directory or a link)."""
+        try:
+            held = os.fstat(self._dir())
+            now = os.stat(self.path, follow_symlinks=not self.namespace)
+        except OSError:
+            return True
+        return (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino)
+
+    def _follow_moved(self) -> bool:
+        """Hold the directory now at `self.path` open instead, if it moved and is a real
+        directory (for a namespace: not a link); True when it did."""
+        if not self._moved():
+            return False
+        try:
+            self._open_directory()
+        except OSError:
+            return False
+        return True
+
+    def _name(self, key: str) -> str:
         if not ENTRY_KEY_RE.match(key):
             raise ValueError(f"disk tier: key {key!r} is not a safe file name; use keys from storage.keys")
-        return self.path / (key + SUFFIX)
+        return key + SUFFIX
+
+    def _file(self, key: str) -> Path:
+        """The path of `key`'s entry file (for tools and tests; the tier itself opens names
+        relative to its directory's descriptor)."""
+        return self.path / self._name(key)
+
+    def _opener(self, key: str) -> Callable[[], int]:
+        """Opens `key`'s entry file (open_regular, relative to the directory's descriptor)."""
+        name = self._name(key)
+        return lambda: open_regular(name, self._dir())
 
     def _failed(self, what: str, err: OSError) -> None:
         """Count and (rate-limited) log an I/O failure; raise if the tier is required."""
@@ -249,8 +307,9 @@ class DiskTier:
         (links and other non-regular files are ignored), and clean up temp files."""
         found: list[tuple[float, str, int]] = []
         temps: list[str] = []
+        self._follow_moved()  # removed and made again (another process, a cleanup)
         try:
-            with os.scandir(self.path) as it:
+            with os.scandir(self._dir()) as it:
                 for de in it:
                     if de.name.startswith(TMP_PREFIX):
                         temps.append(de.name)
@@ -285,20 +344,20 @@ class DiskTier:
         its name still refers to it, so a live writer's file is never removed.
         """
         live = 0
-        if names is None:
-            try:
-                with os.scandir(self.path) as it:
+        try:
+            dir_fd = self._dir()
+            if names is None:
+                with os.scandir(dir_fd) as it:
                     names = [de.name for de in it if de.name.startswith(TMP_PREFIX)]
-            except OSError:
-                names = []
+        except OSError:
+            names, dir_fd = [], -1
         for name in names:
-            path = self.path / name
             try:
-                fd = open_regular(path)
+                fd = open_regular(name, dir_fd)
             except FileNotFoundError:
                 continue
             except CorruptEntry:
-                _unlink_quiet(path)  # a link, FIFO, socket or directory planted at a temp name
+                _unlink_quiet(name, dir_fd)  # a link, FIFO, socket or directory planted at a temp name
                 continue
             except OSError:
                 continue
@@ -309,8 +368,8 @@ class DiskTier:
                 except BlockingIOError:
                     live += st.st_size  # a writer is busy with it
                     continue
-                if os.stat(path, follow_symlinks=False).st_ino == st.st_ino:
-                    os.unlink(path)
+                if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino == st.st_ino:
+                    os.unlink(name, dir_fd=dir_fd)
                     log.info("%s tier: removed %s (%d bytes) left by a writer that no longer runs",
                              self.name, name, st.st_size)
             except OSError:
@@ -365,7 +424,7 @@ class DiskTier:
     # ------------------------------------------------------------------- reads
     def contains(self, key: str) -> bool:
         try:
-            return stat.S_ISREG(os.stat(self._file(key), follow_symlinks=False).st_mode)
+            return stat.S_ISREG(os.stat(self._name(key), dir_fd=self._dir(), follow_symlinks=False).st_mode)
         except OSError:
             return False
 
@@ -376,7 +435,12 @@ class DiskTier:
         descriptor for the layer reads that usually follow.
         """
         try:
-            handle, _ = self._handles.acquire(key, self._file(key), fresh=True)
+            try:
+                handle, _ = self._handles.acquire(key, self._opener(key), fresh=True)
+            except FileNotFoundError:
+                if not self._follow_moved():  # the directory made again elsewhere: look there once
+                    raise
+                handle, _ = self._handles.acquire(key, self._opener(key), fresh=True)
         except FileNotFoundError:
             self._forget(key)
             self._stats.add(misses=1)
@@ -426,7 +490,7 @@ class DiskTier:
         t0 = time.perf_counter()
         for fresh in (False, True):
             try:
-                handle, opened = self._handles.acquire(key, self._file(key), fresh=fresh)
+                handle, opened = self._handles.acquire(key, self._opener(key), fresh=fresh)
             except FileNotFoundError:
                 self._forget(key)
                 self._stats.add(layer_misses=1)
@@ -516,7 +580,7 @@ class DiskTier:
                 victims.append(key)
         for key in victims:
             self._handles.drop(key)
-            _unlink_quiet(self._file(key))
+            self._unlink(key)
         if victims:
             self._stats.add(evictions=len(victims))
         return len(victims), freed
@@ -528,7 +592,7 @@ class DiskTier:
         StoreUnavailable only when the tier is `required`.
         """
         t0 = time.perf_counter()
-        final = self._file(key)
+        final = self._name(key)
         head, offsets = file_layout(entry.header)
         size = offsets[-1] + entry.header.layer_nbytes
         if over_budget(self, self._stats, key, size, self.budget):
@@ -548,22 +612,26 @@ class DiskTier:
         self._remember(key, size, entry.header, offsets, touch=True)
         self._stats.add(puts=1, bytes_written=size, write_seconds=time.perf_counter() - t0)
 
-    def _write(self, key: str, final: Path, head: bytes, entry: KVEntry) -> None:
-        """Write the entry file through a temp file and publish it; on OSError nothing is
-        left behind (the error is raised)."""
-        fd, tmp = -1, None
+    def _write(self, key: str, final: str, head: bytes, entry: KVEntry) -> None:
+        """Write the entry file `final` (a name in the directory) through a temp file and
+        publish it; on OSError nothing is left behind (the error is raised)."""
+        fd, tmp, dir_fd = -1, None, -1
         try:
             try:
-                fd, tmp = self._create_temp(key)
+                dir_fd = self._dir()
+                fd, tmp = self._create_temp(key, dir_fd)
             except FileNotFoundError:
-                if self.path.exists():
+                if not self._moved():
                     raise
-                # the directory was removed under us (a cleanup, `rm -rf`), or never made: start it over
-                log.warning("%s tier: directory %s is missing; creating it (entries it held are gone)",
-                            self.name, self.path)
-                self.path.mkdir(parents=True, exist_ok=True)
+                if not os.path.lexists(self.path):
+                    # removed under us (a cleanup, `rm -rf`), or never made: start it over
+                    log.warning("%s tier: directory %s is missing; creating it (entries it held are gone)",
+                                self.name, self.path)
+                self._make_directory()  # a link or file planted at a namespace's name is removed first
+                self._open_directory()
                 self._rescan()
-                fd, tmp = self._create_temp(key)
+                dir_fd = self._dir()
+                fd, tmp = self._create_temp(key, dir_fd)
             parts: list[memoryview] = [memoryview(head)]
             for k, v in entry.layers:
                 parts.append(memoryview(k.view(torch.uint8).reshape(-1).numpy()))
@@ -571,13 +639,14 @@ class DiskTier:
             _write_all(fd, parts)
             if self._fsync:
                 os.fsync(fd)
-            os.replace(tmp, final)  # renames over a link or file at `final`, never through it
+            # renames over a link or file at `final`, never through it
+            os.replace(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             tmp = None
             if self._fsync:
-                _fsync_dir(self.path)
+                os.fsync(dir_fd)
         finally:
             if tmp is not None:
-                _unlink_quiet(tmp)
+                _unlink_quiet(tmp, dir_fd)
             if fd >= 0:
                 os.close(fd)  # releases the writer's lock, after publishing
 
@@ -590,37 +659,44 @@ class DiskTier:
                         self.name, self.path, count, freed)
         return count > 0
 
-    def _create_temp(self, key: str) -> tuple[int, Path]:
-        """A new, locked temp file for `key` (descriptor, path): O_EXCL | O_NOFOLLOW under an
-        unpredictable name, so nothing planted in the directory is ever written through.
-        Raises OSError after a few names were taken."""
+    def _create_temp(self, key: str, dir_fd: int) -> tuple[int, str]:
+        """A new, locked temp file for `key` (descriptor, name in the directory `dir_fd`):
+        O_EXCL | O_NOFOLLOW under an unpredictable name, so nothing planted in the directory
+        is ever written through. Raises OSError after a few names were taken."""
         err: OSError = FileExistsError(errno.EEXIST, "temp file names taken")
         for _ in range(_TEMP_ATTEMPTS):
-            path = self.path / temp_name(key, _random_token())
+            name = temp_name(key, _random_token())
             try:
-                fd = os.open(path, _CREATE_FLAGS, 0o644)
+                fd = os.open(name, _CREATE_FLAGS, 0o644, dir_fd=dir_fd)
             except FileExistsError as e:
                 err = e
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)  # held until published: marks the file as being written
-                if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
-                    return fd, path
+                if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                    return fd, name
             except OSError as e:  # removed by a cleaner between open and flock: try another name
                 err = e
             os.close(fd)
         raise err
 
+    def _unlink(self, key: str) -> None:
+        try:
+            dir_fd = self._dir()
+        except FileNotFoundError:
+            return
+        _unlink_quiet(self._name(key), dir_fd)
+
     def delete(self, key: str) -> bool:
         self._forget(key)
-        _unlink_quiet(self._file(key))
+        self._unlink(key)
         return True
 
     def keys(self) -> Iterator[str]:
         """Keys of the regular entry files in this namespace's directory."""
         out = []
         try:
-            with os.scandir(self.path) as it:
+            with os.scandir(self._dir()) as it:
                 for de in it:
                     key = de.name[: -len(SUFFIX)]
                     if de.name.endswith(SUFFIX) and ENTRY_KEY_RE.match(key) and de.is_file(follow_symlinks=False):
@@ -638,6 +714,12 @@ class DiskTier:
     def close(self) -> None:
         """Close the kept descriptors."""
         self._handles.drop_all()
+        with self._dir_lock:
+            fds = [*self._old_dir_fds, self._dir_fd]
+            self._dir_fd, self._old_dir_fds = -1, []
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
     def files(self) -> list[Path]:
         """Paths of the entry files now in the directory (used by benchmarks to drop page cache)."""
@@ -666,25 +748,17 @@ def _write_all(fd: int, parts: list[memoryview]) -> None:
                 n = 0
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _unlink_quiet(name: str, dir_fd: int) -> None:
+    """Remove `name` in the directory open as `dir_fd` (a file, link, FIFO or socket; an
+    empty directory), never what a link points to. Logs instead of raising."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quiet(path: str | os.PathLike) -> None:
-    """Remove the name `path` (a file, link, FIFO or socket; an empty directory), never
-    what a link points to. Logs instead of raising."""
-    try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
     except (IsADirectoryError, PermissionError) as e:
         try:
-            os.rmdir(path)
+            os.rmdir(name, dir_fd=dir_fd)
         except OSError:
-            log.warning("cannot remove %s: %s", path, e)
+            log.warning("cannot remove %s: %s", name, e)
     except OSError as e:
-        log.warning("cannot remove %s: %s", path, e)
+        log.warning("cannot remove %s: %s", name, e)

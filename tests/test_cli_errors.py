@@ -160,6 +160,12 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
     ("bench-ttft-ratios", ["bench", "ttft", "--ratios", "0.1,2"], {}, {}),
     ("bench-ttft-tiers", ["bench", "ttft", "--tiers", "cpu,s3"], {}, {}),
     ("bench-ttft-chunks", ["bench", "ttft", "--chunks", "0"], {}, {}),
+    ("bench-ttft-out-is-file", ["bench", "ttft", "--out", "{tmp}/f.txt"], {"f.txt": "a file"}, {}),
+    ("bench-ttft-chunks-beyond-positions", ["bench", "ttft", "--config", "{tmp}/c.yaml", "--chunks", "1000",
+                                            "--chunk-tokens", "1000", "--tiers", "cpu"], engine(), {}),
+    ("bench-serve-out-is-file", ["bench", "serve", "--out", "{tmp}/f.txt", "--no-compare"], {"f.txt": "a file"}, {}),
+    ("bench-load-entry-beyond-memory", ["bench", "load", "--tier", "cpu", "--head-dim", "99999999", "--size-mb", "1"],
+     {}, {}),
     ("bench-resume-history", ["bench", "resume", "--history-tokens", "0"], {}, {}),
     ("bench-resume-tiers", ["bench", "resume", "--tiers", "redis-cluster"], {}, {}),
     ("bench-resume-repeats", ["bench", "resume", "--repeats", "0"], {}, {}),
@@ -272,3 +278,20 @@ def test_no_traceback_reaches_stderr_of_a_real_process(case, tmp_path, monkeypat
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout == "" and snapshot(tmp_path) == before
+
+
+def test_a_file_system_that_refuses_a_write_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    """A full or read-only file system met mid-command (writing a report, a plot) is one line
+    naming the file, exit 2, not a traceback."""
+    import errno
+
+    import blend.cli.plan
+
+    def full(_args, parser=None):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "kl_vs_ttft.png"))
+
+    monkeypatch.setattr(blend.cli.plan, "run_plan", full)
+    code = main(["plan", "--tokens", "10", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--read-mibps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("kvblend: error: [Errno 28] No space left on device:") and "kl_vs_ttft.png" in err

@@ -235,6 +235,30 @@ def test_results_log_rejects_a_foreign_file(tmp_path):
         ResultsLog.open(tmp_path, {})
 
 
+@pytest.mark.parametrize(("line", "why"), [
+    ('{"record": "example", "entries": {}}', "without a string or integer id"),
+    ('{"record": "example", "id": true, "entries": {}}', "without a string or integer id"),
+    ('{"record": "example", "id": "e2"}', "without a mapping of entries"),
+    ('{"record": "example", "id": "e2", "entries": {"full": 5}}', "without a mapping of entries"),
+    ('{"record": "example", "id": "e2", "entries": {"full": {"f1": "x"}}}', "entry 'full' has f1 \"x\", not a number"),
+])
+def test_a_damaged_example_line_names_the_line_and_the_fix(tmp_path, line, why):
+    with ResultsLog.open(tmp_path, {"a": 1}) as log_file:
+        log_file.append({"id": "e1", "entries": {"full": {"f1": 0.5}}})
+    with (tmp_path / FILENAME).open("a") as fh:
+        fh.write(line + "\n")
+    before = (tmp_path / FILENAME).read_bytes()
+    with pytest.raises(ValueError, match=f"{FILENAME}:3: an? .*{why}|{FILENAME}:3: {why}"):
+        ResultsLog.open(tmp_path, {"a": 1})
+    assert (tmp_path / FILENAME).read_bytes() == before
+
+
+def test_a_settings_line_without_settings_is_refused(tmp_path):
+    (tmp_path / FILENAME).write_text('{"record": "settings", "version": 1, "settings": 5}\n')
+    with pytest.raises(ValueError, match=":1: the settings line holds no settings mapping; delete the file"):
+        ResultsLog.open(tmp_path, {})
+
+
 def test_links_and_directories_where_eval_writes_are_refused_before_anything_runs(tmp_path):
     outside = tmp_path / "outside.jsonl"
     out = tmp_path / "out"

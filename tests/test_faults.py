@@ -132,9 +132,11 @@ class OpenAudit:
         return path == self.real or path.startswith(self.real + os.sep)
 
     def _open(self, path, flags, mode=0o777, *, dir_fd=None):
-        if dir_fd is None and isinstance(path, str | os.PathLike):
-            p = os.path.abspath(os.fspath(path))
-            if p.startswith(self.lexical + os.sep):
+        if isinstance(path, str | os.PathLike):
+            # a name relative to a directory descriptor: that directory, as the kernel knows it
+            base = os.readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None else os.getcwd()
+            p = os.path.normpath(os.path.join(base, os.fspath(path)))
+            if p.startswith(self.lexical + os.sep) or p.startswith(self.real + os.sep):
                 target = os.path.realpath(os.path.dirname(p)) if flags & os.O_NOFOLLOW else os.path.realpath(p)
                 if not self._inside(target):
                     self.violations.append(f"opened {p} -> {target}")

@@ -278,6 +278,46 @@ def test_disk_fsync_always_round_trip_and_bad_keys(tmp_path):
         tier.put("../escape", entry)
 
 
+def test_a_namespace_directory_swapped_for_a_link_while_running_is_never_followed(tmp_path):
+    """The tier holds its directory open: a namespace subdirectory renamed away and replaced
+    by a link to another directory takes no write, listing or clearing there."""
+    entries = [random_entry(SMALL, seed=i)[1] for i in range(3)]
+    tier = DiskTier(DiskTierConfig(path=str(tmp_path / "disk")), namespace="ns1")
+    tier.put("a", entries[0])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / f"b{SUFFIX}").write_bytes(b"someone else's file")
+    tier.path.rename(tmp_path / "disk" / "ns1.moved")
+    tier.path.symlink_to(outside, target_is_directory=True)
+    tier.put("c", entries[2])
+    assert sorted(os.listdir(outside)) == [f"b{SUFFIX}"]  # nothing written through the link
+    assert sorted(tier.keys()) == ["a", "c"] and tier.get_header("b") is None
+    assert_same(tier.get_layer("a", 1), entries[0].layers[1])
+    tier.clear()
+    assert (outside / f"b{SUFFIX}").read_bytes() == b"someone else's file"
+    assert os.listdir(tmp_path / "disk" / "ns1.moved") == []  # what it cleared was its own
+    tier.close()
+
+
+def test_a_disk_directory_made_again_by_another_process_is_followed(tmp_path):
+    """Removed and made again (another process's cleanup): the tier reads and writes the new
+    directory, not the removed one it held."""
+    import shutil
+
+    entries = [random_entry(SMALL, seed=i)[1] for i in range(2)]
+    first = make_tier("disk", tmp_path)
+    first.put("a", entries[0])
+    shutil.rmtree(first.path)
+    second = make_tier("disk", tmp_path)
+    second.put("b", entries[1])
+    assert first.get_header("b") is not None  # a miss where it held the old one: it looked again
+    assert_same(first.get_layer("b", 1), entries[1].layers[1])
+    first.put("c", entries[0])
+    assert sorted(second.keys()) == ["b", "c"]
+    first.close()
+    second.close()
+
+
 def test_disk_index_and_reads_ignore_links_fifos_and_directories(tmp_path):
     tier = make_tier("disk", tmp_path)
     _, entry = random_entry(SMALL)

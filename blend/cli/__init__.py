@@ -22,8 +22,8 @@ import traceback
 
 # Errors that are the user's to fix: one line and exit 2. Classes of modules that are not
 # imported yet cannot have been raised, so they are looked up in sys.modules, not imported.
-_USER_ERRORS: tuple[type[BaseException], ...] = (
-    ValueError, TypeError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+# OSError: also a file system that refuses a write (full, read-only): one line naming the file, not a traceback
+_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError)
 _LAZY_USER_ERRORS = (("storage.tier", "StoreUnavailable"), ("blend.session", "SessionBusy"))
 
 

@@ -13,6 +13,7 @@ from blend.cli.common import (
     POSITIVE_FLOAT,
     POSITIVE_INT,
     arg_type,
+    check_out_dir,
     config_arg,
     csv_list,
     directory,
@@ -86,6 +87,9 @@ def cmd_ttft(args: argparse.Namespace) -> int:
         parse_ratio(r, "--ratios")
     if args.out:
         require_eval_extra("matplotlib")
+        from eval.bench.ttft import REPORT_FILES
+
+        check_out_dir(args.out, REPORT_FILES)
     from blend.config import load_config
 
     load_config(args.config)  # a bad config fails here, before the model loads

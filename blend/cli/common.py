@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +179,27 @@ def require_eval_extra(*modules: str) -> None:
     for module in modules:
         if importlib.util.find_spec(module) is None:
             raise ValueError(missing_extra_message(module))
+
+
+def check_out_dir(text: str | None, files: Sequence[str] = ()) -> None:
+    """--out must name a directory, or a path whose nearest existing ancestor is a directory
+    this user may write, and none of `files` (what the command writes there) may be a link
+    or something other than a regular file. Checked before the model loads; nothing is
+    created here."""
+    if text is None:
+        return
+    if not text.strip():
+        raise ValueError("--out is empty; name a directory for the results (created if missing)")
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {text!r} exists and is not a directory; name a directory (created if missing)")
+    for name in files:
+        target = path / name
+        if target.is_symlink() or (target.exists() and not target.is_file()):
+            kind = "a link" if target.is_symlink() else "not a regular file"
+            raise ValueError(f"--out {text}: {name} is {kind}; remove it or pick another --out")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {text!r}: {str(parent)!r} is not a writable directory; pick another --out")

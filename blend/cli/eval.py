@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-from pathlib import Path
 from typing import Any
 
 from blend.cli.common import (
@@ -27,6 +25,7 @@ from blend.cli.common import (
     positive_int,
     require_eval_extra,
 )
+from blend.cli.common import check_out_dir as check_out_dir_of
 from blend.modes import MODES
 
 log = logging.getLogger(__name__)
@@ -94,25 +93,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def check_out_dir(text: str | None) -> None:
-    """--out must name a directory, or a path whose nearest existing ancestor is a
-    directory this user may write (checked before the model loads; nothing is created
-    here: a file system that still refuses is reported by ResultsLog.open)."""
-    if text is None:
-        return
-    if not text.strip():
-        raise ValueError("--out is empty; name a directory for the results (created if missing)")
-    path = Path(text).expanduser()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--out {text!r} exists and is not a directory; name a directory (created if missing)")
-    if path.is_dir():
-        from eval.results import check_output_files
+    """--out of eval (blend.cli.common.check_out_dir, with the files eval writes there)."""
+    from eval.results import FILENAME, REPORT_FILES
 
-        check_output_files(path)
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {text!r}: {str(parent)!r} is not a writable directory; pick another --out")
+    check_out_dir_of(text, (FILENAME, *REPORT_FILES))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 from blend.cli.common import (
     RATIO,
     arg_type,
+    check_out_dir,
     config_arg,
     emit_json,
     json_arg,
@@ -102,9 +103,10 @@ def register(subparsers: Any) -> None:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     passive_openmp()  # the same OpenMP policy for the server process and the in-process engine
     from blend.config import check_mode
-    from eval.bench.serve import run_serve_bench, write_report
+    from eval.bench.serve import REPORT_FILES, run_serve_bench, write_report
 
     check_mode(args.mode)
+    check_out_dir(args.out, REPORT_FILES)
     clients = positive_ints(args.clients, "--clients")
     url = _server_url(args.url) if args.url else None
     say = (lambda _: None) if args.json else (lambda line: print(line, flush=True))

@@ -35,6 +35,7 @@ import torch
 from eval.bench.common import LoadWatch, drop_page_cache, one_tier, spread
 from storage.config import StoreConfig
 from storage.disk import DiskTier
+from storage.dtypes import dtype_bytes
 from storage.entry import KVEntry, dtype_of
 from storage.keys import document_block_key
 from storage.stack import build_tier
@@ -274,6 +275,10 @@ def run_load(
     ValueError (one line) when the entries, built in memory first, cannot fit this
     machine's available memory."""
     watch = LoadWatch.begin()
+    # one entry, with the float32 layer it is drawn in, before anything is allocated
+    layer_elems = shape.kv_heads * shape.tokens * shape.head_dim
+    check_memory(2 * layer_elems * (shape.layers * dtype_bytes(shape.kv_dtype) + 4),
+                 "one entry of --layers x --kv-heads x --chunk-tokens x --head-dim")
     _, template = random_entry(shape, seed=0)
     n = max(1, math.ceil(size_mb * MiB / template.nbytes))
     check_memory(n * template.nbytes * (2 if kind == "cpu" else 1), f"--size-mb {size_mb:g}")

@@ -48,6 +48,7 @@ import numpy as np
 from eval.bench.common import LoadWatch, Steadiness, cpu_cores
 
 TARGET_RATIO, TARGET_SLACK_S = 1.05, 0.020
+REPORT_FILES = SERVE_JSON, SERVE_PLOT = ("serve.json", "serve.png")  # what write_report writes under --out
 
 
 @dataclass(frozen=True)
@@ -351,7 +352,7 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serve.json").write_text(json.dumps(summary, indent=2))
+    (out / SERVE_JSON).write_text(json.dumps(summary, indent=2))
     levels = [lv for lv in summary["levels"] if lv["ok"]]
     xs = [lv["clients"] for lv in levels]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -375,5 +376,5 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     for ax in (left, right):
         ax.set_xticks(xs, [str(x) for x in xs])
     fig.tight_layout()
-    fig.savefig(out / "serve.png", dpi=120)
+    fig.savefig(out / SERVE_PLOT, dpi=120)
     plt.close(fig)

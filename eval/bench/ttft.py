@@ -48,6 +48,8 @@ from storage.dtypes import dtype_bytes
 log = logging.getLogger(__name__)
 
 QUESTION = "Which of these passages mentions a railway, and in what year did it open?"
+REPORT_FILES = TTFT_JSON, TTFT_MD, TTFT_PLOT, SPEEDUP_PLOT = (
+    "ttft.json", "ttft.md", "ttft_vs_ratio.png", "speedup_vs_ideal.png")  # what write_report writes under --out
 
 
 def bench_documents(tokenizer, n_chunks: int, chunk_tokens: int) -> list[str]:
@@ -234,10 +236,14 @@ def run_ttft(args: argparse.Namespace, lm: Any = None) -> dict[str, Any]:
     watch = LoadWatch.begin()
     steady = Steadiness.begin()
     config = bench_config(args)
-    ratios = [float(r) for r in args.ratios.split(",")]
-    tiers = [t for t in args.tiers.split(",") if t]
+    ratios = [float(r) for r in args.ratios.split(",") if r.strip()]  # as the CLI checked them
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     if lm is None:
         lm = load_model(config.model, device=config.device, dtype=config.dtype)
+    tokens = args.chunks * args.chunk_tokens
+    if tokens + 64 > lm.dims.max_positions:  # the documents plus the system part and the question
+        raise ValueError(f"--chunks {args.chunks} x --chunk-tokens {args.chunk_tokens} = {tokens} tokens does not fit "
+                         f"the model's {lm.dims.max_positions} positions with a question; use fewer or smaller chunks")
     workdir = Path(tempfile.mkdtemp(prefix="kvblend-bench-"))
     entry_bytes = lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * args.chunk_tokens
     budget = max(2 << 30, int(entry_bytes * (args.chunks + 2) * 1.25))  # every chunk fits its tier
@@ -361,7 +367,7 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ttft.json").write_text(json.dumps(summary, indent=2))
+    (out / TTFT_JSON).write_text(json.dumps(summary, indent=2))
     rows = [r for r in summary["results"] if "error" not in r]
     lines = [f"full prefill TTFT: {summary['full_ttft_s']:.3f} s over {summary['context_tokens']} tokens "
              f"({summary['chunks']} x {summary['chunk_tokens']}-token chunks, kv {summary['kv_dtype']}, "
@@ -375,7 +381,7 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     for r in summary["results"]:
         if "error" in r:
             lines.append(f"\n{r['tier']}: {r['error']}")
-    (out / "ttft.md").write_text("\n".join(lines) + "\n")
+    (out / TTFT_MD).write_text("\n".join(lines) + "\n")
     tiers = sorted({r["tier"] for r in rows})
     fig, ax = plt.subplots(figsize=(6, 4))
     for tier in tiers:
@@ -387,7 +393,7 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     ax.set_title(f"TTFT, {summary['context_tokens']} context tokens")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "ttft_vs_ratio.png", dpi=120)
+    fig.savefig(out / TTFT_PLOT, dpi=120)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
     for tier in tiers:
@@ -403,5 +409,5 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "speedup_vs_ideal.png", dpi=120)
+    fig.savefig(out / SPEEDUP_PLOT, dpi=120)
     plt.close(fig)
