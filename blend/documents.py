@@ -67,7 +67,7 @@ class DocumentCache:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.store, self.maker = store, maker
         self.namespace, self.chunk_context, self.block_tokens = namespace, chunk_context, block_tokens
-        self.stall_s = stall_s  # one call's header lookups per tier (LookupBudget; None: no limit)
+        self.stall_s = stall_s  # header lookups per tier of a request (ingest: of a document); None: no limit
 
     def context(self, seg: Segment, prompt: Prompt) -> list[int]:
         """The token ids `seg` is computed after: the system part for a document under
@@ -156,12 +156,14 @@ class DocumentCache:
         `pack_groups` (`EntryMaker.compute_documents`). `stop` is asked before each pass; when it answers
         True, `IngestStopped` (holding the segments stored so far)."""
         found = []
-        budget = LookupBudget(self.stall_s)
         for seg in prompt.segments:
             if seg.kind == "query":
                 continue
             ids, context = list(seg.token_ids), self.context(seg, prompt)
             blocks = self.blocks(ids, context)
+            # a budget per document: an ingest of thousands of documents must not add up to a
+            # healthy tier's suspension, and a slow tier still costs at most one budget (then misses)
+            budget = LookupBudget(self.stall_s)
             found.append((seg, ids, context, blocks,
                           [i for i, b in enumerate(blocks) if self._find(ids, b, budget) is None]))
         jobs: list[tuple[int, list[int]]] = []  # (index into found, blocks to store)

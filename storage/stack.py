@@ -49,11 +49,11 @@ def build_tier(config: TierConfig, namespace: str = "") -> Tier:
 
 @dataclass
 class LookupBudget:
-    """The time one request may spend in each tier's header lookups (`seconds`; None: no
-    limit). A tier whose lookups add up to more is suspended by the store (skipped for its
-    backoff, where it has one): the request's remaining lookups there miss at once, so a
-    server that answers, but slowly, costs a request about `seconds`, not one slow reply
-    per block. `spent`: seconds per tier name so far."""
+    """The time one request (an ingest: one document) may spend in each tier's header
+    lookups (`seconds`; None: no limit). A tier whose lookups add up to more is suspended
+    by the store (skipped for its backoff, where it has one): the remaining lookups there
+    miss at once, so a server that answers, but slowly, costs a request about `seconds`,
+    not one slow reply per block. `spent`: seconds per tier name so far."""
 
     seconds: float | None
     spent: dict[str, float] = field(default_factory=dict)
@@ -211,7 +211,7 @@ class TieredStore:
             return
         budget.suspended.add(tier.name)
         if hasattr(tier, "suspend"):
-            self.suspend([tier.name], f"{tier.name} tier: header lookups took {spent:.1f} s in one request, over "
+            self.suspend([tier.name], f"{tier.name} tier: header lookups took {spent:.1f} s for one request (or ingested document), over "
                                       f"the {budget.seconds:g} s allowed (engine.load_stall_s); skipped for its "
                                       "backoff, the request computes what it lacks")
 

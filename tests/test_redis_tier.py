@@ -329,3 +329,25 @@ def test_a_slow_server_costs_a_request_its_lookup_budget_then_is_skipped(redis_u
     finally:
         store.close()
         proxy.close()
+
+
+def test_a_large_ingest_over_a_healthy_but_distant_server_is_not_a_slow_server(redis_url):
+    """Each document's lookups get their own budget: many documents whose lookups add up to
+    more than load_stall_s (each quick) leave the tier up, and every document is stored."""
+    from blend.config import EngineConfig
+    from blend.engine import BlendEngine
+    from tests.models import smollm2_tokenizer, tiny_model
+
+    proxy = SlowProxy(redis_url)
+    try:
+        store = {"kv_dtype": "float32", "tiers": [{"kind": "redis", "url": proxy.url, "key_prefix": "ingest:"}]}
+        cfg = EngineConfig().with_overrides(store=store, chunk_tokens=16, load_stall_s=0.2, split="off")
+        docs = [f"Passage {i} says that the number {i} is written in it." for i in range(24)]
+        with BlendEngine(cfg, model=tiny_model(tokenizer=smollm2_tokenizer())) as engine:
+            proxy.delay = 0.02  # 24+ lookups: about 0.5 s in all, 0.02-0.06 s per document
+            assert not any(d.cached for d in engine.ingest(docs))
+            engine.store.flush()
+            assert not engine.store.tiers[0].down
+            assert all(d.cached for d in engine.ingest(docs))
+    finally:
+        proxy.close()
