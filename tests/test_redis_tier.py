@@ -315,7 +315,7 @@ def test_a_slow_server_costs_a_request_its_lookup_budget_then_is_skipped(redis_u
         assert lookups(LookupBudget(0.6))[0] == 12  # fast: every entry found
         proxy.delay = 0.25
         hits, took = lookups(LookupBudget(0.6))  # unbounded, 12 x 0.25 s = 3 s
-        assert 1 <= hits < 12 and took < 1.5 and tier.down
+        assert 1 <= hits < 12 and took < 2.0 and tier.down  # unbounded: 3 s
         hits, took = lookups(LookupBudget(0.6))
         assert hits == 0 and took < 0.2  # suspended: no request waits on it
         late = threading.Thread(target=tier.get_header, args=("k0",))
@@ -341,10 +341,10 @@ def test_a_large_ingest_over_a_healthy_but_distant_server_is_not_a_slow_server(r
     proxy = SlowProxy(redis_url)
     try:
         store = {"kv_dtype": "float32", "tiers": [{"kind": "redis", "url": proxy.url, "key_prefix": "ingest:"}]}
-        cfg = EngineConfig().with_overrides(store=store, chunk_tokens=16, load_stall_s=0.2, split="off")
-        docs = [f"Passage {i} says that the number {i} is written in it." for i in range(24)]
+        cfg = EngineConfig().with_overrides(store=store, chunk_tokens=16, load_stall_s=0.5, split="off")
+        docs = [f"Passage {i} says that the number {i} is written in it." for i in range(30)]
         with BlendEngine(cfg, model=tiny_model(tokenizer=smollm2_tokenizer())) as engine:
-            proxy.delay = 0.02  # 24+ lookups: about 0.5 s in all, 0.02-0.06 s per document
+            proxy.delay = 0.03  # 30+ lookups: about 1 s in all, 0.03-0.1 s per document
             assert not any(d.cached for d in engine.ingest(docs))
             engine.store.flush()
             assert not engine.store.tiers[0].down
