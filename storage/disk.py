@@ -428,6 +428,20 @@ class DiskTier:
         except OSError:
             return False
 
+    def peek_header(self, key: str) -> EntryHeader | None:
+        try:
+            fd = open_regular(self._name(key), self._dir())
+        except CorruptEntry:
+            raise
+        except OSError:
+            return None
+        try:
+            return self._read_prelude(fd)[0]
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
     def get_header(self, key: str) -> EntryHeader | None:
         """Read and verify the entry's header; refreshes the file's mtime (LRU recency).
 

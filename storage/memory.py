@@ -191,6 +191,11 @@ class CpuTier:
                 self._entries.move_to_end(key)
             return entry
 
+    def peek_header(self, key: str) -> EntryHeader | None:
+        with self._lock:
+            entry = self._entries.get(key)
+        return entry.header if entry is not None else None
+
     def get_header(self, key: str) -> EntryHeader | None:
         entry = self._touch(key)
         if entry is None:

@@ -277,6 +277,16 @@ class RedisTier:
             report_corrupt(self, self._stats, key, e)
             return None
 
+    def peek_header(self, key: str) -> EntryHeader | None:
+        data = self._run("get header", lambda c: self._header_bytes(c, key), None)
+        if data is None or data == b"":
+            return None
+        if isinstance(data, redis.ResponseError):
+            raise CorruptEntry(f"header key unreadable: {data}")
+        if len(data) > MAX_HEADER_BYTES:
+            raise CorruptEntry(f"header value is larger than {MAX_HEADER_BYTES} bytes")
+        return decode_header(data)
+
     def get_header(self, key: str) -> EntryHeader | None:
         header = self._decode_header(key, self._run("get header", lambda c: self._header_bytes(c, key), None))
         if header is None:

@@ -49,6 +49,11 @@ class Tier(Protocol):
         """The entry's header or None; counts a hit or miss; refreshes LRU recency."""
         ...
 
+    def peek_header(self, key: str) -> EntryHeader | None:
+        """The entry's header, None if absent or out of reach, CorruptEntry if unreadable;
+        changes nothing (no counter, no recency, no deletion): for listings."""
+        ...
+
     def get_layer(self, key: str, layer: int, header: EntryHeader | None = None) -> Layer | None:
         """Layer `layer` as (K, V), verified; None on miss. Pass `header` to save a read."""
         ...

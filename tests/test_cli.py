@@ -140,7 +140,8 @@ def test_store_ls_json_and_clear_confirmation(config_file, capsys, monkeypatch):
     assert main(["store", "ls", "--config", cfg, "--json"]) == 0
     entries = json.loads(capsys.readouterr().out)["entries"]
     assert {e["key"] for e in entries} >= set(keys) and {e["tier"] for e in entries} == {"disk"}  # a new process
-    assert set(entries[0]) == {"key", "tier", "tokens", "bytes", "pos_start"}
+    assert set(entries[0]) == {"key", "tier", "tokens", "bytes", "pos_start", "corrupt"}
+    assert all(e["corrupt"] is None for e in entries)
     assert main(["store", "clear", "--config", cfg]) == 2  # stdin is not a terminal and no --yes
     assert "--yes" in capsys.readouterr().err
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
@@ -151,6 +152,29 @@ def test_store_ls_json_and_clear_confirmation(config_file, capsys, monkeypatch):
     assert main(["store", "clear", "--config", cfg]) == 0
     assert main(["store", "ls", "--config", cfg, "--json"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["entries"] == []
+
+
+def test_store_ls_changes_nothing_it_lists(config_file, capsys):
+    """A listing shows an unreadable entry instead of deleting it, and leaves every entry's
+    recency (its file's mtime) as it was."""
+    import os
+
+    cfg = str(config_file / "c.yaml")
+    assert main(["ingest", "--config", cfg, str(config_file / "a.txt"), str(config_file / "b.txt"), "--json"]) == 0
+    capsys.readouterr()
+    files = sorted((config_file / "disk").glob("*.kv"))
+    assert len(files) >= 2
+    damaged = files[0]
+    damaged.write_bytes(b"not an entry" + damaged.read_bytes()[12:])
+    for path in files:
+        os.utime(path, (1_000_000, 1_000_000))
+    assert main(["store", "ls", "--config", cfg, "--json"]) == 0
+    entries = {e["key"]: e for e in json.loads(capsys.readouterr().out)["entries"]}
+    assert "bad magic" in entries[damaged.stem]["corrupt"] and entries[damaged.stem]["tokens"] is None
+    assert all(entries[p.stem]["corrupt"] is None for p in files[1:])
+    assert all(p.exists() and p.stat().st_mtime == 1_000_000 for p in files)  # nothing deleted, nothing touched
+    assert main(["store", "ls", "--config", cfg]) == 0
+    assert f"{damaged.stem}" in capsys.readouterr().out
 
 
 def test_store_clear_does_not_report_an_unreachable_redis_tier_as_cleared(config_file, capsys, monkeypatch):

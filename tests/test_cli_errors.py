@@ -295,3 +295,15 @@ def test_a_file_system_that_refuses_a_write_is_one_line_naming_the_file(tmp_path
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("kvblend: error: [Errno 28] No space left on device:") and "kl_vs_ttft.png" in err
+
+
+def test_a_command_started_with_stdout_closed_finishes_quietly(tmp_path):
+    """`kvblend store ls --json >&-`: Python starts with no sys.stdout; what the command
+    prints goes nowhere, and it exits 0 with nothing on stderr."""
+    (tmp_path / "c.yaml").write_text(CPU_STORE)
+    env = {k: v for k, v in os.environ.items() if k not in ENV} | {"PYTHONPATH": str(ROOT),
+                                                                      "KVBLEND_HOME": str(tmp_path / "home")}
+    proc = subprocess.run([sys.executable, "-m", "blend.cli", "store", "ls", "--config", str(tmp_path / "c.yaml"),
+                           "--json"], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, timeout=300,
+                          preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr

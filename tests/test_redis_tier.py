@@ -351,3 +351,22 @@ def test_a_large_ingest_over_a_healthy_but_distant_server_is_not_a_slow_server(r
             assert all(d.cached for d in engine.ingest(docs))
     finally:
         proxy.close()
+
+
+def test_peek_header_reads_without_deleting_or_counting(redis_url):
+    from storage.entry import CorruptEntry
+
+    tier = redis_tier(redis_url)
+    _, entry = random_entry(SMALL)
+    tier.put("k", entry)
+    before = tier.stats()
+    assert tier.peek_header("k") == entry.header and tier.peek_header("absent") is None
+    client = redis.Redis.from_url(redis_url)
+    client.set("kvblend:{k}:h", b"garbage, not a header")
+    with pytest.raises(CorruptEntry, match="magic"):
+        tier.peek_header("k")
+    assert client.exists("kvblend:{k}:h") and client.exists("kvblend:{k}:l0")  # shown, not deleted
+    after = tier.stats()
+    assert (after["hits"], after["misses"], after["corrupt"]) == (before["hits"], before["misses"], before["corrupt"])
+    tier.clear()
+    tier.close()

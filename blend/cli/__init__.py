@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         previous = signal.signal(signal.SIGINT, _interrupted)
     interrupted = False
     try:
+        if sys.stdout is None:  # started with stdout closed (`>&-`): what it prints goes nowhere
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
         code = _run(argv)
         sys.stdout.flush()
         return code

@@ -41,17 +41,30 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
+    from storage.entry import CorruptEntry
+
     rows = []
     with _open_store(args) as store:
         if not args.json:
             print(f"{'key':<48} {'tier':<14} {'tokens':>7} {'bytes':>11} {'pos_start':>9}", flush=True)
         for tier in store.tiers:
             for key in tier.keys():
-                header = tier.get_header(key)
+                # a listing changes nothing: no recency, and an unreadable entry is shown, not deleted
+                # (a request that meets it deletes it)
+                try:
+                    header = tier.peek_header(key)
+                except CorruptEntry as err:
+                    row = {"key": key, "tier": tier.name, "tokens": None, "bytes": None, "pos_start": None,
+                           "corrupt": str(err)}
+                    if args.json:
+                        rows.append(row)
+                    else:
+                        print(f"{key:<48} {tier.name:<14} corrupt: {err}")
+                    continue
                 if header is None:
                     continue
                 row = {"key": key, "tier": tier.name, "tokens": header.num_tokens, "bytes": header.nbytes,
-                       "pos_start": header.pos_start}
+                       "pos_start": header.pos_start, "corrupt": None}
                 if args.json:
                     rows.append(row)
                 else:
