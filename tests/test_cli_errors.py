@@ -180,6 +180,8 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
                                     "--no-progress"],
      {**engine(), "long.json": json.dumps([{"id": "x", "question": "q?", "answers": ["a"],
                                             "ctxs": [{"title": "t", "text": "word " * 3000}]}])}, {}),
+    ("eval-not-parquet", ["eval", "--config", "{tmp}/c.yaml", "--dataset", "{tmp}/x.parquet"],
+     {**cfg(CPU_STORE), "x.parquet": "not parquet"}, {}),
     ("eval-out-empty", ["eval", "--dataset", "{tmp}/none.json", "--out", ""], {}, {}),
     ("eval-out-is-file", ["eval", "--dataset", "{tmp}/d.json", "--out", "{tmp}/d.json"], {"d.json": "[]"}, {}),
     ("eval-out-under-file", ["eval", "--dataset", "{tmp}/d.json", "--out", "{tmp}/d.json/sub"], {"d.json": "[]"}, {}),

@@ -114,11 +114,29 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, previous)
 
 
+# the hub and datasets libraries' own log lines (retries, a file they cannot parse) that the
+# one-line error after them already says; shown with -v
+_LIBRARY_LOGS = (("huggingface_hub", "HF_HUB_VERBOSITY", logging.ERROR),
+                 ("datasets", "DATASETS_VERBOSITY", logging.CRITICAL))
+
+
+def _library_logs(show: bool) -> None:
+    """Quiet (or, with -v, leave alone) the libraries' own loggers: by environment variable
+    for a later import, by level where one is imported already."""
+    for name, variable, level in _LIBRARY_LOGS:
+        if show:
+            continue
+        os.environ.setdefault(variable, logging.getLevelName(level).lower())
+        if name in sys.modules:
+            logging.getLogger(name).setLevel(level)
+
+
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     _progress_bars(show=args.verbose)
+    _library_logs(show=args.verbose)
     try:
         return int(args.func(args) or 0)
     except ModuleNotFoundError as err:
