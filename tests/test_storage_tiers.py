@@ -397,3 +397,29 @@ def test_a_full_file_system_below_the_budget_evicts_lru_entries_and_retries(tmp_
     tier.put("e", entries[0])  # evicts once, still no room: counted, nothing published
     assert tier.stats()["errors"] == 1 and tier.get_header("e") is None
     tier.close()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_peek_header_changes_nothing(kind, tmp_path):
+    """peek_header (listings): the header of a stored entry, None for an absent one, and no
+    counter, recency or deletion changes; an unreadable entry raises instead of being deleted."""
+    entries = [random_entry(SMALL, seed=i)[1] for i in range(3)]
+    one = file_size(entries[0]) if kind == "disk" else entries[0].nbytes
+    tier = make_tier(kind, tmp_path, budget=int(one * 2.5))
+    tier.put("a", entries[0])
+    tier.put("b", entries[1])
+    before = tier.stats()
+    assert tier.peek_header("a") == entries[0].header and tier.peek_header("absent") is None
+    after = tier.stats()
+    assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])
+    tier.put("c", entries[2])  # over the budget: the least recently used goes, still "a" after the peek
+    assert tier.peek_header("a") is None and tier.peek_header("b") == entries[1].header
+    if kind == "disk":
+        from storage.entry import CorruptEntry
+
+        path = tier.path / f"b{SUFFIX}"
+        path.write_bytes(b"junk" * 8)
+        with pytest.raises(CorruptEntry):
+            tier.peek_header("b")
+        assert path.exists() and tier.stats()["corrupt"] == 0
+    tier.close()
