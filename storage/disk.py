@@ -430,9 +430,7 @@ class DiskTier:
 
     def peek_header(self, key: str) -> EntryHeader | None:
         try:
-            fd = open_regular(self._name(key), self._dir())
-        except CorruptEntry:
-            raise
+            fd = open_regular(self._name(key), self._dir())  # CorruptEntry: not a regular file
         except OSError:
             return None
         try:

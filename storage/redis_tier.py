@@ -263,22 +263,9 @@ class RedisTier:
         except redis.ResponseError as e:
             return e
 
-    def _decode_header(self, key: str, data: bytes | redis.ResponseError | None) -> EntryHeader | None:
-        """The header in `data`, or None (absent, or corrupt: then deleted and counted)."""
-        if data is None or data == b"":
-            return None
-        try:
-            if isinstance(data, redis.ResponseError):
-                raise CorruptEntry(f"header key unreadable: {data}")
-            if len(data) > MAX_HEADER_BYTES:
-                raise CorruptEntry(f"header value is larger than {MAX_HEADER_BYTES} bytes")
-            return decode_header(data)
-        except CorruptEntry as e:
-            report_corrupt(self, self._stats, key, e)
-            return None
-
-    def peek_header(self, key: str) -> EntryHeader | None:
-        data = self._run("get header", lambda c: self._header_bytes(c, key), None)
+    @staticmethod
+    def _parse_header(data: bytes | redis.ResponseError | None) -> EntryHeader | None:
+        """The header in `data`, None when absent; CorruptEntry when unreadable."""
         if data is None or data == b"":
             return None
         if isinstance(data, redis.ResponseError):
@@ -286,6 +273,17 @@ class RedisTier:
         if len(data) > MAX_HEADER_BYTES:
             raise CorruptEntry(f"header value is larger than {MAX_HEADER_BYTES} bytes")
         return decode_header(data)
+
+    def _decode_header(self, key: str, data: bytes | redis.ResponseError | None) -> EntryHeader | None:
+        """The header in `data`, or None (absent, or corrupt: then deleted and counted)."""
+        try:
+            return self._parse_header(data)
+        except CorruptEntry as e:
+            report_corrupt(self, self._stats, key, e)
+            return None
+
+    def peek_header(self, key: str) -> EntryHeader | None:
+        return self._parse_header(self._run("get header", lambda c: self._header_bytes(c, key), None))
 
     def get_header(self, key: str) -> EntryHeader | None:
         header = self._decode_header(key, self._run("get header", lambda c: self._header_bytes(c, key), None))
