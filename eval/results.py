@@ -154,9 +154,10 @@ def _read(path: Path, repair: bool = True) -> tuple[dict[str, Any], dict[str, di
     return settings, done
 
 
-# the fields of an entry's row that the summary reads as numbers (eval.runner.METRICS and the rest)
-NUMBER_FIELDS = ("f1", "em", "rouge_l", "kl_to_full", "answer_kl", "top1_agree", "greedy_match", "answer_nll",
-                 "ttft_s", "recomputed_fraction", "chunk_hit_rate", "exposed_load_s", "selection_s", "load_s")
+# an entry's metrics, averaged by eval.runner.summarize; with the other fields it reads as numbers
+METRICS = ("f1", "em", "rouge_l", "kl_to_full", "answer_kl", "top1_agree", "greedy_match", "answer_nll", "ttft_s",
+           "recomputed_fraction")
+NUMBER_FIELDS = (*METRICS, "chunk_hit_rate", "exposed_load_s", "selection_s", "load_s")
 
 
 def _check_example(record: Mapping[str, Any], path: Path, number: int) -> None:

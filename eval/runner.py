@@ -42,13 +42,11 @@ from eval.bench.common import LoadWatch
 from eval.entries import Entry, entry_name, parse_modes, parse_ratios, parse_selections, plan_entries
 from eval.loaders import Example
 from eval.prompts import PromptTemplate, load_prompts
-from eval.results import ResultsLog, jsonable
+from eval.results import METRICS, ResultsLog, jsonable
 
 log = logging.getLogger(__name__)
 __all__ = ["Entry", "entry_name", "parse_modes", "parse_ratios", "parse_selections", "plan_entries", "run_eval"]
 
-METRICS = ("f1", "em", "rouge_l", "kl_to_full", "answer_kl", "top1_agree", "greedy_match", "answer_nll", "ttft_s",
-           "recomputed_fraction")
 # A template without {question} (summarization) still needs a non-empty question for the
 # prompt builder; it only shows where the template uses {question} and an example has none.
 NO_QUESTION = "Summarize the documents."

@@ -211,9 +211,9 @@ class TieredStore:
             return
         budget.suspended.add(tier.name)
         if hasattr(tier, "suspend"):
-            self.suspend([tier.name], f"{tier.name} tier: header lookups took {spent:.1f} s for one request (or ingested document), over "
-                                      f"the {budget.seconds:g} s allowed (engine.load_stall_s); skipped for its "
-                                      "backoff, the request computes what it lacks")
+            self.suspend([tier.name], f"{tier.name} tier: header lookups took {spent:.1f} s for one request (or "
+                                      f"ingested document), over the {budget.seconds:g} s allowed "
+                                      "(engine.load_stall_s); skipped for its backoff, the request computes what it lacks")
 
     def contains(self, key: str) -> str | None:
         """Name of the first tier holding `key` (unverified), or None."""

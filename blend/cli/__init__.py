@@ -123,9 +123,9 @@ _LIBRARY_LOGS = (("huggingface_hub", "HF_HUB_VERBOSITY", logging.ERROR),
 def _library_logs(show: bool) -> None:
     """Quiet (or, with -v, leave alone) the libraries' own loggers: by environment variable
     for a later import, by level where one is imported already."""
+    if show:
+        return
     for name, variable, level in _LIBRARY_LOGS:
-        if show:
-            continue
         os.environ.setdefault(variable, logging.getLevelName(level).lower())
         if name in sys.modules:
             logging.getLogger(name).setLevel(level)

@@ -56,19 +56,17 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                 except CorruptEntry as err:
                     row = {"key": key, "tier": tier.name, "tokens": None, "bytes": None, "pos_start": None,
                            "corrupt": str(err)}
-                    if args.json:
-                        rows.append(row)
-                    else:
-                        print(f"{key:<48} {tier.name:<14} corrupt: {err}")
-                    continue
-                if header is None:
-                    continue
-                row = {"key": key, "tier": tier.name, "tokens": header.num_tokens, "bytes": header.nbytes,
-                       "pos_start": header.pos_start, "corrupt": None}
+                    line = f"corrupt: {err}"
+                else:
+                    if header is None:
+                        continue
+                    row = {"key": key, "tier": tier.name, "tokens": header.num_tokens, "bytes": header.nbytes,
+                           "pos_start": header.pos_start, "corrupt": None}
+                    line = f"{header.num_tokens:>7} {header.nbytes:>11} {header.pos_start:>9}"
                 if args.json:
                     rows.append(row)
                 else:
-                    print(f"{key:<48} {tier.name:<14} {header.num_tokens:>7} {header.nbytes:>11} {header.pos_start:>9}")
+                    print(f"{key:<48} {tier.name:<14} {line}")
     if args.json:
         emit_json({"entries": rows})
     return 0
