@@ -24,6 +24,11 @@ by their free lock and removed at start and every few minutes; until then they c
 against the budget. A namespace gets its own subdirectory: its entries, budget, listing
 and clearing never touch another namespace's.
 
+The tier owns only its own files: a `*.kv` file whose name is not an engine key
+(`storage.keys.ENGINE_KEY_RE`) and which does not start with the entry magic is a file of
+somebody else's that happens to sit in the directory; it is never indexed, listed, evicted
+or cleared (counted in `stats()["foreign_files"]`).
+
 LRU recency is the file mtime (refreshed on every header hit), so the index rebuilt from
 the directory on start keeps the order across restarts. Each process keeps its own index
 and rescans the directory before evicting, so the budget holds approximately when
@@ -50,8 +55,8 @@ import torch
 
 from storage.config import DiskTierConfig, tier_display_name
 from storage.entry import CorruptEntry, EntryHeader, KVEntry
-from storage.keys import ENTRY_KEY_RE
-from storage.serialization import decode_header, encode_header, header_size, layer_from_bytes
+from storage.keys import ENGINE_KEY_RE, ENTRY_KEY_RE
+from storage.serialization import MAGIC, decode_header, encode_header, header_size, layer_from_bytes
 from storage.tier import Layer, StoreUnavailable, TierStats, over_budget, read_entry, report_corrupt
 
 log = logging.getLogger("kvblend.storage")
@@ -201,6 +206,7 @@ class DiskTier:
         self._index: OrderedDict[str, _FileInfo] = OrderedDict()  # LRU order, oldest first
         self._bytes = 0
         self._temp_bytes = 0  # temp files of live writers in other processes (or of dead ones not yet removed)
+        self._foreign = 0  # *.kv files in the directory that are not the tier's (as of the last rescan)
         self._last_clean = 0.0
         self._last_rescan = 0.0
         self._last_warning = 0.0
@@ -307,9 +313,13 @@ class DiskTier:
         (links and other non-regular files are ignored), and clean up temp files."""
         found: list[tuple[float, str, int]] = []
         temps: list[str] = []
+        foreign = 0
         self._follow_moved()  # removed and made again (another process, a cleanup)
+        with self._lock:
+            known = set(self._index)
         try:
-            with os.scandir(self._dir()) as it:
+            dir_fd = self._dir()
+            with os.scandir(dir_fd) as it:
                 for de in it:
                     if de.name.startswith(TMP_PREFIX):
                         temps.append(de.name)
@@ -321,8 +331,12 @@ class DiskTier:
                         st = de.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    if stat.S_ISREG(st.st_mode):
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    if key in known or _is_own(key, dir_fd):
                         found.append((st.st_mtime, key, st.st_size))
+                    else:
+                        foreign += 1
         except OSError:
             found = []
         found.sort()
@@ -333,6 +347,7 @@ class DiskTier:
                 for _, key, size in found
             )
             self._bytes = sum(info.size for info in self._index.values())
+            self._foreign = foreign
             self._last_rescan = time.monotonic()
         self._clean_temp_files(temps)
 
@@ -705,13 +720,17 @@ class DiskTier:
         return True
 
     def keys(self) -> Iterator[str]:
-        """Keys of the regular entry files in this namespace's directory."""
+        """Keys of the tier's own regular entry files in this namespace's directory."""
         out = []
+        with self._lock:
+            known = set(self._index)
         try:
-            with os.scandir(self._dir()) as it:
+            dir_fd = self._dir()
+            with os.scandir(dir_fd) as it:
                 for de in it:
                     key = de.name[: -len(SUFFIX)]
-                    if de.name.endswith(SUFFIX) and ENTRY_KEY_RE.match(key) and de.is_file(follow_symlinks=False):
+                    if (de.name.endswith(SUFFIX) and ENTRY_KEY_RE.match(key) and de.is_file(follow_symlinks=False)
+                            and (key in known or _is_own(key, dir_fd))):
                         out.append(key)
         except OSError:
             pass
@@ -740,9 +759,26 @@ class DiskTier:
     def stats(self) -> dict:
         """Counters; bytes_used includes `temp_bytes` (temp files of other writers, live or dead)."""
         with self._lock:
-            entries, used, temp = len(self._index), self._bytes, self._temp_bytes
+            entries, used, temp, foreign = len(self._index), self._bytes, self._temp_bytes, self._foreign
         return self._stats.snapshot(entries, used + temp) | {"budget": self.budget, "path": str(self.path),
-                                                             "temp_bytes": temp}
+                                                             "temp_bytes": temp, "foreign_files": foreign}
+
+
+def _is_own(key: str, dir_fd: int) -> bool:
+    """Whether the regular file `key`.kv is the tier's: its name is an engine key, or it
+    starts with the entry magic (keys chosen through the Python API). Unreadable: not own."""
+    if ENGINE_KEY_RE.match(key):
+        return True
+    try:
+        fd = open_regular(key + SUFFIX, dir_fd)
+    except (OSError, CorruptEntry):
+        return False
+    try:
+        return os.pread(fd, len(MAGIC), 0) == MAGIC
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:

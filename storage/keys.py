@@ -30,6 +30,9 @@ _DIGEST_HEX = 40  # 160 bits; a hit additionally verifies the stored tokens dige
 _NAMESPACE_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{0,63})?$")
 # what a tier accepts as an entry key (every key made here matches): a safe file name and Redis key part
 ENTRY_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
+# the shape of every key made here, `[namespace-]<kind><hex>`: a name of this shape is the
+# store's own; any other name is the store's only if its content says so (storage.disk)
+ENGINE_KEY_RE = re.compile(rf"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{{0,63}}-)?[a-z][0-9a-f]{{{_DIGEST_HEX}}}$")
 _PREFIX_TAG = b"kvblend/prefix\x00"
 _DOCUMENT_TAG = b"kvblend/document\x00"
 

@@ -95,6 +95,35 @@ def test_lru_eviction_respects_budget(kind, tmp_path):
     assert not big.contains("x") and big.stats()["errors"] == 1
 
 
+def test_disk_tier_leaves_files_that_are_not_its_own_alone(tmp_path):
+    """A directory the user pointed the tier at may hold their own `*.kv` files: the tier
+    never lists, evicts or clears them, while its entries (engine keys, and API keys whose
+    files start with the entry magic) are evicted and cleared as usual."""
+    from storage.keys import document_block_key
+
+    entries = [random_entry(SMALL, seed=i)[1] for i in range(3)]
+    size = file_size(entries[0])
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    theirs = {"x.kv": b"the user's notes\n", "model.kv": b"", "KVBLEND.kv": b"KVBLEN"}
+    for name, data in theirs.items():
+        (disk / name).write_bytes(data)
+        os.utime(disk / name, (1, 1))  # the oldest files in the directory: first in line for eviction
+    engine_key = document_block_key("fp", [1, 2, 3], "float16", start=0)
+    tier = make_tier("disk", tmp_path, budget=int(size * 2.5))
+    assert tier.stats()["foreign_files"] == 3 and tier.stats()["bytes_used"] == 0
+    tier.put("a", entries[0])
+    tier.put(engine_key, entries[1])
+    tier.put("c", entries[2])  # over the budget: evicts "a", the oldest of the tier's own
+    assert sorted(tier.keys()) == sorted(["c", engine_key]) and tier.stats()["evictions"] == 1
+    restarted = make_tier("disk", tmp_path, budget=int(size * 2.5))  # indexed from the directory alone
+    assert sorted(restarted.keys()) == sorted(["c", engine_key]) and restarted.stats()["entries"] == 2
+    assert restarted.clear() and list(restarted.keys()) == []
+    assert {p.name: p.read_bytes() for p in disk.iterdir()} == theirs
+    tier.close()
+    restarted.close()
+
+
 def test_disk_restart_rebuilds_index_in_lru_order(tmp_path):
     entries = [random_entry(SMALL, seed=i)[1] for i in range(3)]
     size = file_size(entries[0])
