@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from eval.results import KL_PLOT, QUALITY_PLOT, SUMMARY_JSON, SUMMARY_MD, jsonable
+from eval.results import KL_PLOT, QUALITY_PLOT, SUMMARY_JSON, SUMMARY_MD, jsonable, save_figure, write_file
 
 COLUMNS = (  # (summary key, header, format)
     ("n", "n", "{:d}"),
@@ -110,7 +110,7 @@ def plot_tradeoff(summary: Mapping[str, Mapping[str, Any]], metric: str, path: P
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     return path
 
 
@@ -122,12 +122,12 @@ def write_reports(run: Any, out_dir: str | Path) -> dict[str, Path]:
     paths: dict[str, Path] = {}
     doc = {**run.to_json(), "settings": run.settings}
     paths[SUMMARY_JSON] = out / SUMMARY_JSON
-    paths[SUMMARY_JSON].write_text(json.dumps(jsonable(doc), indent=2) + "\n", encoding="utf-8")
+    write_file(paths[SUMMARY_JSON], json.dumps(jsonable(doc), indent=2) + "\n")
     paths[SUMMARY_MD] = out / SUMMARY_MD
     head = f"# kvblend eval: {run.dataset}\n\n{len(run.records)} example(s)"
     if run.skipped:
         head += f", {len(run.skipped)} skipped (prompt too long)"
-    paths[SUMMARY_MD].write_text(f"{head}\n\n{summary_table(run.summary)}", encoding="utf-8")
+    write_file(paths[SUMMARY_MD], f"{head}\n\n{summary_table(run.summary)}")
     subtitle = f"{run.dataset} (n={len(run.records)})"
     metric = quality_key(run.summary)
     if metric is not None:

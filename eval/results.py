@@ -13,9 +13,12 @@ ValueError naming the differences, so results of different runs are never mixed.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
+import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -26,6 +29,30 @@ FILENAME = "results.jsonl"
 VERSION = 1
 SUMMARY_JSON, SUMMARY_MD, QUALITY_PLOT, KL_PLOT = REPORT_FILES = (
     "summary.json", "summary.md", "quality_vs_ttft.png", "kl_vs_ttft.png")  # what eval.report writes
+
+
+def write_file(path: str | Path, data: str | bytes) -> None:
+    """Write a report file whole or not at all: into a fresh temp file next to it (created
+    exclusively, no link followed), then renamed over `path`. A run killed mid-write leaves
+    the previous file or none, never a half-written one."""
+    path = Path(path)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_figure(fig: Any, path: str | Path, **savefig: Any) -> None:
+    """`fig.savefig` through `write_file` (the format from the path's suffix)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=Path(path).suffix.lstrip(".") or "png", **savefig)
+    write_file(path, buffer.getvalue())
 
 
 def check_output_files(directory: str | Path) -> None:

@@ -154,6 +154,8 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
      {"f.txt": "a file"}, {}),
     ("bench-load-size-nan", ["bench", "load", "--size-mb", "nan"], {}, {}),
     ("bench-load-tier", ["bench", "load", "--tier", "s3"], {}, {}),
+    ("bench-load-redis-url", ["bench", "load", "--tier", "cpu", "--tier", "redis", "--redis-url", "notaurl"], {}, {}),
+    ("bench-load-cluster-no-urls", ["bench", "load", "--tier", "redis-cluster"], {}, {}),
     ("bench-load-layers-0", ["bench", "load", "--layers", "0"], {}, {}),
     ("bench-load-kv-dtype", ["bench", "load", "--kv-dtype", "int8"], {}, {}),
     ("bench-load-bad-config", ["bench", "load", "--config", "{tmp}/c.yaml"], cfg("store: 5\n"), {}),
@@ -249,6 +251,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, files, env, tmp_path, monkeypatc
     # warning: a fact about the machine, not about the input
     lines = [line for line in err.splitlines() if not line.startswith("warning: load average")]
     assert code == 2, (out, err)
+    assert not out.strip(), "work began before the input was checked"
     assert len(lines) == 1 and "error: " in lines[0], err
     assert "Traceback" not in err and len(lines[0]) < 500  # an unknown key lists the ~25 valid ones
     assert snapshot(tmp_path) == before, "the command wrote files"

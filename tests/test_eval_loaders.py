@@ -291,3 +291,15 @@ def test_json_nested_too_deeply_is_one_line(tmp_path):
     (tmp_path / "deep.jsonl").write_text('{"question": "q", "ctxs": ["x"]}\n{"a": ' + deep + "}\n")
     with pytest.raises(ValueError, match="deep.jsonl:2: JSON nested too deeply"):
         load_examples(str(tmp_path / "deep.jsonl"))
+
+
+def test_a_broken_json_list_is_named_as_one(tmp_path):
+    """A truncated JSON list gets the place of the damage, not advice about JSON Lines."""
+    path = tmp_path / "cut.json"
+    path.write_text(json.dumps(CACHEBLEND, indent=1)[:-40], encoding="utf-8")
+    with pytest.raises(ValueError) as info:
+        load_examples(str(path))
+    message = str(info.value)
+    assert message.startswith(f"{path}:") and "JSON list" in message and "\n" not in message
+    lines = path.read_text().count("\n") + 1
+    assert message.split(":")[1] == str(lines)  # the line where the text stops

@@ -21,3 +21,34 @@ def test_worse_than_reuse_and_kl_max():
     assert summary["reuse"]["worse_than_reuse"] is None and summary["reuse"]["kl_max"] == 0.5
     table = summary_table(summary)
     assert "worse than reuse" in table and "| blend@0.15 |" in table
+
+
+def test_report_files_are_replaced_whole_or_left_as_they_were(tmp_path):
+    """A report write that fails halfway (a killed run, a full disk) leaves the previous file
+    and no temp file; a finished one replaces it."""
+    import pytest
+
+    from eval.results import save_figure, write_file
+
+    path = tmp_path / "summary.json"
+    write_file(path, '{"old": true}\n')
+
+    class Breaks:
+        def savefig(self, buffer, **kwargs):
+            buffer.write(b"\x89PNG half")
+            raise OSError(28, "No space left on device")
+
+    class Draws:
+        def savefig(self, buffer, **kwargs):
+            assert kwargs == {"format": "png", "dpi": 120}
+            buffer.write(b"\x89PNG whole")
+
+    with pytest.raises(OSError):
+        save_figure(Breaks(), tmp_path / "plot.png", dpi=120)
+    with pytest.raises(TypeError):
+        write_file(path, None)  # fails once its temp file exists: the temp file is removed
+    assert path.read_text() == '{"old": true}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    save_figure(Draws(), tmp_path / "plot.png", dpi=120)
+    write_file(path, "{}\n")
+    assert path.read_text() == "{}\n" and (tmp_path / "plot.png").read_bytes() == b"\x89PNG whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png", "summary.json"]

@@ -46,14 +46,18 @@ def cmd_load(args: argparse.Namespace) -> int:
         from blend.config import load_config
 
         config = load_config(args.config).store
+    from eval.bench.common import one_tier
     from eval.bench.load import ChunkShape, run_load
 
+    cluster_urls = args.cluster_urls.split(",") if args.cluster_urls else None
+    for kind in kinds:  # every tier's settings checked (a URL, node URLs) before any tier runs
+        one_tier(kind, config, scratch=Path("."), redis_url=args.redis_url, cluster_urls=cluster_urls)
     shape = ChunkShape(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, tokens=args.chunk_tokens,
                        kv_dtype=args.kv_dtype)
     say = human(args)
     results = [
-        run_load(kind, args.size_mb, shape, config=config, redis_url=args.redis_url,
-                 cluster_urls=args.cluster_urls.split(",") if args.cluster_urls else None, rounds=args.rounds, log=say)
+        run_load(kind, args.size_mb, shape, config=config, redis_url=args.redis_url, cluster_urls=cluster_urls,
+                 rounds=args.rounds, log=say)
         for kind in kinds
     ]
     if args.json:

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eval.results import write_file
+
 MODEL = "random:llama-3-8b"
 
 
@@ -83,8 +85,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(table([summary]), flush=True)
     combined = {"model": args.model, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "random_weights": True,
                 **env, "wall_s": round(time.perf_counter() - t0, 1), "runs": runs}
-    (out / "summary.json").write_text(json.dumps(combined, indent=2) + "\n")
-    (out / "summary.md").write_text(header(combined) + "\n\n" + table(runs) + "\n")
+    write_file(out / "summary.json", json.dumps(combined, indent=2) + "\n")
+    write_file(out / "summary.md", header(combined) + "\n\n" + table(runs) + "\n")
     return combined
 
 

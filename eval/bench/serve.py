@@ -46,6 +46,7 @@ import httpx
 import numpy as np
 
 from eval.bench.common import LoadWatch, Steadiness, cpu_cores
+from eval.results import save_figure, write_file
 
 TARGET_RATIO, TARGET_SLACK_S = 1.05, 0.020
 REPORT_FILES = SERVE_JSON, SERVE_PLOT = ("serve.json", "serve.png")  # what write_report writes under --out
@@ -352,7 +353,7 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / SERVE_JSON).write_text(json.dumps(summary, indent=2))
+    write_file(out / SERVE_JSON, json.dumps(summary, indent=2))
     levels = [lv for lv in summary["levels"] if lv["ok"]]
     xs = [lv["clients"] for lv in levels]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -376,5 +377,5 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     for ax in (left, right):
         ax.set_xticks(xs, [str(x) for x in xs])
     fig.tight_layout()
-    fig.savefig(out / SERVE_PLOT, dpi=120)
+    save_figure(fig, out / SERVE_PLOT, dpi=120)
     plt.close(fig)

@@ -43,6 +43,7 @@ import torch
 
 from blend.stats import RequestStats
 from eval.bench.common import LoadWatch, Steadiness, drop_page_cache, one_tier_store, spread
+from eval.results import save_figure, write_file
 from storage.dtypes import dtype_bytes
 
 log = logging.getLogger(__name__)
@@ -367,7 +368,7 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / TTFT_JSON).write_text(json.dumps(summary, indent=2))
+    write_file(out / TTFT_JSON, json.dumps(summary, indent=2))
     rows = [r for r in summary["results"] if "error" not in r]
     lines = [f"full prefill TTFT: {summary['full_ttft_s']:.3f} s over {summary['context_tokens']} tokens "
              f"({summary['chunks']} x {summary['chunk_tokens']}-token chunks, kv {summary['kv_dtype']}, "
@@ -381,7 +382,7 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     for r in summary["results"]:
         if "error" in r:
             lines.append(f"\n{r['tier']}: {r['error']}")
-    (out / TTFT_MD).write_text("\n".join(lines) + "\n")
+    write_file(out / TTFT_MD, "\n".join(lines) + "\n")
     tiers = sorted({r["tier"] for r in rows})
     fig, ax = plt.subplots(figsize=(6, 4))
     for tier in tiers:
@@ -393,7 +394,7 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     ax.set_title(f"TTFT, {summary['context_tokens']} context tokens")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / TTFT_PLOT, dpi=120)
+    save_figure(fig, out / TTFT_PLOT, dpi=120)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
     for tier in tiers:
@@ -409,5 +410,5 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / SPEEDUP_PLOT, dpi=120)
+    save_figure(fig, out / SPEEDUP_PLOT, dpi=120)
     plt.close(fig)

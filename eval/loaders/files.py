@@ -49,9 +49,11 @@ def read_records(path: str | Path, split: str | None = None) -> list[dict[str, A
         return _jsonl_without_split(text, p, split)
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
-        # A file whose first record is an object may be JSON Lines named .json.
-        return _jsonl_without_split(text, p, split)
+    except json.JSONDecodeError as exc:
+        if stripped.startswith("{"):  # a file whose first record is an object may be JSON Lines named .json
+            return _jsonl_without_split(text, p, split)
+        raise ValueError(f"{p}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}); the file starts a JSON list: "
+                         "complete or repair it (a truncated copy?), or give JSON Lines, one object per line") from None
     except RecursionError:
         raise ValueError(f"{p}: JSON nested too deeply to read; give a list of flat example records") from None
     return _records_of(data, p, split)
