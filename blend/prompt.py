@@ -32,6 +32,10 @@ from blend.document import Document, clean_text, render_document
 log = logging.getLogger(__name__)
 
 PLACEHOLDERS = frozenset({"question"})
+# check_text_fits samples this many characters per position of a long text (English runs ~4-5
+# characters per token, so a window of 8 that still fits the positions is rare text)
+_SAMPLE_CHARS_PER_POSITION = 8
+_SAMPLE_MARGIN_TOKENS = 8  # how many more tokens a text's first word may take alone than after a template
 
 SegmentKind = Literal["prefix", "document", "query"]
 
@@ -145,15 +149,29 @@ class PromptBuilder:
 
     def check_text_fits(self, question: str | Sequence[Message], documents: Sequence[Document | str],
                         positions: int, fix: str = "use fewer or shorter documents") -> None:
-        """Refuse, before tokenizing, text that cannot fit `positions` tokens: more characters
-        than positions x the longest token (a cheap bound: tokenizing megabytes takes seconds);
-        the error ends with `fix`."""
+        """Refuse, before tokenizing it whole, text that cannot fit `positions` tokens: more
+        characters than positions x the longest token, or a text whose first
+        positions x 8 characters already hold more tokens (tokenizing megabytes takes
+        seconds); the error ends with `fix`. Text that passes may still be refused once
+        tokenized."""
         texts = [question] if isinstance(question, str) else [m.content for m in question]
         texts += [t for d in documents for t in ((d,) if isinstance(d, str) else (d.text, d.title or ""))]
         chars = sum(len(t) for t in texts)
         if chars > positions * self.max_token_chars:
             raise ValueError(f"the prompt's text ({chars} characters) cannot fit the model's {positions} positions "
                              f"(at most {self.max_token_chars} characters per token); {fix}")
+        # Under that bound a text can still be megabytes. A text longer than the window is
+        # sampled: the tokens of its first `window` characters, cut at a space (every word
+        # before the cut is tokenized as in the whole text), are a floor on its own tokens.
+        window = positions * _SAMPLE_CHARS_PER_POSITION
+        floor = 0
+        for text in texts:
+            if len(text) > window and (cut := text.rfind(" ", 0, window)) > 0:
+                floor += max(0, len(encode(self.tokenizer, text[:cut], data=True)) - _SAMPLE_MARGIN_TOKENS)
+                if floor > positions:
+                    raise ValueError(f"the prompt's text ({chars} characters) cannot fit the model's {positions} "
+                                     f"positions (its first {window} characters of one text alone are more tokens); "
+                                     f"{fix}")
 
     def frame(self, question: str | Sequence[Message]) -> tuple[list[int], list[int]]:
         """Token ids before and after the documents for this question (or conversation,

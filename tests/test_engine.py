@@ -151,6 +151,21 @@ def test_bad_input(caplog):
                 engine.chat("long", too_long)
         finally:
             engine.prompts.tokenizer = tokenizer
+        # under that bound, megabytes of words are refused after tokenizing a window of them
+        words = "word " * (2048 * engine.prompts.max_token_chars // 6)
+        seen: list[int] = []
+
+        def counting(text, **kwargs):
+            seen.append(len(text))
+            return tokenizer(text, **kwargs)
+
+        engine.prompts.tokenizer = counting
+        try:
+            with pytest.raises(ValueError, match=r"its first 16384 characters of one text alone are more tokens"):
+                engine.generate(QUESTION, [words], mode="full")
+        finally:
+            engine.prompts.tokenizer = tokenizer
+        assert seen and max(seen) <= 2048 * 8 < len(words)
         with caplog.at_level(logging.WARNING):
             result = engine.generate(QUESTION, ["", DOCS[0], "   "], mode="blend", max_new_tokens=2)
         assert "skipped 2 empty document" in caplog.text
