@@ -208,6 +208,17 @@ def test_building_the_parser_imports_nothing_heavy():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 
+def test_verbose_is_taken_before_or_after_any_subcommand():
+    from blend.cli import build_parser
+
+    parser = build_parser()
+    for command in (["store", "stats"], ["bench", "ttft"], ["ask", "--question", "q"], ["serve"], ["demo"]):
+        assert parser.parse_args(command).verbose is False
+        assert parser.parse_args(["-v", *command]).verbose is True  # not reset by the subcommand's default
+        assert parser.parse_args([*command, "-v"]).verbose is True
+        assert parser.parse_args([*command, "--verbose"]).verbose is True
+
+
 def test_store_stats_outside_the_repository(tmp_path):
     home = tmp_path / "home"
     proc = run_cli("store", "stats", "--json", cwd=tmp_path, env={"KVBLEND_HOME": str(home)})

@@ -49,7 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan.register(subparsers)
     bench.register(subparsers)
     serve.register(subparsers)
+    _verbose_everywhere(parser)
     return parser
+
+
+def _verbose_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Accept `-v` after any (sub)command too (`kvblend store stats -v`). Its default is
+    SUPPRESS, so a subcommand without it never overrides a `-v` given before it."""
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps subparsers here only
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for sub in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+                sub.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                 help="as `kvblend -v`: logs, tracebacks, model-loading progress bars")
+                _verbose_everywhere(sub)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -186,7 +186,7 @@ def _register_resume(sub: Any) -> None:
 
 
 def register(subparsers: Any) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks (load, ttft, resume)")
+    bench = subparsers.add_parser("bench", help="benchmarks (load, ttft, resume, serve)")
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     _register_load(sub)
     _register_ttft(sub)
