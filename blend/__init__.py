@@ -1,6 +1,7 @@
 """kvblend engine: model loading, the layerwise runner, CacheBlend, chat sessions and the CLI.
 
-`from blend import BlendEngine` is the Python API entry point.
+`from blend import BlendEngine` is the Python API entry point; `Document`, `TextDelta` and
+`GenerationResult` are what it takes and gives.
 """
 
 from __future__ import annotations
@@ -8,14 +9,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from blend.engine import BlendEngine, GenerationResult
+    from blend.decode.decoder import GenerationResult, TextDelta
+    from blend.engine.engine import BlendEngine
+    from blend.prompt.document import Document
 
-__all__ = ["BlendEngine", "GenerationResult"]
+__all__ = ["BlendEngine", "Document", "GenerationResult", "TextDelta"]
+_HOMES = {"BlendEngine": "blend.engine.engine", "GenerationResult": "blend.decode.decoder",
+          "TextDelta": "blend.decode.decoder", "Document": "blend.prompt.document"}
 
 
 def __getattr__(name: str) -> Any:  # lazy: `kvblend --help` does not import torch
-    if name in __all__:
-        from blend import engine
+    if name in _HOMES:
+        import importlib
 
-        return getattr(engine, name)
+        return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module 'blend' has no attribute {name!r}")

@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, Strict, StrictBool, StrictStr
 
 from blend.modes import MODES, check_mode, check_ratio  # noqa: F401 - re-exported
-from blend.prompt import QA
+from blend.prompt.builder import QA
 from storage.config import (
     Bytes,
     CpuTierConfig,
@@ -62,7 +62,7 @@ def kvblend_home() -> Path:
 
 def _policy(registry: str) -> Callable[[str], str]:
     def check(name: str) -> str:
-        from blend import selector  # the policy's registry (imports torch)
+        from blend.recompute import selector  # the policy's registry (imports torch)
 
         valid = getattr(selector, registry)
         if name not in valid:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from blend.prompt import QA, SUMMARIZATION, PromptTemplate
+from blend.prompt.builder import QA, SUMMARIZATION, PromptTemplate
 from storage.config import config_dataclass, from_mapping, load_yaml
 
 __all__ = ["PromptTemplate", "Prompts", "load_prompts"]

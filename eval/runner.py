@@ -338,7 +338,7 @@ def _unique_ids(examples: Sequence[Example]) -> list[Example]:
 
 def _use_template(engine: Any, template: PromptTemplate) -> None:
     """Point the engine's prompt builder at `template` (a new builder only when it differs)."""
-    from blend.prompt import PromptBuilder
+    from blend.prompt.builder import PromptBuilder
 
     system = template.render_system()
     current = engine.prompts

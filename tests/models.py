@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from blend.model import LoadedModel, load_model, wrap_model
+from blend.model.loading import LoadedModel, load_model, wrap_model
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,

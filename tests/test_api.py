@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from blend.config import EngineConfig
-from blend.document import Document, document_id, render_document
-from blend.engine import BlendEngine
-from blend.generation import GenerationResult, TextAssembler, TextDelta
+from blend.decode.decoder import GenerationResult, TextDelta
+from blend.decode.text import TextAssembler
+from blend.engine.engine import BlendEngine
+from blend.prompt.document import Document, document_id, render_document
 from tests.models import smollm2_tokenizer, tiny_model
 
 DOCS = [
@@ -342,6 +343,6 @@ def test_a_set_of_documents_is_refused_for_its_order(lm):
 
 
 def test_repeated_stop_strings_count_once():
-    from blend.request import check_stop
+    from blend.engine.request import check_stop
 
     assert check_stop(["a"] * 20 + ["b", "a"]) == ("a", "b")

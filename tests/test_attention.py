@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blend.attention import (
+from blend.model.attention import (
     FORCEABLE,
     AttentionTuner,
     attention_lse,
@@ -19,7 +19,7 @@ from blend.attention import (
     run_plan,
     shape_bucket,
 )
-from blend.runner import Runner
+from blend.model.runner import Runner
 from tests.models import tiny_model
 
 CPU = torch.device("cpu")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from blend.config import EngineConfig
-from blend.engine import BlendEngine
-from blend.prompt import PromptBuilder
+from blend.engine.engine import BlendEngine
+from blend.prompt.builder import PromptBuilder
 from blend.stats import LookupTally
 from storage.entry import KVEntry
 from storage.keys import _key
@@ -182,7 +182,7 @@ def test_special_token_strings_in_user_text_stay_text():
                                    tokenize=False, add_generation_prompt=True)
     assert head + tail == tok(text, add_special_tokens=False).input_ids  # no literal: one joint encoding
     # conversations: a message's content is data too, in the RAG layout and in a plain chat
-    from blend.conversation import Message, chat_ids
+    from blend.prompt.conversation import Message, chat_ids
 
     def conversation(text):
         return [Message("system", "Be brief."), Message("user", "Hi."), Message("assistant", "Hello."),
@@ -224,10 +224,10 @@ def test_documents_after_the_same_context_prefill_it_once():
 
 
 def test_ingest_stops_between_documents_and_keeps_what_it_stored(monkeypatch):
-    import blend.prefix
-    from blend.documents import IngestStopped
+    import blend.kv.prefix
+    from blend.kv.documents import IngestStopped
 
-    monkeypatch.setattr(blend.prefix, "PACK_TOKENS", 1)  # one document per pass
+    monkeypatch.setattr(blend.kv.prefix, "PACK_TOKENS", 1)  # one document per pass
     with make_engine(chunk_tokens=16) as engine:
         asked: list[int] = []
 
@@ -252,14 +252,14 @@ def test_ingest_stops_between_documents_and_keeps_what_it_stored(monkeypatch):
 def test_documents_ingested_together_equal_one_at_a_time(layout, monkeypatch):
     """Packed passes (documents of different lengths, sorted, padded) store the same KV as
     one prefill per document, and every pass stays within PACK_TOKENS."""
-    import blend.prefix
+    import blend.kv.prefix
 
     docs = [DOCS[0], LONG_DOC, DOCS[1], "Short one.", DOCS[2]]
     with make_engine(chunk_tokens=16, chunk_context=layout) as together:
         packs: list[int] = []
         packed = together.runner.prefill_packed
         together.runner.prefill_packed = lambda seqs, *a: (packs.append(sum(map(len, seqs))), packed(seqs, *a))[1]
-        monkeypatch.setattr(blend.prefix, "PACK_TOKENS", 96)
+        monkeypatch.setattr(blend.kv.prefix, "PACK_TOKENS", 96)
         keys = [d.keys for d in together.ingest(docs)]
         assert packs and max(packs) <= 96  # 4 + 17 + 37 tokens in one pass; the longer ones alone
         with make_engine(chunk_tokens=16, chunk_context=layout) as alone:
@@ -274,11 +274,11 @@ def test_documents_ingested_together_equal_one_at_a_time(layout, monkeypatch):
 
 
 def test_pack_groups_keep_both_budgets(monkeypatch):
-    import blend.prefix
-    from blend.prefix import pack_groups
+    import blend.kv.prefix
+    from blend.kv.prefix import pack_groups
 
-    monkeypatch.setattr(blend.prefix, "PACK_TOKENS", 100)
-    monkeypatch.setattr(blend.prefix, "PACK_KEYS", 400)
+    monkeypatch.setattr(blend.kv.prefix, "PACK_TOKENS", 100)
+    monkeypatch.setattr(blend.kv.prefix, "PACK_KEYS", 400)
     lengths = [5, 10, 20, 30, 40, 150, 60]
     for context in (0, 50, 500):
         groups = pack_groups(lengths, context)
@@ -288,7 +288,7 @@ def test_pack_groups_keep_both_budgets(monkeypatch):
             assert len(g) == 1 or (sum(sizes) <= 100 and len(g) * (context + max(sizes)) <= 400)
     assert pack_groups(lengths, 0) == [[0, 1, 2, 3], [4], [5], [6]]
     assert pack_groups(lengths, 500) == [[i] for i in range(len(lengths))]  # the context alone fills a pass
-    monkeypatch.setattr(blend.prefix, "PACK_DOCUMENT_TOKENS", 25)
+    monkeypatch.setattr(blend.kv.prefix, "PACK_DOCUMENT_TOKENS", 25)
     assert pack_groups(lengths, 0) == [[0, 1, 2], [3], [4], [5], [6]]  # longer documents alone
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blend.config import EngineConfig
-from blend.engine import BlendEngine
+from blend.engine.engine import BlendEngine
 from eval.metrics import kl_divergence
 from tests.models import smollm2_tokenizer, tiny_model
 
@@ -248,7 +248,7 @@ def test_smollm2_blend_beats_reuse_on_sample_prompts():
 
 @pytest.mark.parametrize("selection", ["attention", "deviation"])
 def test_alternative_selections(selection):
-    from blend.selector import query_attention
+    from blend.recompute.selector import query_attention
 
     with make_engine(selection=selection) as engine:
         engine.ingest(DOCS)

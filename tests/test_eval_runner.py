@@ -16,7 +16,7 @@ import torch
 
 from blend.cli import main
 from blend.config import EngineConfig
-from blend.engine import BlendEngine
+from blend.engine.engine import BlendEngine
 from eval.loaders import Example, load_examples
 from eval.report import summary_table, write_reports
 from eval.results import FILENAME, ResultsLog, read_results
@@ -45,7 +45,7 @@ def _tokenizer():
     than loading the whole model), else through the shared loader."""
     from transformers import AutoTokenizer
 
-    from blend.model import cache_home
+    from blend.model.loading import cache_home
 
     found = sorted((cache_home() / "models").glob("SmolLM2-135M-Instruct*/tokenizer.json"))
     return AutoTokenizer.from_pretrained(found[0].parent) if found else smollm2_tokenizer()

@@ -41,7 +41,7 @@ import torch
 from redis.cluster import RedisCluster
 
 from blend.config import EngineConfig
-from blend.engine import BlendEngine
+from blend.engine.engine import BlendEngine
 from storage import checksum as _checksum
 from storage.disk import DiskTier
 from storage.dtypes import dtype_name

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from blend.config import EngineConfig
-from blend.engine import BlendEngine
-from blend.model import load_model
-from blend.runner import ATTN_GROUP_MIN, Runner
+from blend.engine.engine import BlendEngine
+from blend.model.attention import ATTN_GROUP_MIN
+from blend.model.loading import load_model
+from blend.model.runner import Runner
 from eval.bench.load import ChunkShape, random_entry
 from storage.config import CpuTierConfig
 from storage.memory import CpuTier
@@ -77,7 +78,7 @@ def test_cuda_cpu_tier_keeps_entries_in_the_pinned_pool():
 
 @needs_cuda
 def test_cuda_staging_slot_is_reused_only_after_its_copy_event():
-    from blend.pipeline import StagingRing, copy_stream
+    from blend.kv.loader import StagingRing, copy_stream
 
     device = torch.device("cuda")
     ring = StagingRing(1, pinned=True)

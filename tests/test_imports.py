@@ -14,6 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("storage", "blend", "eval")  # lowest first
 LAYER = {name: i for i, name in enumerate(PACKAGES)}
 COMMAND_ROOT = "blend.cli"
+# blend's sub-packages, lowest first: one may import a lower one, never a higher one. Modules at
+# blend's root (config, modes, stats) are shared leaves outside the order (cycles still count).
+BLEND_ORDER = ("model", "prompt", "kv", "recompute", "planning", "decode", "session", "engine", "server", "cli")
 
 
 def module_name(path: Path) -> str:
@@ -97,7 +100,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_graph_sees_lazy_and_relative_imports():
     graph = import_graph()
-    assert "storage.stack" in graph["blend.engine"]
+    assert "storage.stack" in graph["blend.engine.engine"]
     assert any(d.startswith("eval.") for d in graph["blend.cli.eval"])  # lazy imports inside functions count
 
 
@@ -116,6 +119,37 @@ def test_no_upward_imports_outside_the_command_root():
     assert upward == []
 
 
+def blend_level(module: str) -> int | None:
+    """The position of a blend module's sub-package in BLEND_ORDER (None: a root module)."""
+    parts = module.split(".")
+    if parts[0] != "blend" or len(parts) < 3 and not (len(parts) == 2 and parts[1] in BLEND_ORDER):
+        return None
+    return BLEND_ORDER.index(parts[1]) if parts[1] in BLEND_ORDER else None
+
+
+def downward_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, deps in graph.items():
+        level = blend_level(module)
+        for dep in deps:
+            dep_level = blend_level(dep)
+            if level is not None and dep_level is not None and dep_level > level:
+                found.append(f"{module} -> {dep}")
+    return sorted(found)
+
+
+def test_blend_sub_packages_import_only_lower_ones():
+    assert downward_violations(import_graph()) == []
+
+
+def test_every_blend_sub_package_is_in_the_order():
+    packages = {p.parent.name for p in (ROOT / "blend").glob("*/__init__.py")}
+    assert packages == set(BLEND_ORDER)
+
+
 def test_the_checks_can_fail():
+    assert downward_violations({"blend.model.runner": {"blend.engine.engine"}, "blend.engine.engine": {"blend.model.runner"}}) \
+        == ["blend.model.runner -> blend.engine.engine"]
+
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []

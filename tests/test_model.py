@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blend.model import ALIASES, check_supported, load_model, resolve_model
+from blend.model.loading import ALIASES, check_supported, load_model, resolve_model
 from tests.models import tiny_model
 
 
@@ -84,7 +84,7 @@ def test_llama3_and_yarn_rope_are_supported():
 
 
 def test_unavailable_device_names_the_fix():
-    from blend.model import resolve_device
+    from blend.model.loading import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():

@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-import blend.pipeline as pipeline
+import blend.kv.loader as pipeline
 from blend.config import EngineConfig
-from blend.engine import BlendEngine
-from blend.model import load_model
-from blend.pipeline import LayerLoader, Placement, StagingRing
-from blend.prefix import EntryMaker
-from blend.runner import Runner
+from blend.engine.engine import BlendEngine
+from blend.kv.loader import LayerLoader, Placement, StagingRing
+from blend.kv.prefix import EntryMaker
+from blend.model.loading import load_model
+from blend.model.runner import Runner
 from eval.bench.load import ChunkShape, random_entry
 from storage.config import CpuTierConfig, DiskTierConfig
 from storage.disk import DiskTier

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from blend import planner
 from blend.cli.plan import register as register_plan
-from blend.planner import MIB, PlanInputs, plan, transfer_stages
+from blend.planning import planner
+from blend.planning.planner import MIB, PlanInputs, plan, transfer_stages
 
 GIB = 1024**3
 # The worked example: L=32, H=8, D=128, fp16, 8192 tokens.
@@ -227,7 +227,7 @@ def test_cli_model_and_dims_conflict(capsys):
 
 
 def test_model_dims_from_config_smollm2():
-    pytest.importorskip("blend.model")
+    pytest.importorskip("blend.model.loading")
     shape = planner.model_kv_shape("smollm2-135m-instruct")
     assert (shape.layers, shape.kv_heads, shape.head_dim) == (30, 3, 64)
     assert planner.kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, 2) == 23040
@@ -235,7 +235,7 @@ def test_model_dims_from_config_smollm2():
 
 @pytest.mark.slow
 def test_measure_prefill_smollm2():
-    pytest.importorskip("blend.model")
+    pytest.importorskip("blend.model.loading")
     rate = planner.measure_prefill_tokens_per_s("smollm2-135m-instruct", tokens=64)
     assert rate > 0
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blend.model import RANDOM_SHAPES, load_model, load_random_model, random_config
-from blend.runner import Runner
+from blend.model.loading import RANDOM_SHAPES, load_model, load_random_model, random_config
+from blend.model.runner import Runner
 
 
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:

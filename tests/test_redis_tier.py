@@ -335,7 +335,7 @@ def test_a_large_ingest_over_a_healthy_but_distant_server_is_not_a_slow_server(r
     """Each document's lookups get their own budget: many documents whose lookups add up to
     more than load_stall_s (each quick) leave the tier up, and every document is stored."""
     from blend.config import EngineConfig
-    from blend.engine import BlendEngine
+    from blend.engine.engine import BlendEngine
     from tests.models import smollm2_tokenizer, tiny_model
 
     proxy = SlowProxy(redis_url)

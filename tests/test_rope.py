@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blend.runner import Runner
+from blend.model.runner import Runner
 from tests.models import tiny_model
 
 THETA = 10000.0

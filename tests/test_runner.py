@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blend.runner import ATTN_GROUP_MIN, PAD_TO_CAUSAL, Runner, SamplingParams
+from blend.decode.sampling import SamplingParams
+from blend.model.attention import ATTN_GROUP_MIN, PAD_TO_CAUSAL
+from blend.model.runner import Runner
 from tests.models import smollm2, tiny_model
 
 
@@ -119,11 +121,11 @@ def test_greedy_decode_matches_generate():
 
 def test_sampling_is_seeded_and_top_p_restricts():
     logits = torch.tensor([5.0, 4.9, -10.0, -10.0])
-    picks = {__import__("blend.runner", fromlist=["sample"]).sample(logits, SamplingParams(1.0, 0.5)) for _ in range(50)}
+    picks = {__import__("blend.decode.sampling", fromlist=["sample"]).sample(logits, SamplingParams(1.0, 0.5)) for _ in range(50)}
     assert picks == {0}
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1)
-    from blend.runner import sample
+    from blend.decode.sampling import sample
 
     # extreme values the API accepts: a temperature near 0 is greedy, a top_p that underflows keeps the top token
     big = torch.tensor([30.0, 29.0, -3.0e4, 0.0], dtype=torch.bfloat16)
@@ -198,7 +200,7 @@ def test_packed_prefill_equals_one_prefill_per_sequence(start):
 def test_packed_prefill_in_half_precision():
     """bfloat16 (the GPU dtype): the packed pass's masks and gathers keep the model dtype and
     agree with one prefill per sequence to bf16 rounding."""
-    from blend.model import load_model
+    from blend.model.loading import load_model
 
     runner = Runner(load_model("random:tiny", device="cpu", dtype="bfloat16"))
     g = torch.Generator().manual_seed(2)

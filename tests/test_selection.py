@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from blend.engine import BlendEngine
-from blend.selector import SELECTIONS, QueryAttention, query_probs, select_top
+from blend.engine.engine import BlendEngine
+from blend.recompute.selector import SELECTIONS, QueryAttention, query_probs, select_top
 from tests.test_engine import DOCS, QUESTION, make_engine, maxdiff
 
 LAYOUTS = [("none", 0), ("system", 0), ("none", 3), ("system", 3)]

@@ -23,7 +23,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from blend.engine import BlendEngine
+from blend.engine.engine import BlendEngine
 from tests.models import smollm2_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from blend.config import EngineConfig
-from blend.engine import BlendEngine
-from blend.session import SessionBusy
+from blend.engine.engine import BlendEngine
+from blend.session.manager import SessionBusy
 from tests.models import smollm2_tokenizer, tiny_model
 
 BLOCK = 16
@@ -300,7 +300,7 @@ def test_bench_history_reaches_the_requested_length():
 def test_session_files_are_opened_safely_and_a_failed_save_leaves_the_conversation(tmp_path, monkeypatch):
     import os
 
-    import blend.session
+    import blend.session.manager
 
     sessions = tmp_path / "sessions"
     sessions.mkdir()
@@ -313,7 +313,7 @@ def test_session_files_are_opened_safely_and_a_failed_save_leaves_the_conversati
         for sid, why in (("fifo", "not a regular file"), ("link", "symbolic links"), ("deep", "recursion")):
             with pytest.raises(ValueError, match=f"(?i)session '{sid}'.*unreadable.*{why}"):
                 engine.chat(sid, "hello")
-        monkeypatch.setattr(blend.session, "MAX_HISTORY_BYTES", 8)
+        monkeypatch.setattr(blend.session.manager, "MAX_HISTORY_BYTES", 8)
         (sessions / "big.json").write_text(json.dumps({"messages": []}))
         with pytest.raises(ValueError, match="over the 8 bytes"):
             engine.chat("big", "hello")
@@ -327,7 +327,7 @@ def test_session_files_are_opened_safely_and_a_failed_save_leaves_the_conversati
                 engine.chat(bad, "hello")
         # a turn whose history cannot be written raises and is not part of the conversation
         first = engine.chat("kept", MESSAGES[0])
-        monkeypatch.setattr(blend.session.secrets, "token_hex", lambda n: "0" * (2 * n))  # a guessed temp name
+        monkeypatch.setattr(blend.session.manager.secrets, "token_hex", lambda n: "0" * (2 * n))  # a guessed temp name
         blocker = sessions / f"kept.json.tmp-{'0' * 16}"
         blocker.mkdir()  # the temp file cannot be created
         with pytest.raises(ValueError, match="cannot write its history"):
@@ -364,7 +364,7 @@ def test_a_conversation_over_the_positions_says_what_to_shorten(tmp_path):
 def test_a_history_too_long_for_the_positions_is_refused_before_tokenizing(tmp_path, monkeypatch):
     """A stored history (or a turn's documents) with more characters than the positions can
     hold at the longest token's length is refused at once: tokenizing megabytes takes minutes."""
-    import blend.session
+    import blend.session.manager
 
     cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [{"kind": "cpu", "budget": "64MiB"}]},
                                         chunk_tokens=BLOCK, sessions_dir=str(tmp_path / "sessions"), split="off")
@@ -378,7 +378,7 @@ def test_a_history_too_long_for_the_positions_is_refused_before_tokenizing(tmp_p
         def tokenized(*args, **kwargs):
             raise AssertionError("tokenized a history that cannot fit")
 
-        monkeypatch.setattr(blend.session, "chat_ids", tokenized)
+        monkeypatch.setattr(blend.session.manager, "chat_ids", tokenized)
         with pytest.raises(ValueError, match="session 'huge'.*cannot fit the model's 64 positions.*"
                                              "conversation is too long: drop the session"):
             engine.chat("huge", "Hi.")
@@ -395,7 +395,7 @@ def test_a_lock_file_dropped_between_open_and_flock_is_opened_again(tmp_path, mo
     flock we got guards nothing, so the turn locks the new file instead."""
     import os
 
-    import blend.session
+    import blend.session.manager
 
     real_flock = fcntl.flock
     calls: list[int] = []
@@ -408,7 +408,7 @@ def test_a_lock_file_dropped_between_open_and_flock_is_opened_again(tmp_path, mo
         return real_flock(fd, op)
 
     with make_engine(tmp_path) as engine:
-        monkeypatch.setattr(blend.session.fcntl, "flock", racing_flock)
+        monkeypatch.setattr(blend.session.manager.fcntl, "flock", racing_flock)
         assert engine.chat("raced", "hello").token_ids
         assert len(calls) == 2 and (tmp_path / "sessions" / "raced.lock").exists()
 

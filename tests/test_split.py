@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from blend.config import EngineConfig
-from blend.engine import BlendEngine
-from blend.planner import LayerCost, LoadCosts, PrefillCosts
-from blend.split import MIN_GAIN, Splitter, blend_rows, load_from_layer, simulate
+from blend.engine.engine import BlendEngine
+from blend.planning.planner import LayerCost, LoadCosts, PrefillCosts
+from blend.planning.split import MIN_GAIN, Splitter, blend_rows, load_from_layer, simulate
 from blend.stats import LookupTally
 from storage.config import CpuTierConfig
 from storage.entry import EntryHeader, KVEntry
@@ -224,8 +224,9 @@ def test_a_computed_prefix_inside_any_plan_equals_full_prefill(selection):
     """plan_recompute + run_layers with the split's computed prefix (fresh rows) ending inside
     a document, for the query pass and for check-layer policies: with exact stored entries
     the first-token logits equal a full prefill's (fp32)."""
-    from blend.pipeline import LayerLoader
-    from blend.recompute import plan_recompute, run_layers
+    from blend.kv.loader import LayerLoader
+    from blend.recompute.layers import run_layers
+    from blend.recompute.plan import plan_recompute
 
     slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
     with make_engine(slow, "off", selection) as engine:
@@ -270,7 +271,7 @@ def test_after_full_prefills_only_a_fast_tier_blend_still_loads(one_thread):
 def test_a_blend_that_loaded_nothing_is_observed_as_a_full_prefill():
     """Ratio 1 runs as a full prefill through the blend path: its time must be attributed to
     every row, not to the query rows (that made small requests look as slow as a full one)."""
-    from blend.split import rows_per_layer
+    from blend.planning.split import rows_per_layer
     from blend.stats import RequestStats, SelectionReport
 
     full_plan = RequestStats(mode="blend", recompute_ratio=1.0, context_tokens=90, query_tokens=10,

@@ -10,11 +10,12 @@ import math
 import pytest
 import torch
 
-from blend.attention import AttentionPlan, biased_attention, build_plan, causal_float_masks, run_plan
 from blend.config import EngineConfig
-from blend.recompute import MIN_SHIFT_ROWS, StaleKeys, shift_applies
-from blend.runner import KVCache, Runner
-from blend.selector import SELECTIONS, stale_key_bias
+from blend.model.attention import AttentionPlan, biased_attention, build_plan, causal_float_masks, run_plan
+from blend.model.cache import KVCache
+from blend.model.runner import Runner
+from blend.recompute.selector import SELECTIONS, stale_key_bias
+from blend.recompute.stale import MIN_SHIFT_ROWS, StaleKeys, shift_applies
 from tests.models import tiny_model
 from tests.test_engine import DOCS, QUESTION, make_engine, maxdiff
 

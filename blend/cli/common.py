@@ -81,7 +81,7 @@ def open_engine(path: str | None, config: Any) -> Any:
     files fail before torch is imported; a setting found wrong only once the model or store
     is known names that file too (blend.config.naming_config)."""
     from blend.config import naming_config
-    from blend.engine import BlendEngine
+    from blend.engine.engine import BlendEngine
 
     with naming_config(path):
         return BlendEngine(config)

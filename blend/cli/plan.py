@@ -11,9 +11,9 @@ import math
 import sys
 from typing import Any
 
-from blend import planner
 from blend.cli.common import emit_json
-from blend.planner import (
+from blend.planning import planner
+from blend.planning.planner import (
     DEFAULT_KV_DTYPE_BYTES,
     DEFAULT_MIN_RATIO,
     PROFILE_TOKENS,

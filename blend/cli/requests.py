@@ -46,7 +46,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from blend.document import Document
+    from blend.prompt.document import Document
 
     docs = [Document(text, id=path) for path, text in zip(args.files, read_documents(args.files), strict=True)]
     with _engine(args) as engine:
@@ -67,7 +67,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from blend.session import check_session_id
+    from blend.session.manager import check_session_id
 
     check_session_id(args.session)
     say = human(args)

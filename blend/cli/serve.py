@@ -59,7 +59,7 @@ def passive_openmp() -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     passive_openmp()
-    from blend.engine import BlendEngine
+    from blend.engine.engine import BlendEngine
     from blend.server import listen_socket, serve
     from blend.server.app import ServerSettings
 

@@ -17,7 +17,7 @@ import socket
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from blend.engine import BlendEngine
+    from blend.engine.engine import BlendEngine
     from blend.server.app import ServerSettings
 
 

@@ -30,10 +30,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blend.document import check_documents, render_document
-from blend.engine import BlendEngine
-from blend.generation import GenerationResult, TextDelta
-from blend.request import GenerationRequest
+from blend.decode.decoder import GenerationResult, TextDelta
+from blend.engine.engine import BlendEngine
+from blend.engine.request import GenerationRequest
+from blend.prompt.document import check_documents, render_document
 from blend.server import schemas
 from blend.server.metrics import CONTENT_TYPE, Metrics
 from blend.server.worker import EngineWorker, Finished, Job, QueueFull

@@ -25,9 +25,9 @@ from pydantic import (
     model_validator,
 )
 
-from blend.conversation import Message
-from blend.document import Document
-from blend.generation import GenerationResult
+from blend.decode.decoder import GenerationResult
+from blend.prompt.conversation import Message
+from blend.prompt.document import Document
 
 Number = StrictFloat | StrictInt
 Stop = StrictStr | Annotated[list[StrictStr], Field(max_length=16)] | None

@@ -62,7 +62,7 @@ def environment(device: str = "cuda") -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Both runs; returns the combined summary (also written under args.out)."""
-    from blend.model import load_model
+    from blend.model.loading import load_model
     from eval.bench.ttft import run_ttft, write_report
 
     out = Path(args.out)

@@ -127,9 +127,9 @@ def smoke() -> dict[str, Any]:
     import torch
 
     from blend.config import EngineConfig
-    from blend.engine import BlendEngine
-    from blend.model import load_model
-    from blend.pipeline import LayerLoader, StagingRing, copy_stream
+    from blend.engine.engine import BlendEngine
+    from blend.kv.loader import LayerLoader, StagingRing, copy_stream
+    from blend.model.loading import load_model
     from blend.stats import LookupTally
     from eval.bench.load import ChunkShape, random_entry
     from storage.config import CpuTierConfig
@@ -257,8 +257,8 @@ def profile_stage(check: Check) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     from blend.config import load_config
-    from blend.engine import BlendEngine
-    from blend.model import load_model
+    from blend.engine.engine import BlendEngine
+    from blend.model.loading import load_model
     from eval.bench.common import one_tier_store
     from eval.bench.ttft import QUESTION as BENCH_QUESTION
     from eval.bench.ttft import bench_documents
@@ -342,7 +342,7 @@ def attention_variants(runner: Any, n: int, share: float = 0.15, tail: int = 40)
 def _attention_case(runner: Any, n: int, rows: Any) -> dict[str, Any]:
     import torch
 
-    from blend.attention import candidates, is_tail
+    from blend.model.attention import candidates, is_tail
 
     dev, dt = runner.device, runner.dtype
     q = torch.randn(runner.num_heads, rows.numel(), runner.head_dim, device=dev, dtype=dt)

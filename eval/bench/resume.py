@@ -80,8 +80,8 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
     import torch
 
     from blend.config import load_config
-    from blend.engine import BlendEngine
-    from blend.model import load_model
+    from blend.engine.engine import BlendEngine
+    from blend.model.loading import load_model
     from eval.samples import sample_documents
     from storage.tier import StoreUnavailable
 

@@ -226,8 +226,8 @@ def run_level(url: str, clients: int, requests: list[BenchRequest], max_tokens: 
 
 def in_process_ttft(engine, req: BenchRequest, max_tokens: int, kvblend: dict[str, Any]) -> float:
     """Call -> first non-empty TextDelta of `engine.generate_stream` (the API's TTFT)."""
-    from blend.document import Document
-    from blend.generation import TextDelta
+    from blend.decode.decoder import TextDelta
+    from blend.prompt.document import Document
 
     docs = [Document(d["text"], id=d.get("id"), title=d.get("title")) for d in req.documents]
     t0 = time.perf_counter()
@@ -293,8 +293,8 @@ def run_serve_bench(config: str | None, *, clients: list[int], requests: int, po
                 send(http, base, req, max_tokens, kvblend, model)
         comparison = None
         if compare and 1 in clients:
-            from blend.document import Document
-            from blend.engine import BlendEngine
+            from blend.engine.engine import BlendEngine
+            from blend.prompt.document import Document
 
             engine = BlendEngine.from_config(config)
             engine.warmup()

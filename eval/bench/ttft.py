@@ -231,8 +231,8 @@ def bench_config(args: argparse.Namespace):
 def run_ttft(args: argparse.Namespace, lm: Any = None) -> dict[str, Any]:
     """Measure full prefill against blend per (tier, ratio); see the module doc. `lm`: an
     already loaded model to reuse (it must be the one the config names)."""
-    from blend.engine import BlendEngine
-    from blend.model import load_model
+    from blend.engine.engine import BlendEngine
+    from blend.model.loading import load_model
 
     watch = LoadWatch.begin()
     steady = Steadiness.begin()

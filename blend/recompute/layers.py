@@ -41,223 +41,24 @@ recomputes every candidate (ratio 1) is a full prefill with no loads.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from blend.pipeline import LayerLoader, Placement
-from blend.prompt import Prompt
-from blend.runner import KVCache, Runner, apply_rope
-from blend.selector import (
+from blend.kv.loader import LayerLoader
+from blend.model.cache import KVCache
+from blend.model.runner import Runner
+from blend.recompute.plan import RecomputePlan
+from blend.recompute.selector import (
     CheckLayerKV,
     QueryAttention,
     deviation,
     normalised,
     query_probs,
-    schedule_counts,
     select,
     select_top,
-    stale_key_bias,
-    uses_check_layers,
 )
+from blend.recompute.stale import StaleKeys
 from blend.stats import SelectionReport
-
-_EMPTY = torch.zeros(0, dtype=torch.long)
-
-
-@dataclass(frozen=True)
-class RecomputePlan:
-    """Which rows each layer computes for one prompt."""
-
-    n: int  # prompt length
-    ctx_rows: torch.Tensor  # (C,) positions of cached context rows
-    cand_rows: torch.Tensor  # (N,) context rows whose cached KV is approximate: the candidates, sorted
-    forced_rows: torch.Tensor  # (F,) candidates always recomputed (inside the budget), sorted
-    query_rows: torch.Tensor  # (Q,) positions of the query rows (always computed)
-    check_layers: tuple[int, ...]  # layers where rows are selected (policy `query`: 0 = the query pass, then refinements)
-    counts: tuple[int, ...]  # candidates kept at each selection (non-increasing)
-    load_from: int  # first layer whose cached K/V is read (num_layers: none)
-    query_pass: bool = False  # select before layer 0 from a query pass (policy `query`)
-    query_layers: int = 0  # layers 0..query_layers-1 run in the query pass (the rest load during the recompute)
-    full: bool = False  # every row computed at every layer, nothing loaded (the budget covers every candidate)
-    # load-or-compute split (blend.split): positions [0, fresh) are computed in every layer, never loaded
-    fresh_rows: torch.Tensor = _EMPTY  # (F,)
-
-    @property
-    def first_active(self) -> torch.Tensor:
-        """Rows computed at layer 0: all of them when a check layer comes or nothing is
-        loaded, else the fresh rows and the query (policy `query`: the query pass's rows)."""
-        if self.check_layers and not self.query_pass or self.full:
-            return torch.arange(self.n)
-        return torch.cat([self.fresh_rows, self.query_rows])
-
-
-def _rows(segments: Sequence[tuple[int, int]]) -> torch.Tensor:
-    return torch.cat([torch.arange(a, b) for a, b in segments]) if segments else _EMPTY
-
-
-def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], schedule: tuple[float, ...],
-                   num_layers: int, *, policy: str = "deviation", placements: Sequence[Placement] = (),
-                   sink_tokens: int = 0, query_layers: int = 0, query_pool: float = 1.0,
-                   fresh: int = 0) -> RecomputePlan:
-    """Plan blend at `ratio` (0: reuse) with selection `policy`.
-
-    `placements` tell which cached rows are exact (their keys were computed at their
-    prompt position after the very tokens that precede them: pos_start == start); those
-    are loaded but never candidates. Without placements every context row is a candidate.
-    Check layers beyond the model are dropped; the last one kept then takes the final budget.
-    `query_layers` (policy `query`): how many layers the query pass runs (0 or more than
-    the model: all); `query_pool` > 1: the query pass keeps that many times the budget,
-    narrowed to the budget at the check layers (`filter_schedule`) by query attention x
-    KV deviation. `fresh` (a block boundary) is the load-or-compute split's computed
-    prefix: those rows are computed at every layer (in the query pass, for policy
-    `query`), never loaded nor candidates; the ratio applies to the rest.
-    """
-    cached = [s for s in prompt.segments if s.kind != "query" and s.end > fresh]
-    ctx_rows = _rows([(max(s.start, fresh), s.end) for s in cached])
-    exact = torch.zeros(len(prompt), dtype=torch.bool)
-    for p in placements:
-        if p.pos_start == p.start:
-            exact[p.start : p.start + p.length] = True
-    cand_rows = ctx_rows[~exact[ctx_rows]]
-    forced = torch.zeros(len(prompt), dtype=torch.bool)
-    if sink_tokens > 0:
-        for s in cached:
-            if s.kind == "document" and not bool(exact[s.start]):
-                forced[s.start : min(s.end, s.start + sink_tokens)] = True
-    forced_rows = cand_rows[forced[cand_rows]]
-    query_rows = torch.arange(prompt.query.start, len(prompt))
-    n_cand = cand_rows.numel()
-
-    def make(layers: Sequence[int], counts: Sequence[int], load_from: int, query_pass: bool = False) -> RecomputePlan:
-        # the query pass computes the fresh rows exactly, so with a split it runs every layer
-        depth = num_layers if query_layers <= 0 or fresh else min(query_layers, num_layers)
-        return RecomputePlan(len(prompt), ctx_rows, cand_rows, forced_rows, query_rows, tuple(layers),
-                             tuple(counts), load_from, query_pass, depth if query_pass else 0,
-                             full=load_from >= num_layers, fresh_rows=torch.arange(fresh))
-
-    if ratio <= 0 or n_cand == 0:
-        return make((), (), 0)  # reuse: only the query rows
-    n_ctx = ctx_rows.numel()
-    if not uses_check_layers(policy):
-        final = schedule_counts(ratio, (1.0,), n_ctx)[0]
-        if final >= n_cand:
-            return make((), (n_cand,), num_layers)
-        if query_pool <= 1.0:
-            return make((0,), (final,), 0, True)
-        # a pool of query_pool x the budget from the query pass, refined at the check layers
-        layers = [c for c in check_layers if 0 < c < num_layers]
-        pool = min(n_cand, schedule_counts(ratio * query_pool, (1.0,), n_ctx)[0])
-        later = schedule_counts(ratio, schedule[: len(layers)], n_ctx)
-        if later:
-            later[-1] = final
-        counts = [pool] + [min(c, pool) for c in later]
-        return make((0, *layers), counts if layers else [final], 0, True)
-    layers = [c for c in check_layers if c < num_layers]
-    counts = schedule_counts(ratio, schedule[: len(layers)], n_ctx)
-    if layers and len(layers) < len(check_layers):
-        counts[-1] = schedule_counts(ratio, (1.0,), n_ctx)[0]
-    counts = [min(c, n_cand) for c in counts]
-    # cached K/V is needed from the first check layer that drops a candidate on;
-    # everything kept everywhere (e.g. ratio 1) is a full prefill: no loads
-    partial = [c for c, kept in zip(layers, counts, strict=True) if kept < n_cand]
-    if not layers or not partial:
-        return make((), (n_cand,), num_layers)
-    return make(layers, counts, partial[0])
-
-
-# fewer recomputed rows than this at a layer: no K/V shift there (too few to take a mean over)
-MIN_SHIFT_ROWS = 16
-
-
-def _at_positions(offset: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One un-rotated vector per KV head, offset (Hkv, 1, D), rotated to each of T positions
-    given by their cos, sin (T, D): (Hkv, T, D)."""
-    return apply_rope(offset.expand(-1, cos.shape[0], -1).contiguous(), cos, sin)
-
-
-def shift_applies(setting: str, policy: str) -> bool:
-    """Whether config `stale_shift` (auto | on | off) shifts the stale K/V under selection `policy`.
-
-    auto leaves out `deviation`: it recomputes the rows whose K/V deviate most, so their mean
-    offset overstates the stale rows' (measured worse on MuSiQue dev; docs/EVAL.md)."""
-    return setting == "on" or (setting == "auto" and policy != "deviation")
-
-
-class StaleKeys:
-    """The candidate rows whose cached K/V the recompute leaves stale, and their correction.
-
-    At each layer, before the layer's fresh K/V are written, the recomputed candidate rows
-    show in this very request how their loaded K/V differ from what a full prefill gives:
-    - with `shift` (config `stale_shift`), the mean of fresh minus loaded over those rows,
-      per KV head (keys un-rotated first, so the offset is position-free), is added to the
-      stale rows' K/V in the cache (keys rotated back to each row's position);
-    - with `enabled` (config `stale_bias`), how much more the query rows attend to the
-      recomputed rows' loaded keys (shifted, with `shift`) than to their fresh ones
-      (selector.stale_key_bias, per KV head) is set, negated, on the stale rows' keys
-      (`KVCache.set_bias`): every later attention over the cache adds it.
-    Both apply to the recompute and then to each decoded token. No recomputed row (reuse) or
-    no stale row (ratio 1): nothing is changed.
-    """
-
-    def __init__(self, cand_rows: torch.Tensor, n: int, device: torch.device, enabled: bool, shift: bool = False):
-        self.is_cand = torch.zeros(n, dtype=torch.bool)
-        self.is_cand[cand_rows] = True
-        self.device, self.enabled, self.shift = device, enabled, shift
-        self.rows = _EMPTY  # (S,) stale rows, host
-        self.rows_dev = _EMPTY.to(device)
-        self._rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (S, D) of the stale rows
-        self._means: list[torch.Tensor | None] = []  # per layer: the mean bias over heads (None: none set)
-
-    def update(self, active: torch.Tensor) -> None:
-        """The stale rows are the candidates not in `active` (sorted host positions)."""
-        stale = self.is_cand.clone()
-        stale[active] = False
-        self.rows = stale.nonzero().flatten()
-        self.rows_dev = self.rows.to(self.device)
-        self._rotation = None
-
-    def correct(self, runner: Runner, cache: KVCache, layer: int, query_q: torch.Tensor, fresh_k: torch.Tensor,
-                fresh_v: torch.Tensor, recomputed: torch.Tensor) -> None:
-        """query_q (H, Q, D) the query rows' fresh queries; fresh_k, fresh_v (Hkv, S, D) the fresh
-        K/V of the recomputed candidate rows `recomputed` (S,) (device positions) at `layer`."""
-        if not (self.enabled or self.shift) or self.rows.numel() == 0 or recomputed.numel() == 0:
-            self._means.append(None)
-            return
-        loaded = cache.k[layer][:, recomputed]  # (Hkv, S, D) as placed by the loader: read before the write
-        if self.shift and recomputed.numel() >= MIN_SHIFT_ROWS:
-            loaded = self._shift(runner, cache, layer, fresh_k, fresh_v, loaded, recomputed)
-        if not self.enabled:
-            self._means.append(None)
-            return
-        bias = stale_key_bias(query_q, fresh_k, loaded, runner.scaling)  # (Hkv,)
-        cache.set_bias(layer, self.rows_dev, -bias)
-        self._means.append(bias.mean())  # kept on the device: no sync per layer
-
-    def _shift(self, runner: Runner, cache: KVCache, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
-               loaded_k: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
-        """Add the recomputed rows' mean K/V offset to the stale rows of `layer`; returns the
-        recomputed rows' loaded keys with the same offset (Hkv, S, D), for the bias."""
-        cos, sin = runner.rotation(recomputed)  # (S, D) float32: R(p) of each recomputed row
-        # R(p) k_fresh - R(p) k_loaded, turned back by R(-p): cos(-x) = cos x, sin(-x) = -sin x
-        dk = apply_rope(fresh_k.float() - loaded_k.float(), cos, -sin).mean(dim=1, keepdim=True)  # (Hkv, 1, D)
-        dv = (fresh_v.float() - cache.v[layer][:, recomputed].float()).mean(dim=1, keepdim=True)  # (Hkv, 1, D)
-        if self._rotation is None:
-            self._rotation = runner.rotation(self.rows)
-        st_cos, st_sin = self._rotation  # (T, D) of the T stale rows
-        keys, values, st = cache.k[layer], cache.v[layer], self.rows_dev
-        keys[:, st] += _at_positions(dk, st_cos, st_sin).to(keys.dtype)
-        values[:, st] += dv.to(values.dtype)
-        return loaded_k + _at_positions(dk, cos, sin).to(loaded_k.dtype)
-
-    def skip(self) -> None:
-        """A layer with nothing to correct."""
-        self._means.append(None)
-
-    def per_layer(self) -> tuple[float, ...]:
-        """The mean over heads of the offset taken off the stale keys at each layer so far."""
-        return tuple(0.0 if m is None else float(m) for m in self._means)
 
 
 @torch.inference_mode()
@@ -341,6 +142,7 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
     return runner.logits(h[-1:])[0], report
 
 
+
 def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
                value_weighted: bool = False) -> torch.Tensor:
     """Run the query rows through layers 0..plan.query_layers-1 over the loaded K/V
@@ -376,6 +178,7 @@ def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
                 out = torch.cat([runner.attend(q[:, :nf], fresh, keys[:, :nf], values[:, :nf]), out])
             h = runner.finish(layer, h, out)
     return fused.scores()
+
 
 
 def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan,
@@ -434,3 +237,4 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), int(chosen.numel()),
                              selection_s, tuple(selected), query_pass=True, key_bias=stale.per_layer())
     return runner.logits(h[-1:])[0], report
+

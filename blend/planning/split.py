@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from blend.pipeline import Placement
-from blend.planner import LoadCosts, PrefillCosts
-from blend.prompt import Prompt
-from blend.selector import schedule_counts
+from blend.kv.loader import Placement
+from blend.planning.planner import LoadCosts, PrefillCosts
+from blend.prompt.builder import Prompt
+from blend.recompute.selector import schedule_counts
 from blend.stats import RequestStats, SplitReport
 
 MIN_GAIN = 0.10  # a split must be predicted to save this share of the unsplit time (unless

@@ -19,14 +19,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from blend.attention import (  # noqa: F401 - ATTN_GROUP_MIN, PAD_TO_CAUSAL: re-exported
-    ATTN_GROUP_MIN,
-    PAD_TO_CAUSAL,
+from blend.model.attention import (
     AttentionPlan,
     AttentionTuner,
     biased_attention,
@@ -42,7 +39,8 @@ from blend.attention import (  # noqa: F401 - ATTN_GROUP_MIN, PAD_TO_CAUSAL: re-
     shortcut_plan,
     wall_timer,
 )
-from blend.model import LoadedModel
+from blend.model.cache import KVCache
+from blend.model.loading import LoadedModel
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,100 +57,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     torch.addcmul(x2 * c, x1, s, out=out[..., half:])  # x2 cos + x1 sin
     return out
 
-
-class KVCache:
-    """Preallocated per-layer K/V for one sequence; slot i holds position i.
-
-    k[layer], v[layer]: (kv_heads, capacity, head_dim). `length` is the number of
-    positions filled (0..length-1); it is set by whoever fills the cache.
-
-    `bias` (None, or per layer a (kv_heads, capacity) float32 tensor) is an additive
-    attention-logit bias per key slot that every attention over this cache adds: blend
-    sets it on slots whose K/V were loaded stale and not recomputed (blend.recompute,
-    `stale_bias`), so that later queries (the query rows, then every decoded token)
-    weigh those keys as the recomputed ones say they should. Slots computed afresh
-    (`Runner.prefill`, `write`) are unbiased.
-    """
-
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (kv_heads, capacity, head_dim)
-        # uninitialised: a slot is always written before a query at or after its position reads it
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.length = 0
-        self.bias: list[torch.Tensor] | None = None
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[1]
-
-    def ensure_capacity(self, capacity: int) -> None:
-        """Grow the buffers (copying) so that `capacity` positions fit."""
-        if capacity <= self.capacity:
-            return
-        new_cap = max(capacity, int(self.capacity * 1.5) + 16)
-        for store in (self.k, self.v):
-            for i, t in enumerate(store):
-                grown = t.new_empty((t.shape[0], new_cap, t.shape[2]))
-                grown[:, : self.length] = t[:, : self.length]
-                store[i] = grown
-        if self.bias is not None:
-            for i, b in enumerate(self.bias):
-                grown = b.new_zeros((b.shape[0], new_cap))
-                grown[:, : b.shape[1]] = b
-                self.bias[i] = grown
-
-    def set_bias(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Bias the keys of slots `rows` (R,) of `layer` by `values` (kv_heads,) (a logit added
-        to every query's score of those keys); other slots keep theirs (0 unless set)."""
-        if self.bias is None:
-            self.bias = [torch.zeros((t.shape[0], t.shape[1]), dtype=torch.float32, device=t.device) for t in self.k]
-        self.bias[layer][:, rows] = values.to(self.bias[layer].device, torch.float32)[:, None]
-
-    def clear_bias(self, start: int, end: int) -> None:
-        """Unbias slots start..end-1 in every layer (their K/V are being computed afresh)."""
-        if self.bias is not None:
-            for b in self.bias:
-                b[:, start:end] = 0.0
-
-    def layer_bias(self, layer: int, n: int) -> torch.Tensor | None:
-        """(kv_heads, n) logit bias of slots 0..n-1 of `layer`, or None when the cache has none."""
-        return None if self.bias is None else self.bias[layer][:, :n]
-
-    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
-        """Write fresh k/v (Hkv, T, D) of prompt rows `rows` (T,) into the layer; n = prompt length
-        (when every row is written the copy is one contiguous slice)."""
-        if rows.numel() == n:
-            self.k[layer][:, :n] = k
-            self.v[layer][:, :n] = v
-        else:
-            self.k[layer][:, rows] = k
-            self.v[layer][:, rows] = v
-        if self.bias is not None:
-            self.bias[layer][:, rows.to(self.bias[layer].device)] = 0.0
-
-    def layer(self, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.length if length is None else length
-        return self.k[layer][:, :n], self.v[layer][:, :n]
-
-    def nbytes(self) -> int:
-        return sum(t[:, : self.length].numel() * t.element_size() for t in self.k + self.v)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Greedy when temperature == 0; otherwise temperature + nucleus (top-p) sampling."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 class Runner:
@@ -517,38 +421,21 @@ class Runner:
 
     @torch.inference_mode()
     def decode(self, first_logits: torch.Tensor, cache: KVCache, max_new_tokens: int,
-               eos_ids: Sequence[int] = (), sampling: SamplingParams | None = None) -> list[int]:
-        """Generate up to max_new_tokens from the prefill's last logits (vocab,).
+               eos_ids: Sequence[int] = ()) -> list[int]:
+        """Greedy reference decoding: up to max_new_tokens from the prefill's last logits (vocab,),
+        one `step` at a time (the engine decodes through blend.decode; tests compare against this).
 
         Continues from `cache` (filled to cache.length) and appends to it. Stops after an
         EOS id (which is included in the result).
         """
-        sampling = sampling or SamplingParams()
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         tokens: list[int] = []
         logits = first_logits
         cache.ensure_capacity(cache.length + max_new_tokens)
         for i in range(max_new_tokens):
-            token = sample(logits, sampling, gen)
+            token = int(torch.argmax(logits))
             tokens.append(token)
             if token in eos_ids or i == max_new_tokens - 1:
                 break
             logits = self.step(token, cache)
         return tokens
 
-
-def sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """Pick the next token from logits (vocab,): argmax, or temperature + top-p."""
-    if sampling.temperature == 0:
-        return int(torch.argmax(logits))
-    logits = logits.double().cpu()
-    # shifted so the largest is 0 before scaling: a tiny temperature gives -inf, never inf - inf
-    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p
-        keep[0] = True  # the top token always stays (a top_p that underflows keeps it alone)
-        sorted_probs = sorted_probs * keep
-        choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from blend.pipeline import LayerLoader, Placement
-from blend.runner import KVCache, Runner
+from blend.kv.loader import LayerLoader, Placement
+from blend.model.cache import KVCache
+from blend.model.runner import Runner
 from blend.stats import LoadReport
 from storage.entry import Expected, KVEntry
 from storage.keys import prefix_block_key

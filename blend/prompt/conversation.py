@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from blend.document import clean_text
+from blend.prompt.document import clean_text
 
 ROLES = ("system", "developer", "user", "assistant")
 _BASE_MARKER = "\x00KVBLEND-DOCUMENTS\x00"

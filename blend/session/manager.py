@@ -46,13 +46,14 @@ from typing import Any
 import torch
 
 from blend.config import BlendConfig
-from blend.conversation import ROLES, Message, chat_ids
-from blend.document import Document, clean_text
-from blend.generation import Decoder, GenerationResult, Prefilled
-from blend.pipeline import LoadStalled
-from blend.prefix import PrefixCache, intact_end
-from blend.prompt import Prompt, PromptBuilder
-from blend.runner import KVCache, SamplingParams
+from blend.decode.decoder import Decoder, GenerationResult, Prefilled
+from blend.decode.sampling import SamplingParams
+from blend.kv.loader import LoadStalled
+from blend.kv.prefix import PrefixCache, intact_end
+from blend.model.cache import KVCache
+from blend.prompt.builder import Prompt, PromptBuilder
+from blend.prompt.conversation import ROLES, Message, chat_ids
+from blend.prompt.document import Document, clean_text
 from blend.stats import LookupTally, RequestStats, tally_fields
 from storage.tier import StoreUnavailable
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from blend.conversation import (
+from blend.prompt.conversation import (
     Message,
     encode,
     encode_with_holes,
@@ -27,7 +27,7 @@ from blend.conversation import (
     split_conversation,
     unique_marker,
 )
-from blend.document import Document, clean_text, render_document
+from blend.prompt.document import Document, clean_text, render_document
 
 log = logging.getLogger(__name__)
 

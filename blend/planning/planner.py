@@ -206,7 +206,7 @@ def model_kv_shape(model_name: str) -> ModelKVShape:
     """
     from transformers import AutoConfig
 
-    from blend.model import RANDOM_PREFIX, random_config, resolve_model
+    from blend.model.loading import RANDOM_PREFIX, random_config, resolve_model
 
     if model_name.startswith(RANDOM_PREFIX):
         config = random_config(model_name[len(RANDOM_PREFIX):])
@@ -240,7 +240,7 @@ def profile_prefill(model_name: str, tokens: int = PROFILE_TOKENS, repeats: int 
     """
     import torch
 
-    from blend.model import load_model
+    from blend.model.loading import load_model
 
     if tokens <= 0:
         raise ValueError(f"profile tokens must be a positive integer, got {tokens!r}")

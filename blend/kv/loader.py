@@ -46,7 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
-from blend.runner import KVCache, Runner
+from blend.model.cache import KVCache
+from blend.model.runner import Runner
 from blend.stats import LoadReport
 from storage.entry import EntryHeader, KVEntry
 from storage.memory import CpuTier

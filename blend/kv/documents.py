@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from blend.pipeline import Placement
-from blend.prefix import EntryMaker, pack_groups
-from blend.prompt import Prompt, Segment
+from blend.kv.loader import Placement
+from blend.kv.prefix import EntryMaker, pack_groups
+from blend.prompt.builder import Prompt, Segment
 from blend.stats import LookupTally
 from storage.entry import KVEntry
 from storage.keys import document_block_key, tokens_digest

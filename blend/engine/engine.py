@@ -35,8 +35,19 @@ from typing import Any
 import torch
 
 from blend.config import EngineConfig, load_config, naming_config
-from blend.conversation import Message, check_messages
-from blend.document import (
+from blend.decode.decoder import Decoder, GenerationResult, Prefilled, TextDelta
+from blend.decode.sampling import SamplingParams
+from blend.engine.request import GenerationRequest
+from blend.kv.documents import DocumentCache, IngestStopped
+from blend.kv.loader import LayerLoader, LoadStalled
+from blend.kv.prefix import EntryMaker, PrefixCache
+from blend.model.loading import LoadedModel, load_model
+from blend.model.runner import Runner
+from blend.planning.planner import LoadCosts, PrefillCosts
+from blend.planning.split import Splitter
+from blend.prompt.builder import Prompt, PromptBuilder
+from blend.prompt.conversation import Message, check_messages
+from blend.prompt.document import (
     Document,
     DocumentIndex,
     IngestedDocument,
@@ -44,19 +55,11 @@ from blend.document import (
     document_id,
     render_document,
 )
-from blend.documents import DocumentCache, IngestStopped
-from blend.generation import Decoder, GenerationResult, Prefilled, TextDelta
-from blend.model import LoadedModel, load_model
-from blend.pipeline import LayerLoader, LoadStalled
-from blend.planner import LoadCosts, PrefillCosts
-from blend.prefix import EntryMaker, PrefixCache
-from blend.prompt import Prompt, PromptBuilder
-from blend.recompute import plan_recompute, run_layers, shift_applies
-from blend.request import GenerationRequest
-from blend.runner import Runner, SamplingParams
-from blend.selector import check_policy, uses_check_layers
-from blend.session import RagTurn, SessionManager
-from blend.split import Splitter
+from blend.recompute.layers import run_layers
+from blend.recompute.plan import plan_recompute
+from blend.recompute.selector import check_policy, uses_check_layers
+from blend.recompute.stale import shift_applies
+from blend.session.manager import RagTurn, SessionManager
 from blend.stats import LookupTally, RequestStats, tally_fields
 from storage.dtypes import dtype_bytes
 from storage.stack import TieredStore

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blend.config import BlendConfig, check_mode
-from blend.conversation import Message, check_messages
-from blend.document import Document, check_documents, clean_text
+from blend.prompt.conversation import Message, check_messages
+from blend.prompt.document import Document, check_documents, clean_text
 
 MAX_STOP_STRINGS = 16
 
@@ -129,7 +129,7 @@ class GenerationRequest:
             raise TypeError(f"mode must be a str, got {type(mode).__name__}")
         check_mode(mode)
         if selection is not None:
-            from blend.selector import check_policy
+            from blend.recompute.selector import check_policy
 
             if not isinstance(selection, str):
                 raise TypeError(f"selection must be a str or None, got {type(selection).__name__}")

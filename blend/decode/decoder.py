@@ -26,11 +26,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blend.model import LoadedModel
-from blend.runner import KVCache, Runner, SamplingParams, sample
+from blend.decode.sampling import SamplingParams, sample
+from blend.decode.text import TextAssembler
+from blend.model.cache import KVCache
+from blend.model.loading import LoadedModel
+from blend.model.runner import Runner
 from blend.stats import RequestStats
 
 log = logging.getLogger(__name__)
+
 
 
 @dataclass
@@ -50,6 +54,7 @@ class GenerationResult:
     follow_logprobs: torch.Tensor | None = None
 
 
+
 @dataclass(frozen=True)
 class TextDelta:
     """New text of a streamed generation (final: never revised by a later delta; may be
@@ -57,6 +62,7 @@ class TextDelta:
 
     text: str
     tokens: int  # tokens generated so far
+
 
 
 @dataclass
@@ -67,72 +73,6 @@ class Prefilled:
     cache: KVCache
     stats: RequestStats
 
-
-class TextAssembler:
-    """Incremental detokenization of one generation with stop strings (see the module docstring)."""
-
-    def __init__(self, tokenizer, eos_ids: Sequence[int], stop: Sequence[str] = ()):
-        self.tokenizer, self.eos_ids, self.stop = tokenizer, set(eos_ids), tuple(stop)
-        self.ids: list[int] = []
-        self.out = ""  # text emitted so far
-        self.stopped = False  # a stop string was completed
-        self._raw = ""  # decoded text so far (incremental), before stripping
-        self._window = (0, 0)  # token offsets: context tokens start, read position
-
-    def push(self, token: int) -> str:
-        """Add a generated token; returns the newly final text ("" if none).
-
-        Decodes only a short window (the previous piece as context), so a long
-        generation costs linear time, not quadratic.
-        """
-        if token in self.eos_ids:
-            return ""
-        self.ids.append(token)
-        start, read = self._window
-        before = self.tokenizer.decode(self.ids[start:read], skip_special_tokens=True)
-        after = self.tokenizer.decode(self.ids[start:], skip_special_tokens=True)
-        if len(after) > len(before) and not after.endswith("\ufffd"):  # else: an incomplete character
-            self._raw += after[len(before):]
-            self._window = (read, len(self.ids))
-        text = self._raw.lstrip()
-        hit = self._find_stop(text)
-        if hit is not None:
-            self.stopped = True
-            return self._emit(text[:hit].rstrip())
-        return self._emit(text[: self._stable_end(text)])
-
-    def finish(self) -> str:
-        """The remaining text once generation has ended (the whole decoding, stripped)."""
-        if self.stopped:
-            return ""
-        return self._emit(self.tokenizer.decode(self.ids, skip_special_tokens=True).strip())
-
-    def _emit(self, upto: str) -> str:
-        if len(upto) <= len(self.out):
-            return ""
-        if not upto.startswith(self.out):  # a tokenizer whose decoding of a prefix is not a prefix of the whole
-            log.debug("detokenization revised emitted text %r -> %r; emitted text is kept", self.out, upto)
-        new = upto[len(self.out):]
-        self.out += new
-        return new
-
-    def _find_stop(self, text: str) -> int | None:
-        if not self.stop:
-            return None
-        start = max(0, len(self.out) - max(len(s) for s in self.stop) + 1)
-        found = [i for s in self.stop if (i := text.find(s, start)) >= 0]
-        return min(found) if found else None
-
-    def _stable_end(self, text: str) -> int:
-        """End of the text that can neither change nor turn into a stop string."""
-        end = len(text.rstrip())
-        hold = 0
-        for s in self.stop:  # a tail that is a proper prefix of a stop string
-            for k in range(min(len(s) - 1, end), hold, -1):
-                if text[end - k:end] == s[:k]:
-                    hold = k
-                    break
-        return end - hold
 
 
 class Decoder:
@@ -228,6 +168,7 @@ class Decoder:
         return torch.log_softmax(torch.cat(logits).float(), dim=-1)
 
 
+
 def eos_ids(lm: LoadedModel) -> tuple[int, ...]:
     """Token ids that end generation: the tokenizer's and generation config's EOS, and <|im_end|>."""
     ids = set()
@@ -240,3 +181,4 @@ def eos_ids(lm: LoadedModel) -> tuple[int, ...]:
     if isinstance(im_end, int) and im_end != getattr(lm.tokenizer, "unk_token_id", None):
         ids.add(im_end)
     return tuple(sorted(ids))
+

@@ -1,0 +1,122 @@
+"""Which rows each layer computes for one blend request (`plan_recompute` -> `RecomputePlan`),
+fixed before any compute: the candidates (context rows whose cached KV is not exact at its
+prompt position), the rows always recomputed, the budget per selection and the first layer
+that reads loaded KV."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from blend.kv.loader import Placement
+from blend.prompt.builder import Prompt
+from blend.recompute.selector import schedule_counts, uses_check_layers
+
+_EMPTY = torch.zeros(0, dtype=torch.long)
+
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """Which rows each layer computes for one prompt."""
+
+    n: int  # prompt length
+    ctx_rows: torch.Tensor  # (C,) positions of cached context rows
+    cand_rows: torch.Tensor  # (N,) context rows whose cached KV is approximate: the candidates, sorted
+    forced_rows: torch.Tensor  # (F,) candidates always recomputed (inside the budget), sorted
+    query_rows: torch.Tensor  # (Q,) positions of the query rows (always computed)
+    check_layers: tuple[int, ...]  # layers where rows are selected (policy `query`: 0 = the query pass, then refinements)
+    counts: tuple[int, ...]  # candidates kept at each selection (non-increasing)
+    load_from: int  # first layer whose cached K/V is read (num_layers: none)
+    query_pass: bool = False  # select before layer 0 from a query pass (policy `query`)
+    query_layers: int = 0  # layers 0..query_layers-1 run in the query pass (the rest load during the recompute)
+    full: bool = False  # every row computed at every layer, nothing loaded (the budget covers every candidate)
+    # load-or-compute split (blend.split): positions [0, fresh) are computed in every layer, never loaded
+    fresh_rows: torch.Tensor = _EMPTY  # (F,)
+
+    @property
+    def first_active(self) -> torch.Tensor:
+        """Rows computed at layer 0: all of them when a check layer comes or nothing is
+        loaded, else the fresh rows and the query (policy `query`: the query pass's rows)."""
+        if self.check_layers and not self.query_pass or self.full:
+            return torch.arange(self.n)
+        return torch.cat([self.fresh_rows, self.query_rows])
+
+
+
+def _rows(segments: Sequence[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in segments]) if segments else _EMPTY
+
+
+
+def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], schedule: tuple[float, ...],
+                   num_layers: int, *, policy: str = "deviation", placements: Sequence[Placement] = (),
+                   sink_tokens: int = 0, query_layers: int = 0, query_pool: float = 1.0,
+                   fresh: int = 0) -> RecomputePlan:
+    """Plan blend at `ratio` (0: reuse) with selection `policy`.
+
+    `placements` tell which cached rows are exact (their keys were computed at their
+    prompt position after the very tokens that precede them: pos_start == start); those
+    are loaded but never candidates. Without placements every context row is a candidate.
+    Check layers beyond the model are dropped; the last one kept then takes the final budget.
+    `query_layers` (policy `query`): how many layers the query pass runs (0 or more than
+    the model: all); `query_pool` > 1: the query pass keeps that many times the budget,
+    narrowed to the budget at the check layers (`filter_schedule`) by query attention x
+    KV deviation. `fresh` (a block boundary) is the load-or-compute split's computed
+    prefix: those rows are computed at every layer (in the query pass, for policy
+    `query`), never loaded nor candidates; the ratio applies to the rest.
+    """
+    cached = [s for s in prompt.segments if s.kind != "query" and s.end > fresh]
+    ctx_rows = _rows([(max(s.start, fresh), s.end) for s in cached])
+    exact = torch.zeros(len(prompt), dtype=torch.bool)
+    for p in placements:
+        if p.pos_start == p.start:
+            exact[p.start : p.start + p.length] = True
+    cand_rows = ctx_rows[~exact[ctx_rows]]
+    forced = torch.zeros(len(prompt), dtype=torch.bool)
+    if sink_tokens > 0:
+        for s in cached:
+            if s.kind == "document" and not bool(exact[s.start]):
+                forced[s.start : min(s.end, s.start + sink_tokens)] = True
+    forced_rows = cand_rows[forced[cand_rows]]
+    query_rows = torch.arange(prompt.query.start, len(prompt))
+    n_cand = cand_rows.numel()
+
+    def make(layers: Sequence[int], counts: Sequence[int], load_from: int, query_pass: bool = False) -> RecomputePlan:
+        # the query pass computes the fresh rows exactly, so with a split it runs every layer
+        depth = num_layers if query_layers <= 0 or fresh else min(query_layers, num_layers)
+        return RecomputePlan(len(prompt), ctx_rows, cand_rows, forced_rows, query_rows, tuple(layers),
+                             tuple(counts), load_from, query_pass, depth if query_pass else 0,
+                             full=load_from >= num_layers, fresh_rows=torch.arange(fresh))
+
+    if ratio <= 0 or n_cand == 0:
+        return make((), (), 0)  # reuse: only the query rows
+    n_ctx = ctx_rows.numel()
+    if not uses_check_layers(policy):
+        final = schedule_counts(ratio, (1.0,), n_ctx)[0]
+        if final >= n_cand:
+            return make((), (n_cand,), num_layers)
+        if query_pool <= 1.0:
+            return make((0,), (final,), 0, True)
+        # a pool of query_pool x the budget from the query pass, refined at the check layers
+        layers = [c for c in check_layers if 0 < c < num_layers]
+        pool = min(n_cand, schedule_counts(ratio * query_pool, (1.0,), n_ctx)[0])
+        later = schedule_counts(ratio, schedule[: len(layers)], n_ctx)
+        if later:
+            later[-1] = final
+        counts = [pool] + [min(c, pool) for c in later]
+        return make((0, *layers), counts if layers else [final], 0, True)
+    layers = [c for c in check_layers if c < num_layers]
+    counts = schedule_counts(ratio, schedule[: len(layers)], n_ctx)
+    if layers and len(layers) < len(check_layers):
+        counts[-1] = schedule_counts(ratio, (1.0,), n_ctx)[0]
+    counts = [min(c, n_cand) for c in counts]
+    # cached K/V is needed from the first check layer that drops a candidate on;
+    # everything kept everywhere (e.g. ratio 1) is a full prefill: no loads
+    partial = [c for c, kept in zip(layers, counts, strict=True) if kept < n_cand]
+    if not layers or not partial:
+        return make((), (n_cand,), num_layers)
+    return make(layers, counts, partial[0])
+

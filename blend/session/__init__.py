@@ -1,0 +1,2 @@
+"""Chat sessions: history files, device-resident KV, offload and resume from prefix blocks.
+"""
