@@ -9,6 +9,7 @@ import torch
 
 from blend.model.cache import KVCache
 from blend.model.runner import Runner
+from blend.prompt.conversation import encode
 
 
 def forced_logprobs(runner: Runner, cache: KVCache, first_logits: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
@@ -28,7 +29,7 @@ def forced_logprobs(runner: Runner, cache: KVCache, first_logits: torch.Tensor, 
 def answer_nll(runner: Runner, tokenizer, cache: KVCache, first_logits: torch.Tensor, answer: str) -> float:
     """Mean NLL per token of `answer` teacher-forced after the prompt in `cache` (its length
     is restored afterwards); nan for an answer of no tokens."""
-    ids = list(tokenizer(answer.strip(), add_special_tokens=False).input_ids)
+    ids = encode(tokenizer, answer.strip())
     if not ids:
         return float("nan")
     logp = forced_logprobs(runner, cache, first_logits, ids)
