@@ -40,7 +40,6 @@ from storage.config import (
     Bytes,
     CpuTierConfig,
     DiskTierConfig,
-    DType,
     LocalPath,
     NonNegativeFloat,
     PositiveFloat,
@@ -54,7 +53,10 @@ from storage.config import (
     load_yaml,
     redacted,
 )
+from storage.dtypes import DTYPE_NAMES
 from storage.units import parse_bytes
+
+ComputeDType = Literal[("auto", *DTYPE_NAMES)]  # type: ignore[valid-type]
 
 CONFIG_ENV = "KVBLEND_CONFIG"
 HOME_ENV = "KVBLEND_HOME"
@@ -295,7 +297,7 @@ class EngineConfig:
 
     model: Annotated[StrictStr, AfterValidator(_model)] = "smollm2-135m-instruct"
     device: Annotated[StrictStr, AfterValidator(_device)] = "auto"  # auto | cpu | cuda | cuda:N | mps
-    dtype: DType = "float32"  # compute dtype
+    dtype: ComputeDType = "float32"  # compute dtype, or auto (blend.model.loading.auto_dtype)
     engine: Annotated[BlendConfig, Section] = Field(default_factory=BlendConfig)
     store: Annotated[StoreConfig, Section] = Field(default_factory=default_store)
 

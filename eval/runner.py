@@ -3,7 +3,10 @@ quality against the gold answers and for fidelity against full prefill.
 
 Per example: its passages are ingested once (one document each), then the entries run
 interleaved in a fixed order, full prefill first (the reference of the fidelity metrics),
-so drift of the machine during a long run hits all modes alike. Entries are named after
+so drift of the machine during a long run hits all modes alike. With a `reference` engine
+(`kvblend eval --reference-dtype`: the same model in another compute dtype) that engine's
+full prefill is the reference instead, and every entry, full included, is compared to it:
+what a compute dtype costs in fidelity, for full prefill and blend alike. Entries are named after
 their mode, blend entries after their ratio too: full, reuse, prefix, blend@0.15.
 
 Per example and entry (a row):
@@ -84,6 +87,7 @@ def run_eval(
     out_dir: str | Path | None = None,
     run_settings: Mapping[str, Any] | None = None,
     progress: bool = True,
+    reference: Any = None,
 ) -> EvalRun:
     """Evaluate `examples` in every entry with `engine` (a BlendEngine).
 
@@ -93,6 +97,9 @@ def run_eval(
         already there (the file must have been written with the same settings).
     run_settings: extra settings that identify the run (dataset split, passages, ...); they
         join the engine and prompt settings in the results header.
+    reference: another BlendEngine (the same model in another compute dtype) whose full
+        prefill is the fidelity reference of every entry, full included; its dtype joins
+        the settings. None: the first entry, full prefill in `engine`, is the reference.
 
     Side effects: ingests the passages into the engine's store; writes results.jsonl.
     Progress goes to stderr.
@@ -116,6 +123,12 @@ def run_eval(
         "max_new_tokens": max_new, **engine_settings(engine),
         "prompts": {t: {"system": templates[t].system, "query": templates[t].query} for t in tasks},
     }
+    if reference is not None:
+        if reference.fingerprint == engine.fingerprint:
+            raise ValueError("the reference engine computes exactly as the evaluated one (same model and dtype); "
+                             "leave the reference out")
+        settings["reference"] = {"model": reference.fingerprint,
+                                 "dtype": str(reference.lm.dtype).removeprefix("torch.")}
     results = ResultsLog.open(out_dir, settings) if out_dir is not None else None
     done = results.done if results is not None else {}
     changed = [ex.id for ex in examples if ex.id in done and done[ex.id].get("digest", ex.digest) != ex.digest]
@@ -130,6 +143,7 @@ def run_eval(
         log.warning("%s: %d of %d example(s) already done; evaluating the other %d",
                     results.path, len(examples) - len(todo), len(examples), len(todo))
     original_prompts = engine.prompts
+    reference_prompts = reference.prompts if reference is not None else None
     # modes are compared as defined: no load-or-compute split (blend.split) during an evaluation
     splitter = getattr(engine, "splitter", None)
     original_split = splitter.mode if splitter is not None else None
@@ -139,10 +153,14 @@ def run_eval(
     watch = LoadWatch.begin()
     try:
         if todo:
-            _warm_up(engine, todo[0], templates[todo[0].task])
+            for warm in (engine, reference):
+                if warm is not None:
+                    _warm_up(warm, todo[0], templates[todo[0].task])
         for ex in _progress(todo, progress and bool(todo)):
             _use_template(engine, templates[ex.task])
-            record = evaluate_example(engine, ex, entries, max_new_tokens=max_new)
+            if reference is not None:
+                _use_template(reference, templates[ex.task])
+            record = evaluate_example(engine, ex, entries, max_new_tokens=max_new, reference=reference)
             if record is None:
                 skipped.append(ex.id)
                 continue
@@ -152,6 +170,8 @@ def run_eval(
                 done[ex.id] = jsonable(record)
     finally:
         engine.prompts = original_prompts
+        if reference is not None:
+            reference.prompts = reference_prompts
         if splitter is not None:
             splitter.mode = original_split
         if results is not None:
@@ -179,9 +199,12 @@ def engine_settings(engine: Any) -> dict[str, Any]:
     }
 
 
-def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_new_tokens: int) -> dict[str, Any] | None:
+def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_new_tokens: int,
+                     reference: Any = None) -> dict[str, Any] | None:
     """Run one example in every entry (entries[0] must be full); its record, or None when
-    the prompt does not fit the model (skipped with a warning).
+    the prompt does not fit the model (skipped with a warning). `reference`: an engine whose
+    full prefill (greedy, with its step log-probs) every entry is compared to; default: the
+    first entry's.
 
     Side effects: ingests the passages; the prompt comes from the engine's current builder.
     """
@@ -201,7 +224,9 @@ def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_
     engine.ingest(passages)
     ingest_s = time.perf_counter() - t0
     rows: dict[str, dict[str, Any]] = {}
-    reference = None
+    if reference is not None:  # full prefill in the reference engine
+        reference = reference.generate(question, passages, mode="full", max_new_tokens=max_new_tokens,
+                                       temperature=0.0, logprobs=True)
     for entry in entries:
         first = reference is None  # full prefill: the reference of every later entry
         result = engine.generate(question, passages, mode=entry.mode, recompute_ratio=entry.ratio,

@@ -148,6 +148,43 @@ def test_full_is_its_own_reference_and_blend_at_one_matches_it(first_run):
         assert record["entries"]["reuse"]["chunk_misses"] == 0 and record["entries"]["reuse"]["chunk_hits"] > 0
 
 
+def _reference_engine(dtype: torch.dtype, digest: str) -> BlendEngine:
+    """An engine around a copy of the tiny model in `dtype` (its own fingerprint)."""
+    import copy
+
+    from blend.model.loading import wrap_model
+
+    lm = _lm()
+    model = copy.deepcopy(lm.model).to(dtype)
+    return BlendEngine(EngineConfig().with_overrides(store=STORE, chunk_tokens=64),
+                       model=wrap_model(model, lm.tokenizer, "tiny-reference", weights_digest=digest))
+
+
+def test_a_reference_engine_is_every_entry_s_reference(first_run):
+    """The same computation under another fingerprint as the reference reproduces the run
+    without one (full's KL 0, blend's KL unchanged); a bfloat16 copy as the reference moves
+    full prefill's own KL off 0 (what the float32 model costs against it)."""
+    _, plain = first_run
+    entries = plan_entries(["full", "blend"], [0.15])
+    same = run_eval(_engine(), list(_examples()), entries=entries, dataset="synthetic_small", max_new_tokens=3,
+                    progress=False, reference=_reference_engine(torch.float32, "same-weights"))
+    assert same.settings["reference"]["dtype"] == "float32"
+    assert same.summary["full"]["kl_to_full"] < 1e-9 and same.summary["full"]["answer_kl"] < 1e-9
+    assert same.summary["full"]["greedy_match"] == 1.0
+    for name in ("kl_to_full", "answer_kl"):
+        assert same.summary["blend@0.15"][name] == pytest.approx(plain.summary["blend@0.15"][name], abs=1e-6)
+    bf16 = run_eval(_engine(), list(_examples()), entries=entries, dataset="synthetic_small", max_new_tokens=3,
+                    progress=False, reference=_reference_engine(torch.bfloat16, "bf16-weights"))
+    assert bf16.settings["reference"]["dtype"] == "bfloat16"
+    assert bf16.summary["full"]["kl_to_full"] > 1e-6 and bf16.summary["full"]["answer_kl"] > 1e-6
+
+
+def test_a_reference_that_computes_the_same_is_refused():
+    engine = _engine()
+    with pytest.raises(ValueError, match="leave the reference out"):
+        run_eval(engine, list(_examples()), entries=ENTRIES, dataset="x", progress=False, reference=_engine())
+
+
 def test_rerun_skips_finished_examples_and_extends_with_a_higher_limit(first_run, monkeypatch):
     out, run = first_run
     engine = _engine()
@@ -336,6 +373,24 @@ def test_cli_eval_rejects_bad_arguments(extra, message, capsys):
         main(["eval", "--dataset", str(DATA), *extra])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_eval_with_a_reference_dtype(tiny_config, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["eval", "--config", str(tiny_config), "--dataset", str(DATA), "--limit", "1", "--passages", "3",
+            "--modes", "full", "--max-new-tokens", "2", "--reference-dtype", "bfloat16", "--json", "--out", str(out),
+            "--no-progress"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["summary"]["full"]["kl_to_full"] > 1e-6  # float32 full prefill against the bfloat16 one
+    settings, _ = read_results(out / FILENAME)
+    assert settings["dtype"] == "float32" and settings["reference"]["dtype"] == "bfloat16"
+
+
+def test_cli_eval_refuses_a_reference_dtype_equal_to_the_config_s(tiny_config, capsys):
+    argv = ["eval", "--config", str(tiny_config), "--dataset", str(DATA), "--reference-dtype", "float32"]
+    assert main(argv) == 2
+    assert "--reference-dtype float32 is the config's own compute dtype" in capsys.readouterr().err
 
 
 def test_cli_eval_reports_an_unknown_dataset_layout(tmp_path, capsys):

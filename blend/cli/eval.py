@@ -11,6 +11,8 @@ reported before the model is loaded. With --out the run is resumable (results.js
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 from typing import Any
 
@@ -27,6 +29,7 @@ from blend.cli.common import (
 )
 from blend.cli.common import check_out_dir as check_out_dir_of
 from blend.modes import MODES
+from storage.dtypes import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="greedy answer length (default: the config's max_new_tokens)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write results.jsonl (resumable), summary.json, summary.md and PNG plots here")
+    p.add_argument("--reference-dtype", default=None, choices=DTYPE_NAMES, metavar="DTYPE",
+                   help="compare every entry, full prefill included, to full prefill in this compute dtype (a second "
+                        "copy of the model; float32, bfloat16, float16): what the config's dtype costs in fidelity")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     json_arg(p, "print the summary as one JSON object on the last line (tables go to stderr)")
     p.set_defaults(func=cmd_eval)
@@ -117,12 +123,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not examples:
         raise ValueError(f"{args.dataset}: no usable examples (each lacked passage text or, for qa, a question); check the file, --split and --field-map")
     first = prompts[examples[0].task]  # the engine's own templates: those of the first example's task
-    engine = open_engine(args.config, config.with_overrides(system_prompt=first.render_system(),
-                                                            query_template=first.query))
+    config = config.with_overrides(system_prompt=first.render_system(), query_template=first.query)
+    reference = None
+    if args.reference_dtype is not None:
+        from blend.model.loading import resolve_device, resolve_dtype
+        from storage.config import CpuTierConfig
+
+        if resolve_dtype(args.reference_dtype) == resolve_dtype(config.dtype, resolve_device(config.device)):
+            raise ValueError(f"--reference-dtype {args.reference_dtype} is the config's own compute dtype: leave it "
+                             "out (full prefill is then the reference), or give another dtype")
+    engine = open_engine(args.config, config)
     run_settings = {"split": args.split, "passages": args.passages, "field_map": args.field_map}
-    with engine:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(engine)
+        if args.reference_dtype is not None:
+            # full prefill only, which touches no store: one CPU-memory tier, never the config's disk or Redis
+            only_memory = dataclasses.replace(config.store, tiers=(CpuTierConfig(),))
+            reference = stack.enter_context(open_engine(args.config, config.with_overrides(
+                dtype=args.reference_dtype, store=only_memory)))
         run = run_eval(engine, examples, entries=entries, dataset=str(args.dataset), max_new_tokens=args.max_new_tokens,
-                       prompts=prompts, out_dir=args.out, run_settings=run_settings, progress=not args.no_progress)
+                       prompts=prompts, out_dir=args.out, run_settings=run_settings, progress=not args.no_progress,
+                       reference=reference)
     if not run.records:
         raise ValueError(f"{args.dataset}: every example was skipped ({len(run.skipped)}: prompt plus answer longer "
                          "than the model's positions); keep fewer passages (--passages) or a smaller --max-new-tokens")

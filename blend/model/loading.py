@@ -18,7 +18,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,10 +175,52 @@ def fingerprint_model(dims: ModelDims, weights_digest: str, compute_dtype: torch
     return hashlib.sha256(facts.encode()).hexdigest()[:32]
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+AUTO_DTYPE = "auto"
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs that compute bfloat16 natively
+
+
+def cpu_flags(path: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The feature flags the kernel reports for the first CPU (Linux); empty where the file
+    is missing or unreadable (another OS)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == "flags":
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def auto_dtype(device: torch.device, flags: Iterable[str] | None = None) -> torch.dtype:
+    """The compute dtype `dtype: auto` picks for `device`: bfloat16 where the hardware
+    computes it natively, float32 elsewhere.
+
+    CUDA: bfloat16 when the device supports it (Ampere and later), else float32. CPU:
+    bfloat16 when its flags (`flags`, default `cpu_flags()`) include avx512_bf16 or
+    amx_bf16 and torch has its oneDNN kernels, else float32. Any other device: float32.
+    """
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
+    if device.type == "cpu":
+        have = cpu_flags() if flags is None else frozenset(flags)
+        if any(f in have for f in CPU_BF16_FLAGS) and torch.backends.mkldnn.is_available():
+            return torch.bfloat16
+    return torch.float32
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """The torch dtype of a compute dtype name (float32, bfloat16, float16) or of `auto`
+    (`auto_dtype` for `device`, default the CPU). ValueError listing the valid names."""
     if isinstance(name, torch.dtype):
         return name
-    return torch_dtype(name)  # ValueError listing the valid names
+    if name == AUTO_DTYPE:
+        return auto_dtype(device if device is not None else torch.device("cpu"))
+    try:
+        return torch_dtype(name)
+    except ValueError:
+        raise ValueError(f"dtype {name!r} is not supported; use auto or one of float32, bfloat16, float16") from None
 
 
 def resolve_device(name: str | torch.device | None) -> torch.device:
@@ -298,7 +340,7 @@ def load_model(name_or_path: str, *, device: str | None = "auto", dtype: str | t
     config = AutoConfig.from_pretrained(directory)
     check_supported(config)  # fail before reading weights
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolve_dtype(dtype))
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolve_dtype(dtype, target))
     model.to(target)
     loaded = wrap_model(model, tokenizer, source, weights_digest)
     log.info("loaded %s (%s, %d layers) fingerprint %s", source, loaded.dims.arch, loaded.dims.num_layers, loaded.fingerprint)
@@ -405,7 +447,7 @@ def load_random_model(shape: str, *, device: str | torch.device | None = "auto",
     config = random_config(shape)
     check_supported(config)
     target = torch.device("meta") if str(device) == "meta" else resolve_device(device)
-    compute_dtype = resolve_dtype(dtype)
+    compute_dtype = resolve_dtype(dtype, target)
     tokenizer = AutoTokenizer.from_pretrained(shipped_tokenizer_dir())
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
