@@ -1,4 +1,4 @@
-"""`kvblend bench load | ttft | resume | serve`: argument parsing and printing; the measurements
+"""`kvblend bench load | ttft | resume | serve | decode`: argument parsing and printing; the measurements
 live in eval/bench. Arguments are checked before anything is loaded or written; progress
 and tables go to stdout, or to stderr with --json (stdout then holds the JSON line only)."""
 
@@ -24,6 +24,8 @@ from blend.cli.common import (
 )
 from blend.modes import parse_ratio
 from storage.dtypes import DTYPE_NAMES
+
+COMPUTE_DTYPES = ("auto", *DTYPE_NAMES)
 
 
 def _tiers(text: str, allowed: tuple[str, ...] | None = None) -> list[str]:
@@ -132,7 +134,7 @@ def _register_ttft(sub: Any) -> None:
     p.add_argument("--cluster-urls", default=None)
     p.add_argument("--model", default=None,
                    help="override the config's model, e.g. random:llama-3-8b (random weights: timing only)")
-    p.add_argument("--dtype", default=None, choices=DTYPE_NAMES, help="override the compute dtype, e.g. bfloat16")
+    p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES, help="override the compute dtype, e.g. bfloat16")
     p.add_argument("--device", default=None, help="override the device: auto, cpu, cuda, cuda:<index>")
     p.add_argument("--kv-dtype", default=None, choices=DTYPE_NAMES, help="override the stored KV dtype")
     json_arg(p)
@@ -185,10 +187,64 @@ def _register_resume(sub: Any) -> None:
     p.set_defaults(func=cmd_resume)
 
 
+# ----------------------------------------------------------------- decode
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value}")
+    return value
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from blend.cli.common import positive_ints
+
+    contexts = positive_ints(args.context_tokens, "--context-tokens")
+    batches = positive_ints(args.batch, "--batch")
+    from blend.config import load_config
+
+    overrides = {name: getattr(args, name) for name in ("model", "dtype", "device") if getattr(args, name)}
+    config = load_config(args.config, **overrides)  # a bad config fails here, before the model loads
+    from eval.bench.decode import DecodeSettings, run_decode_bench
+
+    settings = DecodeSettings(tuple(contexts), tuple(batches), args.steps, args.repeats, args.warmup)
+    say = human(args)
+    summary = run_decode_bench(config, settings, log=say)
+    say(f"{summary['model']} ({summary['dtype']}, {summary['device']}, {summary['torch_threads']} threads, "
+        f"projections {summary['projections']}); CPU probe {summary['probe_gflops_start']} -> "
+        f"{summary['probe_gflops_end']} GFLOP/s, widest spread of rounds {summary['widest_spread']:.0%}")
+    if summary["random_weights"]:
+        say("random weights: these figures are timings only")
+    if args.json:
+        emit_json(summary)
+    return 0
+
+
+def _register_decode(sub: Any) -> None:
+    p = sub.add_parser("decode", help="decode step time and tokens/s per context length and batch size")
+    config_arg(p)
+    p.add_argument("--context-tokens", default="1024,4096", metavar="N,...",
+                   help="context lengths prefilled before decoding, comma-separated (default 1024,4096)")
+    p.add_argument("--batch", default="1,8", metavar="B,...",
+                   help="sequences decoding together, comma-separated (default 1,8)")
+    p.add_argument("--steps", type=POSITIVE_INT, default=16, help="decode steps per timed round (default 16)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="timed rounds per setting; the median is reported")
+    p.add_argument("--warmup", type=arg_type(_non_negative_int), default=2, help="untimed steps per setting (default 2)")
+    p.add_argument("--model", default=None, help="override the config's model, e.g. random:llama-3.2-1b (timing only)")
+    p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES, help="override the compute dtype (auto: "
+                   "bfloat16 where the CPU or GPU computes it natively)")
+    p.add_argument("--device", default=None, help="override the device: auto, cpu, cuda, cuda:<index>")
+    json_arg(p)
+    p.set_defaults(func=cmd_decode)
+
+
 def register(subparsers: Any) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks (load, ttft, resume, serve)")
+    bench = subparsers.add_parser("bench", help="benchmarks (load, ttft, resume, serve, decode)")
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     _register_load(sub)
     _register_ttft(sub)
     _register_resume(sub)
     serve.register_bench(sub)
+    _register_decode(sub)

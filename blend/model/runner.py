@@ -42,6 +42,7 @@ from blend.model.attention import (
 )
 from blend.model.cache import KVCache
 from blend.model.loading import LoadedModel
+from blend.model.projections import Projections, projections_for
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -93,6 +94,10 @@ class Runner:
         self.autotune = self.device.type == "cuda"
         self.tuner = AttentionTuner(cuda_event_timer if self.autotune else wall_timer)
         self.strategies: Counter[str] = Counter()  # attention calls per strategy run
+        # the linear layers as few, fast products (CPU; None: the model's modules as they are)
+        self.projections: Projections | None = projections_for(lm.model)
+        self.qk_norm = getattr(self.layers[0].self_attn, "q_norm", None) is not None  # Qwen3
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's cos/sin (P, D) by position
 
     # ----------------------------------------------------------------- helpers
     def new_cache(self, capacity: int) -> KVCache:
@@ -121,6 +126,17 @@ class Runner:
         dummy = torch.empty(0, dtype=self.dtype, device=self.device)
         cos, sin = self.rotary(dummy, positions.to(self.device)[None])
         return cos[0], sin[0]
+
+    def rope_rows(self, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope` of a few positions (a decode step's) read from a table of every position up
+        to the largest asked so far (grown by doubling, built by `rope` itself: the same
+        values). cos, sin (B, D) in the model dtype."""
+        need = max(positions) + 1
+        if self._rope_table is None or self._rope_table[0].shape[0] < need:
+            size = min(max(need, 2 * (self._rope_table[0].shape[0] if self._rope_table else 512)), self.max_positions)
+            self._rope_table = self.rope(torch.arange(size))  # (P, D) each
+        index = torch.tensor(positions, device=self.device)
+        return self._rope_table[0][index], self._rope_table[1][index]
 
     def rotation(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, D) float32 of the pure rotations R(delta) for integer offsets (T,).
@@ -190,19 +206,27 @@ class Runner:
     def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows h (T, hidden) at the positions of cos/sin (T, D) -> q (H, T, D), k and v (Hkv, T, D)."""
-        block = self.layers[layer]
-        attn = block.self_attn
-        x = block.input_layernorm(h)
-        t = x.shape[0]
-        q = attn.q_proj(x).view(t, -1, self.head_dim)  # (T, H, D)
-        k = attn.k_proj(x).view(t, -1, self.head_dim)  # (T, Hkv, D)
-        v = attn.v_proj(x).view(t, -1, self.head_dim)  # (T, Hkv, D)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3
+        q, k, v = self.project_qkv(layer, h)  # (T, H, D), (T, Hkv, D) x2
+        if self.qk_norm:  # Qwen3
+            attn = self.layers[layer].self_attn
             q = attn.q_norm(q)
             k = attn.k_norm(k)
         q = apply_rope(q.transpose(0, 1), cos, sin)  # (H, T, D)
         k = apply_rope(k.transpose(0, 1), cos, sin)  # (Hkv, T, D)
         return q, k, v.transpose(0, 1)
+
+    def project_qkv(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm and the Q/K/V projections of rows h (T, hidden) (one product where the
+        runner has `projections`): q (T, H, D), k and v (T, Hkv, D), before any q/k-norm or
+        RoPE."""
+        block = self.layers[layer]
+        x = block.input_layernorm(h)
+        t, d = x.shape[0], self.head_dim
+        if self.projections is not None:
+            qkv = self.projections.layers[layer].qkv(x).view(t, -1, d)  # (T, H + 2 Hkv, D)
+            return qkv.split((self.num_heads, self.kv_heads, self.kv_heads), dim=1)  # views of it
+        attn = block.self_attn
+        return attn.q_proj(x).view(t, -1, d), attn.k_proj(x).view(t, -1, d), attn.v_proj(x).view(t, -1, d)
 
     def plan_attention(self, q_pos: torch.Tensor, tk: int, fold: int | None = None,
                        strategy: str | None = None) -> AttentionPlan:
@@ -301,12 +325,15 @@ class Runner:
     def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj + residual, then post-attention norm + MLP + residual, for rows h (T, hidden)."""
         block = self.layers[layer]
-        h = h + block.self_attn.o_proj(attn_out)
-        return h + block.mlp(block.post_attention_layernorm(h))
+        proj = self.projections.layers[layer] if self.projections is not None else None
+        h = h + (proj.o(attn_out) if proj is not None else block.self_attn.o_proj(attn_out))
+        x = block.post_attention_layernorm(h)
+        return h + (proj.mlp(x) if proj is not None and proj.mlp is not None else block.mlp(x))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head for rows h (T, hidden) -> (T, vocab) in float32."""
-        return self.lm_head(self.norm(h)).float()
+        x = self.norm(h)
+        return (self.projections.lm_head(x) if self.projections is not None else self.lm_head(x)).float()
 
     # --------------------------------------------------------- whole passes
     @torch.inference_mode()
@@ -433,19 +460,26 @@ class Runner:
         for c, p in zip(caches, pos, strict=True):
             if p >= c.capacity:
                 raise ValueError(f"cache full at {p} positions: ensure_capacity before decode_step")
-        cos, sin = self.rope(torch.tensor(pos))  # (B, D)
+        cos, sin = self.rope_rows(pos)  # (B, D) each
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, D): broadcast over the heads
         h = self.embed(torch.tensor(token_ids))  # (B, hidden)
         for c, p in zip(caches, pos, strict=True):
             c.clear_bias(p, p + 1)  # the new slot is computed afresh
+        heads = self.num_heads
+        out = h.new_empty((batch, heads * self.head_dim))  # (B, H*D): every layer's attention output, in turn
         for layer in range(self.num_layers):
-            q, k, v = self.qkv(layer, h, cos, sin)  # (H, B, D), (Hkv, B, D) x2
-            out = h.new_empty((batch, self.num_heads * self.head_dim))  # (B, H*D)
+            q, k, v = self.project_qkv(layer, h)  # (B, H, D), (B, Hkv, D) x2
+            if self.qk_norm:  # Qwen3: normed per head, then rotated
+                attn = self.layers[layer].self_attn
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            qk = apply_rope(torch.cat((q, k), dim=1), cos, sin)  # (B, H + Hkv, D): one rotation for both
+            q, k = qk[:, :heads], qk[:, heads:]  # (B, H, D), (B, Hkv, D)
             for b, (c, p) in enumerate(zip(caches, pos, strict=True)):
                 keys, values = c.k[layer], c.v[layer]
-                keys[:, p] = k[:, b]
-                values[:, p] = v[:, b]
-                out[b] = decode_attention(q[:, b], keys[:, : p + 1], values[:, : p + 1], self.scaling,
-                                          c.layer_bias(layer, p + 1))
+                keys[:, p] = k[b]
+                values[:, p] = v[b]
+                decode_attention(q[b], keys[:, : p + 1], values[:, : p + 1], self.scaling,
+                                 c.layer_bias(layer, p + 1), out=out[b])
             h = self.finish(layer, h, out)
         for c, p in zip(caches, pos, strict=True):
             c.length = p + 1
