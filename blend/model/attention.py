@@ -319,8 +319,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     hkv = k.shape[0]
     qf = q.view(hkv, heads // hkv, d)  # (Hkv, g, D): query heads of a KV head as rows
     if q.device.type == "cpu":
-        dest = out.view(hkv, heads // hkv, d) if out is not None else None
-        return cpu_decode_attention(qf, k, v, scale, bias, dest).view(heads * d)
+        if out is None:
+            return cpu_decode_attention(qf, k, v, scale, bias).view(heads * d)
+        cpu_decode_attention(qf, k, v, scale, bias, out.view(hkv, heads // hkv, d))
+        return out
     mask = None if bias is None else bias.to(q.dtype)[:, None, :]  # (Hkv, 1, Tk)
     result = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale).reshape(heads * d)  # (H*D,)
     if out is not None:
