@@ -12,8 +12,9 @@ compute dtype:
   packed      bfloat16 where torch has oneDNN's bf16 kernels: each matrix prepacked once
               into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) and
               multiplied by `torch.ops.mkldnn._linear_pointwise`: about 1.7x faster than
-              F.linear for 1-8 rows (F.linear repacks the weight on every call), the same
-              for a prefill.
+              F.linear for 1-8 rows (F.linear repacks the weight on every call), 1.2x up to
+              256 rows, but 1.6x slower from 1,024 rows on: more than `PACKED_MAX_ROWS`
+              rows (a prefill) go through the model's own weights with F.linear.
 
 Both are copies beside the model's own weights (the modules stay untouched: transformers'
 forward, `save_pretrained` and the parity tests keep working), so the runner holds the
@@ -30,9 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 TRANSPOSED = "transposed"
 PACKED = "packed"
+PACKED_MAX_ROWS = 256  # more rows than this: F.linear on the model's weights beats the packed product
 
 
 class Linear:
@@ -42,6 +45,8 @@ class Linear:
     def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], layout: str):
         if layout not in (TRANSPOSED, PACKED):
             raise ValueError(f"unknown projection layout {layout!r}; use {TRANSPOSED} or {PACKED}")
+        self.parts = tuple((w.detach(), b.detach() if b is not None else None)
+                           for w, b in zip(weights, biases, strict=True))  # the model's own tensors, not copies
         w = torch.cat([t.detach() for t in weights]) if len(weights) > 1 else weights[0].detach()  # (out, in)
         self.layout = layout
         self.dtype = w.dtype
@@ -60,10 +65,19 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> (T, out) in x's dtype; does not modify x."""
         if self.layout == PACKED:
+            if x.shape[0] > PACKED_MAX_ROWS:
+                return torch.cat(self.split(x), dim=-1)
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         if self.bias is not None:
             return torch.addmm(self.bias, x, self.weight)
         return torch.mm(x, self.weight)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each stacked layer's output (T, its out) for rows x (T, in): views of one product,
+        or (packed, more than PACKED_MAX_ROWS rows) one F.linear per layer on the model's weights."""
+        if self.layout == PACKED and x.shape[0] > PACKED_MAX_ROWS:
+            return tuple(F.linear(x, w, b) for w, b in self.parts)
+        return self(x).split(self.widths, dim=-1)
 
     def nbytes(self) -> int:
         """Bytes of the weight and bias (the packed layout may pad a little more)."""
@@ -81,7 +95,7 @@ class GatedMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Rows x (T, hidden) -> (T, hidden)."""
-        gate, up = self.gate_up(x).split(self.gate_up.widths, dim=-1)  # (T, inter) each
+        gate, up = self.gate_up.split(x)  # (T, inter) each
         return self.down(self.act(gate) * up)
 
 

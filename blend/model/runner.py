@@ -223,8 +223,8 @@ class Runner:
         x = block.input_layernorm(h)
         t, d = x.shape[0], self.head_dim
         if self.projections is not None:
-            qkv = self.projections.layers[layer].qkv(x).view(t, -1, d)  # (T, H + 2 Hkv, D)
-            return qkv.split((self.num_heads, self.kv_heads, self.kv_heads), dim=1)  # views of it
+            q, k, v = self.projections.layers[layer].qkv.split(x)  # (T, H*D), (T, Hkv*D) x2
+            return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
         attn = block.self_attn
         return attn.q_proj(x).view(t, -1, d), attn.k_proj(x).view(t, -1, d), attn.v_proj(x).view(t, -1, d)
 
