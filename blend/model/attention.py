@@ -320,8 +320,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     qf = q.view(hkv, heads // hkv, d)  # (Hkv, g, D): query heads of a KV head as rows
     if q.device.type == "cpu":
         if out is None:
-            return cpu_decode_attention(qf, k, v, scale, bias).view(heads * d)
-        cpu_decode_attention(qf, k, v, scale, bias, out.view(hkv, heads // hkv, d))
+            return cpu_decode_attention(qf.float() * scale, k, v, bias).view(heads * d)
+        cpu_decode_attention(qf.float() * scale, k, v, bias, out.view(hkv, heads // hkv, d))
         return out
     mask = None if bias is None else bias.to(q.dtype)[:, None, :]  # (Hkv, 1, Tk)
     result = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale).reshape(heads * d)  # (H*D,)
@@ -331,10 +331,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return result
 
 
-def cpu_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T scale + bias) v for q (Hkv, g, D) over k, v (Hkv, Tk, D), bias (Hkv, Tk)
-    or None; into `out` (Hkv, g, D) when given. Returns (Hkv, g, D) in v's dtype.
+def cpu_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T + bias) v for float32 queries already scaled, q (Hkv, g, D), over k, v
+    (Hkv, Tk, D), bias (Hkv, Tk) or None; into `out` (Hkv, g, D) when given. Returns
+    (Hkv, g, D) in v's dtype.
 
     CPU SDPA with a few query rows reads K/V at 8-10 GB/s in float32 and ~3 GB/s in
     bfloat16; two batched products run at memory speed in float32 (about 2x SDPA's speed at
@@ -346,12 +347,13 @@ def cpu_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     keys = k.transpose(1, 2)  # (Hkv, D, Tk)
     if k.dtype != torch.float32:
         keys = keys.float()
-    scaled = q.float() * scale  # (Hkv, g, D)
     if bias is not None:
-        scores = torch.baddbmm(bias[:, None, :].expand(-1, q.shape[1], -1), scaled, keys)  # (Hkv, g, Tk)
+        scores = torch.baddbmm(bias[:, None, :].expand(-1, q.shape[1], -1), q, keys)  # (Hkv, g, Tk)
     else:
-        scores = torch.bmm(scaled, keys)  # (Hkv, g, Tk)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        scores = torch.bmm(q, keys)  # (Hkv, g, Tk)
+    probs = torch.softmax(scores, dim=-1)
+    if v.dtype != torch.float32:
+        probs = probs.to(v.dtype)
     return torch.bmm(probs, v, out=out) if out is not None else torch.bmm(probs, v)  # (Hkv, g, D)
 
 

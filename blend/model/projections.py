@@ -1,26 +1,22 @@
-"""The runner's linear layers laid out for products over few rows (decode steps).
+"""The runner's linear layers laid out for products over few rows (decode steps), where
+that measures faster than the model's own modules: bfloat16 on a CPU with oneDNN.
 
 Per decoder layer the model's Q, K and V projections become one product and, in a gated
 MLP (gate / up / down, every supported architecture), gate and up become one; the output
-and down projections and the LM head stay single. Two layouts on a CPU, chosen by the
-compute dtype:
+and down projections and the LM head stay single. Each matrix is prepacked once into
+oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied by
+`torch.ops.mkldnn._linear_pointwise` (F.linear repacks a bfloat16 weight on every call):
+measured on SmolLM2's 30 layers, 1.6x faster than the modules for 1 and 8 rows, 1.2x up
+to 256 rows, but 1.6x slower from 1,024 rows on, so more than `PACKED_MAX_ROWS` rows (a
+prefill) go through the model's own weights with F.linear.
 
-  transposed  float32 (and float16): each matrix stored transposed, (in, out) contiguous.
-              x @ W^T with W^T contiguous is a plain (NN) GEMM: as fast as the model's own
-              (NT) product for one row, about 2x faster for 2-8 rows (a batched decode
-              step), no slower for a prefill's thousands.
-  packed      bfloat16 where torch has oneDNN's bf16 kernels: each matrix prepacked once
-              into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) and
-              multiplied by `torch.ops.mkldnn._linear_pointwise`: about 1.7x faster than
-              F.linear for 1-8 rows (F.linear repacks the weight on every call), 1.2x up to
-              256 rows, but 1.6x slower from 1,024 rows on: more than `PACKED_MAX_ROWS`
-              rows (a prefill) go through the model's own weights with F.linear.
-
-Both are copies beside the model's own weights (the modules stay untouched: transformers'
-forward, `save_pretrained` and the parity tests keep working), so the runner holds the
-layers' linear weights twice: 0.4 GB more for SmolLM2 in float32, 0.2 GB in bfloat16.
-`projections_for` builds them once per loaded model and shares them between runners. On
-other devices (CUDA, MPS) the model's modules run as they are (`projections_for` -> None).
+The packed matrices are copies beside the model's weights (the modules stay untouched:
+transformers' forward, `save_pretrained` and the parity tests keep working): 0.27 GB more
+for SmolLM2. `projections_for` builds them once per loaded model and shares them between
+runners. Elsewhere the modules run as they are (`projections_for` -> None): in float32 a
+fused or transposed copy measured slower than the model's own weights (freshly allocated
+copies stream at 5-8 GB/s on this machine, the loaded weights at 9), and CUDA has its own
+kernels.
 """
 
 from __future__ import annotations
@@ -33,22 +29,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-TRANSPOSED = "transposed"
 PACKED = "packed"
 PACKED_MAX_ROWS = 256  # more rows than this: F.linear on the model's weights beats the packed product
 
 
 class Linear:
     """One product y = x W^T + b of one or several of the model's linear layers stacked along
-    their outputs (q, k, v -> one W of q_out + k_out + v_out rows), in `layout`."""
+    their outputs (q, k, v -> one W of q_out + k_out + v_out rows), prepacked for oneDNN."""
 
-    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], layout: str):
-        if layout not in (TRANSPOSED, PACKED):
-            raise ValueError(f"unknown projection layout {layout!r}; use {TRANSPOSED} or {PACKED}")
+    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]):
         self.parts = tuple((w.detach(), b.detach() if b is not None else None)
                            for w, b in zip(weights, biases, strict=True))  # the model's own tensors, not copies
         w = torch.cat([t.detach() for t in weights]) if len(weights) > 1 else weights[0].detach()  # (out, in)
-        self.layout = layout
         self.dtype = w.dtype
         self.out_features, self.in_features = w.shape
         self.widths = tuple(t.shape[0] for t in weights)  # each stacked layer's outputs, in order
@@ -57,30 +49,23 @@ class Linear:
                                    for b, n in zip(biases, self.widths, strict=True)])  # (out,)
         else:
             self.bias = None
-        if layout == PACKED:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)  # oneDNN's blocked layout
-        else:
-            self.weight = w.t().contiguous()  # (in, out): x @ weight is an NN GEMM
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)  # oneDNN's blocked layout
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) -> (T, out) in x's dtype; does not modify x."""
-        if self.layout == PACKED:
-            if x.shape[0] > PACKED_MAX_ROWS:
-                return torch.cat(self.split(x), dim=-1)
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
-        if self.bias is not None:
-            return torch.addmm(self.bias, x, self.weight)
-        return torch.mm(x, self.weight)
+        if x.shape[0] > PACKED_MAX_ROWS:
+            return torch.cat(self.split(x), dim=-1)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each stacked layer's output (T, its out) for rows x (T, in): views of one product,
-        or (packed, more than PACKED_MAX_ROWS rows) one F.linear per layer on the model's weights."""
-        if self.layout == PACKED and x.shape[0] > PACKED_MAX_ROWS:
+        or (more than PACKED_MAX_ROWS rows) one F.linear per layer on the model's weights."""
+        if x.shape[0] > PACKED_MAX_ROWS:
             return tuple(F.linear(x, w, b) for w, b in self.parts)
         return self(x).split(self.widths, dim=-1)
 
     def nbytes(self) -> int:
-        """Bytes of the weight and bias (the packed layout may pad a little more)."""
+        """Bytes of the weight and bias (oneDNN's layout may pad a little more)."""
         n = self.out_features * self.in_features + (self.out_features if self.bias is not None else 0)
         return n * self.dtype.itemsize
 
@@ -111,11 +96,11 @@ class LayerProjections:
 
 @dataclass(frozen=True)
 class Projections:
-    """Every layer's `LayerProjections` and the LM head, in one `layout`."""
+    """Every layer's `LayerProjections` and the LM head (`layout`: how they are stored)."""
 
-    layout: str
     layers: tuple[LayerProjections, ...]
     lm_head: Linear
+    layout: str = PACKED
 
     def nbytes(self) -> int:
         """Bytes these copies hold (beside the model's own weights)."""
@@ -127,33 +112,30 @@ class Projections:
 
 def projection_layout(device: torch.device, dtype: torch.dtype) -> str | None:
     """The layout of the runner's products for a model on `device` in `dtype`: `packed` for
-    bfloat16 on a CPU with oneDNN's bf16 kernels, `transposed` for any other CPU dtype,
-    None (the model's modules as they are) elsewhere."""
-    if device.type != "cpu":
-        return None
-    if dtype == torch.bfloat16:
-        if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return PACKED
-        return TRANSPOSED
-    return TRANSPOSED
+    bfloat16 on a CPU with oneDNN's bf16 kernels, None (the model's modules as they are)
+    otherwise."""
+    if (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return PACKED
+    return None
 
 
-def build_projections(model: torch.nn.Module, layout: str) -> Projections:
-    """The `Projections` of a transformers *ForCausalLM (llama, mistral, qwen2, qwen3) in
-    `layout`. Copies the weights; does not modify the model."""
+def build_projections(model: torch.nn.Module) -> Projections:
+    """The packed `Projections` of a transformers *ForCausalLM (llama, mistral, qwen2, qwen3).
+    Copies the weights; does not modify the model."""
     layers = []
     for block in model.model.layers:
         attn, mlp = block.self_attn, block.mlp
         parts = (attn.q_proj, attn.k_proj, attn.v_proj)
-        qkv = Linear([p.weight for p in parts], [p.bias for p in parts], layout)
-        o = Linear([attn.o_proj.weight], [attn.o_proj.bias], layout)
+        qkv = Linear([p.weight for p in parts], [p.bias for p in parts])
+        o = Linear([attn.o_proj.weight], [attn.o_proj.bias])
         gated = None
         if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            gate_up = Linear([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias], layout)
-            gated = GatedMLP(gate_up, Linear([mlp.down_proj.weight], [mlp.down_proj.bias], layout), mlp.act_fn)
+            gate_up = Linear([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias])
+            gated = GatedMLP(gate_up, Linear([mlp.down_proj.weight], [mlp.down_proj.bias]), mlp.act_fn)
         layers.append(LayerProjections(qkv, o, gated))
     head = model.lm_head
-    return Projections(layout, tuple(layers), Linear([head.weight], [getattr(head, "bias", None)], layout))
+    return Projections(tuple(layers), Linear([head.weight], [getattr(head, "bias", None)]))
 
 
 _built: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, Projections]] = weakref.WeakKeyDictionary()
@@ -175,7 +157,7 @@ def projections_for(model: torch.nn.Module) -> Projections | None:
         hit = _built.get(model)
         if hit is not None and hit[0] == state:
             return hit[1]
-        built = build_projections(model, layout)
+        built = build_projections(model)
         _built[model] = (state, built)
         return built
 

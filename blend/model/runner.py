@@ -30,6 +30,7 @@ from blend.model.attention import (
     build_plan,
     candidates,
     causal_float_masks,
+    cpu_decode_attention,
     cuda_event_timer,
     decode_attention,
     flash_attn_func,
@@ -59,6 +60,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     torch.addcmul(x2 * c, x1, s, out=out[..., half:])  # x2 cos + x1 sin
     return out
 
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in three ops for any x (..., D) with cos (…, D) and sin_signed = sin with
+    its first half negated (`Runner.rope_rows`): x cos + roll(x, D/2) sin_signed, i.e.
+    [x1 c - x2 s, x2 c + x1 s]. The same products and sums as `apply_rope`."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+# transformers' RMS norms that compute weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) in
+# float32: `rms_norm` runs them as one fused op (bitwise the same result)
+PLAIN_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMS norm module `norm` applied to x (..., hidden): one `F.rms_norm` for
+    the plain kind (float32: weight included; else in float32, cast back, times the
+    weight, as the module does), the module itself for any other kind."""
+    if type(norm).__name__ not in PLAIN_RMS_NORMS:
+        return norm(x)
+    shape, eps = (x.shape[-1],), norm.variance_epsilon
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, shape, norm.weight, eps)
+    return norm.weight * F.rms_norm(x.float(), shape, None, eps).to(x.dtype)
 
 
 class Runner:
@@ -94,7 +119,7 @@ class Runner:
         self.autotune = self.device.type == "cuda"
         self.tuner = AttentionTuner(cuda_event_timer if self.autotune else wall_timer)
         self.strategies: Counter[str] = Counter()  # attention calls per strategy run
-        # the linear layers as few, fast products (CPU; None: the model's modules as they are)
+        # the linear layers as few, prepacked products (bfloat16 on a CPU; None: the modules as they are)
         self.projections: Projections | None = projections_for(lm.model)
         self.qk_norm = getattr(self.layers[0].self_attn, "q_norm", None) is not None  # Qwen3
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's cos/sin (P, D) by position
@@ -130,11 +155,14 @@ class Runner:
     def rope_rows(self, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope` of a few positions (a decode step's) read from a table of every position up
         to the largest asked so far (grown by doubling, built by `rope` itself: the same
-        values). cos, sin (B, D) in the model dtype."""
+        values). cos, sin_signed (B, D) in the model dtype, sin_signed being sin with its
+        first half negated (what `rotate` takes)."""
         need = max(positions) + 1
         if self._rope_table is None or self._rope_table[0].shape[0] < need:
             size = min(max(need, 2 * (self._rope_table[0].shape[0] if self._rope_table else 512)), self.max_positions)
-            self._rope_table = self.rope(torch.arange(size))  # (P, D) each
+            cos, sin = self.rope(torch.arange(size))  # (P, D) each
+            half = sin.shape[-1] // 2
+            self._rope_table = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
         index = torch.tensor(positions, device=self.device)
         return self._rope_table[0][index], self._rope_table[1][index]
 
@@ -209,8 +237,8 @@ class Runner:
         q, k, v = self.project_qkv(layer, h)  # (T, H, D), (T, Hkv, D) x2
         if self.qk_norm:  # Qwen3
             attn = self.layers[layer].self_attn
-            q = attn.q_norm(q)
-            k = attn.k_norm(k)
+            q = rms_norm(attn.q_norm, q)
+            k = rms_norm(attn.k_norm, k)
         q = apply_rope(q.transpose(0, 1), cos, sin)  # (H, T, D)
         k = apply_rope(k.transpose(0, 1), cos, sin)  # (Hkv, T, D)
         return q, k, v.transpose(0, 1)
@@ -220,7 +248,7 @@ class Runner:
         runner has `projections`): q (T, H, D), k and v (T, Hkv, D), before any q/k-norm or
         RoPE."""
         block = self.layers[layer]
-        x = block.input_layernorm(h)
+        x = rms_norm(block.input_layernorm, h)
         t, d = x.shape[0], self.head_dim
         if self.projections is not None:
             q, k, v = self.projections.layers[layer].qkv.split(x)  # (T, H*D), (T, Hkv*D) x2
@@ -327,12 +355,12 @@ class Runner:
         block = self.layers[layer]
         proj = self.projections.layers[layer] if self.projections is not None else None
         h = h + (proj.o(attn_out) if proj is not None else block.self_attn.o_proj(attn_out))
-        x = block.post_attention_layernorm(h)
+        x = rms_norm(block.post_attention_layernorm, h)
         return h + (proj.mlp(x) if proj is not None and proj.mlp is not None else block.mlp(x))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head for rows h (T, hidden) -> (T, vocab) in float32."""
-        x = self.norm(h)
+        x = rms_norm(self.norm, h)
         return (self.projections.lm_head(x) if self.projections is not None else self.lm_head(x)).float()
 
     # --------------------------------------------------------- whole passes
@@ -460,26 +488,33 @@ class Runner:
         for c, p in zip(caches, pos, strict=True):
             if p >= c.capacity:
                 raise ValueError(f"cache full at {p} positions: ensure_capacity before decode_step")
-        cos, sin = self.rope_rows(pos)  # (B, D) each
+        cos, sin = self.rope_rows(pos)  # (B, D) each; sin with its first half negated
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, D): broadcast over the heads
         h = self.embed(torch.tensor(token_ids))  # (B, hidden)
         for c, p in zip(caches, pos, strict=True):
             c.clear_bias(p, p + 1)  # the new slot is computed afresh
-        heads = self.num_heads
-        out = h.new_empty((batch, heads * self.head_dim))  # (B, H*D): every layer's attention output, in turn
+        heads, hkv, d = self.num_heads, self.kv_heads, self.head_dim
+        on_cpu = self.device.type == "cpu"
+        out = h.new_empty((batch, heads * d))  # (B, H*D): every layer's attention output, in turn
         for layer in range(self.num_layers):
             q, k, v = self.project_qkv(layer, h)  # (B, H, D), (B, Hkv, D) x2
             if self.qk_norm:  # Qwen3: normed per head, then rotated
                 attn = self.layers[layer].self_attn
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            qk = apply_rope(torch.cat((q, k), dim=1), cos, sin)  # (B, H + Hkv, D): one rotation for both
-            q, k = qk[:, :heads], qk[:, heads:]  # (B, H, D), (B, Hkv, D)
+                q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+            qk = rotate(torch.cat((q, k), dim=1), cos, sin)  # (B, H + Hkv, D): one rotation for both
+            k = qk[:, heads:]  # (B, Hkv, D)
+            if on_cpu:  # scaled float32 queries, the H / Hkv heads of a KV head as its rows
+                q = (qk[:, :heads].float() * self.scaling).view(batch, hkv, heads // hkv, d)  # (B, Hkv, g, D)
             for b, (c, p) in enumerate(zip(caches, pos, strict=True)):
                 keys, values = c.k[layer], c.v[layer]
                 keys[:, p] = k[b]
                 values[:, p] = v[b]
-                decode_attention(q[b], keys[:, : p + 1], values[:, : p + 1], self.scaling,
-                                 c.layer_bias(layer, p + 1), out=out[b])
+                bias = c.layer_bias(layer, p + 1)
+                if on_cpu:
+                    cpu_decode_attention(q[b], keys[:, : p + 1], values[:, : p + 1], bias,
+                                         out=out[b].view(hkv, heads // hkv, d))
+                else:
+                    decode_attention(qk[b, :heads], keys[:, : p + 1], values[:, : p + 1], self.scaling, bias, out=out[b])
             h = self.finish(layer, h, out)
         for c, p in zip(caches, pos, strict=True):
             c.length = p + 1

@@ -216,7 +216,7 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
                for r in results if "error" not in r for which in ("resume", "reprefill")}
     return {
         "model": config.model, "random_weights": bool(getattr(lm, "random_weights", False)), "device": str(lm.device),
-        "dtype": config.dtype, "kv_dtype": config.store.kv_dtype,
+        "dtype": str(lm.dtype).removeprefix("torch."), "kv_dtype": config.store.kv_dtype,
         "chunk_tokens": config.engine.chunk_tokens, "repeats": repeats, "cold_disk": cold_disk, "results": results,
         **watch.finish("resume benchmark"), **steady.finish(spreads, "resume benchmark"),
     }
