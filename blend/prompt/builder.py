@@ -25,6 +25,7 @@ from blend.prompt.conversation import (
     encode_with_holes,
     special_strings,
     split_conversation,
+    start_ids,
     unique_marker,
 )
 from blend.prompt.document import Document, clean_text, render_document
@@ -175,10 +176,12 @@ class PromptBuilder:
 
     def frame(self, question: str | Sequence[Message]) -> tuple[list[int], list[int]]:
         """Token ids before and after the documents for this question (or conversation,
-        blend.conversation: the configured system prompt when it has none)."""
+        blend.conversation: the configured system prompt when it has none). Without a chat
+        template the head starts with the tokenizer's BOS where it puts one (`start_ids`)."""
         if not isinstance(question, str):
             head, tail, holes = split_conversation(self.tokenizer, question, self.system_prompt)
-            return encode_with_holes(self.tokenizer, head, holes), encode_with_holes(self.tokenizer, tail, holes)
+            return (start_ids(self.tokenizer) + encode_with_holes(self.tokenizer, head, holes),
+                    encode_with_holes(self.tokenizer, tail, holes))
         question = clean_text(question)
         literal = any(s in question for s in self._special_strings)
         # a question holding a special token's string is cut out and encoded as data (the
@@ -193,7 +196,7 @@ class PromptBuilder:
         else:
             text = f"{self.system_prompt}\n\n{user}\nAnswer:"
         head, tail = text.split(marker)
-        return encode(self.tokenizer, head), encode_with_holes(self.tokenizer, tail, {hole: question} if literal else {})
+        return start_ids(self.tokenizer) + encode(self.tokenizer, head), encode_with_holes(self.tokenizer, tail, {hole: question} if literal else {})
 
     def document_ids(self, document: str) -> list[int]:
         """A document's own token ids (stripped text plus a blank line that ends it)."""
