@@ -424,7 +424,7 @@ class _HostPlacer:
             t0 = time.perf_counter()
             dst_k = cache.k[layer][:, p.start : p.start + p.length]
             dst_k.copy_(k, non_blocking=True)  # converts to the compute dtype in place
-            runner.rerotate_(dst_k, p.start - p.pos_start)
+            runner.rerotate_(dst_k, p.start - p.pos_start, layer)  # the layer's own RoPE
             cache.v[layer][:, p.start : p.start + p.length].copy_(v, non_blocking=True)
             ld.copies += 2
             ld.place_s += time.perf_counter() - t0
@@ -464,12 +464,16 @@ class _StagedPlacer:
         delta = torch.cat(deltas)  # (N,)
         self.rotate = bool(delta.any())
         if self.rotate:
-            cos, sin = ld.runner.rotation(delta)  # (N, D) float32 each, on the device
             half = d // 2
             dtype = ld.cache.k[0].dtype
             # float32 caches: the host path's math exactly; half-precision ones: float32 math, rounded once
             math = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-            self.cos, self.sin = cos[:, :half].to(math), sin[:, :half].to(math)  # (N, D/2)
+            self.rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE kind: cos, sin (N, D/2)
+            for layer in ld.layers:
+                kind = ld.runner.layer_rope[layer]
+                if kind not in self.rotations:
+                    cos, sin = ld.runner.rotation(delta, layer)  # (N, D) float32 each, on the device
+                    self.rotations[kind] = (cos[:, :half].to(math), sin[:, :half].to(math))
             self.math = math
         # direct sources: pinned cpu-tier views, read once for every layer and kept until close()
         self.direct: dict[int, list[torch.Tensor]] = {}
@@ -600,12 +604,13 @@ class _StagedPlacer:
             dst_v = v
         if self.rotate:
             half = d // 2
+            cos, sin = self.rotations[ld.runner.layer_rope[layer]]  # (N, D/2) of this layer's RoPE
             x = k.to(self.math)  # (H, N, D)
             x1, x2 = x[..., :half], x[..., half:]
-            first = torch.mul(x1, self.cos)
-            torch.addcmul(first, x2, self.sin, value=-1, out=dst_k[..., :half])  # x1 cos - x2 sin
-            second = torch.mul(x2, self.cos)
-            torch.addcmul(second, x1, self.sin, out=dst_k[..., half:])  # x2 cos + x1 sin
+            first = torch.mul(x1, cos)
+            torch.addcmul(first, x2, sin, value=-1, out=dst_k[..., :half])  # x1 cos - x2 sin
+            second = torch.mul(x2, cos)
+            torch.addcmul(second, x1, sin, out=dst_k[..., half:])  # x2 cos + x1 sin
         else:
             dst_k.copy_(k)
         if self.span is not None:
