@@ -97,7 +97,8 @@ class Decoder:
         token but an end-of-sequence one (its text may be "": held back), one more for the
         held-back rest at the end if any, then the GenerationResult (the last item).
 
-        Appends to `pre.cache`. Closing the iterator early stops decoding (no result).
+        Appends to `pre.cache`, whose sliding-window layers become rings first (`KVCache.compact_`).
+        Closing the iterator early stops decoding (no result).
         With `answer`, stats.answer_nll is that text's mean NLL teacher-forced after the
         prompt; with `follow`, result.follow_logprobs are the log-probs along those ids
         teacher-forced after the prompt (either way the cache is restored before decoding).
@@ -109,6 +110,7 @@ class Decoder:
         steps: list[torch.Tensor] = []
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         text = TextAssembler(self.tokenizer, self.eos_ids, stop)
+        pre.cache.compact_()  # sliding layers: rings of their window from here on (memory bounded)
         pre.cache.ensure_capacity(pre.cache.length + max_new_tokens)
         tokens: list[int] = []
         logits = pre.logits

@@ -117,8 +117,11 @@ class Runner:
         self.strategies: Counter[str] = Counter()  # attention calls per strategy run
 
     # ----------------------------------------------------------------- helpers
-    def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
+    def new_cache(self, capacity: int, ring: bool = False) -> KVCache:
+        """An empty cache for `capacity` positions; with `ring`, sliding layers are rings of
+        window + RING_SLACK slots from the start (a resumed conversation: its windows only)."""
+        return KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, self.device,
+                       windows=self.windows, ring=ring)
 
     def check_length(self, n: int, new_tokens: int = 0, shorten: str = "use fewer or shorter documents") -> None:
         """Raise if a prompt of n tokens plus `new_tokens` to generate does not fit the
@@ -394,7 +397,8 @@ class Runner:
                 before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Compute tokens at positions start..start+T-1 attending cache slots 0..start-1.
 
-        Writes their K/V into `cache` slots start..start+T-1 and sets cache.length.
+        Writes their K/V into `cache` at positions start..start+T-1 (a ring layer: its slots of
+        them) and sets cache.length.
         `before_layer(i)` is called before layer i reads the cache (a loader's wait).
         Returns logits (len(logit_rows), vocab) for the requested rows (default: last);
         with no rows (`logit_rows=()`, only the KV is wanted) the last layer stops after
@@ -413,22 +417,33 @@ class Runner:
             if before_layer is not None:
                 before_layer(layer)
             q, k, v = self.qkv(layer, h, cos, sin)
-            cache.k[layer][:, start:end] = k
-            cache.v[layer][:, start:end] = v
-            keys, values = cache.layer(layer, end)
+            window = self.windows[layer]
+            if cache.is_ring(layer) and end > cache.k[layer].shape[1]:
+                # a ring that wraps: the keys of the rows' windows in position order, then the new ones
+                lo = max(0, start - window + 1)
+                past_k, past_v = cache.window(layer, lo, start)  # (Hkv, start - lo, D)
+                keys, values = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)  # positions lo..end-1
+                bias = cache.window_bias(layer, lo, start)
+                if bias is not None:
+                    bias = torch.cat([bias, bias.new_zeros((bias.shape[0], t))], dim=1)
+                q_pos = positions - lo
+                cache.put(layer, start, k, v)
+            else:
+                cache.k[layer][:, start:end] = k
+                cache.v[layer][:, start:end] = v
+                keys, values = cache.layer(layer, end)
+                bias, q_pos = cache.layer_bias(layer, end), positions
             if layer == self.num_layers - 1 and not rows:  # its output feeds nothing wanted
                 cache.length = end
                 return torch.zeros((0, self.lm_head.weight.shape[0]), dtype=torch.float32, device=h.device)
             if layer == self.num_layers - 1 and len(rows) < t:
                 # only the rows whose logits are wanted need the last layer's output
                 sel = torch.tensor(rows)
-                attn = self.attend(q[:, sel.to(self.device)], positions[sel], keys, values,
-                                   bias=cache.layer_bias(layer, end), window=self.windows[layer])
+                attn = self.attend(q[:, sel.to(self.device)], q_pos[sel], keys, values, bias=bias, window=window)
                 h = self.finish(layer, h[sel], attn)
                 rows = list(range(len(rows)))
             else:
-                h = self.finish(layer, h, self.attend(q, positions, keys, values, bias=cache.layer_bias(layer, end),
-                                                      window=self.windows[layer]))
+                h = self.finish(layer, h, self.attend(q, q_pos, keys, values, bias=bias, window=window))
         cache.length = end
         return self.logits(h[rows])
 
