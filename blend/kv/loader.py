@@ -77,6 +77,16 @@ class Placement:
     located: Located | None
     entry: KVEntry | None
     recompute: Callable[[], KVEntry]
+    # the cache layers the entry holds, in its layer order (None: every layer, entry layer i =
+    # cache layer i); a hybrid model's session entries hold one layer type each (blend.kv.windowed)
+    layers: tuple[int, ...] | None = None
+
+    def holds(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def entry_layer(self, layer: int) -> int:
+        """The entry's index of cache layer `layer`."""
+        return layer if self.layers is None else self.layers.index(layer)
 
     @property
     def source(self) -> str:
@@ -234,7 +244,9 @@ class LayerLoader:
         dtypes = {p.header.dtype for p in self.placements}
         if staged is None:
             staged = self._cuda if FORCE_STAGED is None else FORCE_STAGED
-        self.staged = staged and len(dtypes) == 1
+        # entries of one layer type each, or a cache with ring layers: placed per segment (host path)
+        per_layer = any(p.layers is not None for p in self.placements) or any(r is not None for r in cache.rings)
+        self.staged = staged and len(dtypes) == 1 and not per_layer
         self._scratch: torch.Tensor | None = None
         self._held: list[object] = []  # tier views copied asynchronously: kept until close()
         self._thread = threading.Thread(target=self._run, name="kvblend-loader", daemon=True)
@@ -392,6 +404,7 @@ class _HostPlacer:
         self.loader = loader
 
     def _fetch(self, p: Placement, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the entry's layer `layer` (its own index: Placement.entry_layer)."""
         ld = self.loader
         if p.entry is None and p.located is not None and ld.store is not None:
             t0 = time.perf_counter()
@@ -420,12 +433,21 @@ class _HostPlacer:
         for p in ld.placements:
             if ld._stop:
                 return
-            k, v = self._fetch(p, layer)
+            if not p.holds(layer):
+                continue
+            k, v = self._fetch(p, p.entry_layer(layer))
             t0 = time.perf_counter()
-            dst_k = cache.k[layer][:, p.start : p.start + p.length]
-            dst_k.copy_(k, non_blocking=True)  # converts to the compute dtype in place
-            runner.rerotate_(dst_k, p.start - p.pos_start, layer)  # the layer's own RoPE
-            cache.v[layer][:, p.start : p.start + p.length].copy_(v, non_blocking=True)
+            where = cache.slots(layer, p.start, p.start + p.length)
+            if isinstance(where, torch.Tensor):  # a ring's slots: placed through a converted copy
+                moved = k.to(cache.k[layer].dtype)
+                runner.rerotate_(moved, p.start - p.pos_start, layer)
+                cache.k[layer][:, where] = moved
+                cache.v[layer][:, where] = v.to(cache.v[layer].dtype)
+            else:
+                dst_k = cache.k[layer][:, where]
+                dst_k.copy_(k, non_blocking=True)  # converts to the compute dtype in place
+                runner.rerotate_(dst_k, p.start - p.pos_start, layer)  # the layer's own RoPE
+                cache.v[layer][:, where].copy_(v, non_blocking=True)
             ld.copies += 2
             ld.place_s += time.perf_counter() - t0
 

@@ -50,7 +50,8 @@ from blend.decode.decoder import Decoder, GenerationResult, Prefilled
 from blend.decode.sampling import SamplingParams
 from blend.kv.loader import LoadStalled
 from blend.kv.prefix import PrefixCache, intact_end
-from blend.model.cache import KVCache
+from blend.kv.windowed import WindowedChain
+from blend.model.cache import RING_SLACK, KVCache
 from blend.prompt.builder import Prompt, PromptBuilder
 from blend.prompt.conversation import ROLES, Message, chat_ids
 from blend.prompt.document import Document, clean_text
@@ -135,6 +136,8 @@ class SessionManager:
 
     def __init__(self, config: BlendConfig, prefix: PrefixCache, decoder: Decoder, prompts: PromptBuilder):
         self.config, self.prefix, self.decoder, self.prompts = config, prefix, decoder, prompts
+        # a model with sliding-window layers stores and resumes their last window only (blend.kv.windowed)
+        self.windowed = WindowedChain(prefix) if prefix.runner.dims.hybrid else None
         self.tier_names = [t.name for t in prefix.store.tiers]
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()  # guards `sessions`
@@ -385,6 +388,11 @@ class SessionManager:
             raise ValueError(f"session {session.session_id!r}: {err}") from None
         stored_end = 0
         exact = rag is None or rag.exact
+        resume_at: tuple[int, ...] = ()  # the previous turn's prompt end: a hybrid model stored a window there
+        if self.windowed is not None and rag is None:
+            previous = [i for i, m in enumerate(shown[:-1]) if m["role"] == "user"]
+            if previous:
+                resume_at = (len(chat_ids(decoder.tokenizer, shown[: previous[-1] + 1])),)
 
         def prefill() -> Prefilled:
             nonlocal stored_end, exact
@@ -392,15 +400,22 @@ class SessionManager:
             if prompt is not None and not rag.exact and self._device_prefix(session, ids) < prompt.query.start:
                 exact = False  # the documents are not all on the device: blend them in
                 return rag.prefill(prompt, capacity)
-            pre, stored_end = self._prefill(session, ids, capacity=capacity)
+            pre, stored_end = self._prefill(session, ids, capacity=capacity, resume_at=resume_at)
             if pre.stats.source == "device":
                 exact = exact and session.exact
             return pre
 
         pre, ttft, t0 = decoder.timed(prefill)
+        # a hybrid model's window at the prompt's end, taken before decoding moves the rings on
+        prompt_window = (self.windowed.window_entry(ids, pre.cache, len(ids))
+                         if exact and self.windowed is not None else None)
         result = decoder.finish(pre, ttft, t0, max_new, sampling, stop=stop)
         all_ids = ids + result.token_ids
-        if exact:
+        if exact and self.windowed is not None:
+            stored = self.windowed.store_blocks(all_ids, pre.cache, skip_below=stored_end,
+                                                also=[(len(ids), prompt_window)])
+            result.stats = result.stats.replace(stored_blocks=stored)
+        elif exact:
             stored = self.prefix.store_blocks(all_ids, pre.cache, skip_below=stored_end, tail=True)
             result.stats = result.stats.replace(stored_blocks=stored)
         history = messages + [{"role": "assistant", "content": result.text}]
@@ -416,10 +431,12 @@ class SessionManager:
             return 0
         return _common_prefix(session.cache_ids[: session.cache.length], ids, len(ids) - 1)
 
-    def _prefill(self, session: Session, ids: list[int], capacity: int) -> tuple[Prefilled, int]:
+    def _prefill(self, session: Session, ids: list[int], capacity: int, resume_at: Sequence[int] = ()
+                 ) -> tuple[Prefilled, int]:
         """Reuse the device copy, else the stored prefix chain; compute the rest. The cache
         holds `capacity` positions, so decoding does not reallocate it.
 
+        `resume_at`: more ends a stored chain may stop at (a hybrid model's prompt ends).
         Returns the prefill and the end of the prefix whose blocks are intact in the store.
         """
         runner = self.decoder.runner
@@ -433,7 +450,9 @@ class SessionManager:
 
         if session.cache is not None:
             common = _common_prefix(session.cache_ids[: session.cache.length], ids, limit)
-            if common > 0:
+            # a ring layer holds the windows of its last RING_SLACK positions: rewinding further needs the store
+            rewinds = session.cache.length - common
+            if common > 0 and (rewinds < RING_SLACK or not any(session.cache.rings)):
                 cache = session.cache
                 cache.ensure_capacity(capacity)
                 logits = runner.prefill(torch.tensor(ids[common:]), cache, start=common)[0]
@@ -442,25 +461,32 @@ class SessionManager:
         # the previous turn's tail block ends where its generation stopped: at (or just
         # before) the end-of-turn token that now closes the assistant message
         ends = [i for i, t in enumerate(ids) if t in self.decoder.eos_ids]
-        tails = sorted({e for i in ends[-2:] for e in (i, i - 1)}, reverse=True)
-        chain = self.prefix.lookup(ids, limit, tail_ends=tails)
+        tails = sorted({e for i in ends[-2:] for e in (i, i - 1)} | set(resume_at), reverse=True)
+        windowed = self.windowed
+        chain = (windowed or self.prefix).lookup(ids, limit, tail_ends=tails)
         tally = LookupTally(self.tier_names)
         for pl in chain:
             tally.hit_from("prefix_blocks", pl.source)
-        cache = runner.new_cache(capacity)
+        ring = windowed is not None  # sliding layers: rings holding the loaded window, then the new tokens
+        cache = runner.new_cache(capacity, ring=ring)
         try:
             logits, load = self.prefix.prefill(ids, chain, cache)
         except LoadStalled as err:  # a tier too slow to wait for (now suspended): computed whole
-            cache = runner.new_cache(capacity)
+            cache = runner.new_cache(capacity, ring=ring)
             logits = runner.prefill(torch.tensor(ids), cache)[0]
             return Prefilled(logits, cache, stats("computed", 0, stalled_tiers=err.tiers, **tally_fields(tally))), 0
         # a block whose stored layers were unreadable was recomputed by the loader (exactly,
         # with all tokens before it as context) and deleted by its tier: count it as
         # computed and store it again
-        loaded = sum(pl.length for pl in chain if pl.entry is None)
+        if windowed is not None:  # positions loaded: the global chain's (the window lies inside it)
+            loaded = sum(pl.length for pl in chain if pl.entry is None and pl.layers == windowed.full_layers)
+            if any(pl.entry is not None and pl.layers == windowed.sliding_layers for pl in chain):
+                loaded = 0  # the window was recomputed from the whole conversation
+        else:
+            loaded = sum(pl.length for pl in chain if pl.entry is None)
         pre = Prefilled(logits, cache, stats("store" if loaded else "computed", loaded, load=load,
                                              **tally_fields(tally)))
-        return pre, intact_end(chain)
+        return pre, (windowed.intact_end(chain) if windowed is not None else intact_end(chain))
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
