@@ -106,3 +106,28 @@ def test_resume_in_a_new_engine_and_a_missing_window_falls_back(tmp_path):
         # the last turn's own window was stored after it; the one before it is gone: the resume
         # point is the previous turn's end if present, else the conversation is computed
         assert again.stats.source in ("store", "computed")
+
+
+def test_store_stats_and_ls_tell_windows_from_global_blocks(tmp_path, capsys):
+    import json
+
+    from blend.cli import main
+
+    with make_engine(tmp_path, tiers=("disk",)) as engine:
+        engine.chat("k", MESSAGES[0])
+        engine.offload("k")
+        engine.ingest(["A document: every layer of every token is stored for blend."])
+    (tmp_path / "c.yaml").write_text(f"""
+model: random:tiny
+store:
+  kv_dtype: float32
+  tiers:
+    - {{kind: disk, path: {tmp_path / "disk"}, budget: 256MiB}}
+""")
+    assert main(["store", "stats", "--config", str(tmp_path / "c.yaml"), "--by-kind", "--json"]) == 0
+    kinds = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["disk"]["bytes_by_kind"]
+    assert kinds["window"] > 0 and kinds["global"] > 0 and kinds["all"] > 0
+    assert main(["store", "ls", "--config", str(tmp_path / "c.yaml"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["entries"]
+    assert {(r["kind"], r["layers"]) for r in rows} == {("window", 3), ("global", 1), ("all", 4)}
+    assert sum(r["bytes"] for r in rows if r["kind"] == "window") == kinds["window"]
