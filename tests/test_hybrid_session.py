@@ -36,7 +36,7 @@ def check_equals_full_prefill(engine: BlendEngine, session_id: str, result) -> N
     logits = engine.runner.prefill(torch.tensor(ids), cache)[0]
     reference = torch.log_softmax(logits.float(), dim=-1)
     assert float((reference - result.first_token_logprobs).abs().max()) < TOL
-    assert engine.runner.decode(logits, cache, MAX_NEW, engine.decoder.eos_ids) == result.token_ids
+    assert engine.runner.decode(logits, cache, MAX_NEW, engine.eos) == result.token_ids
 
 
 def entries(engine: BlendEngine) -> dict[str, list]:

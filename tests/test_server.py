@@ -291,16 +291,18 @@ def test_a_full_queue_answers_503_with_retry_after(server):
         held += [running, lines]  # a dropped line iterator closes the response, too
         next(lines)  # it runs on the engine now
 
-        for _ in range(8):  # the queue holds 8
+        batch = httpx.get(server.url + "/health", timeout=10).json()["max_num_seqs"]
+        for _ in range(batch - 1 + 8):  # the batch fills up, then the queue (it holds 8)
             waiter = httpx.Client(timeout=300)
             clients.append(waiter)
             pending = waiter.stream("POST", server.url + "/v1/chat/completions", json=body)
             held.append(pending)  # referenced until the end: a collected stream closes its connection
             threading.Thread(target=_enter_quietly, args=(pending,), daemon=True).start()
         deadline = time.monotonic() + 60
-        while httpx.get(server.url + "/health", timeout=10).json()["queue_depth"] < 9:
-            assert time.monotonic() < deadline, "requests did not queue up"
+        while (health := httpx.get(server.url + "/health", timeout=10).json())["waiting"] < 8:
+            assert time.monotonic() < deadline, f"requests did not queue up: {health}"
             time.sleep(0.1)
+        assert health["running"] == batch
         refused = httpx.post(server.url + "/v1/chat/completions", json=chat_body("Me too?", max_tokens=2), timeout=30)
         assert refused.status_code == 503
         assert int(refused.headers["retry-after"]) >= 1

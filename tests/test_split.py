@@ -240,7 +240,7 @@ def test_a_computed_prefix_inside_any_plan_equals_full_prefill(selection):
         assert not any(s.start == fresh for s in prompt.segments)  # inside a document
         cfg, runner = engine.config.engine, engine.runner
         for ratio in (0.0, 0.3):
-            plan = plan_recompute(prompt, ratio, cfg.check_layers, cfg.filter_schedule, runner.num_layers,
+            plan = plan_recompute(prompt, ratio, cfg.selection.check_layers, cfg.selection.filter_schedule, runner.num_layers,
                                   policy=selection, placements=placements, fresh=fresh)
             assert plan.fresh_rows.numel() == fresh and int(plan.ctx_rows.min()) == fresh
             cache = runner.new_cache(len(prompt))
@@ -249,7 +249,7 @@ def test_a_computed_prefix_inside_any_plan_equals_full_prefill(selection):
             with LayerLoader(engine.store, runner, cache, loaded, range(plan.load_from, runner.num_layers),
                              cfg.prefetch_depth) as loader:
                 logits, chosen = run_layers(runner, cache, torch.tensor(prompt.token_ids), plan, loader,
-                                            policy=selection, deviation_kind=cfg.deviation)
+                                            policy=selection, deviation_kind=cfg.selection.deviation)
             assert (logits - full).abs().max() < 1e-3, (ratio, float((logits - full).abs().max()))
             if ratio > 0:
                 assert chosen.recomputed_tokens > 0 and all(int(c.min()) >= fresh for c in chosen.selected_rows)
@@ -320,7 +320,7 @@ def test_loading_predicted_slower_than_full_prefill_computes_even_for_a_small_ga
         read_s = (0.3 * 1.03 ** step) * layers * 1e-3
         loads.observe({"cpu": nbytes}, {"cpu": read_s}, 1e-6 * read_s)  # placement: negligible
         splitter = Splitter(prefill, loads, {"cpu": "cpu"})
-        report = splitter.plan(prompt, placements, 0.0, cfg.check_layers, cfg.filter_schedule, layers).report
+        report = splitter.plan(prompt, placements, 0.0, cfg.selection.check_layers, cfg.selection.filter_schedule, layers).report
         unsplit, full = report.predicted_unsplit_s, report.predicted_full_s
         if full < unsplit < full / (1 - MIN_GAIN):
             seen["inside the margin"] += 1

@@ -31,6 +31,7 @@ import torch
 from blend.kv.loader import Placement
 from blend.kv.prefix import PrefixCache
 from blend.model.cache import KVCache
+from blend.stats import LoadReport
 from storage.entry import Expected, KVEntry
 from storage.keys import prefix_block_key
 from storage.stack import LookupBudget
@@ -161,14 +162,13 @@ class WindowedChain:
             self.runner.prefill(torch.tensor(ids[:end]), cache, logit_rows=())
         return self._entry(kind, cache, ids, start, end)
 
-    @staticmethod
-    def intact_end(chain: Sequence[Placement]) -> int:
-        """End of the leading global blocks loaded from the store (the window entry excluded)."""
+    def intact_end(self, chain: Sequence[Placement], load: LoadReport) -> int:
+        """End of the leading global blocks loaded from the store, not recomputed on a bad read
+        (the window entry is not a block of the chain)."""
+        rebuilt = set(load.recomputed_starts)
         end = 0
         for pl in chain:
-            if pl.layers is not None and pl.entry is None and pl.located is not None and pl.length and (
-                    pl.start == end):
-                end = pl.start + pl.length
-            else:
+            if pl.layers != self.full_layers or pl.start != end or pl.entry is not None or pl.start in rebuilt:
                 break
+            end = pl.start + pl.length
         return end

@@ -84,6 +84,16 @@ class KVCache:
                     grown[:, : b.shape[1]] = b
                     self.bias[i] = grown
 
+    def growth_bytes(self, capacity: int) -> int:
+        """Bytes `ensure_capacity(capacity)` would add at least: every linear layer's new
+        slots, a ring's up to its slot count (a ring never grows past it)."""
+        out = 0
+        for store in (self.k, self.v):
+            for t, limit in zip(store, self.rings, strict=True):
+                want = capacity if limit is None else min(capacity, limit)
+                out += max(0, want - t.shape[1]) * t.shape[0] * t.shape[2] * t.element_size()
+        return out
+
     def slots(self, layer: int, start: int, end: int) -> slice | torch.Tensor:
         """Where positions start..end-1 of `layer` live: a slice, or (ring layers past their
         first lap) the slot indices on the cache's device."""
@@ -186,6 +196,19 @@ class KVCache:
         return self.k[layer][:, :n], self.v[layer][:, :n]
 
     def nbytes(self) -> int:
-        """Bytes of the K/V the cache holds for its `length` positions (a ring: its slots)."""
+        """Bytes of K/V of the filled positions (a ring: its slots)."""
         return sum(t[:, : self.length].numel() * t.element_size() for t in self.k + self.v)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of K/V the cache holds allocated (every slot, filled or not)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def restore_bias(self, per_layer: list[torch.Tensor]) -> None:
+        """Set the bias of slots 0..n-1 of every layer from `per_layer` ((kv_heads, n) each, e.g. a
+        parked copy); the other slots are unbiased."""
+        self.bias = []
+        for t, b in zip(self.k, per_layer, strict=True):
+            full = torch.zeros((t.shape[0], t.shape[1]), dtype=torch.float32, device=t.device)
+            full[:, : b.shape[1]] = b.to(t.device, torch.float32)
+            self.bias.append(full)
 
