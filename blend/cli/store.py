@@ -90,8 +90,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                     if header is None:
                         continue
                     row = {"key": key, "tier": tier.name, "tokens": header.num_tokens, "bytes": header.nbytes,
-                           "pos_start": header.pos_start, "corrupt": None, "layers": header.num_layers,
-                           "kind": entry_kind(header.fingerprint)}
+                           "pos_start": header.pos_start, "corrupt": None}
                     line = f"{header.num_tokens:>7} {header.nbytes:>11} {header.pos_start:>9}"
                 if args.json:
                     rows.append(row)
