@@ -132,3 +132,23 @@ store:
         headers = [tier.peek_header(k) for k in tier.keys()]
     assert {h.num_layers for h in headers} == {1, 3, 4}  # global blocks, windows, a document's every layer
     assert sum(h.nbytes for h in headers if h.num_layers == 3) == kinds["window"]
+
+
+def test_resume_point_inside_a_stored_full_block(tmp_path):
+    """The previous prompt's end may lie inside a full block the chain also holds (the reply
+    re-rendered the same): the lookup still resumes there, where a window was stored."""
+    with make_engine(tmp_path) as engine:
+        runner, windowed = engine.runner, engine.sessions.windowed
+        ids = torch.randint(0, 5000, (50,), generator=torch.Generator().manual_seed(3)).tolist()
+        cache = runner.new_cache(50)
+        with torch.inference_mode():
+            runner.prefill(torch.tensor(ids[:37]), cache, logit_rows=())
+            prompt_window = windowed.window_entry(ids, cache, 37)
+            runner.prefill(torch.tensor(ids[37:]), cache, start=37, logit_rows=())
+        windowed.store_blocks(ids, cache, also=[(37, prompt_window)])
+        engine.store.flush()
+        later = ids[:48] + [7, 8, 9, 10]  # agrees with the stored conversation through its third full block
+        chain = windowed.lookup(later, len(later) - 1, tail_ends=(37,))
+        assert [(pl.start, pl.start + pl.length) for pl in chain] == [(0, 16), (16, 32), (32, 37), (21, 37)]
+        assert chain[-1].layers == windowed.sliding_layers
+        assert windowed.lookup(later, len(later) - 1) == []  # without the prompt end: no window at 48

@@ -119,10 +119,13 @@ class WindowedChain:
 
     # ---------------------------------------------------------------- lookup
     def lookup(self, token_ids: Sequence[int], limit: int, tail_ends: Sequence[int] = ()) -> list[Placement]:
-        """Placements that resume `token_ids` at the longest p <= limit where both the global
-        chain reaches p and a window entry ends at p: the chain's blocks (full layers) and the
-        window (sliding layers). [] when there is no such p."""
+        """Placements that resume `token_ids` at the longest p <= limit where the global chain
+        reaches p (full blocks, then a partial block ending at p: a block end or one of
+        `tail_ends`, which may lie inside a stored full block) and a window entry ends at p:
+        the chain's blocks (full layers) and the window (sliding layers). [] when there is
+        no such p."""
         ids = list(token_ids)
+        b = self.prefix.block_tokens
         budget = LookupBudget(self.prefix.stall_s)
         chain: list[Placement] = []
         for start, end in self.prefix.blocks(len(ids)):
@@ -132,19 +135,18 @@ class WindowedChain:
             if found is None:
                 break
             chain.append(found)
-        reached = chain[-1].start + chain[-1].length if chain else 0
+        reached = len(chain) * b
+        candidates = [(pl.start + pl.length, chain[: i + 1]) for i, pl in enumerate(chain)]
         for end in sorted(set(tail_ends), reverse=True):
-            if reached < end <= min(limit, reached + self.prefix.block_tokens - 1):
-                tail = self._find("full", ids, reached, end, budget)
+            start = end - end % b
+            if 0 < end <= limit and end % b and start <= reached:  # a partial block after the chain's full ones
+                tail = self._find("full", ids, start, end, budget)
                 if tail is not None:
-                    chain.append(tail)
-                    break
-        while chain:  # the longest chain end with a window entry
-            end = chain[-1].start + chain[-1].length
+                    candidates.append((end, [*chain[: start // b], tail]))
+        for end, blocks in sorted(candidates, key=lambda c: -c[0]):  # the longest resume point with a window
             window = self._find("window", ids, self.window_start(end), end, budget)
             if window is not None:
-                return [*chain, window]
-            chain.pop()
+                return [*blocks, window]
         return []
 
     def _find(self, kind: str, ids: list[int], start: int, end: int, budget: LookupBudget) -> Placement | None:
