@@ -121,6 +121,8 @@ class SelectionReport:
     # per layer: the mean over KV heads of the logit offset subtracted from the stale keys' scores
     # (`stale_bias`; 0 where no key was left stale or the correction is off)
     key_bias: tuple[float, ...] = ()
+    pass_rows: tuple[int, ...] = ()  # rows each layer of the query pass computed (empty without one)
+    layer_rows: tuple[int, ...] = ()  # rows each layer of the layer loop computed (RecomputePlan.layer_rows)
 
 
 @dataclass(frozen=True)

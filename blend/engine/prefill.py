@@ -34,7 +34,6 @@ from blend.planning.split import Splitter
 from blend.prompt.builder import Prompt
 from blend.recompute.layers import run_layers
 from blend.recompute.plan import plan_recompute
-from blend.recompute.selector import uses_check_layers
 from blend.recompute.stale import shift_applies
 from blend.session.manager import SessionManager, Turn, turn_stats
 from blend.stats import LookupTally, RequestStats, tally_fields
@@ -174,8 +173,7 @@ class Prefiller:
                sel: Selection) -> Prefilled:
         runner = self.runner
         # the load-or-compute split (blend.split) may compute a prefix instead of loading it
-        split = self.splitter.plan(prompt, placements, ratio, sel.check_layers, sel.filter_schedule,
-                                   runner.num_layers, query_pass=not uses_check_layers(sel.policy))
+        split = self.splitter.plan(prompt, placements, ratio, sel, runner.num_layers)
         plan = plan_recompute(prompt, ratio, sel.check_layers, sel.filter_schedule, runner.num_layers,
                               policy=sel.policy, placements=placements, sink_tokens=sel.sink_tokens,
                               query_layers=sel.query_layers, query_pool=sel.query_pool,

@@ -104,7 +104,8 @@ def hole_literals(tokenizer, dicts: Sequence[Mapping[str, str]]) -> tuple[list[d
 # A fast tokenizer's `split_special_tokens` is a switch on the one Rust tokenizer that every
 # thread shares (transformers flips it for the call and back): two threads encoding at once,
 # one as data and one as template, would each see the other's setting (a template's
-# <|im_start|> split into text). Every encode goes through this lock.
+# <|im_start|> split into text), and a decode beside the switch fails to borrow it. Every encode
+# and decode goes through this lock.
 TOKENIZER_LOCK = threading.Lock()
 
 

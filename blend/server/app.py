@@ -247,10 +247,9 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
         check_model(body.model)
         kwargs = body.engine_kwargs()
         mode = body.kvblend.mode
-        try:
+        try:  # bad arguments: 400 before queueing (the text's fit is checked when it is queued: 400 too)
             docs = [d.to_document() for d in body.documents]
             req = GenerationRequest.create(engine.config.engine, query, docs, **kwargs)
-            engine.check_fits(req)  # 400 before queueing
         except (TypeError, ValueError) as err:
             metrics().request(endpoint, mode, 400)
             raise bad_request(err) from None

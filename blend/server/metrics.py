@@ -126,7 +126,7 @@ class _SchedulerCollector(Collector):
         buckets, seen = [], 0
         for bound in BATCH_BUCKETS:
             seen = sum(n for size, n in sizes.items() if size <= bound)
-            buckets.append((str(bound), seen))
+            buckets.append((str(float(bound)), seen))
         buckets.append(("+Inf", sum(sizes.values())))
         yield HistogramMetricFamily("kvblend_decode_batch_size", "Sequences per decode step",
                                     buckets=buckets, sum_value=sum(size * n for size, n in sizes.items()))
