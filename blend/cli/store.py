@@ -27,16 +27,45 @@ def _open_store(args: argparse.Namespace, config: Any = None) -> Any:
     return TieredStore.from_config(config)
 
 
+def entry_kind(fingerprint: str) -> str:
+    """What an entry holds, from its header's fingerprint: `window` (a hybrid model's sliding
+    layers, last window of a conversation), `global` (its full-attention layers' prefix
+    block) or `all` (every layer: documents, prefix blocks of other models)."""
+    from blend.kv.windowed import FULL_SUFFIX, WINDOW_SUFFIX
+
+    return "window" if fingerprint.endswith(WINDOW_SUFFIX) else "global" if fingerprint.endswith(FULL_SUFFIX) else "all"
+
+
+def _bytes_by_kind(tier: Any) -> dict[str, int]:
+    """Entry bytes of one tier by `entry_kind` (every header read with peek_header: nothing touched)."""
+    from storage.entry import CorruptEntry
+
+    out = dict.fromkeys(("all", "global", "window"), 0)
+    for key in tier.keys():
+        try:
+            header = tier.peek_header(key)
+        except CorruptEntry:
+            continue
+        if header is not None:
+            out[entry_kind(header.fingerprint)] += header.nbytes
+    return out
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     with _open_store(args) as store:
         stats = store.stats()
+        if args.by_kind:  # per layer type: a hybrid model's sessions keep windows and global blocks apart
+            for tier in store.tiers:
+                if tier.name in stats and not stats[tier.name].get("down"):
+                    stats[tier.name] = {**stats[tier.name], "bytes_by_kind": _bytes_by_kind(tier)}
     if args.json:
         emit_json(stats)
         return 0
     for name, s in stats.items():
         down = " DOWN" if s.get("down") else ""
+        kinds = "".join(f"  {k} {v / 2**20:.1f} MiB" for k, v in s.get("bytes_by_kind", {}).items())
         print(f"{name:<14} {s['kind']:<14} entries {s['entries']:>7}  used {s['bytes_used'] / 2**20:>10.1f} MiB"
-              f"  corrupt {s['corrupt']}  errors {s['errors']}{down}")
+              f"  corrupt {s['corrupt']}  errors {s['errors']}{down}{kinds}")
     return 0
 
 
@@ -108,5 +137,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         json_arg(p)
         if name == "clear":
             p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+        if name == "stats":
+            p.add_argument("--by-kind", action="store_true",
+                           help="also the bytes of each entry kind (all layers / a hybrid model's global blocks / "
+                                "its sliding windows), read from every entry's header")
         p.set_defaults(func=func)
     return parser

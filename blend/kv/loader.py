@@ -78,6 +78,16 @@ class Placement:
     located: Located | None
     entry: KVEntry | None
     recompute: Callable[[], KVEntry]
+    # the cache layers the entry holds, in its layer order (None: every layer, entry layer i =
+    # cache layer i); a hybrid model's session entries hold one layer type each (blend.kv.windowed)
+    layers: tuple[int, ...] | None = None
+
+    def holds(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def entry_layer(self, layer: int) -> int:
+        """The entry's index of cache layer `layer`."""
+        return layer if self.layers is None else self.layers.index(layer)
 
     @property
     def source(self) -> str:
@@ -237,7 +247,9 @@ class LayerLoader:
         dtypes = {p.header.dtype for p in self.placements}
         if staged is None:
             staged = self._cuda if FORCE_STAGED is None else FORCE_STAGED
-        self.staged = staged and len(dtypes) == 1
+        # entries of one layer type each, or a cache with ring layers: placed per segment (host path)
+        per_layer = any(p.layers is not None for p in self.placements) or any(r is not None for r in cache.rings)
+        self.staged = staged and len(dtypes) == 1 and not per_layer
         self._scratch: torch.Tensor | None = None
         self._held: list[object] = []  # tier views copied asynchronously: kept until close()
         self._thread = threading.Thread(target=self._run, name="kvblend-loader", daemon=True)
@@ -397,6 +409,7 @@ class _HostPlacer:
         self.loader = loader
 
     def _fetch(self, p: Placement, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the entry's layer `layer` (its own index: Placement.entry_layer)."""
         ld = self.loader
         if p.entry is None and p.located is not None and ld.store is not None:
             t0 = time.perf_counter()
@@ -425,12 +438,21 @@ class _HostPlacer:
         for p in ld.placements:
             if ld._stop:
                 return
-            k, v = self._fetch(p, layer)
+            if not p.holds(layer):
+                continue
+            k, v = self._fetch(p, p.entry_layer(layer))
             t0 = time.perf_counter()
-            dst_k = cache.k[layer][:, p.start : p.start + p.length]
-            dst_k.copy_(k, non_blocking=True)  # converts to the compute dtype in place
-            runner.rerotate_(dst_k, p.start - p.pos_start)
-            cache.v[layer][:, p.start : p.start + p.length].copy_(v, non_blocking=True)
+            where = cache.slots(layer, p.start, p.start + p.length)
+            if isinstance(where, torch.Tensor):  # a ring's slots: placed through a converted copy
+                moved = k.to(cache.k[layer].dtype)
+                runner.rerotate_(moved, p.start - p.pos_start, layer)
+                cache.k[layer][:, where] = moved
+                cache.v[layer][:, where] = v.to(cache.v[layer].dtype)
+            else:
+                dst_k = cache.k[layer][:, where]
+                dst_k.copy_(k, non_blocking=True)  # converts to the compute dtype in place
+                runner.rerotate_(dst_k, p.start - p.pos_start, layer)  # the layer's own RoPE
+                cache.v[layer][:, where].copy_(v, non_blocking=True)
             ld.copies += 2
             ld.place_s += time.perf_counter() - t0
 
@@ -469,12 +491,16 @@ class _StagedPlacer:
         delta = torch.cat(deltas)  # (N,)
         self.rotate = bool(delta.any())
         if self.rotate:
-            cos, sin = ld.runner.rotation(delta)  # (N, D) float32 each, on the device
             half = d // 2
             dtype = ld.cache.k[0].dtype
             # float32 caches: the host path's math exactly; half-precision ones: float32 math, rounded once
             math = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-            self.cos, self.sin = cos[:, :half].to(math), sin[:, :half].to(math)  # (N, D/2)
+            self.rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE kind: cos, sin (N, D/2)
+            for layer in ld.layers:
+                kind = ld.runner.layer_rope[layer]
+                if kind not in self.rotations:
+                    cos, sin = ld.runner.rotation(delta, layer)  # (N, D) float32 each, on the device
+                    self.rotations[kind] = (cos[:, :half].to(math), sin[:, :half].to(math))
             self.math = math
         # direct sources: pinned cpu-tier views, read once for every layer and kept until close()
         self.direct: dict[int, list[torch.Tensor]] = {}
@@ -605,12 +631,13 @@ class _StagedPlacer:
             dst_v = v
         if self.rotate:
             half = d // 2
+            cos, sin = self.rotations[ld.runner.layer_rope[layer]]  # (N, D/2) of this layer's RoPE
             x = k.to(self.math)  # (H, N, D)
             x1, x2 = x[..., :half], x[..., half:]
-            first = torch.mul(x1, self.cos)
-            torch.addcmul(first, x2, self.sin, value=-1, out=dst_k[..., :half])  # x1 cos - x2 sin
-            second = torch.mul(x2, self.cos)
-            torch.addcmul(second, x1, self.sin, out=dst_k[..., half:])  # x2 cos + x1 sin
+            first = torch.mul(x1, cos)
+            torch.addcmul(first, x2, sin, value=-1, out=dst_k[..., :half])  # x1 cos - x2 sin
+            second = torch.mul(x2, cos)
+            torch.addcmul(second, x1, sin, out=dst_k[..., half:])  # x2 cos + x1 sin
         else:
             dst_k.copy_(k)
         if self.span is not None:
