@@ -297,7 +297,7 @@ class EngineConfig:
 
     model: Annotated[StrictStr, AfterValidator(_model)] = "smollm2-135m-instruct"
     device: Annotated[StrictStr, AfterValidator(_device)] = "auto"  # auto | cpu | cuda | cuda:N | mps
-    dtype: ComputeDType = "float32"  # compute dtype, or auto (blend.model.loading.auto_dtype)
+    dtype: ComputeDType = "auto"  # compute dtype; auto: bfloat16 where the CPU / GPU computes it natively (auto_dtype)
     engine: Annotated[BlendConfig, Section] = Field(default_factory=BlendConfig)
     store: Annotated[StoreConfig, Section] = Field(default_factory=default_store)
 
