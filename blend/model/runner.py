@@ -573,11 +573,14 @@ class Runner:
         """One decode step for B sequences at once: token_ids[b] is fed at position
         caches[b].length of its own cache (written there, length advanced by one).
 
-        The linear layers (QKV, output projection, MLP, LM head) run once over the B rows;
-        attention runs per sequence over its own keys (`decode_attention`: one call per
-        sequence and layer, the cache's stale-key bias folded in; a sliding layer over its
-        window only, from a ring where the cache has one). Every cache needs room for one more
-        position (`ensure_capacity`). Returns logits (B, vocab) float32.
+        The linear layers (QKV, output projection, MLP, LM head) run once over the B rows
+        (`projections` where the runner has them); q and k are rotated together from the
+        RoPE table (`rope_rows`, `rotate`); attention runs per sequence over its own keys,
+        the cache's stale-key bias folded in (CPU: `cpu_decode_attention` on queries scaled
+        once per layer; elsewhere `decode_attention`; a sliding layer over its window only,
+        from a ring where the cache has one). Every cache needs room for one more position
+        (`ensure_capacity`). Returns logits (B, vocab) float32. Each sequence's logits are
+        those it gets decoding alone (tests/test_scheduler.py).
         """
         batch = len(caches)
         if batch != len(token_ids) or batch == 0:
