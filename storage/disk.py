@@ -547,7 +547,8 @@ class DiskTier:
             if got is None:
                 self._stats.add(layer_misses=1)
                 return None
-            self._stats.add(layer_reads=1, bytes_read=got[0].nbytes * 2, read_seconds=time.perf_counter() - t0)
+            self._stats.add(layer_reads=1, bytes_read=got[0].nbytes + got[1].nbytes,
+                            read_seconds=time.perf_counter() - t0)
             return got
         raise AssertionError("unreachable")
 

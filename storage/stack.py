@@ -5,11 +5,15 @@ Request flow: `lookup(key, expected)` walks the tiers fastest-first and returns 
 tokens, positions, dims, dtype, sizes: `storage.entry.Expected`) and, in a store with a
 secret, carries a valid tag (`storage.signature`). Any other header is a miss, counted
 per tier (`mismatches`, `unauthenticated`), and deleted from that tier, so no tensor is
-ever built from a header the reader did not expect. `get_layer` / `get_layers` read from
+ever built from a header the reader did not expect; an entry that fails authentication is
+left in place (another engine with another secret may own it). `get_layer` / `get_layers` read from
 that tier, falling back to a lower tier holding an identical header if the entry
 vanished meanwhile. A request that still finds a layer missing recomputes the segment and
 hands it to `repair`, which rewrites the entry once. `put` writes to every tier through a
-bounded background writer (sealing entries first when the store has a secret). A hit in
+bounded background writer: encoded in each tier's codec (`storage.codec`; once per codec,
+an entry already encoded is written as it is), then sealed when the store has a secret.
+Reads return what the tier holds (an encoded entry's K and V parts: the reader decodes, on
+its device; `storage.entry.decode_layer`). A hit in
 a lower tier is promoted: the layers the request reads are collected and, once all are
 seen, written to the tiers above in the background; `flush` (or overflow of the pending
 table) completes partially read promotions by reading the remaining layers.
@@ -29,8 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from storage.config import StoreConfig, TierConfig
+from storage.codec import Codec, codec_named
+from storage.config import SHARED_KINDS, StoreConfig, TierConfig
 from storage.entry import EntryHeader, Expected, KVEntry
+from storage.serialization import layer_views
 from storage.signature import seal, verify
 from storage.tier import Layer, StoreUnavailable, Tier, tier_class
 
@@ -45,6 +51,11 @@ def build_tier(config: TierConfig, namespace: str = "") -> Tier:
     """Instantiate the tier for `config.kind` (storage.tier.tier_class), scoped to `namespace`;
     ValueError lists the valid kinds."""
     return tier_class(config.kind)(config, namespace=namespace)
+
+
+def tier_codec(tier: Tier) -> Codec:
+    """The codec a tier writes in (its config's `codec`; `none` for a tier without one)."""
+    return codec_named(getattr(getattr(tier, "config", None), "codec", "none"))
 
 
 @dataclass
@@ -79,12 +90,6 @@ class _Promotion:
 _STOP = object()
 
 
-def layer_views(buf: torch.Tensor, header: EntryHeader) -> Layer:
-    """(K, V) views, each (kv_heads, num_tokens, head_dim), of one layer's bytes in `buf` ((layer_nbytes,) uint8)."""
-    k, v = buf.view(header.dtype).view(2, *header.shape).unbind(0)
-    return k, v
-
-
 def _read_into(tier: Tier, located: Located, layer: int, out: torch.Tensor) -> bool:
     """One tier's read of a layer into `out`, through its `read_layer_into` where it has one."""
     reader = getattr(tier, "read_layer_into", None)
@@ -117,6 +122,7 @@ class TieredStore:
         if secret is not None and not secret:
             raise ValueError("store secret is empty; set a long random string or leave it unset")
         self.tiers: list[Tier] = list(tiers)
+        self.codecs: list[Codec] = [tier_codec(t) for t in self.tiers]
         self.namespace = namespace
         self._secret = secret
         self.kv_dtype = kv_dtype
@@ -129,6 +135,12 @@ class TieredStore:
         self._lock = threading.Lock()
         self._counts: dict[str, Counter] = {t.name: Counter() for t in self.tiers}
         self._closed = False
+        shared = [t.name for t in self.tiers if getattr(getattr(t, "config", None), "kind", "") in SHARED_KINDS]
+        if shared and secret is None:
+            log.warning("%s tier%s shared without store.secret: anyone who can write to the server can plant "
+                        "entries with valid checksums, and this engine serves them as KV; set store.secret "
+                        "(KVBLEND_STORE_SECRET, the same on every engine sharing it) to accept only entries "
+                        "sealed with it", ", ".join(shared), "s are" if len(shared) > 1 else " is")
 
     @classmethod
     def from_config(cls, config: StoreConfig, *, min_entry_bytes: int | None = None) -> TieredStore:
@@ -188,9 +200,11 @@ class TieredStore:
                 continue
             problem = expected.mismatch(header)
             if problem is None and self._secret is not None and not verify(header, key, self._secret):
+                # left in place: an engine with another secret may share this tier (deleting would
+                # let two of them wipe each other's entries); a recompute here overwrites it
                 self._count(i, lookup_misses=1, unauthenticated=1)
-                log.warning("%s tier: entry %s has no valid tag for this store's secret; deleted", tier.name, key)
-                tier.delete(key)
+                log.warning("%s tier: entry %s has no valid tag for this store's secret (written by an engine "
+                            "with another secret, or forged); a miss, left in place", tier.name, key)
                 continue
             if problem is not None:
                 self._count(i, lookup_misses=1, mismatches=1)
@@ -322,8 +336,8 @@ class TieredStore:
                         return  # the source lost it meanwhile: nothing to promote
                     promotion.layers[i] = layer
             entry = KVEntry(located.header, [promotion.layers[i] for i in range(located.header.num_layers)])
-            for i in range(located.tier_index):
-                self.tiers[i].put(located.key, entry)
+            for i in range(located.tier_index):  # an encoded entry goes up as it is (never encoded twice)
+                self.tiers[i].put(located.key, self._seal(located.key, entry.encode(self.codecs[i])))
                 self._count(i, promotions=1)
 
         self._ensure_writer()
@@ -343,18 +357,18 @@ class TieredStore:
         """
         self._raise_background_error()
         if sync:
-            sealed = self._seal(key, entry)
-            for tier in self.tiers:
-                tier.put(key, sealed)
+            self._write(key, entry)
             return
-
-        def job() -> None:
-            sealed = self._seal(key, entry)
-            for tier in self.tiers:
-                tier.put(key, sealed)
-
         self._ensure_writer()
-        self._queue.put(job)
+        self._queue.put(lambda: self._write(key, entry))
+
+    def _write(self, key: str, entry: KVEntry) -> None:
+        """Put `entry` into every tier, encoded in the tier's codec (once per codec) and sealed."""
+        ready: dict[Codec, KVEntry] = {}
+        for tier, codec in zip(self.tiers, self.codecs, strict=True):
+            if codec not in ready:
+                ready[codec] = self._seal(key, entry.encode(codec))
+            tier.put(key, ready[codec])
 
     def _seal(self, key: str, entry: KVEntry) -> KVEntry:
         """`entry` with a tag for `key` when the store has a secret (sha256 checksums: ~1.4 GB/s)."""
@@ -452,5 +466,6 @@ class TieredStore:
             with self._lock:
                 counts = dict(self._counts[tier.name])
             extra = {k: counts.get(k, 0) for k in LOOKUP_COUNTERS}
-            out[tier.name] = {"kind": getattr(tier.config, "kind", tier.name)} | tier.stats() | extra
+            out[tier.name] = ({"kind": getattr(tier.config, "kind", tier.name), "codec": tier_codec(tier).name}
+                              | tier.stats() | extra)
         return out

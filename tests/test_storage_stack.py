@@ -35,8 +35,10 @@ def expect(token_ids, fingerprint: str = "bench", **changes) -> Expected:
     return Expected.of(token_ids, **fields)
 
 
-def cpu_disk(tmp_path: Path, **kw) -> TieredStore:
-    cfg = StoreConfig(tiers=(CpuTierConfig(budget=1 << 20), DiskTierConfig(path=str(tmp_path / "disk"))), **kw)
+def cpu_disk(tmp_path: Path, codec: str = "none", **kw) -> TieredStore:
+    """A cpu + disk store; the disk tier in `codec` (none: both tiers hold the same entry)."""
+    cfg = StoreConfig(tiers=(CpuTierConfig(budget=1 << 20), DiskTierConfig(path=str(tmp_path / "disk"), codec=codec)),
+                      **kw)
     return TieredStore.from_config(cfg)
 
 
@@ -95,9 +97,11 @@ def test_store_with_a_secret_seals_writes_and_refuses_untagged_entries(tmp_path)
         stored = store.tiers[1].get_header(key)
         assert stored.checksum == "sha256" and verify(stored, key, "s3cret-0123456789abcdef")
         assert store.lookup(key, expect(tokens)).header == stored
-        store.tiers[1].put(key2, entry2)  # planted without the secret
+        store.tiers[1].put(key2, entry2)  # planted without the secret (or written by an engine with another one)
         assert store.lookup(key2, expect(tokens2)) is None
-        assert store.stats()["disk"]["unauthenticated"] == 1 and not store.tiers[1].contains(key2)
+        # a miss, counted, and left in place: two engines with different secrets must not wipe each other
+        assert store.stats()["disk"]["unauthenticated"] == 1 and store.tiers[1].contains(key2)
+        assert store.lookup(key2, expect(tokens2)) is None and store.stats()["disk"]["unauthenticated"] == 2
         store.tiers[0].clear()  # a promotion from disk keeps the tag (and does not re-hash)
         located = store.lookup(key, expect(tokens))
         assert located.tier_name == "disk" and store.get(located) is not None
