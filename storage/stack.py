@@ -397,6 +397,10 @@ class TieredStore:
             finally:
                 self._queue.task_done()
 
+    def pending_writes(self) -> int:
+        """Write-behind jobs queued and not yet taken by the writer (puts, promotions); no side effects."""
+        return self._queue.qsize()
+
     def _raise_background_error(self) -> None:
         error, self._error = self._error, None
         if error is not None:
