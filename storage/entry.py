@@ -83,10 +83,16 @@ class EntryHeader:
         return self.codec.part_nbytes(self.kv_heads, self.num_tokens, self.head_dim, self.kv_dtype)
 
     @property
+    def keys_pre_rope(self) -> bool:
+        """Whether the keys decode without their rotation (every token at position 0): the reader
+        rotates each by its whole prompt position, not by the shift from pos_start."""
+        return self.codec.keys == KEYS_PRE_ROPE
+
+    @property
     def keys_rotated_at(self) -> int:
         """The position of the first token's key as the layers decode: pos_start, or 0 for keys stored
-        before RoPE (the reader rotates them by their whole prompt position)."""
-        return 0 if self.codec.keys == KEYS_PRE_ROPE else self.pos_start
+        before RoPE."""
+        return 0 if self.keys_pre_rope else self.pos_start
 
     @property
     def raw_nbytes(self) -> int:

@@ -27,16 +27,41 @@ def _open_store(args: argparse.Namespace, config: Any = None) -> Any:
     return TieredStore.from_config(config)
 
 
+def bytes_per_token(config: Any) -> dict[str, float | None]:
+    """Per tier of an engine config, the bytes of KV one token takes there: the model's KV shape
+    (read from its config, no weights), the tier's codec, full blocks of `chunk_tokens`. None per
+    tier when the model's config cannot be read."""
+    from storage.codec import codec_named
+    from storage.config import tier_display_name
+
+    try:
+        from blend.planning.planner import model_kv_shape
+
+        shape = model_kv_shape(config.model)
+    except Exception:  # noqa: BLE001 - an unreadable model config leaves the column empty, never fails stats
+        return {tier_display_name(t): None for t in config.store.tiers}
+    tokens = config.engine.chunk_tokens
+    return {tier_display_name(t): codec_named(t.codec).layer_nbytes(shape.kv_heads, tokens, shape.head_dim,
+                                                                     config.store.kv_dtype) * shape.layers / tokens
+            for t in config.store.tiers}
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
-    with _open_store(args) as store:
+    from blend.config import load_config
+
+    config = load_config(args.config)
+    with _open_store(args, config.store) as store:
         stats = store.stats()
+    for name, per_token in bytes_per_token(config).items():
+        stats[name]["bytes_per_token"] = per_token
     if args.json:
         emit_json(stats)
         return 0
     for name, s in stats.items():
         down = " DOWN" if s.get("down") else ""
-        print(f"{name:<14} {s['kind']:<14} entries {s['entries']:>7}  used {s['bytes_used'] / 2**20:>10.1f} MiB"
-              f"  corrupt {s['corrupt']}  errors {s['errors']}{down}")
+        per_token = f"{s['bytes_per_token'] / 1024:.1f} KiB/token" if s["bytes_per_token"] else "? KiB/token"
+        print(f"{name:<14} {s['kind']:<14} {s['codec']:<5} {per_token:>15}  entries {s['entries']:>7}  used "
+              f"{s['bytes_used'] / 2**20:>10.1f} MiB  corrupt {s['corrupt']}  errors {s['errors']}{down}")
     return 0
 
 
@@ -46,7 +71,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     rows = []
     with _open_store(args) as store:
         if not args.json:
-            print(f"{'key':<48} {'tier':<14} {'tokens':>7} {'bytes':>11} {'pos_start':>9}", flush=True)
+            print(f"{'key':<48} {'tier':<14} {'tokens':>7} {'bytes':>11} {'pos_start':>9} codec", flush=True)
         for tier in store.tiers:
             for key in tier.keys():
                 # a listing changes nothing: no recency, and an unreadable entry is shown, not deleted
@@ -55,14 +80,14 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                     header = tier.peek_header(key)
                 except CorruptEntry as err:
                     row = {"key": key, "tier": tier.name, "tokens": None, "bytes": None, "pos_start": None,
-                           "corrupt": str(err)}
+                           "codec": None, "corrupt": str(err)}
                     line = f"corrupt: {err}"
                 else:
                     if header is None:
                         continue
                     row = {"key": key, "tier": tier.name, "tokens": header.num_tokens, "bytes": header.nbytes,
-                           "pos_start": header.pos_start, "corrupt": None}
-                    line = f"{header.num_tokens:>7} {header.nbytes:>11} {header.pos_start:>9}"
+                           "pos_start": header.pos_start, "codec": header.codec.name, "corrupt": None}
+                    line = f"{header.num_tokens:>7} {header.nbytes:>11} {header.pos_start:>9} {header.codec.name}"
                 if args.json:
                     rows.append(row)
                 else:
@@ -99,8 +124,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("store", help="inspect or empty the tiered KV store")
     sub = parser.add_subparsers(dest="store_command", required=True, metavar="ACTION")
     for name, func, text in (
-        ("stats", _cmd_stats, "per-tier counters and usage"),
-        ("ls", _cmd_ls, "list entries: key, tier, tokens, bytes, pos_start"),
+        ("stats", _cmd_stats, "per-tier codec, bytes per token, counters and usage"),
+        ("ls", _cmd_ls, "list entries: key, tier, tokens, bytes, pos_start, codec"),
         ("clear", _cmd_clear, "delete every entry of the config's namespace from every tier (asks, or pass --yes)"),
     ):
         p = sub.add_parser(name, help=text)

@@ -32,7 +32,8 @@ as possible, then one batched step places them all.
     after its copy event has completed; encoded entries are staged and copied encoded
     (the bytes that cross PCIe are the compressed ones);
   - the copies land in a device buffer laid out segment after segment (encoded ones in
-    a second buffer, decoded from there into the first on the device); one gather per
+    a second buffer, decoded from there into the first on the device, in the storage
+    dtype: the precision a `none` entry has); one gather per
     K and V, one re-rotation by each token's position shift (float32 math) and one
     write into the cache slots place every segment of the layer at once;
   - all of it runs on a dedicated copy stream and ends with an event per layer:
@@ -444,10 +445,10 @@ class _HostPlacer:
                 dst_v.copy_(v, non_blocking=True)
             else:
                 decode_into(header.codec, k.to(dst_k.device), v.to(dst_k.device), dst_k, dst_v)
-            if header.keys_rotated_at == header.pos_start:
-                runner.rerotate_(dst_k, p.start - p.pos_start)
-            else:
+            if header.keys_pre_rope:
                 self._rotate_(dst_k, p.start, p.length)
+            else:
+                runner.rerotate_(dst_k, p.start - p.pos_start)
             ld.copies += 2
             ld.place_s += time.perf_counter() - t0
 
@@ -508,7 +509,7 @@ class _StagedPlacer:
         first = int(pos[0])
         self.span = (first, first + self.n) if bool((pos == torch.arange(first, first + self.n)).all()) else None
         self.pos = None if self.span is not None else pos.to(dev)
-        self._bases: tuple[int, ...] | None = None  # per segment, the position its placed keys are rotated at
+        self._pre_rope: tuple[bool, ...] | None = None  # per segment: its placed keys decode before RoPE
         self.rotate = False
         # direct sources: pinned cpu-tier views, read once for every layer and kept until close()
         self.direct: dict[int, list[torch.Tensor]] = {}
@@ -678,12 +679,15 @@ class _StagedPlacer:
         """The per-token rotation tables for where each segment's placed keys are rotated at now
         (encoded keys stored before RoPE: position 0; a segment recomputed meanwhile: pos_start)."""
         ld = self.loader
-        bases = tuple(p.header.keys_rotated_at if i in self.poff and p.entry is None else p.pos_start
-                      for i, p in enumerate(ld.placements))
-        if bases == self._bases:
+        pre_rope = tuple(i in self.poff and p.entry is None and p.header.keys_pre_rope
+                         for i, p in enumerate(ld.placements))
+        if pre_rope == self._pre_rope:
             return
-        self._bases = bases
-        delta = torch.cat([torch.full((p.length,), p.start - b) for p, b in zip(ld.placements, bases, strict=True)])
+        self._pre_rope = pre_rope
+        # token t of a segment goes from position pos_start + t (keys as computed) or 0 (keys stored
+        # before RoPE) to start + t
+        delta = torch.cat([torch.arange(p.start, p.start + p.length) if pre else torch.full((p.length,), p.start - p.pos_start)
+                           for p, pre in zip(ld.placements, pre_rope, strict=True)])
         self.rotate = bool(delta.any())
         if self.rotate:
             cos, sin = ld.runner.rotation(delta)  # (N, D) float32 each, on the device
