@@ -175,21 +175,23 @@ def _round_up_f16(x: torch.Tensor) -> torch.Tensor:
 def _quantize(x: torch.Tensor, bits: int, zero: bool, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Codes (uint8, x's shape), float16 scales and minimums (None when symmetric) of `x` (float32,
     groups along `dim`): asymmetric q = round((x - m) / s) in [0, 2^bits - 1]; symmetric
-    q = round(x / s) + 2^(bits-1) in [1, 2^bits - 1]."""
+    q = round(x / s) + 2^(bits-1) in [1, 2^bits - 1]. Rounds half up (clamped, + 0.5, truncated)."""
     import torch
 
     top = (1 << bits) - 1
     if zero:
-        lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+        lo, hi = torch.aminmax(x, dim=dim, keepdim=True)
         m = lo.to(torch.float16)
         m32 = m.float()
         s = _round_up_f16((hi - m32).clamp_min(0) / top)
-        q = torch.round((x - m32) / s.float().masked_fill(s == 0, 1.0))
-        return q.clamp_(0, top).to(torch.uint8), s, m
+        inv = torch.where(s == 0, 0.0, 1.0 / s.float())  # a constant group: every code 0, decoded as m
+        q = torch.sub(x, m32).mul_(inv).clamp_(0, top).add_(0.5)
+        return q.to(torch.uint8), s, m
     mid = 1 << (bits - 1)
     s = _round_up_f16(x.abs().amax(dim, keepdim=True) / (mid - 1))
-    q = torch.round(x / s.float().masked_fill(s == 0, 1.0)) + mid
-    return q.clamp_(1, top).to(torch.uint8), s, None
+    inv = torch.where(s == 0, 0.0, 1.0 / s.float())
+    q = torch.mul(x, inv).add_(mid).clamp_(1, top).add_(0.5)
+    return q.to(torch.uint8), s, None
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
