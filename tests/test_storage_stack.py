@@ -254,3 +254,33 @@ def test_background_failure_of_required_tier_surfaces_on_flush(tmp_path, monkeyp
         store.flush()
     assert store.tiers[0].contains(key)  # tiers before the failing one were written
     store.close()
+
+
+def test_engines_with_different_secrets_do_not_delete_each_others_entries(tmp_path):
+    """Fault sweep: an entry that fails authentication is a miss, counted, and stays where it is."""
+    key, tokens, entry = keyed()
+    mine = StoreConfig(secret="first-secret-0123456789", tiers=(DiskTierConfig(path=str(tmp_path / "d")),))
+    theirs = dataclasses.replace(mine, secret="other-secret-0123456789")
+    with TieredStore.from_config(mine) as a:
+        a.put(key, entry, sync=True)
+    with TieredStore.from_config(theirs) as b:
+        assert b.lookup(key, expect(tokens)) is None
+        stats = b.stats()["disk"]
+        assert stats["unauthenticated"] == 1 and stats["lookup_misses"] == 1 and b.tiers[0].contains(key)
+    with TieredStore.from_config(mine) as a:
+        assert a.lookup(key, expect(tokens)) is not None  # still there for its owner
+
+
+@pytest.mark.parametrize("kinds, secret, warned", [
+    (("redis",), None, True), (("redis",), "a-secret-0123456789ab", False), (("cpu", "disk"), None, False),
+])
+def test_a_shared_tier_without_a_secret_warns_once_at_start(tmp_path, caplog, kinds, secret, warned):
+    tiers = {"cpu": CpuTierConfig(), "disk": DiskTierConfig(path=str(tmp_path / "d")),
+             "redis": RedisTierConfig(url="redis://127.0.0.1:1/0", connect_timeout_s=0.2, socket_timeout_s=0.2)}
+    with caplog.at_level(logging.WARNING, logger="kvblend.storage"):
+        with TieredStore.from_config(StoreConfig(secret=secret, tiers=tuple(tiers[k] for k in kinds))):
+            pass
+    risk = [r.getMessage() for r in caplog.records if "without store.secret" in r.getMessage()]
+    assert len(risk) == (1 if warned else 0)
+    if warned:
+        assert "plant entries" in risk[0] and "KVBLEND_STORE_SECRET" in risk[0]
