@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from blend.decode.decoder import GenerationResult, TextDelta
+    from blend.decode.result import GenerationResult, TextDelta
+    from blend.engine.async_engine import AsyncBlendEngine
     from blend.engine.engine import BlendEngine
     from blend.prompt.document import Document
 
-__all__ = ["BlendEngine", "Document", "GenerationResult", "TextDelta"]
-_HOMES = {"BlendEngine": "blend.engine.engine", "GenerationResult": "blend.decode.decoder",
-          "TextDelta": "blend.decode.decoder", "Document": "blend.prompt.document"}
+__all__ = ["AsyncBlendEngine", "BlendEngine", "Document", "GenerationResult", "TextDelta"]
+_HOMES = {"BlendEngine": "blend.engine.engine", "AsyncBlendEngine": "blend.engine.async_engine", "GenerationResult": "blend.decode.result",
+          "TextDelta": "blend.decode.result", "Document": "blend.prompt.document"}
 
 
 def __getattr__(name: str) -> Any:  # lazy: `kvblend --help` does not import torch

@@ -24,9 +24,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, Strict, StrictBool, StrictStr
+from pydantic import AfterValidator, BeforeValidator, Field, PlainValidator, Strict, StrictBool, StrictStr
 
-from blend.modes import MODES, check_mode, check_ratio  # noqa: F401 - re-exported
+from blend.modes import (  # noqa: F401 - MODES, check_mode, check_ratio: re-exported
+    CHECK_LAYER_SELECTIONS,
+    DEVIATIONS,
+    MODES,
+    QUERY_SELECTIONS,
+    SELECTIONS,
+    check_mode,
+    check_ratio,
+)
 from blend.prompt.builder import QA
 from storage.config import (
     Bytes,
@@ -46,6 +54,7 @@ from storage.config import (
     load_yaml,
     redacted,
 )
+from storage.units import parse_bytes
 
 CONFIG_ENV = "KVBLEND_CONFIG"
 HOME_ENV = "KVBLEND_HOME"
@@ -60,22 +69,27 @@ def kvblend_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "kvblend"
 
 
-def _policy(registry: str) -> Callable[[str], str]:
-    def check(name: str) -> str:
-        from blend.recompute import selector  # the policy's registry (imports torch)
-
-        valid = getattr(selector, registry)
-        if name not in valid:
-            raise ValueError(f"must be one of {', '.join(valid)}, got {name!r}")
-        return name
-
-    return check
-
-
 def _yaml_switch(true_means: str) -> Callable[[Any], Any]:
     """YAML reads a bare `on` / `off` (or true / false) as a boolean: a validator taking it as
     the switch it names (`off`, or `true_means`)."""
     return lambda value: ({False: "off", True: true_means}[value] if isinstance(value, bool) else value)
+
+
+def _auto_count(value: Any) -> int | str:
+    """A whole number >= 1, or "auto"."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"must be a whole number >= 1 or auto, got {value!r}")
+
+
+def _auto_bytes(value: Any) -> int | str:
+    """A byte size > 0 (4096, "2GiB"), or "auto"."""
+    if value == "auto":
+        return value
+    size = parse_bytes(value, "")
+    if size <= 0:
+        raise ValueError(f"must be a size > 0 (e.g. 2GiB) or auto, got {value!r}")
+    return size
 
 
 def _query_template(text: str) -> str:
@@ -84,6 +98,121 @@ def _query_template(text: str) -> str:
     except (KeyError, IndexError, ValueError) as err:
         raise ValueError(f"may only use the placeholder {{question}} ({err}); write a literal brace as {{{{ or }}}}") from None
     return text
+
+
+def _check_schedule(check_layers: tuple[int, ...], schedule: tuple[float, ...]) -> None:
+    layers = list(check_layers)
+    if not layers:
+        raise ValueError("check_layers must name at least one layer, e.g. [1]")
+    if layers != sorted(set(layers)):
+        raise ValueError(f"check_layers must be increasing layer indices, got {layers}")
+    s = list(schedule)
+    if len(s) != len(layers):
+        raise ValueError(f"filter_schedule has {len(s)} entries but check_layers has {len(layers)}; give one "
+                         "multiplier per check layer, e.g. [2.0, 1.5, 1.0] for [1, 2, 3]")
+    if any(b > a for a, b in zip(s, s[1:], strict=False)) or s[-1] != 1.0:
+        raise ValueError(f"filter_schedule must be non-increasing and end at 1.0 (the final set is the "
+                         f"recompute ratio), got {s}")
+
+
+CheckLayers = tuple[Annotated[int, Strict(), Field(ge=0)], ...]
+StaleShift = Annotated[Literal["auto", "on", "off"], BeforeValidator(_yaml_switch("on"))]
+
+
+@config_dataclass
+class CheckLayerSelection:
+    """A check-layer rule (the CacheBlend paper's `deviation`, or `attention`, `hybrid`): every
+    row is computed up to the first check layer, where the candidates are ranked on their
+    fresh vs loaded K/V (or the query's attention) and the top ones kept."""
+
+    policy: Literal[CHECK_LAYER_SELECTIONS]  # type: ignore[valid-type]
+    check_layers: CheckLayers = (1,)  # layers where rows are selected
+    # per check layer: the selected fraction = recompute_ratio x this (non-increasing, ends at 1.0)
+    filter_schedule: tuple[PositiveFloat, ...] = (1.0,)
+    deviation: Literal[DEVIATIONS] = "v"  # type: ignore[valid-type]  # which cached tensor's deviation ranks rows
+    # the first k tokens of every document whose KV is not exact at its position are always
+    # recomputed (inside the ratio's budget)
+    sink_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
+    # per layer and KV head, the logit offset between the recomputed rows' stale and fresh keys
+    # (as the query rows see them) is subtracted from the scores of the keys left stale, in the
+    # recompute and in every decoded token's attention (blend.recompute.stale; docs/EVAL.md)
+    stale_bias: StrictBool = True
+    # per layer and KV head, the mean offset between the recomputed rows' fresh and loaded K/V
+    # (keys un-rotated) is added to the K/V left stale, before `stale_bias` is measured. auto: on,
+    # except with `deviation`, whose recomputed rows are the most deviated by construction
+    stale_shift: StaleShift = "auto"
+
+    def __post_init__(self) -> None:
+        _check_schedule(self.check_layers, self.filter_schedule)
+
+    @property
+    def query_layers(self) -> int:
+        return 0
+
+    @property
+    def query_pool(self) -> float:
+        return 1.0
+
+    def with_policy(self, policy: str | None) -> Selection:
+        return _with_policy(self, policy)
+
+
+@config_dataclass
+class QuerySelection:
+    """Query-driven selection (`query`, the default: it won the MuSiQue dev comparison at every
+    ratio, docs/EVAL.md): a query pass runs the query rows over the loaded KV and keeps the
+    context rows they attend to most; no full early layers."""
+
+    policy: Literal[QUERY_SELECTIONS] = "query"  # type: ignore[valid-type]
+    # layers the query pass runs (0: all); the loads of later layers overlap the recompute
+    query_layers: Annotated[int, Strict(), Field(ge=0)] = 0
+    # the query pass keeps this many times the budget; the check layers narrow it to the budget
+    # by query attention x KV deviation (1.0: no narrowing, the check layers are not used)
+    query_pool: Annotated[float, Strict(), Field(ge=1.0, allow_inf_nan=False)] = 1.0
+    check_layers: CheckLayers = (1,)  # with query_pool > 1: where the pool is narrowed
+    filter_schedule: tuple[PositiveFloat, ...] = (1.0,)
+    deviation: Literal[DEVIATIONS] = "v"  # type: ignore[valid-type]  # with query_pool > 1
+    sink_tokens: Annotated[int, Strict(), Field(ge=0)] = 0  # as for CheckLayerSelection
+    stale_bias: StrictBool = True  # as for CheckLayerSelection
+    stale_shift: StaleShift = "auto"  # as for CheckLayerSelection
+
+    def __post_init__(self) -> None:
+        _check_schedule(self.check_layers, self.filter_schedule)
+        if self.query_layers == 1:
+            raise ValueError("query_layers must be 0 (all layers) or >= 2, got 1")
+
+    def with_policy(self, policy: str | None) -> Selection:
+        return _with_policy(self, policy)
+
+
+Selection = QuerySelection | CheckLayerSelection
+SHARED_KNOBS = ("check_layers", "filter_schedule", "deviation", "sink_tokens", "stale_bias", "stale_shift")
+QUERY_KNOBS = ("query_layers", "query_pool")
+SELECTION_KNOBS = (*SHARED_KNOBS, *QUERY_KNOBS)
+
+
+def _with_policy(selection: Selection, policy: str | None) -> Selection:
+    """The selection config of `policy` (None: this one), carrying the shared knobs over."""
+    if policy is None or policy == selection.policy:
+        return selection
+    if policy not in SELECTIONS:
+        raise ValueError(f"unknown selection {policy!r}; valid selections are: {', '.join(SELECTIONS)}")
+    shared = {k: getattr(selection, k) for k in SHARED_KNOBS}
+    return QuerySelection(**shared) if policy in QUERY_SELECTIONS else CheckLayerSelection(policy=policy, **shared)
+
+
+def _selection_section(value: Any) -> Any:
+    """`selection: deviation` (a policy name) is short for `selection: {policy: deviation}`; a
+    mapping without `policy` is the default policy's."""
+    if isinstance(value, str):
+        return {"policy": value}
+    if isinstance(value, dict) and "policy" not in value:
+        return {"policy": QUERY_SELECTIONS[0], **value}
+    return value
+
+
+SelectionSection = Annotated[QuerySelection | CheckLayerSelection, Field(discriminator="policy"),
+                             BeforeValidator(_selection_section)]
 
 
 @config_dataclass
@@ -95,12 +224,8 @@ class BlendConfig:
     # a longer document is split into consecutive documents of this many tokens (each computed on its own)
     max_document_tokens: PositiveInt = 4096
     recompute_ratio: Ratio = 0.15
-    check_layers: tuple[Annotated[int, Strict(), Field(ge=0)], ...] = (1,)
-    filter_schedule: tuple[PositiveFloat, ...] = (1.0,)
-    deviation: Annotated[StrictStr, AfterValidator(_policy("DEVIATIONS"))] = "v"
-    # query (query-driven, no full early layers) | deviation (the paper's rule) | hybrid | attention;
-    # query won the MuSiQue dev comparison at every ratio (docs/EVAL.md)
-    selection: Annotated[StrictStr, AfterValidator(_policy("SELECTIONS"))] = "query"
+    # which rows blend recomputes: a policy and its own knobs (QuerySelection, CheckLayerSelection)
+    selection: SelectionSection = Field(default_factory=QuerySelection)
     # layers fetched ahead of compute; loads land in the request's preallocated cache, so depth
     # costs no memory, and a loader that runs ahead finishes early and stops competing for CPU
     prefetch_depth: PositiveInt = 32
@@ -110,23 +235,6 @@ class BlendConfig:
     # what each document is computed after: system (the fixed instruction part) | none (standalone);
     # system won on MuSiQue dev (docs/EVAL.md)
     chunk_context: Literal[CHUNK_CONTEXTS] = "system"  # type: ignore[valid-type]
-    # the first k tokens of every document whose KV is not exact at its position are always
-    # recomputed (inside the ratio's budget)
-    sink_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
-    # selection `query`: layers the query pass runs (0: all); the loads of later layers overlap the recompute
-    query_layers: Annotated[int, Strict(), Field(ge=0)] = 0
-    # selection `query`: the query pass keeps this many times the budget; the check layers narrow it
-    # to the budget by query attention x KV deviation (1.0: no narrowing, no check layer)
-    query_pool: Annotated[float, Strict(), Field(ge=1.0, allow_inf_nan=False)] = 1.0
-    # blend: per layer and KV head, the logit offset between the recomputed rows' stale and fresh
-    # keys (as the query rows see them) is subtracted from the scores of the keys left stale, in
-    # the recompute and in every decoded token's attention (blend.recompute; docs/EVAL.md)
-    stale_bias: StrictBool = True
-    # blend: per layer and KV head, the mean offset between the recomputed rows' fresh and loaded
-    # K/V (keys un-rotated) is added to the K/V left stale, before `stale_bias` is measured
-    # (blend.recompute.StaleKeys; docs/EVAL.md). auto: on, except with selection `deviation`,
-    # whose recomputed rows are the most deviated by construction (it measured worse there)
-    stale_shift: Annotated[Literal["auto", "on", "off"], BeforeValidator(_yaml_switch("on"))] = "auto"
     # load-or-compute split (blend.split): auto computes a prefix instead of loading it when loads
     # would take longer than compute; off always loads every cached segment
     split: Annotated[Literal["auto", "off"], BeforeValidator(_yaml_switch("auto"))] = "auto"
@@ -139,27 +247,19 @@ class BlendConfig:
     idle_seconds: NonNegativeFloat = 300.0  # chat sessions idle this long are offloaded from the device (0: after each turn)
     # device-resident chat KV above this offloads the least recently used sessions ("1GiB" accepted)
     active_budget: Bytes = 1 << 30
-
-    def __post_init__(self) -> None:
-        layers = list(self.check_layers)
-        if not layers:
-            raise ValueError("check_layers must name at least one layer, e.g. [1]")
-        if layers != sorted(set(layers)):
-            raise ValueError(f"check_layers must be increasing layer indices, got {layers}")
-        s = list(self.filter_schedule)
-        if len(s) != len(layers):
-            raise ValueError(f"filter_schedule has {len(s)} entries but check_layers has {len(layers)}; give one "
-                             "multiplier per check layer, e.g. [2.0, 1.5, 1.0] for [1, 2, 3]")
-        if any(b > a for a, b in zip(s, s[1:], strict=False)) or s[-1] != 1.0:
-            raise ValueError(f"filter_schedule must be non-increasing and end at 1.0 (the final set is the "
-                             f"recompute ratio), got {s}")
-        if self.query_layers == 1:
-            raise ValueError("query_layers must be 0 (all layers) or >= 2, got 1")
+    # the scheduler (blend.engine.scheduler): sequences decoding together at most (auto: 8 on CPU, 32 on CUDA)
+    max_num_seqs: Annotated[int | Literal["auto"], PlainValidator(_auto_count)] = "auto"
+    # KV bytes the running sequences may hold on the compute device; growing past it parks the newest
+    # sequence's KV in the tiers until there is room (auto: a quarter of the memory free at start)
+    max_active_kv: Annotated[int | Literal["auto"], PlainValidator(_auto_bytes)] = "auto"
+    # prefill steps (a document miss's forward pass, a request's prefill) run between two decode steps
+    prefills_between_decodes: PositiveInt = 1
 
     def check_model_layers(self, num_layers: int) -> None:
         """ValueError if a check layer is beyond a model of `num_layers` layers."""
-        if self.check_layers[-1] >= num_layers:
-            raise ValueError(f"engine.check_layers {list(self.check_layers)} is beyond the model's {num_layers} "
+        layers = self.selection.check_layers
+        if layers[-1] >= num_layers:
+            raise ValueError(f"engine.selection.check_layers {list(layers)} is beyond the model's {num_layers} "
                              f"layers (0..{num_layers - 1}); use layers below {num_layers}, e.g. [{min(1, num_layers - 1)}]")
 
 
@@ -224,6 +324,11 @@ def _override(config: EngineConfig, overrides: dict[str, Any], where: str) -> En
     top: dict[str, Any] = {}
     engine: dict[str, Any] = {}
     store = config.store
+    knobs = {k: overrides[k] for k in SELECTION_KNOBS if k in overrides}
+    if "selection" in overrides or knobs:  # the selection section, a knob at a time or whole
+        overrides = {k: v for k, v in overrides.items() if k not in knobs}
+        engine["selection"] = _selection_override(config.engine.selection, overrides.pop("selection", None),
+                                                  knobs, where)
     for key, value in overrides.items():
         if key in top_fields:
             top[key] = value
@@ -238,6 +343,28 @@ def _override(config: EngineConfig, overrides: dict[str, Any], where: str) -> En
         return dataclasses.replace(config, **top, engine=dataclasses.replace(config.engine, **engine), store=store)
     except ValueError as err:  # "BlendConfig: recompute_ratio: ..." -> "{where}: recompute_ratio: ..."
         raise ValueError(re.sub(r"(?m)^(EngineConfig|BlendConfig): ", f"{where}: ", str(err))) from None
+
+
+def _selection_override(current: Selection, value: Any, knobs: dict[str, Any], where: str) -> Selection:
+    """The selection config after an override: `value` a policy name (its knobs carried over),
+    a mapping or a config; `knobs` set on it (one a policy does not have is refused)."""
+    if value is None:
+        selection = current
+    elif isinstance(value, str):
+        selection = current.with_policy(value)
+    elif isinstance(value, QuerySelection | CheckLayerSelection):
+        selection = value
+    else:
+        selection = from_mapping(BlendConfig, {"selection": value}, where).selection
+    if not knobs:
+        return selection
+    fields = {f.name: getattr(selection, f.name) for f in dataclasses.fields(selection)}
+    unknown = [k for k in knobs if k not in fields]
+    if unknown:
+        raise ValueError(f"{where}: {', '.join(unknown)} is not a knob of selection {selection.policy!r} "
+                         f"(only of {', '.join(QUERY_SELECTIONS)}); choose that selection or leave it out")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in knobs.items()}
+    return type(selection)(**(fields | values))
 
 
 def _set_redis_url(config: EngineConfig, url: str) -> EngineConfig:
@@ -258,6 +385,15 @@ def _set_ratio(config: EngineConfig, text: str) -> EngineConfig:
     return _override(config, {"recompute_ratio": value}, "KVBLEND_RECOMPUTE_RATIO")
 
 
+def _whole(text: str, var: str) -> int | str:
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{var}: expected a whole number >= 1 or auto, got {text!r}") from None
+
+
 def _setter(key: str, var: str) -> Callable[[EngineConfig, str], EngineConfig]:
     return lambda config, value: _override(config, {key: value}, var)
 
@@ -268,6 +404,8 @@ ENV_OVERRIDES: dict[str, Callable[[EngineConfig, str], EngineConfig]] = {
     "KVBLEND_DEVICE": _setter("device", "KVBLEND_DEVICE"),
     "KVBLEND_DTYPE": _setter("dtype", "KVBLEND_DTYPE"),
     "KVBLEND_RECOMPUTE_RATIO": _set_ratio,
+    "KVBLEND_MAX_NUM_SEQS": lambda config, text: _override(config, {"max_num_seqs": _whole(text, "KVBLEND_MAX_NUM_SEQS")},
+                                                            "KVBLEND_MAX_NUM_SEQS"),
     "KVBLEND_REDIS_URL": _set_redis_url,
     "KVBLEND_STORE_SECRET": lambda config, secret: _override(
         config, {"store": dataclasses.replace(config.store, secret=secret)}, "KVBLEND_STORE_SECRET"),

@@ -9,6 +9,11 @@ import math
 from typing import Any
 
 MODES = ("full", "reuse", "prefix", "blend")
+# blend's token-selection policies (blend.recompute.selector): a check-layer rule (the paper's), or query-driven
+CHECK_LAYER_SELECTIONS = ("deviation", "attention", "hybrid")
+QUERY_SELECTIONS = ("query",)
+SELECTIONS = (*CHECK_LAYER_SELECTIONS, *QUERY_SELECTIONS)
+DEVIATIONS = ("v", "k", "kv")  # which cached tensor's deviation ranks tokens
 
 
 def check_mode(mode: Any) -> str:

@@ -82,6 +82,7 @@ class LoadReport:
     layers_loaded: int = 0
     read_s_by_tier: Mapping[str, float] = field(default_factory=dict)  # host time spent in tier reads
     place_s: float = 0.0  # time spent moving bytes into the cache (CUDA: device time)
+    recomputed_starts: tuple[int, ...] = ()  # prompt starts of the stored segments recomputed (unreadable)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ class SelectionReport:
     # per layer: the mean over KV heads of the logit offset subtracted from the stale keys' scores
     # (`stale_bias`; 0 where no key was left stale or the correction is off)
     key_bias: tuple[float, ...] = ()
+    pass_rows: tuple[int, ...] = ()  # rows each layer of the query pass computed (empty without one)
+    layer_rows: tuple[int, ...] = ()  # rows each layer of the layer loop computed (RecomputePlan.layer_rows)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,11 @@ class RequestStats:
     stored_blocks: int = 0  # prefix blocks queued for the store by this request
     split: SplitReport = SplitReport()
     stalled_tiers: tuple[str, ...] = ()  # tiers given up mid-load (too slow): the request was computed whole
+    # scheduling (blend.engine.scheduler)
+    queued_s: float = 0.0  # submitted to the start of its prefill
+    batch_size_mean: float = 0.0  # mean number of sequences in its decode steps
+    preempted: int = 0  # times its KV was parked in the tiers to free device memory
+    resume_s: float = 0.0  # time spent restoring it after preemptions
 
     @property
     def load_s(self) -> float:
@@ -197,6 +205,8 @@ class RequestStats:
             "load_copies": self.load.copies, "place_s": self.load.place_s,
             "read_s_by_tier": dict(self.load.read_s_by_tier), "split": self.split.to_dict(),
             "stalled_tiers": list(self.stalled_tiers),
+            "queued_s": self.queued_s, "batch_size_mean": self.batch_size_mean, "preempted": self.preempted,
+            "resume_s": self.resume_s,
         }
 
 

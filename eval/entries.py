@@ -67,7 +67,7 @@ def parse_ratios(text: str | Iterable[float]) -> tuple[float, ...]:
 
 def parse_selections(text: str | Sequence[str]) -> tuple[str, ...]:
     """Selection policies from "deviation,hybrid" (or a list); ValueError listing the valid ones."""
-    from blend.recompute.selector import SELECTIONS  # the policy registry (imports torch)
+    from blend.modes import SELECTIONS  # the policy names (no torch)
 
     return _parse_names(text, SELECTIONS, "selection")
 

@@ -26,6 +26,7 @@ ended worse than reuse (larger KL).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -173,10 +174,8 @@ def engine_settings(engine: Any) -> dict[str, Any]:
         "model": engine.fingerprint, "model_source": getattr(engine.lm, "source", None),
         "dtype": str(engine.lm.dtype).removeprefix("torch."), "device": str(engine.runner.device),
         "kv_dtype": engine.kv_dtype,
-        "engine": {k: getattr(cfg.engine, k) for k in ("chunk_tokens", "check_layers", "filter_schedule",
-                                                       "deviation", "selection", "chunk_context",
-                                                       "sink_tokens", "max_document_tokens", "query_layers",
-                                                       "query_pool", "stale_bias", "stale_shift")},
+        "engine": {k: getattr(cfg.engine, k) for k in ("chunk_tokens", "chunk_context", "max_document_tokens")}
+        | {"selection": dataclasses.asdict(cfg.engine.selection)},
     }
 
 

@@ -327,10 +327,15 @@ def _message(e: dict[str, Any], tp: Any, key: Any) -> str:
         names = sorted(f.name for f in dataclasses.fields(tp))
         close = difflib.get_close_matches(str(key), names, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
+        home = _nested_home(tp, str(key))
+        if home is not None:
+            hint = f"it belongs under `{home}:` now; "
         return f"unknown key {key!r}; {hint}valid keys are: {', '.join(names)}"
     if kind.startswith("union_tag"):
-        found = "missing `kind`" if kind == "union_tag_not_found" else f"unknown kind {ctx.get('tag')!r}"
-        return f"{found}; valid kinds are: {', '.join(_kinds(tp))}"
+        field = ctx.get("discriminator", "'kind'").strip("'")
+        found = f"missing `{field}`" if kind == "union_tag_not_found" else f"unknown {field} {ctx.get('tag')!r}"
+        plural = {"policy": "policies"}.get(field, field + "s")
+        return f"{found}; valid {plural} are: {', '.join(_kinds(tp))}"
     if kind == "value_error":
         return str(ctx["error"])
     if kind in _BOUNDS:
@@ -345,6 +350,16 @@ def _show(value: Any) -> str:
     return "a mapping" if isinstance(value, dict) else repr(value)[:80]
 
 
+def _nested_home(tp: Any, key: str) -> str | None:
+    """The field of `tp` whose section (a config dataclass, or a union of them) has a key `key`."""
+    for name, hint in _hints(tp).items():
+        inner = _data_type(hint)
+        members = [m for m in (typing.get_args(inner) or (inner,)) if dataclasses.is_dataclass(m)]
+        if any(key in _hints(m) for m in members):
+            return name
+    return None
+
+
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True) if dataclasses.is_dataclass(cls) else {}
@@ -357,9 +372,22 @@ def _data_type(tp: Any) -> Any:
     return tp
 
 
+TAG_FIELDS = ("kind", "policy")  # the fields that tell the members of a config union apart
+
+
 def _kinds(tp: Any) -> dict[str, type]:
-    """{kind: class} of a discriminated union of config dataclasses (empty for other types)."""
-    return {cls.kind: cls for cls in typing.get_args(tp) if dataclasses.is_dataclass(cls)}
+    """{tag: class} of a discriminated union of config dataclasses, keyed on a member's `kind`
+    or `policy` values (a Literal of one or more; empty for other types)."""
+    found: dict[str, type] = {}
+    for cls in typing.get_args(tp):
+        if not dataclasses.is_dataclass(cls):
+            continue
+        for name in TAG_FIELDS:
+            tag = _hints(cls).get(name)
+            if tag is not None:
+                found.update({value: cls for value in typing.get_args(_data_type(tag))})
+                break
+    return found
 
 
 def _walk(root: type, loc: tuple) -> tuple[str, Any]:

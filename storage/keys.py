@@ -35,6 +35,7 @@ ENTRY_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
 ENGINE_KEY_RE = re.compile(rf"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{{0,63}}-)?[a-z][0-9a-f]{{{_DIGEST_HEX}}}$")
 _PREFIX_TAG = b"kvblend/prefix\x00"
 _DOCUMENT_TAG = b"kvblend/document\x00"
+_PARKED_TAG = b"kvblend/parked\x00"
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -113,6 +114,25 @@ def document_block_key(
     """
     return _key(_DOCUMENT_TAG, "d", namespace, fingerprint, token_ids, kv_dtype, context_digest,
                 _block_start(start, token_ids))
+
+
+def parked_block_key(
+    fingerprint: str,
+    prefix_token_ids: Sequence[int],
+    kv_dtype: str,
+    namespace: str = "",
+    *,
+    owner: str,
+    start: int,
+) -> str:
+    """Key of block [start, len(prefix_token_ids)) of one preempted sequence's parked KV
+    (`s<hex>`): like a prefix block key, plus `owner` (a token unique to that parking), under
+    its own domain tag. Parked KV may be blended (not exact for its tokens), so it must
+    never be found by a prefix lookup, nor by another sequence with the same tokens."""
+    if not owner:
+        raise ValueError("a parked block key needs its owner's token")
+    return _key(_PARKED_TAG, "s", namespace, fingerprint, prefix_token_ids, kv_dtype, owner,
+                _block_start(start, prefix_token_ids))
 
 
 def _block_start(start: int, token_ids: Sequence[int]) -> str:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from blend.config import EngineConfig
-from blend.decode.decoder import GenerationResult, TextDelta
+from blend.decode.result import GenerationResult, TextDelta
 from blend.decode.text import TextAssembler
 from blend.engine.engine import BlendEngine
 from blend.prompt.document import Document, document_id, render_document
@@ -118,10 +118,10 @@ def test_stream_gives_the_same_tokens_and_text_as_generate(lm):
             assert "".join(d.text for d in deltas) == result.text
             assert len(deltas) >= len(result.token_ids) - 1  # one per token: control returns between tokens
             assert torch.equal(final.first_token_logprobs, result.first_token_logprobs)
-            expected = engine.lm.tokenizer.decode([t for t in result.token_ids if t not in engine.decoder.eos_ids],
+            expected = engine.lm.tokenizer.decode([t for t in result.token_ids if t not in engine.eos],
                                                   skip_special_tokens=True).strip()
             assert result.text == expected
-            assert result.finish_reason == ("stop" if result.token_ids[-1] in engine.decoder.eos_ids else "length")
+            assert result.finish_reason == ("stop" if result.token_ids[-1] in engine.eos else "length")
             assert result.prompt_tokens == len(engine.build_prompt(QUESTION, DOCS))
 
 

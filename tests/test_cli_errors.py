@@ -64,11 +64,11 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
     ("chunk-tokens-0", STATS, cfg("engine:\n  chunk_tokens: 0\n"), {}),
     ("chunk-tokens-float", STATS, cfg("engine:\n  chunk_tokens: 2.5\n"), {}),
     ("chunk-tokens-bool", STATS, cfg("engine:\n  chunk_tokens: false\n"), {}),
-    ("check-layers-empty", STATS, cfg("engine:\n  check_layers: []\n"), {}),
-    ("check-layers-order", STATS, cfg("engine:\n  check_layers: [3, 1]\n  filter_schedule: [1.0, 1.0]\n"), {}),
-    ("check-layers-negative", STATS, cfg("engine:\n  check_layers: [-1]\n"), {}),
-    ("filter-schedule-length", STATS, cfg("engine:\n  filter_schedule: [1.0, 0.5]\n"), {}),
-    ("filter-schedule-end", STATS, cfg("engine:\n  filter_schedule: [0.5]\n"), {}),
+    ("check-layers-empty", STATS, cfg("engine:\n  selection:\n    check_layers: []\n"), {}),
+    ("check-layers-order", STATS, cfg("engine:\n  selection:\n    check_layers: [3, 1]\n    filter_schedule: [1.0, 1.0]\n"), {}),
+    ("check-layers-negative", STATS, cfg("engine:\n  selection:\n    check_layers: [-1]\n"), {}),
+    ("filter-schedule-length", STATS, cfg("engine:\n  selection:\n    filter_schedule: [1.0, 0.5]\n"), {}),
+    ("filter-schedule-end", STATS, cfg("engine:\n  selection:\n    filter_schedule: [0.5]\n"), {}),
     ("selection-unknown", STATS, cfg("engine:\n  selection: magic\n"), {}),
     ("deviation-unknown", STATS, cfg("engine:\n  deviation: q\n"), {}),
     ("chunk-context-unknown", STATS, cfg("engine:\n  chunk_context: all\n"), {}),
@@ -108,7 +108,7 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
     ("model-config-json-corrupt", ASK, {"c.yaml": "model: '{tmp}/m'\n" + CPU_STORE, "m/config.json": "{not json"}, {}),
     ("redis-required-down", STATS, cfg(DOWN_REDIS), {}),
     # ---- needs the model: fails at engine construction, before anything is written
-    ("check-layers-beyond-model", ASK, engine("engine:\n  check_layers: [99]\n"), {}),
+    ("check-layers-beyond-model", ASK, engine("engine:\n  selection:\n    check_layers: [99]\n"), {}),
     ("budget-below-one-entry", ASK, cfg("model: '{model}'\ndevice: cpu\nstore:\n  tiers:\n    - {kind: cpu, budget: 1KiB}\n"),
      {}),
     ("device-cuda-on-cpu", ASK, engine(device="cuda"), {}),
@@ -259,7 +259,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, files, env, tmp_path, monkeypatc
         assert snapshot(model) == home_before
 
 
-@pytest.mark.parametrize("case, key", [("check-layers-beyond-model", "engine.check_layers"),
+@pytest.mark.parametrize("case, key", [("check-layers-beyond-model", "engine.selection.check_layers"),
                                        ("budget-below-one-entry", "store.tiers[0] (cpu): budget")])
 def test_settings_checked_against_the_model_name_the_file_too(case, key, tmp_path, monkeypatch, capsys, model_dir):
     _, argv, files, env = next(c for c in CASES if c[0] == case)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from blend.config import BlendConfig, EngineConfig, apply_env, kvblend_home, load_config
+from blend.config import BlendConfig, EngineConfig, QuerySelection, apply_env, kvblend_home, load_config
 from storage.config import (
     TIER_CONFIGS,
     CpuTierConfig,
@@ -65,7 +65,11 @@ def error_of(tmp_path: Path, text: str) -> str:
     ("engine:\n  recompute_ratio: .nan\n", "engine.recompute_ratio: expected a finite number, got nan"),
     ("engine:\n  recompute_ratio: true\n", "engine.recompute_ratio: expected a number, got True"),
     ("engine:\n  chunk_tokens: '512'\n", "engine.chunk_tokens: expected an integer, got '512'"),
-    ("engine:\n  check_layers: [1, 1]\n", "engine: check_layers must be increasing"),
+    ("engine:\n  selection:\n    check_layers: [1, 1]\n", "engine.selection: check_layers must be increasing"),
+    ("engine:\n  check_layers: [1]\n", "engine: unknown key 'check_layers'; it belongs under `selection:`"),
+    ("engine:\n  selection:\n    policy: hybrid\n    query_pool: 2.0\n",
+     "engine.selection: unknown key 'query_pool'; valid keys are: check_layers, deviation, filter_schedule, policy"),
+    ("engine:\n  selection:\n    policy: nope\n", "engine.selection: unknown policy 'nope'; valid policies are: query"),
     ("store:\n  kv_dtype: int8\n", "store.kv_dtype: must be one of 'float32', 'bfloat16' or 'float16', got 'int8'"),
     ("store:\n  namespace: .x\n", "store.namespace: namespace '.x' must be up to 64 characters"),
     ("store:\n  tiers:\n    - {kind: redis, url: 'http://h'}\n", "store.tiers[0].url: 'http://h' is not a Redis URL"),
@@ -165,8 +169,9 @@ def run_python(code: str, **env: str) -> str:
 
 
 def test_loading_a_config_imports_neither_torch_nor_redis(tmp_path):
-    # (naming `selection:` or `deviation:` checks them against blend.selector, which imports torch)
-    path = write(tmp_path, "engine:\n  chunk_tokens: 64\nstore:\n  tiers:\n    - {kind: cpu}\n"
+    # a selection policy and its knobs are checked without blend.recompute (which imports torch)
+    path = write(tmp_path, "engine:\n  chunk_tokens: 64\n  selection: {policy: hybrid, deviation: kv}\n"
+                           "store:\n  tiers:\n    - {kind: cpu}\n"
                            "    - {kind: redis-cluster, urls: [redis://h:7000]}\n")
     out = run_python(
         "import sys\n"
@@ -269,13 +274,13 @@ def test_overrides_reject_unknown_keys_and_bad_values():
     with pytest.raises(ValueError, match=r"override: store: tiers\[0\]: unknown kind"):
         EngineConfig().with_overrides(store={"tiers": [{"kind": "tape"}]})
     cfg = EngineConfig().with_overrides(check_layers=[1, 2], filter_schedule=[2.0, 1.0], model="m")
-    assert cfg.engine.check_layers == (1, 2) and cfg.model == "m"
+    assert cfg.engine.selection.check_layers == (1, 2) and cfg.model == "m"
 
 
 def test_check_layers_beyond_the_model():
-    BlendConfig(check_layers=(1, 3), filter_schedule=(1.5, 1.0)).check_model_layers(4)
-    with pytest.raises(ValueError, match=r"engine.check_layers \[99\] is beyond the model's 4 layers \(0..3\)"):
-        BlendConfig(check_layers=(99,)).check_model_layers(4)
+    BlendConfig(selection=QuerySelection(check_layers=(1, 3), filter_schedule=(1.5, 1.0))).check_model_layers(4)
+    with pytest.raises(ValueError, match=r"engine.selection.check_layers \[99\] is beyond the model's 4 layers"):
+        BlendConfig(selection=QuerySelection(check_layers=(99,))).check_model_layers(4)
 
 
 def test_corrupt_model_config_json_is_named(tmp_path):

@@ -147,8 +147,8 @@ def test_ingest_reports_what_was_stored_before_and_computes_a_repeated_document_
     with make_engine() as engine:
         calls = []  # one per document computed
         maker = engine.document_kv.maker
-        compute = maker.compute_documents
-        maker.compute_documents = lambda docs, context: calls.extend(docs) or compute(docs, context)
+        compute = maker.document_passes
+        maker.document_passes = lambda docs, context: calls.extend(docs) or compute(docs, context)
         first = engine.ingest([DOCS[0], DOCS[0], DOCS[1]])
         assert [d.cached for d in first] == [False, False, False]  # what the tiers held before the call
         assert first[0].keys == first[1].keys
@@ -238,8 +238,8 @@ def test_ingest_stops_between_documents_and_keeps_what_it_stored(monkeypatch):
         with pytest.raises(IngestStopped, match="stay stored"):
             engine.ingest([DOCS[0], DOCS[1], DOCS[2]], stop=stop)
         assert len(asked) == 3
-        before = [engine.document_kv.maker.compute_documents]  # nothing computed from here on
-        engine.document_kv.maker.compute_documents = lambda *a: before.append(a) or before[0](*a)
+        before = [engine.document_kv.maker.document_passes]  # nothing computed from here on
+        engine.document_kv.maker.document_passes = lambda *a: before.append(a) or before[0](*a)
         again = engine.ingest([DOCS[0], DOCS[1], DOCS[2]], sync=True)
         stored = [d for d in again if d.cached]
         assert len(stored) == 1 and len(before) == 1 + 2  # one stored before the stop, two computed now
@@ -301,8 +301,8 @@ def test_a_cold_request_computes_its_missing_documents_together(layout):
             make_engine(chunk_tokens=16, chunk_context=layout) as warm:
         maker = cold.document_kv.maker
         passes: list[int] = []
-        compute = maker.compute_documents
-        maker.compute_documents = lambda group, context: passes.append(len(group)) or compute(group, context)
+        compute = maker.document_passes
+        maker.document_passes = lambda group, context: passes.append(len(group)) or compute(group, context)
         prompt = cold.build_prompt(QUESTION, docs)
         a = cold.prefill(prompt, mode="reuse")
         # the system part and three distinct documents: one pass when all come after no context

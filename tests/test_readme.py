@@ -10,13 +10,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def readme_python_example() -> str:
-    """The first ```python block after the README's "## Python API" heading."""
+def readme_python_example(index: int = 0) -> str:
+    """The `index`-th ```python block after the README's "## Python API" heading."""
     text = (ROOT / "README.md").read_text()
-    section = text.split("## Python API", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "README.md: no ```python block under '## Python API'"
-    return match.group(1)
+    section = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) > index, f"README.md: no ```python block #{index + 1} under '## Python API'"
+    return blocks[index]
 
 
 def test_readme_python_example_runs_and_streams_each_token_once(tmp_path, monkeypatch, capsys):
@@ -34,3 +34,8 @@ def test_readme_python_example_runs_and_streams_each_token_once(tmp_path, monkey
     assert streamed == final.text  # each delta printed once, the result not printed again
     assert namespace["result"].stats.mode == "blend"
     assert (tmp_path / ".kvblend-cache").is_dir()  # the config's relative paths resolved beside it
+    assert [r.stats.mode for r in namespace["results"]] == ["blend", "blend"]  # generate_many
+    # the asyncio example, with the first one's documents (its default config: $KVBLEND_HOME)
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path / "home"))
+    exec(compile(readme_python_example(1), "README.md", "exec"), namespace)
+    assert len(namespace["answers"]) == 2 and all(a.token_ids for a in namespace["answers"])

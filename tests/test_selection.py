@@ -55,8 +55,9 @@ def test_every_policy_and_layout_ratio_end_points_and_budget(selection, layout, 
 def test_gradual_filtering_nests_for_every_policy(selection):
     """Check-layer policies shrink at layers 1, 2, 3; `query` keeps a pool of 2.5x the
     budget from its query pass (layer 0) and narrows it at the same check layers."""
+    pool = {"query_pool": 2.5} if selection == "query" else {}  # a knob of `query` only
     with make_engine(check_layers=[1, 2, 3], filter_schedule=[2.0, 1.5, 1.0], selection=selection,
-                     sink_tokens=2, query_pool=2.5, chunk_context="none") as engine:
+                     sink_tokens=2, chunk_context="none", **pool) as engine:
         engine.ingest(DOCS)
         result = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.2, max_new_tokens=2)
     n_ctx = result.stats.context_tokens

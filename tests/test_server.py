@@ -218,6 +218,42 @@ def test_concurrent_requests_equal_sequential_ones(server):
     assert len({prompt for _, _, prompt in together}) > 1  # the requests really differ
 
 
+def test_concurrent_streams_through_the_openai_client_decode_together_and_equal_sequential_ones(server):
+    """8 streamed requests at once (the scheduler's batch), with a 9th long one whose client goes
+    away mid-batch: each of the 8 gets its sequential answer, the decode steps were batched."""
+    client = server.client()
+
+    def stream(i: int) -> str:
+        chunks = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": QUESTIONS[i]}], max_tokens=12, stream=True,
+            extra_body={"documents": DOCS[: 1 + i % 3]})
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    one_by_one = [stream(i) for i in range(8)]
+    before = server.metrics()
+    leaving = httpx.Client(timeout=120)
+    long_body = chat_body("Tell me everything.", max_tokens=LONG, stream=True)
+    with leaving.stream("POST", server.url + "/v1/chat/completions", json=long_body) as r:
+        lines = r.iter_lines()
+        next(lines)
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(stream, i) for i in range(8)]
+            for _ in range(20):  # the long request decodes beside the others, then its client leaves
+                next(lines)
+        # (leaving the block closes its connection mid-batch)
+        together = [f.result() for f in futures]
+    leaving.close()
+    after = server.metrics()
+    assert together == one_by_one
+    steps = sample(after, "kvblend_decode_batch_size_count") - sample(before, "kvblend_decode_batch_size_count")
+    sizes = sample(after, "kvblend_decode_batch_size_sum") - sample(before, "kvblend_decode_batch_size_sum")
+    assert steps > 0 and sizes / steps > 1.5  # decoded in batches, not one by one
+    batched_once = sample(after, "kvblend_decode_batch_size_bucket", le="8.0") - sample(
+        before, "kvblend_decode_batch_size_bucket", le="8.0")
+    assert batched_once > sample(after, "kvblend_decode_batch_size_bucket", le="4.0") - sample(
+        before, "kvblend_decode_batch_size_bucket", le="4.0")  # some steps ran 5-8 sequences at once
+
+
 def test_metrics_count_what_was_sent(server):
     before = server.metrics()
     client = server.client()
@@ -291,16 +327,18 @@ def test_a_full_queue_answers_503_with_retry_after(server):
         held += [running, lines]  # a dropped line iterator closes the response, too
         next(lines)  # it runs on the engine now
 
-        for _ in range(8):  # the queue holds 8
+        batch = httpx.get(server.url + "/health", timeout=10).json()["max_num_seqs"]
+        for _ in range(batch - 1 + 8):  # the batch fills up, then the queue (it holds 8)
             waiter = httpx.Client(timeout=300)
             clients.append(waiter)
             pending = waiter.stream("POST", server.url + "/v1/chat/completions", json=body)
             held.append(pending)  # referenced until the end: a collected stream closes its connection
             threading.Thread(target=_enter_quietly, args=(pending,), daemon=True).start()
         deadline = time.monotonic() + 60
-        while httpx.get(server.url + "/health", timeout=10).json()["queue_depth"] < 9:
-            assert time.monotonic() < deadline, "requests did not queue up"
+        while (health := httpx.get(server.url + "/health", timeout=10).json())["waiting"] < 8:
+            assert time.monotonic() < deadline, f"requests did not queue up: {health}"
             time.sleep(0.1)
+        assert health["running"] == batch
         refused = httpx.post(server.url + "/v1/chat/completions", json=chat_body("Me too?", max_tokens=2), timeout=30)
         assert refused.status_code == 503
         assert int(refused.headers["retry-after"]) >= 1
@@ -526,6 +564,8 @@ def test_bench_serve_against_the_running_server(server, setup, tmp_path):
     assert [lv["clients"] for lv in summary["levels"]] == [1, 3]
     for level in summary["levels"]:
         assert level["ok"] == 3 and level["lost"] == 0 and level["hit_rate"] == 1.0
+        assert level["max_num_seqs"] == 8 and level["preemptions"] == 0  # the running server's setting
+        assert level["mean_batch_size"] >= 1.0
         assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"] and level["requests_per_s"] > 0
     write_report(summary, tmp_path)
     assert json.loads((tmp_path / "serve.json").read_text())["levels"] and (tmp_path / "serve.png").stat().st_size
@@ -557,6 +597,22 @@ def test_bench_serve_starts_its_own_server_from_the_default_config(setup, tmp_pa
     assert summary["in_process"]["in_process_samples"] == 2 and 0 < pair["min"] <= pair["median"] <= pair["max"]
     assert summary["widest_spread_of"] == "HTTP / in-process TTFT of one request (1 client)"
     assert summary["widest_spread"] == round((pair["max"] - pair["min"]) / pair["median"], 3)
+
+
+def test_bench_serve_runs_the_same_requests_under_each_max_num_seqs(setup, tmp_path):
+    from eval.bench.serve import run_serve_bench, write_report
+
+    _, config = setup
+    summary = run_serve_bench(str(config), clients=[3], requests=3, pool_size=3, docs_per_request=2, max_tokens=6,
+                              doc_chars=150, mode="blend", ratio=0.3, compare=False, max_num_seqs=[1, 3],
+                              log=lambda _: None)
+    one, three = summary["levels"]
+    assert (one["max_num_seqs"], three["max_num_seqs"]) == (1, 3) and summary["max_num_seqs"] == [1, 3]
+    assert one["ok"] == three["ok"] == 3 and one["lost"] == three["lost"] == 0
+    assert one["mean_batch_size"] == 1.0 and three["mean_batch_size"] > 1.0  # one server per setting
+    assert summary["speedups"][0]["max_num_seqs"] == 3 and summary["speedups"][0]["versus"] == 1
+    write_report(summary, tmp_path)
+    assert (tmp_path / "serve.png").stat().st_size > 0
 
 
 @pytest.mark.redis

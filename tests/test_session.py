@@ -49,7 +49,7 @@ def check_equals_full_prefill(engine: BlendEngine, session_id: str, result) -> N
     reference = torch.log_softmax(logits.float(), dim=-1)
     diff = (reference - result.first_token_logprobs).abs()
     assert float(diff.max()) < TOL, f"max {float(diff.max()):.2e} mean {float(diff.mean()):.2e}"
-    assert engine.runner.decode(logits, cache, MAX_NEW, engine.decoder.eos_ids) == result.token_ids
+    assert engine.runner.decode(logits, cache, MAX_NEW, engine.eos) == result.token_ids
 
 
 def block_keys(engine: BlendEngine, session_id: str) -> list[str]:
@@ -223,14 +223,14 @@ def test_corrupt_middle_block_is_recomputed_exactly(tmp_path):
 def test_concurrent_turns_on_one_session_are_rejected(tmp_path):
     with make_engine(tmp_path) as engine:
         started, release = threading.Event(), threading.Event()
-        step = engine.runner.step
+        step = engine.runner.decode_step
 
         def slow_step(*args, **kwargs):  # a decoding step of the first turn
             started.set()
             assert release.wait(10)
             return step(*args, **kwargs)
 
-        engine.runner.step = slow_step
+        engine.runner.decode_step = slow_step
         outcome: dict[str, object] = {}
 
         def run(name: str, message: str) -> None:
@@ -251,7 +251,7 @@ def test_concurrent_turns_on_one_session_are_rejected(tmp_path):
             engine.drop("s")
         release.set()
         first.join(10)
-        engine.runner.step = step
+        engine.runner.decode_step = step
         assert isinstance(outcome["second"], SessionBusy) and "already running a turn" in str(outcome["second"])
         messages = engine.sessions.sessions["s"].messages
         assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == MESSAGES[0]

@@ -14,7 +14,7 @@ import torch
 from blend.config import EngineConfig
 from blend.engine.engine import BlendEngine
 from blend.planning.planner import LayerCost, LoadCosts, PrefillCosts
-from blend.planning.split import MIN_GAIN, Splitter, blend_rows, load_from_layer, simulate
+from blend.planning.split import MIN_GAIN, Splitter, simulate
 from blend.stats import LookupTally
 from storage.config import CpuTierConfig
 from storage.entry import EntryHeader, KVEntry
@@ -57,10 +57,10 @@ class SlowTier:
         return getattr(self.inner, name)
 
 
-def make_engine(slow: SlowTier, split: str, selection: str = "query") -> BlendEngine:
+def make_engine(slow: SlowTier, split: str, selection: str = "query", **knobs: Any) -> BlendEngine:
     lm = _model()
     cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [{"kind": "cpu", "budget": "64MiB"}]},
-                                        chunk_tokens=48, split=split, selection=selection)
+                                        chunk_tokens=48, split=split, selection=selection, **knobs)
     return BlendEngine(cfg, model=lm, store=TieredStore([slow], kv_dtype="float32"))
 
 
@@ -207,16 +207,33 @@ def test_cost_model_fit_and_plan_arithmetic():
     loads.observe({"disk": 4 << 20}, {"disk": 0.4}, 0.001)  # the tier turned slow: believed at once
     assert loads.read_seconds("disk", "disk", 1 << 20) > 0.04
     assert loads.read_seconds("redis", "redis", 10**9) == pytest.approx(1.0)  # the prior
-    # rows: all rows before the check layer, then fresh + query + kept
-    assert blend_rows(100, 20, 10, 70, 0.1, (1,), (1.0,), 4) == [100, 37, 37, 37]
-    assert blend_rows(100, 20, 10, 70, 0.0, (1,), (1.0,), 4) == [30] * 4
-    assert blend_rows(100, 90, 10, 0, 0.1, (1,), (1.0,), 4) == [100] * 4
-    assert load_from_layer(0.1, 70, (1,), (1.0,), 4) == 1 and load_from_layer(0.0, 70, (1,), (1.0,), 4) == 0
-    assert load_from_layer(1.0, 70, (1,), (1.0,), 4) == 4 and load_from_layer(0.1, 0, (1,), (1.0,), 4) == 4
     # compute 1 s per layer, load 2 s per layer from layer 0: compute waits for every load
     total, compute, load = simulate([1, 1, 1], 2.0, 0, (0.0, 1.0))
     assert (total, compute, load) == (7.0, 3.0, 6.0)
     assert simulate([1, 1, 1], 2.0, 3, (0.0, 1.0)) == (3.0, 3.0, 0.0)
+
+
+@pytest.mark.parametrize("selection", ["query", "hybrid", "deviation"])
+@pytest.mark.parametrize("ratio", [0.0, 0.3, 1.0])
+def test_the_plan_the_split_prices_is_the_plan_that_runs(selection, ratio):
+    """One plan, worked out once: the rows per layer `RecomputePlan.layer_rows` predicts (what
+    the split prices) are the rows the layer loop computed, and the stats carry them."""
+    slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
+    pool = {"query_pool": 2.0, "check_layers": [1, 2], "filter_schedule": [1.5, 1.0]} if selection == "query" else {}
+    with make_engine(slow, "off", selection, **pool) as engine:
+        store_exact_entries(engine)
+        prompt = engine.build_prompt(QUESTION, DOCS)
+        from blend.recompute.plan import plan_recompute
+
+        tally = LookupTally([t.name for t in engine.store.tiers])
+        placements = engine.document_kv.resolve(prompt, [s for s in prompt.segments if s.kind != "query"], tally)
+        sel, layers = engine.config.engine.selection, engine.runner.num_layers
+        plan = plan_recompute(prompt, ratio, sel.check_layers, sel.filter_schedule, layers, policy=sel.policy,
+                              placements=placements, sink_tokens=sel.sink_tokens, query_layers=sel.query_layers,
+                              query_pool=sel.query_pool)
+        ran = engine.prefill(prompt, mode="blend", ratio=ratio).stats.selection
+        assert ran.layer_rows == plan.layer_rows(layers) and ran.pass_rows == plan.pass_rows()
+        assert len(ran.layer_rows) == layers and (ran.pass_rows != ()) == (selection == "query" and 0 < ratio < 1)
 
 
 @pytest.mark.parametrize("selection", ["query", "hybrid"])
@@ -240,7 +257,7 @@ def test_a_computed_prefix_inside_any_plan_equals_full_prefill(selection):
         assert not any(s.start == fresh for s in prompt.segments)  # inside a document
         cfg, runner = engine.config.engine, engine.runner
         for ratio in (0.0, 0.3):
-            plan = plan_recompute(prompt, ratio, cfg.check_layers, cfg.filter_schedule, runner.num_layers,
+            plan = plan_recompute(prompt, ratio, cfg.selection.check_layers, cfg.selection.filter_schedule, runner.num_layers,
                                   policy=selection, placements=placements, fresh=fresh)
             assert plan.fresh_rows.numel() == fresh and int(plan.ctx_rows.min()) == fresh
             cache = runner.new_cache(len(prompt))
@@ -249,7 +266,7 @@ def test_a_computed_prefix_inside_any_plan_equals_full_prefill(selection):
             with LayerLoader(engine.store, runner, cache, loaded, range(plan.load_from, runner.num_layers),
                              cfg.prefetch_depth) as loader:
                 logits, chosen = run_layers(runner, cache, torch.tensor(prompt.token_ids), plan, loader,
-                                            policy=selection, deviation_kind=cfg.deviation)
+                                            policy=selection, deviation_kind=cfg.selection.deviation)
             assert (logits - full).abs().max() < 1e-3, (ratio, float((logits - full).abs().max()))
             if ratio > 0:
                 assert chosen.recomputed_tokens > 0 and all(int(c.min()) >= fresh for c in chosen.selected_rows)
@@ -275,14 +292,16 @@ def test_a_blend_that_loaded_nothing_is_observed_as_a_full_prefill():
     from blend.stats import RequestStats, SelectionReport
 
     full_plan = RequestStats(mode="blend", recompute_ratio=1.0, context_tokens=90, query_tokens=10,
-                             loaded_tokens=0, recomputed_tokens=90, selection=SelectionReport(recomputed_tokens=90))
+                             loaded_tokens=0, recomputed_tokens=90,
+                             selection=SelectionReport(recomputed_tokens=90, layer_rows=(100,) * 4))
     assert rows_per_layer(full_plan, 4) == [100] * 4
     reuse = RequestStats(mode="reuse", recompute_ratio=0.0, context_tokens=90, query_tokens=10, loaded_tokens=90,
-                         recomputed_tokens=0)
+                         recomputed_tokens=0, selection=SelectionReport(layer_rows=(10,) * 4))
     assert rows_per_layer(reuse, 4) == [10] * 4
     query = RequestStats(mode="blend", recompute_ratio=0.2, context_tokens=90, query_tokens=10, loaded_tokens=90,
-                         recomputed_tokens=18, selection=SelectionReport((0,), (18,), 18, query_pass=True))
-    assert rows_per_layer(query, 4) == [10] * 4 + [28] * 4
+                         recomputed_tokens=18, selection=SelectionReport((0,), (18,), 18, query_pass=True,
+                                                                          pass_rows=(10,) * 4, layer_rows=(28,) * 4))
+    assert rows_per_layer(query, 4) == [28] * 4  # the query pass is observed apart (pass_rows)
 
 
 def test_a_slow_small_sample_does_not_make_larger_requests_look_slower():
@@ -320,7 +339,7 @@ def test_loading_predicted_slower_than_full_prefill_computes_even_for_a_small_ga
         read_s = (0.3 * 1.03 ** step) * layers * 1e-3
         loads.observe({"cpu": nbytes}, {"cpu": read_s}, 1e-6 * read_s)  # placement: negligible
         splitter = Splitter(prefill, loads, {"cpu": "cpu"})
-        report = splitter.plan(prompt, placements, 0.0, cfg.check_layers, cfg.filter_schedule, layers).report
+        report = splitter.plan(prompt, placements, 0.0, cfg.selection, layers).report
         unsplit, full = report.predicted_unsplit_s, report.predicted_full_s
         if full < unsplit < full / (1 - MIN_GAIN):
             seen["inside the margin"] += 1
@@ -342,7 +361,8 @@ def test_a_query_driven_blend_is_observed_as_its_two_phases():
     stats = RequestStats(mode="blend", recompute_ratio=0.2, context_tokens=90, query_tokens=10, loaded_tokens=90,
                          recomputed_tokens=18, prefill_s=1.0,
                          load=LoadReport(exposed_load_s=0.1, bytes_by_tier={"cpu": 1 << 20}),
-                         selection=SelectionReport((0,), (18,), 18, selection_s=0.4, query_pass=True))
+                         selection=SelectionReport((0,), (18,), 18, selection_s=0.4, query_pass=True,
+                                                   pass_rows=(10,) * 4, layer_rows=(28,) * 4))
     prefill = PrefillCosts()
     Splitter(prefill, LoadCosts("cpu"), {"cpu": "cpu"}).observe(stats, 4)
     cost = prefill.layer_cost()

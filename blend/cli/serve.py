@@ -2,7 +2,7 @@
 `kvblend bench serve`.
 
 Both set OMP_WAIT_POLICY=PASSIVE unless it is set (before torch is imported): the
-engine runs on a long-lived worker thread next to the event loop and the layer loader,
+engine runs on a long-lived scheduler thread next to the event loop and the layer loader,
 and OpenMP workers that spin between parallel regions starve those threads whenever the
 cores are shared. Measured on the contended 2-core dev machine (SmolLM2, 3 documents):
 blend TTFT 3.5-13 s and 390 ms/token with spinning workers vs ~1.4 s and ~127 ms/token
@@ -65,7 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     sock = listen_socket(args.host, args.port)  # before the model loads: a taken port fails at once
     try:
-        engine = BlendEngine.from_config(args.config)
+        overrides = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+        engine = BlendEngine.from_config(args.config, **overrides)
         settings = ServerSettings(served_model_name=args.served_model_name or engine.config.model,
                                   queue_size=args.queue_size, request_timeout_s=args.request_timeout,
                                   warmup=not args.no_warmup, max_body_bytes=args.max_body)
@@ -73,7 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
         raise
     print(f"kvblend: serving {settings.served_model_name} on http://{args.host}:{args.port} "
-          f"(queue {settings.queue_size}, timeout {settings.request_timeout_s:g} s)", flush=True)
+          f"(up to {engine.scheduler.config.max_num_seqs} sequences decoding together, queue {settings.queue_size}, "
+          f"timeout {settings.request_timeout_s:g} s)", flush=True)
     if serve(engine, settings, sock, log_level="info" if args.verbose else "warning"):
         print("kvblend: stopped at once by a second signal: requests in flight were dropped", file=sys.stderr)
         return 130
@@ -83,13 +85,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, documents, metrics)",
                               description="Serve the engine over HTTP: /v1/chat/completions, /v1/completions, "
-                              "/v1/documents, /v1/models, /health, /metrics. One request runs at a time (batch "
-                              "size 1); others wait in a bounded queue.")
+                              "/v1/documents, /v1/models, /health, /metrics. Requests share the model through a "
+                              "scheduler: up to --max-num-seqs sequences decode together (one batched step), "
+                              "prefills run between decode steps; others wait in a bounded queue.")
     config_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=arg_type(_port), default=8000, help="port (default 8000)")
     p.add_argument("--queue-size", type=arg_type(positive_int), default=64,
-                   help="requests that may wait while one runs; more get 503 + Retry-After (default 64)")
+                   help="requests that may wait for the scheduler; more get 503 + Retry-After (default 64)")
+    p.add_argument("--max-num-seqs", type=arg_type(positive_int), default=None,
+                   help="sequences decoding together at most (default: the config's engine.max_num_seqs, "
+                   "$KVBLEND_MAX_NUM_SEQS, else 8 on CPU and 32 on CUDA)")
     p.add_argument("--request-timeout", type=arg_type(positive_float), default=300.0,
                    help="seconds from acceptance to the last token before a request is cancelled (default 300)")
     p.add_argument("--max-body", type=arg_type(_body_bytes), default=16 << 20,
@@ -108,12 +114,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     check_mode(args.mode)
     check_out_dir(args.out, REPORT_FILES)
     clients = positive_ints(args.clients, "--clients")
+    settings = positive_ints(args.max_num_seqs, "--max-num-seqs") if args.max_num_seqs else [None]
     url = _server_url(args.url) if args.url else None
+    if url and args.max_num_seqs:
+        raise ValueError("--max-num-seqs starts a server per setting; it cannot be used with --url (a running "
+                         "server has its own setting)")
     say = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
     summary = run_serve_bench(args.config, clients=clients, requests=args.requests, pool_size=args.pool,
                               docs_per_request=args.docs_per_request, max_tokens=args.max_tokens,
                               doc_chars=args.doc_chars, mode=args.mode, ratio=args.ratio, url=url,
-                              compare=not args.no_compare, log=say)
+                              compare=not args.no_compare, max_num_seqs=settings, log=say)
     pair = (summary["in_process"] or {}).get("pair_ratio")
     say(f"CPU probe {summary['probe_gflops_start']} -> {summary['probe_gflops_end']} GFLOP/s; load average "
         f"{summary['load_average_start']} at start, {summary['load_average_peak']} at its peak"
@@ -121,6 +131,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.out:
         write_report(summary, Path(args.out))
         say(f"wrote {Path(args.out) / 'serve.json'} and serve.png")
+    for row in summary["speedups"]:
+        say(f"{row['clients']} clients: max_num_seqs {row['max_num_seqs']} vs {row['versus']}: tokens/s x"
+            f"{row['tokens_per_s_ratio']}, TTFT p50 x{row['ttft_p50_ratio']}")
     emit_json(summary)
     return 0
 
@@ -140,7 +153,8 @@ def _server_url(text: str) -> str:
 
 def register_bench(sub: Any) -> None:
     """`kvblend bench serve` (registered by blend.cli.bench)."""
-    p = sub.add_parser("serve", help="RAG requests through the HTTP server at 1, 4, 16 concurrent clients",
+    p = sub.add_parser("serve", help="RAG requests through the HTTP server at 1, 4, 16 concurrent clients "
+                       "(and several --max-num-seqs)",
                        description="Start `kvblend serve` (or use --url), ingest a pool of sample documents, send "
                        "streamed RAG chat requests from N concurrent clients; report requests/s, TTFT p50/p99, "
                        "tokens/s, hit rate, and at 1 client the in-process API's TTFT for comparison.")
@@ -153,6 +167,9 @@ def register_bench(sub: Any) -> None:
     p.add_argument("--max-tokens", type=arg_type(positive_int), default=16)
     p.add_argument("--mode", default="blend", help="full | reuse | prefix | blend (default blend)")
     p.add_argument("--ratio", type=RATIO, default=None, help="recompute ratio in [0, 1] (default: the config's)")
+    p.add_argument("--max-num-seqs", default=None,
+                   help="comma-separated scheduler settings (e.g. 1,8): the same requests under each, one server per "
+                   "setting (default: the config's)")
     p.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
     p.add_argument("--no-compare", action="store_true", help="skip the in-process TTFT comparison at 1 client")
     json_arg(p, "print only the JSON result line")

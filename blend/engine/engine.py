@@ -1,5 +1,4 @@
-"""BlendEngine: the Python API. It owns the model, the runner and the tier stack, and
-orchestrates a request through the modules that do the work.
+"""BlendEngine: the Python API, a thin facade over the scheduler that owns the model.
 
 Modes
   full    full prefill of the whole prompt (the reference)
@@ -7,40 +6,45 @@ Modes
   prefix  the longest exactly-cached prefix is loaded, the rest computed (prefix caching)
   blend   CacheBlend: cached KV plus a selective recompute of the tokens that matter most
 
-Path of one blend request: `PromptBuilder` lays out [prefix][documents][query] ->
-`DocumentCache.resolve` looks every cacheable segment's block chain up in the
-`TieredStore` (a miss is computed now, as one sequence, and written back) -> the
-`Splitter` may compute a prefix instead of loading it (blend.split) -> `plan_recompute`
-fixes which rows each layer computes -> a `LayerLoader` thread places layer i+1.. of
-every block into the request's `KVCache` (re-rotated to its prompt positions) while
-`run_layers` computes layer i -> `Decoder.stream` decodes from the merged cache.
+Path of one request: `GenerationRequest.create` checks the arguments -> `PromptBuilder`
+lays out [prefix][documents][query] and the documents' block keys are hashed once ->
+a `Sequence` (its prefill as a `PromptWork`, its `Generation`) is queued on the
+`Scheduler` -> when admitted, `Prefiller.steps` looks the blocks up, computes the misses
+(one forward pass per step), then runs the prefill (blend.engine.prefill) -> the sequence
+joins the decode batch (`Runner.decode_step` for every running sequence at once) -> its
+events (text deltas, then the result) reach the caller through its `Handle`.
 
-Public surface: `ingest` (per document: id, block keys, cached), `generate` /
-`generate_stream` (a question or a conversation over documents; text deltas, stop
-strings), `chat` (sessions, optionally with documents and a system prompt),
-`delete_document`, `warmup`. Documents are str or `blend.Document`, rendered by
-`blend.document.render_document` only. Every argument is checked before any work
-(`blend.request`). One request at a time: callers serialise (the HTTP server runs
-the engine on one worker thread).
+Every public method that runs the model goes through the scheduler, so calls from many
+threads at once are safe and each gets the output it would get alone (`generate_many`
+submits a list at once; blend.engine.asyncio wraps it for asyncio code). Documents are
+str or `blend.Document`, rendered by `blend.prompt.document.render_document` only. Every
+argument is checked before any work (`blend.engine.request`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from blend.config import EngineConfig, load_config, naming_config
-from blend.decode.decoder import Decoder, GenerationResult, Prefilled, TextDelta
+from blend.decode.generation import Generation, Prefilled, eos_ids
+from blend.decode.result import GenerationResult, TextDelta
 from blend.decode.sampling import SamplingParams
+from blend.engine.prefill import ForcedOutputs, Prefiller, PromptWork
 from blend.engine.request import GenerationRequest
-from blend.kv.documents import DocumentCache, IngestStopped
-from blend.kv.loader import LayerLoader, LoadStalled
+from blend.engine.scheduler import DECODE_RESERVE, Scheduler, SchedulerConfig
+from blend.engine.sequence import Finished, Handle, Task, unwrap
+from blend.engine.sequence import Sequence as ScheduledSequence
+from blend.kv.documents import Block, DocumentCache, IngestStopped
+from blend.kv.offload import KVParking
 from blend.kv.prefix import EntryMaker, PrefixCache
+from blend.model.cache import KVCache
 from blend.model.loading import LoadedModel, load_model
 from blend.model.runner import Runner
 from blend.planning.planner import LoadCosts, PrefillCosts
@@ -55,22 +59,51 @@ from blend.prompt.document import (
     document_id,
     render_document,
 )
-from blend.recompute.layers import run_layers
-from blend.recompute.plan import plan_recompute
-from blend.recompute.selector import check_policy, uses_check_layers
-from blend.recompute.stale import shift_applies
-from blend.session.manager import RagTurn, SessionManager
-from blend.stats import LookupTally, RequestStats, tally_fields
-from storage.dtypes import dtype_bytes
+from blend.session.manager import SessionManager, Turn
+from storage.dtypes import dtype_bytes, dtype_name
 from storage.stack import TieredStore
 from storage.tier import StoreUnavailable
 
 log = logging.getLogger(__name__)
+ACTIVE_KV_SHARE = 0.25  # max_active_kv auto: this share of the memory free when the engine starts
+
+
+class _TurnEnd:
+    """How a chat turn's sequence tells its session that it ended."""
+
+    def __init__(self, sessions: SessionManager, turn: Turn):
+        self.sessions, self.turn = sessions, turn
+
+    def finish(self, result: GenerationResult, cache: KVCache | None) -> None:
+        assert cache is not None
+        self.sessions.finish(self.turn, result, cache)
+
+    def abort(self) -> None:
+        self.sessions.abort(self.turn)
+
+
+def default_max_num_seqs(device: torch.device) -> int:
+    return 32 if device.type == "cuda" else 8
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on the compute device now (CUDA: the driver's count; else the host's available memory)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 class BlendEngine:
-    """One request at a time (callers serialise `generate`); `chat` rejects a second
-    concurrent turn on the same session with `SessionBusy`."""
+    """The Python API (see the module docstring). Thread-safe: every call that runs the model
+    is queued on the engine's scheduler; `chat` rejects a second concurrent turn on the same
+    session with `SessionBusy`."""
 
     def __init__(self, config: EngineConfig, *, model: LoadedModel | None = None, store: TieredStore | None = None):
         self.config = config
@@ -83,20 +116,30 @@ class BlendEngine:
         self.store = store or TieredStore.from_config(config.store, min_entry_bytes=entry_bytes)
         self.fingerprint = self.lm.fingerprint
         self.kv_dtype = config.store.kv_dtype
+        self.eos = eos_ids(self.lm)
         maker = EntryMaker(self.runner, self.fingerprint, self.kv_dtype)
-        self._stall_s = cfg.load_stall_s or None  # LayerLoader's longest wait for one layer (0: none)
-        self.document_kv = DocumentCache(self.store, maker, namespace=config.store.namespace,
-                                         chunk_context=cfg.chunk_context, block_tokens=cfg.chunk_tokens,
-                                         stall_s=self._stall_s)
-        self.prefix_cache = PrefixCache(self.store, maker, namespace=config.store.namespace,
-                                        block_tokens=cfg.chunk_tokens, prefetch_depth=cfg.prefetch_depth,
-                                        stall_s=self._stall_s)
-        self.decoder = Decoder(self.lm, self.runner)
-        # load-or-compute split: the model's live cost model, fed by every request (blend.split)
+        stall_s = cfg.load_stall_s or None  # LayerLoader's longest wait for one layer (0: none)
+        namespace = config.store.namespace
+        self.document_kv = DocumentCache(self.store, maker, namespace=namespace, chunk_context=cfg.chunk_context,
+                                         block_tokens=cfg.chunk_tokens, stall_s=stall_s)
+        self.prefix_cache = PrefixCache(self.store, maker, namespace=namespace, block_tokens=cfg.chunk_tokens,
+                                        prefetch_depth=cfg.prefetch_depth, stall_s=stall_s)
+        # load-or-compute split: the model's live cost model, fed by every request (blend.planning.split)
         self.splitter = Splitter(PrefillCosts.for_model(self.lm.model), LoadCosts(self.runner.device.type),
                                  {t.name: getattr(t.config, "kind", t.name) for t in self.store.tiers}, mode=cfg.split)
-        self.sessions = SessionManager(cfg, self.prefix_cache, self.decoder, self.prompts)
-        self._warm = False  # set after the first prefill (not a cost sample: see `prefill`)
+        self.sessions = SessionManager(cfg, self.prefix_cache, self.prompts, self.eos)
+        self.prefiller = Prefiller(cfg, self.runner, self.store, self.document_kv, self.prefix_cache, self.splitter,
+                                   self.sessions, self.lm.tokenizer, stall_s)
+        parking = KVParking(self.store, self.runner, self.fingerprint, namespace=namespace,
+                            block_tokens=cfg.chunk_tokens, prefetch_depth=cfg.prefetch_depth, stall_s=stall_s)
+        self.kv_bytes_per_token = self.lm.dims.kv_bytes_per_token(dtype_bytes(dtype_name(self.runner.dtype)))
+        device = self.runner.device
+        scheduling = SchedulerConfig(
+            max_num_seqs=default_max_num_seqs(device) if cfg.max_num_seqs == "auto" else cfg.max_num_seqs,
+            max_active_kv=(max(int(free_memory(device) * ACTIVE_KV_SHARE), 1) if cfg.max_active_kv == "auto"
+                           else cfg.max_active_kv),
+            prefills_between_decodes=cfg.prefills_between_decodes)
+        self.scheduler = Scheduler(self.runner, parking, scheduling, kv_bytes_per_token=self.kv_bytes_per_token)
         self.documents = DocumentIndex()
 
     @classmethod
@@ -111,8 +154,12 @@ class BlendEngine:
     _closed = False
 
     def close(self) -> None:
-        """Flush pending cache writes and close the tiers; later calls raise ValueError."""
+        """Let queued and running requests finish, flush pending cache writes and close the
+        tiers; later calls raise ValueError."""
+        if self._closed:
+            return
         self._closed = True
+        self.scheduler.stop()
         self.store.close()
 
     def _check_open(self) -> None:
@@ -125,7 +172,7 @@ class BlendEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --------------------------------------------------------------- requests
+    # -------------------------------------------------------------- documents
     def ingest(self, documents: Sequence[Document | str], *, sync: bool = True,
                stop: Callable[[], bool] | None = None) -> list[IngestedDocument]:
         """Precompute each document's KV (one sequence) and store it block by block; returns
@@ -137,10 +184,22 @@ class BlendEngine:
         tier now holds every block (False when no tier accepted them: an unusable disk
         path, Redis down; the tiers log why). An empty document is skipped with a warning
         (no keys, not cached, not stored). Remembers each document by id (`delete_document`).
+        The forward passes run on the scheduler between decode steps of running requests.
         `stop` (e.g. a server job's deadline) is asked before each forward pass (one long
         document, or several short ones packed); when it answers True the call raises
         `IngestStopped`; what was computed so far stays stored (and known by id).
         """
+        handle = self.submit_ingest(documents, sync=sync, stop=stop)
+        finished = _last(handle.events())
+        if finished.cancelled:
+            raise IngestStopped("ingest stopped before it finished; the documents computed stay stored", [])
+        return unwrap(finished)
+
+    def submit_ingest(self, documents: Sequence[Document | str], *, sync: bool = True,
+                      stop: Callable[[], bool] | None = None, sink: Callable[[Any], None] | None = None,
+                      deadline: float | None = None) -> Handle:
+        """`ingest` queued: its handle's `Finished` holds the list of IngestedDocument (or
+        `cancelled` once `stop` or the deadline stopped it)."""
         self._check_open()
         if not isinstance(sync, bool):
             raise TypeError(f"sync must be a bool, got {type(sync).__name__}")
@@ -148,12 +207,22 @@ class BlendEngine:
             raise TypeError(f"stop must be a callable returning a bool, got {type(stop).__name__}")
         docs = check_documents(documents)
         prompt = self.prompts.build("ingest", docs)
+        handle = Handle(sink, deadline)
+
+        def stopped() -> bool:
+            return handle.stopped() or (stop is not None and bool(stop()))
+
+        self.scheduler.submit(Task("ingest", lambda: self._ingest_steps(docs, prompt, sync, stopped), handle))
+        return handle
+
+    def _ingest_steps(self, docs: tuple[Document | str, ...], prompt: Prompt, sync: bool,
+                      stop: Callable[[], bool]) -> Generator[None, None, list[IngestedDocument]]:
         kept = [d for d in docs if render_document(d)]
         keys: list[list[str]] = [[] for _ in kept]
         cached = [True] * len(kept)
         stopped: IngestStopped | None = None
         try:
-            segments = self.document_kv.ingest(prompt, stop)
+            segments = yield from self.document_kv.ingest_steps(prompt, stop)
         except IngestStopped as err:
             segments, stopped = err.stored, err
         for stored in segments:
@@ -203,6 +272,7 @@ class BlendEngine:
         self.documents.forget(doc_id)
         return keys
 
+    # ------------------------------------------------------------ generation
     def build_prompt(self, query: str | Sequence[Message | dict], documents: Sequence[Document | str]) -> Prompt:
         """The prompt of a question (str) or a conversation (messages) over `documents`."""
         question = query if isinstance(query, str) else check_messages(query)
@@ -218,7 +288,7 @@ class BlendEngine:
 
         `query` is a question (laid out with the configured system prompt and query
         template) or a conversation: a list of {"role", "content"} messages, with the
-        documents placed before it (blend.conversation). `selection` overrides the
+        documents placed before it (blend.prompt.conversation). `selection` overrides the
         config's token-selection policy for this request (blend mode); `stop` ends the
         generation at the first of these strings (not included in the text).
 
@@ -230,18 +300,10 @@ class BlendEngine:
         each of those ids teacher-forced after the prompt (eval compares modes token by
         token along full prefill's answer this way).
         """
-        if answer is not None and not isinstance(answer, str):
-            raise TypeError(f"answer must be a str or None, got {type(answer).__name__}")
-        if not isinstance(logprobs, bool):
-            raise TypeError(f"logprobs must be a bool, got {type(logprobs).__name__}")
-        vocab = self.runner.lm_head.weight.shape[0]
-        if follow is not None and (not isinstance(follow, Sequence) or isinstance(follow, str | bytes) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in follow)):
-            raise TypeError(f"follow must be a sequence of token ids in [0, {vocab}) or None")
-        *_, result = self._stream(self._request(query, documents, mode, recompute_ratio, max_new_tokens,
-                                                temperature, top_p, seed, stop, selection), answer,
-                                  logprobs=logprobs, follow=tuple(follow) if follow is not None else None)
-        return result
+        req = self.request(query, documents, mode=mode, recompute_ratio=recompute_ratio,
+                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                           stop=stop, selection=selection)
+        return self.submit(req, answer=answer, logprobs=logprobs, follow=follow).result()
 
     def generate_stream(self, query: str | Sequence[Message | dict], documents: Sequence[Document | str] = (), *,
                         mode: str = "blend", recompute_ratio: float | None = None,
@@ -252,60 +314,151 @@ class BlendEngine:
         possibly "") and ends with the `GenerationResult` (the same tokens and text as
         `generate`; the deltas concatenate to its text).
 
-        Arguments are checked now (TypeError/ValueError); the prefill runs at the first
-        `next()`. Closing the iterator early stops decoding.
+        Arguments are checked and the prompt is laid out now (TypeError/ValueError); the
+        request is queued at the first `next()`. Closing the iterator early cancels it (it
+        leaves the decode batch at the next step).
         """
-        return self._stream(self._request(query, documents, mode, recompute_ratio, max_new_tokens, temperature,
-                                          top_p, seed, stop, selection))
+        req = self.request(query, documents, mode=mode, recompute_ratio=recompute_ratio,
+                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                           stop=stop, selection=selection)
+        handle = Handle()
+        seq = self._sequence(req, handle)
+        return self._stream(seq)
 
-    def _request(self, query, documents, mode, recompute_ratio, max_new_tokens, temperature, top_p, seed, stop,
-                 selection) -> GenerationRequest:
+    def _stream(self, seq: ScheduledSequence) -> Iterator[TextDelta | GenerationResult]:
+        self._check_open()  # a stream created before `close` and started after it
+        self.scheduler.submit(seq)
+        ended = False
+        try:
+            for event in seq.handle.events():
+                if isinstance(event, Finished):
+                    ended = True
+                    yield unwrap(event)
+                    return
+                yield event
+        finally:
+            if not ended:
+                seq.handle.cancel()
+
+    def generate_many(self, requests: Sequence[Mapping[str, Any] | GenerationRequest]) -> list[GenerationResult]:
+        """Run several requests through the scheduler at once (prefills interleaved, decode
+        steps batched); results in the order given, each the one `generate` would give alone.
+
+        Each request is `generate`'s keyword arguments as a mapping (`query` and optionally
+        `documents`, `mode`, `recompute_ratio`, `max_new_tokens`, `temperature`, `top_p`,
+        `seed`, `stop`, `selection`, `answer`, `logprobs`, `follow`) or a GenerationRequest.
+        Every request is checked before any is queued; if one fails, the others are
+        cancelled and its error is raised.
+        """
+        if isinstance(requests, Mapping | str | bytes) or not isinstance(requests, Sequence):
+            raise TypeError("requests must be a list of request mappings (generate's keyword arguments) "
+                            "or GenerationRequest objects")
+        sequences = []
+        for i, spec in enumerate(requests):
+            try:
+                sequences.append(self._sequence_of(spec))
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"requests[{i}]: {err}") from None
+        for seq in sequences:
+            self.scheduler.submit(seq)
+        results = []
+        try:
+            for seq in sequences:
+                results.append(seq.handle.result())
+        finally:
+            for seq in sequences[len(results):]:
+                seq.handle.cancel()
+        return results
+
+    def _sequence_of(self, spec: Mapping[str, Any] | GenerationRequest) -> ScheduledSequence:
+        if isinstance(spec, GenerationRequest):
+            return self._sequence(spec, Handle())
+        if not isinstance(spec, Mapping):
+            raise TypeError(f"a request must be a mapping of generate's arguments, got {type(spec).__name__}")
+        extra_keys = {"answer", "logprobs", "follow"}
+        args = dict(spec)
+        if "query" not in args:
+            raise ValueError("a request needs its `query`")
+        extra = {k: args.pop(k) for k in list(args) if k in extra_keys}
+        query, documents = args.pop("query"), args.pop("documents", ())
+        known = {"mode", "recompute_ratio", "max_new_tokens", "temperature", "top_p", "seed", "stop", "selection"}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"unknown request key(s) {', '.join(unknown)}; valid keys are: "
+                             f"{', '.join(sorted(known | extra_keys | {'query', 'documents'}))}")
+        req = self.request(query, documents, **args)
+        return self._sequence(req, Handle(), **self._forcing_args(extra))
+
+    def _forcing_args(self, extra: Mapping[str, Any]) -> dict[str, Any]:
+        answer, logprobs, follow = extra.get("answer"), extra.get("logprobs", False), extra.get("follow")
+        if answer is not None and not isinstance(answer, str):
+            raise TypeError(f"answer must be a str or None, got {type(answer).__name__}")
+        if not isinstance(logprobs, bool):
+            raise TypeError(f"logprobs must be a bool, got {type(logprobs).__name__}")
+        vocab = self.runner.lm_head.weight.shape[0]
+        if follow is not None and (not isinstance(follow, Sequence) or isinstance(follow, str | bytes) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in follow)):
+            raise TypeError(f"follow must be a sequence of token ids in [0, {vocab}) or None")
+        return {"answer": answer, "logprobs": logprobs, "follow": tuple(follow) if follow is not None else None}
+
+    def request(self, query: object, documents: object = (), **kwargs: Any) -> GenerationRequest:
+        """`generate`'s arguments checked into a GenerationRequest (config defaults filled in)."""
         self._check_open()
-        return GenerationRequest.create(self.config.engine, query, documents, mode=mode,
-                                        recompute_ratio=recompute_ratio, max_new_tokens=max_new_tokens,
-                                        temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                                        selection=selection)
+        return GenerationRequest.create(self.config.engine, query, documents, **kwargs)
+
+    def submit(self, req: GenerationRequest, *, sink: Callable[[Any], None] | None = None,
+               deadline: float | None = None, answer: str | None = None, logprobs: bool = False,
+               follow: Sequence[int] | None = None) -> Handle:
+        """Queue a checked request; its handle gets the `TextDelta`s and then one `Finished`
+        holding the GenerationResult (events go to `sink` when given, e.g. an event loop's
+        queue, else `handle.events()` / `handle.result()` wait for them). `deadline`
+        (time.monotonic) cancels it once passed. Raises QueueFull when the queue is full."""
+        forcing = self._forcing_args({"answer": answer, "logprobs": logprobs, "follow": follow})
+        seq = self._sequence(req, Handle(sink, deadline), **forcing)
+        self.scheduler.submit(seq)
+        return seq.handle
 
     def check_fits(self, req: GenerationRequest) -> None:
         """Refuse a request whose text cannot fit the model's positions, without tokenizing it
         (the exact check, on tokens, follows when the prompt is built)."""
         self.prompts.check_text_fits(req.query, req.documents, self.runner.max_positions)
 
-    def _stream(self, req: GenerationRequest, answer: str | None = None, *, logprobs: bool = False,
-                follow: tuple[int, ...] | None = None) -> Iterator[TextDelta | GenerationResult]:
+    def _sequence(self, req: GenerationRequest, handle: Handle, *, answer: str | None = None,
+                  logprobs: bool = False, follow: tuple[int, ...] | None = None) -> ScheduledSequence:
+        """The request laid out as a scheduled sequence (checks that it fits; nothing queued)."""
+        self._check_open()
         self.check_fits(req)
         prompt = self.prompts.build(req.query, req.documents)
         shorten = "use fewer or shorter documents" if isinstance(req.query, str) else (
             "shorten the conversation (fewer or shorter messages)"
             + (" or use fewer or shorter documents" if req.documents else ""))
         self.runner.check_length(len(prompt), req.max_new_tokens, shorten)
-        warnings = self._note_documents(prompt, req.documents)
-        sampling = SamplingParams(req.temperature, req.top_p, req.seed)
         if follow:
             self.runner.check_length(len(prompt), len(follow), shorten)
-        return self._decode(prompt, req, sampling, answer, warnings, logprobs, follow)
+        blocks = self.document_kv.segment_blocks(prompt) if req.mode != "full" or _has_ids(req.documents) else None
+        warnings = self._note_documents(prompt, req.documents, blocks)
+        capacity = len(prompt) + min(req.max_new_tokens, DECODE_RESERVE)
+        work = PromptWork(prompt, blocks, req.mode, req.recompute_ratio, req.selection, capacity, answer, follow)
+        forced = ForcedOutputs()
+        generation = Generation(self.lm.tokenizer, self.eos, req.max_new_tokens,
+                                SamplingParams(req.temperature, req.top_p, req.seed), req.stop, logprobs=logprobs)
+        seq = ScheduledSequence(lambda: self.prefiller.steps(work, forced), generation, handle,
+                                kv_bytes=capacity * self.kv_bytes_per_token, mode=req.mode, warnings=warnings)
+        seq.forced = forced
+        return seq
 
-    def _decode(self, prompt: Prompt, req: GenerationRequest, sampling: SamplingParams, answer: str | None,
-                warnings: tuple[str, ...], logprobs: bool = False, follow: tuple[int, ...] | None = None
-                ) -> Iterator[TextDelta | GenerationResult]:
-        self._check_open()  # a stream created before `close` and started after it
-        pre, ttft, t0 = self.decoder.timed(lambda: self.prefill(
-            prompt, mode=req.mode, ratio=req.recompute_ratio, selection=req.selection,
-            capacity=len(prompt) + req.max_new_tokens))
-        for item in self.decoder.stream(pre, ttft, t0, req.max_new_tokens, sampling, req.stop, answer,
-                                        logprobs=logprobs, follow=follow):
-            if isinstance(item, GenerationResult):
-                item.warnings = warnings
-            yield item
-
-    def _note_documents(self, prompt: Prompt, documents: Sequence[Document | str]) -> tuple[str, ...]:
+    def _note_documents(self, prompt: Prompt, documents: Sequence[Document | str],
+                        blocks: dict[int, list[Block]] | None) -> tuple[str, ...]:
         """Warn about empty documents (skipped) and documents whose id was ingested with
-        other text; remember the ones with ids."""
+        other text; remember the ones with ids (and their block keys)."""
         warnings = []
         kept = [d for d in documents if render_document(d)]
         if len(kept) < len(documents):
             warnings.append(f"skipped {len(documents) - len(kept)} empty document(s): they add nothing to the prompt")
-        keys = None
+        keys: list[list[str]] = [[] for _ in kept]
+        for i, seg in enumerate(prompt.segments):
+            if seg.kind == "document" and blocks is not None:
+                keys[seg.doc_index].extend(b.key for b in blocks[i])
         for i, doc in enumerate(kept):
             if not isinstance(doc, Document) or doc.id is None:
                 continue
@@ -314,16 +467,8 @@ class BlendEngine:
                            "(title or text): its KV is computed, not loaded")
                 log.warning(message)
                 warnings.append(message)
-            keys = keys if keys is not None else self._keys_by_document(prompt, len(kept))
             self.documents.record(doc.id, doc, keys[i])
         return tuple(warnings)
-
-    def _keys_by_document(self, prompt: Prompt, n_documents: int) -> list[list[str]]:
-        """The store keys of each (non-empty) document's blocks, in order."""
-        keys: list[list[str]] = [[] for _ in range(n_documents)]
-        for seg in prompt.documents:
-            keys[seg.doc_index].extend(self.document_kv.keys(seg, prompt))
-        return keys
 
     def warmup(self) -> float:
         """Run one short request through prefill and decoding so that the first real
@@ -335,100 +480,16 @@ class BlendEngine:
         self.generate("warm-up", [words], mode="full", max_new_tokens=2)
         return time.perf_counter() - t0
 
-    @torch.inference_mode()
     def prefill(self, prompt: Prompt, *, mode: str, ratio: float = 0.15, capacity: int | None = None,
                 selection: str | None = None) -> Prefilled:
-        """Fill a KVCache for `prompt` in `mode` and return the last position's logits.
-
-        The cache holds `capacity` positions (default: the prompt), so decoding continues
-        without reallocating."""
-        capacity = max(capacity or 0, len(prompt))
-        tuned = len(self.runner.tuner.tunings)
-        t0 = time.perf_counter()
-        try:
-            if mode == "full":
-                pre = self._full(prompt, capacity)
-            elif mode == "prefix":
-                pre = self._prefix(prompt, capacity)
-            else:
-                pre = self._blend(prompt, 0.0 if mode == "reuse" else ratio, capacity, mode,
-                                  check_policy(selection or self.config.engine.selection))
-        except LoadStalled as err:  # a tier too slow to wait for (now suspended): computed whole
-            pre = self._full(prompt, capacity)
-            pre.stats = pre.stats.replace(stalled_tiers=err.tiers)
-        if pre.logits.device.type == "cuda":  # timed to the logits, as TTFT is
-            torch.cuda.synchronize(pre.logits.device)
-        pre.stats = pre.stats.replace(prefill_s=time.perf_counter() - t0)
-        # the engine's first prefill pays one-time costs (kernel selection, allocator, lazy
-        # init: often several times slower), and a request that timed attention kernels
-        # measured them: neither is a sample of the model's speed
-        if self._warm and len(self.runner.tuner.tunings) == tuned:
-            self.splitter.observe(pre.stats, self.runner.num_layers)
-        self._warm = True
-        return pre
-
-    def _stats(self, prompt: Prompt, mode: str, ratio: float, **fields: Any) -> RequestStats:
-        context = prompt.query.start
-        return RequestStats(mode=mode, recompute_ratio=ratio, context_tokens=context,
-                            query_tokens=len(prompt) - context, **fields)
-
-    def _full(self, prompt: Prompt, capacity: int) -> Prefilled:
-        cache = self.runner.new_cache(capacity)
-        logits = self.runner.prefill(torch.tensor(prompt.token_ids), cache)[0]
-        context = prompt.query.start
-        return Prefilled(logits, cache, self._stats(prompt, "full", 1.0, loaded_tokens=0, recomputed_tokens=context))
-
-    def _blend(self, prompt: Prompt, ratio: float, capacity: int, mode: str, selection: str) -> Prefilled:
-        cfg = self.config.engine
-        tally = LookupTally([t.name for t in self.store.tiers])
-        placements = self.document_kv.resolve(prompt, [s for s in prompt.segments if s.kind != "query"], tally)
-        # hook: the load-or-compute split (blend.split) may compute a prefix instead of loading it
-        split = self.splitter.plan(prompt, placements, ratio, cfg.check_layers, cfg.filter_schedule,
-                                   self.runner.num_layers, query_pass=not uses_check_layers(selection))
-        plan = plan_recompute(prompt, ratio, cfg.check_layers, cfg.filter_schedule, self.runner.num_layers,
-                              policy=selection, placements=placements, sink_tokens=cfg.sink_tokens,
-                              query_layers=cfg.query_layers, query_pool=cfg.query_pool,
-                              fresh=split.computed_tokens)
-        cache = self.runner.new_cache(capacity)
-        cache.length = plan.n
-        with LayerLoader(self.store, self.runner, cache, split.loaded, range(plan.load_from, self.runner.num_layers),
-                         cfg.prefetch_depth, stall_s=self._stall_s) as loader:
-            logits, chosen = run_layers(self.runner, cache, torch.tensor(prompt.token_ids), plan, loader,
-                                        policy=selection, deviation_kind=cfg.deviation, stale_bias=cfg.stale_bias,
-                                        stale_shift=shift_applies(cfg.stale_shift, selection))
-        stats = self._stats(prompt, mode, ratio, loaded_tokens=0 if plan.full else int(plan.ctx_rows.numel()),
-                            recomputed_tokens=chosen.recomputed_tokens + split.computed_tokens, load=loader.report(),
-                            selection=chosen, split=split.report, **tally_fields(tally))
-        return Prefilled(logits, cache, stats)
-
-    def _prefix(self, prompt: Prompt, capacity: int) -> Prefilled:
-        """The longest exactly cached prefix: prefix blocks of this very prompt, or the
-        cached segments that are exact at their position (the system part, and the first
-        document when documents are computed after it)."""
-        ids = prompt.token_ids
-        limit = len(ids) - 1  # at least the last token is computed
-        tally = LookupTally([t.name for t in self.store.tiers])
-        chain = self.prefix_cache.lookup(ids, limit)
-        chain_len = sum(pl.length for pl in chain)
-        exact = [prompt.prefix]
-        if self.config.engine.chunk_context == "system" and len(prompt.segments) > 2 and prompt.segments[1].kind == "document":
-            exact.append(prompt.segments[1])
-        exact_len = exact[-1].end if exact[-1].end <= limit else 0
-        if exact_len > chain_len:
-            chain = self.document_kv.resolve(prompt, [s for s in exact if s.end <= limit], tally)
-        else:
-            for pl in chain:
-                tally.hit_from("prefix_blocks", pl.source)
-        cache = self.runner.new_cache(capacity)
-        # hook: the load-or-compute split (blend.split) may compute the chain's first blocks instead
-        split = self.splitter.plan_prefix(len(ids), chain, self.runner.num_layers)
-        logits, load = self.prefix_cache.prefill(ids, chain, cache, computed=split.computed_tokens)
-        end = max((pl.start + pl.length for pl in chain), default=0)
-        loaded = end - split.computed_tokens
-        stored = self.prefix_cache.store_blocks(ids, cache, skip_below=chain_len)
-        stats = self._stats(prompt, "prefix", 0.0, loaded_tokens=loaded, recomputed_tokens=max(0, prompt.query.start - loaded),
-                            load=load, stored_blocks=stored, split=split.report, **tally_fields(tally))
-        return Prefilled(logits, cache, stats)
+        """Fill a KVCache for `prompt` in `mode` and return it with the last position's
+        logits (a task on the scheduler: serialised with every other request). The cache
+        holds `capacity` positions (default: the prompt) and belongs to the caller."""
+        self._check_open()
+        work = PromptWork(prompt, None, mode, ratio, selection, max(capacity or 0, len(prompt)))
+        handle = Handle()
+        self.scheduler.submit(Task("prefill", lambda: self.prefiller.steps(work), handle))
+        return handle.result()
 
     # ------------------------------------------------------------------- chat
     def chat(self, session_id: str, message: str, *, documents: Sequence[Document | str] = (),
@@ -443,7 +504,18 @@ class BlendEngine:
         turn (without documents: the chat template's own default applies; with
         documents: the configured system prompt). Exact KV is stored as prefix blocks
         after the turn (blend.session). Raises SessionBusy if the session is in a turn.
+        The turn decodes in the scheduler's batch like any request.
         """
+        return self.submit_chat(session_id, message, documents=documents, system=system, mode=mode,
+                                recompute_ratio=recompute_ratio, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_p=top_p, seed=seed, stop=stop).result()
+
+    def submit_chat(self, session_id: str, message: str, *, documents: Sequence[Document | str] = (),
+                    system: str | None = None, mode: str | None = None, recompute_ratio: float | None = None,
+                    max_new_tokens: int | None = None, temperature: float | None = None,
+                    top_p: float | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
+                    sink: Callable[[Any], None] | None = None, deadline: float | None = None) -> Handle:
+        """`chat` queued: the handle gets the turn's deltas, then its `Finished`."""
         self._check_open()
         if not isinstance(message, str):
             raise TypeError(f"message must be a str, got {type(message).__name__}")
@@ -456,22 +528,27 @@ class BlendEngine:
                                        recompute_ratio=recompute_ratio, max_new_tokens=max_new_tokens,
                                        temperature=temperature, top_p=top_p, seed=seed, stop=stop)
         self.check_fits(req)
-        rag = None
-        if req.documents:
-            docs = req.documents
-
-            def build(messages: Sequence[Message]) -> Prompt:
-                prompt = self.prompts.build(tuple(messages), docs)
-                self._note_documents(prompt, docs)
-                return prompt
-
-            def prefill(prompt: Prompt, capacity: int) -> Prefilled:
-                return self.prefill(prompt, mode=req.mode, ratio=req.recompute_ratio, capacity=capacity)
-
-            rag = RagTurn(build=build, prefill=prefill, exact=req.mode in ("full", "prefix"), documents=docs)
-        return self.sessions.turn(session_id, message, max_new_tokens=req.max_new_tokens,
-                                  sampling=SamplingParams(req.temperature, req.top_p, req.seed), stop=req.stop,
-                                  system=system, rag=rag)
+        turn = self.sessions.begin(session_id, message, max_new_tokens=req.max_new_tokens, system=system,
+                                   documents=req.documents, blended=req.mode in ("blend", "reuse"))
+        try:
+            work = None
+            capacity = len(turn.ids) + req.max_new_tokens
+            if turn.prompt is not None:
+                blocks = self.document_kv.segment_blocks(turn.prompt)
+                self._note_documents(turn.prompt, req.documents, blocks)
+                if turn.blended:
+                    work = PromptWork(turn.prompt, blocks, req.mode, req.recompute_ratio, None, capacity)
+            generation = Generation(self.lm.tokenizer, self.eos, req.max_new_tokens,
+                                    SamplingParams(req.temperature, req.top_p, req.seed), req.stop)
+            handle = Handle(sink, deadline)
+            seq = ScheduledSequence(lambda: self.prefiller.turn_steps(turn, work), generation, handle,
+                                    kv_bytes=capacity * self.kv_bytes_per_token, end=_TurnEnd(self.sessions, turn),
+                                    mode=req.mode)
+            self.scheduler.submit(seq)
+        except BaseException:
+            self.sessions.abort(turn)
+            raise
+        return handle
 
     def offload(self, session_id: str) -> None:
         """Move a session's KV off the compute device (its blocks stay in the tier stack)."""
@@ -482,3 +559,15 @@ class BlendEngine:
         """Forget a session entirely (its history and its device-resident KV)."""
         self._check_open()
         self.sessions.drop(session_id)
+
+
+def _has_ids(documents: Sequence[Document | str]) -> bool:
+    return any(isinstance(d, Document) and d.id is not None for d in documents)
+
+
+def _last(events: Iterator[Any]) -> Finished:
+    finished = None
+    for event in events:
+        finished = event
+    assert isinstance(finished, Finished)
+    return finished

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blend.config import BlendConfig, check_mode
+from blend.modes import SELECTIONS
 from blend.prompt.conversation import Message, check_messages
 from blend.prompt.document import Document, check_documents, clean_text
 
@@ -129,11 +130,10 @@ class GenerationRequest:
             raise TypeError(f"mode must be a str, got {type(mode).__name__}")
         check_mode(mode)
         if selection is not None:
-            from blend.recompute.selector import check_policy
-
             if not isinstance(selection, str):
                 raise TypeError(f"selection must be a str or None, got {type(selection).__name__}")
-            check_policy(selection)
+            if selection not in SELECTIONS:
+                raise ValueError(f"unknown selection {selection!r}; valid selections are: {', '.join(SELECTIONS)}")
         return cls(
             query=check_query(query),
             documents=check_documents(documents),

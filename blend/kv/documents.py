@@ -18,7 +18,7 @@ The system part itself is cached the same way with no context (it is exact at po
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 from blend.kv.loader import Placement
@@ -46,6 +46,30 @@ class StoredSegment:
     segment: Segment
     keys: tuple[str, ...]  # its block keys, in order
     cached: bool  # every block had a valid entry in some tier before the ingest
+
+
+@dataclass(frozen=True)
+class _Looked:
+    segment: Segment
+    rebuild: _Rebuild
+    found: list[Located | None]  # per block: where it was found (None: a miss)
+
+    @property
+    def missed(self) -> bool:
+        """A segment is one lookup: a miss unless every block was found."""
+        return any(loc is None for loc in self.found)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The cacheable segments of one prompt, looked up (`DocumentCache.lookup`)."""
+
+    looked: list[_Looked]
+
+    @property
+    def misses(self) -> int:
+        """Segments that missed (computed by `compute_misses`)."""
+        return sum(looked.missed for looked in self.looked)
 
 
 @dataclass(frozen=True)
@@ -98,38 +122,57 @@ class DocumentCache:
         """Prefill the whole document after `context` once; one entry per block (storage dtype)."""
         return self.maker.compute_blocks(ids, context, [(b.start, b.end) for b in blocks])
 
-    def resolve(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally) -> list[Placement]:
-        """Placements of every block of `segments`, in prompt order.
+    def segment_blocks(self, prompt: Prompt) -> dict[int, list[Block]]:
+        """The blocks (and their keys, hashed here once) of every cacheable segment of
+        `prompt`, by segment index: what a request looks up and what a document id records."""
+        return {i: self.blocks(list(seg.token_ids), self.context(seg, prompt))
+                for i, seg in enumerate(prompt.segments) if seg.kind != "query"}
 
-        A segment is one lookup: a hit when every block is stored. The segments that miss
-        are computed now (those after the same context together, `compute_documents`), their
-        missing blocks are queued for the store, and their placements carry the computed
-        entries. A block that turns out unreadable while loading is rebuilt by recomputing
-        its document (once per document).
-        """
-        looked = []
+    def lookup(self, prompt: Prompt, segments: Sequence[int], blocks: dict[int, list[Block]] | None = None
+               ) -> Resolution:
+        """Look up every block of the segments at these indices of `prompt` (blocks: from
+        `segment_blocks`, computed if not given); nothing is computed or written."""
+        blocks = blocks if blocks is not None else self.segment_blocks(prompt)
         budget = LookupBudget(self.stall_s)
-        for seg in segments:
+        looked = []
+        for i in segments:
+            seg = prompt.segments[i]
             ids, context = list(seg.token_ids), self.context(seg, prompt)
-            blocks = self.blocks(ids, context)
-            looked.append((seg, _Rebuild(self, ids, context, blocks), [self._find(ids, b, budget) for b in blocks]))
-        missed: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Rebuild]] = {}  # a repeated document once
-        for _seg, rebuild, found in looked:
-            if any(loc is None for loc in found):
-                missed.setdefault((tuple(rebuild.context), tuple(rebuild.ids)), []).append(rebuild)
+            seg_blocks = blocks[i]
+            looked.append(_Looked(seg, _Rebuild(self, ids, context, seg_blocks),
+                                  [self._find(ids, b, budget) for b in seg_blocks]))
+        return Resolution(looked)
+
+    def compute_misses(self, resolution: Resolution) -> Generator[None, None, None]:
+        """Compute the documents that missed, one forward pass per step (those after the same
+        context together, `EntryMaker.document_passes`; a repeated document once). Their
+        entries are kept in the resolution; `placements` queues their writes."""
+        missed: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Rebuild]] = {}
+        for looked in resolution.looked:
+            if looked.missed:
+                r = looked.rebuild
+                missed.setdefault((tuple(r.context), tuple(r.ids)), []).append(r)
         for context in dict.fromkeys(c for c, _ids in missed):  # documents after the same context together
             group = [rebuilds for (c, _ids), rebuilds in missed.items() if c == context]
-            made = self.maker.compute_documents(
+            made = yield from self.maker.document_passes(
                 [(r[0].ids, [(b.start, b.end) for b in r[0].block_list]) for r in group], context)
             for rebuilds, entries in zip(group, made, strict=True):
                 for rebuild in rebuilds:
                     rebuild.seed(entries)
+            yield
+
+    def placements(self, resolution: Resolution, tally: LookupTally) -> list[Placement]:
+        """Placements of every looked-up block, in prompt order; counts each segment's hit or
+        miss in `tally` and queues the missed blocks' writes (their entries computed by
+        `compute_misses`, or now if it did not run). A block that turns out unreadable while
+        loading is rebuilt by recomputing its document (once per document)."""
         queued: set[str] = set()
         placements: list[Placement] = []
-        for seg, rebuild, found in looked:
+        for looked in resolution.looked:
+            seg, rebuild, found = looked.segment, looked.rebuild, looked.found
             kind = "system" if seg.kind == "prefix" else "documents"
             blocks = rebuild.block_list
-            if all(loc is not None for loc in found):
+            if not looked.missed:
                 tally.hit(kind, max(loc.tier_index for loc in found))
                 for i, (b, loc) in enumerate(zip(blocks, found, strict=True)):
                     placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, loc, None,
@@ -145,7 +188,26 @@ class DocumentCache:
                                             rebuild.block(i)))
         return placements
 
+    def resolve(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally) -> list[Placement]:
+        """Placements of every block of `segments`, in prompt order: `lookup`, the misses
+        computed at once (`compute_misses`), then `placements`."""
+        index = {id(seg): i for i, seg in enumerate(prompt.segments)}
+        resolution = self.lookup(prompt, [index[id(seg)] for seg in segments])
+        for _ in self.compute_misses(resolution):
+            pass
+        return self.placements(resolution, tally)
+
     def ingest(self, prompt: Prompt, stop: Callable[[], bool] | None = None) -> list[StoredSegment]:
+        """`ingest_steps` run to the end."""
+        steps = self.ingest_steps(prompt, stop)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def ingest_steps(self, prompt: Prompt, stop: Callable[[], bool] | None = None
+                     ) -> Generator[None, None, list[StoredSegment]]:
         """Compute and store every block of every cacheable segment of `prompt` that is
         not stored yet; returns what was found for each document segment, in order.
 
@@ -153,8 +215,9 @@ class DocumentCache:
         tiers held before this call; a segment whose missing blocks an earlier segment of
         this call already wrote (the same document twice) is not computed again. Consecutive
         documents after the same context are prefilled together, in passes of
-        `pack_groups` (`EntryMaker.compute_documents`). `stop` is asked before each pass; when it answers
-        True, `IngestStopped` (holding the segments stored so far)."""
+        `pack_groups` (`EntryMaker.document_passes`), one pass per step of this generator.
+        `stop` is asked before each pass; when it answers True, `IngestStopped` (holding the
+        segments stored so far)."""
         found = []
         for seg in prompt.segments:
             if seg.kind == "query":
@@ -194,12 +257,13 @@ class DocumentCache:
                     raise IngestStopped(f"ingest stopped with {len(jobs) - sum(n in done for n, _ in jobs)} "
                                         "documents left to compute; those computed stay stored", stored())
                 context = found[pack[0][0]][2]
-                entries = self.maker.compute_documents(
+                entries = yield from self.maker.document_passes(
                     [(found[n][1], [(b.start, b.end) for b in found[n][3]]) for n, _ in pack], context)
                 for (n, todo), made in zip(pack, entries, strict=True):
                     for i in todo:
                         self.store.put(found[n][3][i].key, made[i])
                     done.add(n)
+                yield  # between passes: the scheduler decodes running sequences
         return stored()
 
 

@@ -43,6 +43,7 @@ Both produce the same cache contents (bit-identical in float32).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -217,7 +218,9 @@ class LayerLoader:
                  layers: Sequence[int], depth: int = 2, *, staged: bool | None = None,
                  stall_s: float | None = None):
         self.store, self.runner, self.cache = store, runner, cache
-        self.placements = sorted(placements, key=lambda p: p.start)
+        # its own copies: a placement whose stored layer turns out unreadable gets its recomputed
+        # entry here, never in the caller's placement (the report lists which were)
+        self.placements = [dataclasses.replace(p) for p in sorted(placements, key=lambda p: p.start)]
         self.layers = list(layers)
         self.device = cache.k[0].device
         self._cuda = self.device.type == "cuda"
@@ -335,8 +338,10 @@ class LayerLoader:
         if self._cuda and self._stalls:
             self._stalls[-1][1].synchronize()
             exposed = sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3
+        rebuilt = tuple(p.start for p in self.placements if p.entry is not None and p.located is not None)
         return LoadReport(load_s, exposed, dict(self.bytes_by_tier), self.recomputed_segments, copies=self.copies,
-                          layers_loaded=self.layers_done, read_s_by_tier=dict(self.read_s_by_tier), place_s=place_s)
+                          layers_loaded=self.layers_done, read_s_by_tier=dict(self.read_s_by_tier), place_s=place_s,
+                          recomputed_starts=rebuilt)
 
     def wait(self, layer: int) -> None:
         """Block until `layer` is placed in the cache (no-op for layers not loaded).

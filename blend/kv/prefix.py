@@ -13,7 +13,7 @@ cache entry is made from the model.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 
 import torch
 
@@ -85,6 +85,17 @@ class EntryMaker:
         token ids and block bounds; returns per document its block entries. Documents are
         prefilled together (`Runner.prefill_packed`: each sees the context and itself only)
         in passes of `pack_groups`; a document over the budget alone."""
+        steps = self.document_passes(documents, context)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def document_passes(self, documents: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
+                        context: Sequence[int]) -> Generator[None, None, list[list[KVEntry]]]:
+        """`compute_documents` one forward pass at a time: yields after each pass (the
+        scheduler decodes running sequences in between) and returns the entries."""
         out: list[list[KVEntry]] = []
         start = len(context)
         kept = self.context_kv(context) if start else None
@@ -92,13 +103,15 @@ class EntryMaker:
             if len(group) == 1:
                 ids, bounds = documents[group[0]]
                 out.append(self.compute_blocks(ids, context, bounds))
-                continue
-            packed = self.runner.prefill_packed([documents[i][0] for i in group], kept, start)
-            slot = 0
-            for i in group:
-                ids, bounds = list(documents[i][0]), documents[i][1]
-                out.append([self.from_slots(packed, ids[a:b], slot + a, start + a) for a, b in bounds])
-                slot += len(ids)
+            else:
+                packed = self.runner.prefill_packed([documents[i][0] for i in group], kept, start)
+                slot = 0
+                for i in group:
+                    ids, bounds = list(documents[i][0]), documents[i][1]
+                    out.append([self.from_slots(packed, ids[a:b], slot + a, start + a) for a, b in bounds])
+                    slot += len(ids)
+            if len(out) < len(documents):
+                yield
         return out
 
     def context_kv(self, context: Sequence[int]) -> KVCache:
@@ -248,11 +261,13 @@ class PrefixCache:
         return logits, loader.report()
 
 
-def intact_end(chain: Sequence[Placement]) -> int:
-    """End of the leading blocks that were loaded from the store (not recomputed on a bad read)."""
+def intact_end(chain: Sequence[Placement], load: LoadReport) -> int:
+    """End of the leading blocks of `chain` that were loaded from the store, not recomputed
+    on a bad read (`load`: the loader's report)."""
     end = 0
+    rebuilt = set(load.recomputed_starts)
     for pl in chain:
-        if pl.entry is not None:
+        if pl.entry is not None or pl.start in rebuilt:
             break
         end = pl.start + pl.length
     return end

@@ -302,6 +302,24 @@ def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     return torch.cat(outs, dim=1).transpose(0, 1).reshape(tq, -1)  # (Tq, H*D)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One new token's attention over every key of its sequence, in one call.
+
+    q (H, D) the token's queries; k, v (Hkv, Tk, D) every key up to and including its own;
+    bias (Hkv, Tk) float or None: an additive logit per KV head and key (`KVCache.bias`).
+    The H / Hkv query heads of a KV head are folded into the query rows of that head, so
+    K and V are read once per KV head (no GQA expansion) and the bias is a (Hkv, 1, Tk)
+    mask broadcast over them. Returns (H*D,).
+    """
+    heads, d = q.shape
+    hkv = k.shape[0]
+    qf = q.view(hkv, heads // hkv, d)  # (Hkv, g, D): query heads of a KV head as rows
+    mask = None if bias is None else bias.to(q.dtype)[:, None, :]  # (Hkv, 1, Tk)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)  # (Hkv, g, D)
+    return out.reshape(heads * d)
+
+
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked (or square causal) attention that also returns the log-sum-exp of each

@@ -83,5 +83,19 @@ class KVCache:
         return self.k[layer][:, :n], self.v[layer][:, :n]
 
     def nbytes(self) -> int:
+        """Bytes of K/V of the filled positions."""
         return sum(t[:, : self.length].numel() * t.element_size() for t in self.k + self.v)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of K/V the cache holds allocated (every slot, filled or not)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def restore_bias(self, per_layer: list[torch.Tensor]) -> None:
+        """Set the bias of slots 0..n-1 of every layer from `per_layer` ((kv_heads, n) each, e.g. a
+        parked copy); the other slots are unbiased."""
+        self.bias = []
+        for t, b in zip(self.k, per_layer, strict=True):
+            full = torch.zeros((t.shape[0], t.shape[1]), dtype=torch.float32, device=t.device)
+            full[:, : b.shape[1]] = b.to(t.device, torch.float32)
+            self.bias.append(full)
 

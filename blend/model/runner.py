@@ -31,6 +31,7 @@ from blend.model.attention import (
     candidates,
     causal_float_masks,
     cuda_event_timer,
+    decode_attention,
     flash_attn_func,
     is_tail,
     rule_strategy,
@@ -414,10 +415,48 @@ class Runner:
         return packed
 
     @torch.inference_mode()
+    def decode_step(self, token_ids: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor:
+        """One decode step for B sequences at once: token_ids[b] is fed at position
+        caches[b].length of its own cache (written there, length advanced by one).
+
+        The linear layers (QKV, output projection, MLP, LM head) run once over the B rows;
+        attention runs per sequence over its own keys (`decode_attention`: one call per
+        sequence and layer, the cache's stale-key bias folded in). Every cache needs room for
+        one more position (`ensure_capacity`). Returns logits (B, vocab) float32.
+        """
+        batch = len(caches)
+        if batch != len(token_ids) or batch == 0:
+            raise ValueError(f"decode_step needs one token per cache, got {len(token_ids)} tokens for {batch} caches")
+        pos = [c.length for c in caches]
+        if max(pos) >= self.max_positions:
+            raise ValueError(f"a sequence reached the model's {self.max_positions} positions")
+        for c, p in zip(caches, pos, strict=True):
+            if p >= c.capacity:
+                raise ValueError(f"cache full at {p} positions: ensure_capacity before decode_step")
+        cos, sin = self.rope(torch.tensor(pos))  # (B, D)
+        h = self.embed(torch.tensor(token_ids))  # (B, hidden)
+        for c, p in zip(caches, pos, strict=True):
+            c.clear_bias(p, p + 1)  # the new slot is computed afresh
+        for layer in range(self.num_layers):
+            q, k, v = self.qkv(layer, h, cos, sin)  # (H, B, D), (Hkv, B, D) x2
+            out = h.new_empty((batch, self.num_heads * self.head_dim))  # (B, H*D)
+            for b, (c, p) in enumerate(zip(caches, pos, strict=True)):
+                keys, values = c.k[layer], c.v[layer]
+                keys[:, p] = k[:, b]
+                values[:, p] = v[:, b]
+                out[b] = decode_attention(q[:, b], keys[:, : p + 1], values[:, : p + 1], self.scaling,
+                                          c.layer_bias(layer, p + 1))
+            h = self.finish(layer, h, out)
+        for c, p in zip(caches, pos, strict=True):
+            c.length = p + 1
+        return self.logits(h)  # (B, vocab)
+
+    @torch.inference_mode()
     def step(self, token_id: int, cache: KVCache) -> torch.Tensor:
-        """Decode one token at position cache.length; returns its logits (vocab,)."""
-        pos = cache.length
-        return self.prefill(torch.tensor([token_id], device=self.device), cache, start=pos)[0]
+        """Decode one token at position cache.length (`decode_step` of one sequence); returns
+        its logits (vocab,)."""
+        cache.ensure_capacity(cache.length + 1)
+        return self.decode_step([token_id], [cache])[0]
 
     @torch.inference_mode()
     def decode(self, first_logits: torch.Tensor, cache: KVCache, max_new_tokens: int,

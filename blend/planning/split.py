@@ -22,10 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from blend.config import Selection
 from blend.kv.loader import Placement
 from blend.planning.planner import LoadCosts, PrefillCosts
 from blend.prompt.builder import Prompt
-from blend.recompute.selector import schedule_counts
+from blend.recompute.plan import plan_recompute
+from blend.recompute.selector import uses_check_layers
 from blend.stats import RequestStats, SplitReport
 
 MIN_GAIN = 0.10  # a split must be predicted to save this share of the unsplit time (unless
@@ -47,42 +49,6 @@ class Split:
     computed_tokens: int  # prompt positions [0, computed_tokens) are computed, not loaded
     loaded: tuple[Placement, ...]  # the placements still loaded
     report: SplitReport
-
-
-def blend_rows(n: int, fresh: int, query: int, loaded_tokens: int, ratio: float, check_layers: Sequence[int],
-               schedule: Sequence[float], num_layers: int) -> list[int]:
-    """Rows each layer computes in a blend (ratio 0: reuse) of an n-token prompt whose first
-    `fresh` tokens are computed and `loaded_tokens` cached tokens are loaded."""
-    checks = [c for c in check_layers if c < num_layers] if ratio > 0 and loaded_tokens else []
-    if not checks:
-        return [n if not loaded_tokens else fresh + query] * num_layers
-    counts = schedule_counts(ratio, tuple(schedule[: len(checks)]), loaded_tokens)
-    if len(checks) < len(check_layers):
-        counts[-1] = schedule_counts(ratio, (1.0,), loaded_tokens)[0]
-    rows, current = [], n
-    kept = dict(zip(checks, counts, strict=True))
-    for layer in range(num_layers):
-        if layer in kept:
-            current = fresh + query + kept[layer]
-        rows.append(current)
-    return rows
-
-
-def load_from_layer(ratio: float, loaded_tokens: int, check_layers: Sequence[int], schedule: Sequence[float],
-                    num_layers: int) -> int:
-    """The first layer whose cached KV is read (as blend.recompute.plan_recompute fixes it)."""
-    if not loaded_tokens:
-        return num_layers
-    if ratio <= 0:
-        return 0
-    checks = [c for c in check_layers if c < num_layers]
-    if not checks:
-        return 0
-    counts = schedule_counts(ratio, tuple(schedule[: len(checks)]), loaded_tokens)
-    if len(checks) < len(check_layers):
-        counts[-1] = schedule_counts(ratio, (1.0,), loaded_tokens)[0]
-    partial = [c for c, kept in zip(checks, counts, strict=True) if kept < loaded_tokens]
-    return partial[0] if partial else num_layers
 
 
 def simulate(rows: Sequence[int], load_per_layer: float, load_from: int,
@@ -135,13 +101,15 @@ class Splitter:
             return max(read, place), 0.0
         return read, place
 
-    def plan(self, prompt: Prompt, placements: Sequence[Placement], ratio: float, check_layers: Sequence[int],
-             schedule: Sequence[float], num_layers: int, query_pass: bool = False) -> Split:
+    def plan(self, prompt: Prompt, placements: Sequence[Placement], ratio: float, selection: Selection,
+             num_layers: int) -> Split:
         """The split of a blend (ratio 0: reuse) of `prompt` whose cached segments are `placements`.
 
-        `query_pass`: the selection runs a query pass first (policy `query`): that pass
-        computes the fresh and query rows while every layer loads, and only then are the
-        selected rows recomputed from layer 0, so the two phases add up instead of overlapping.
+        Every candidate is priced by the rows the recompute plan of that split computes per
+        layer (`plan_recompute`, the plan that then runs: `RecomputePlan.layer_rows`). A query
+        pass (selection `query`) computes the fresh and query rows while its layers load, and
+        only then are the selected rows recomputed from layer 0, so the two phases add up
+        instead of overlapping.
         """
         ordered = sorted(placements, key=lambda p: p.start)
 
@@ -156,10 +124,10 @@ class Splitter:
         cost = self.prefill.layer_cost()
         if cost is None:
             return unsplit("no compute estimate yet (the first requests measure it)")
-        n, query = len(prompt), len(prompt) - prompt.query.start
+        n = len(prompt)
         # candidates: compute nothing, or every prefix of whole segments (the last one: everything)
         candidates = [0] + [p.start + p.length for p in ordered if p.start + p.length <= prompt.query.start]
-        if query_pass and ratio > 0 and len(candidates) > 2:
+        if not uses_check_layers(selection.policy) and ratio > 0 and len(candidates) > 2:
             # a query pass runs the computed prefix beside the loads, then recomputes the selection
             # of the rest: the phases do not overlap, so only loading everything or computing
             # everything (a full prefill) is offered
@@ -167,17 +135,18 @@ class Splitter:
         results: list[tuple[float, float, float, int]] = []
         for s in candidates:
             loaded = [p for p in ordered if p.start >= s]  # the first s tokens are computed
-            tokens = sum(p.length for p in loaded)
             per_layer, in_compute = self._load_per_layer(loaded, num_layers) if loaded else (0.0, 0.0)
-            kept = schedule_counts(ratio, (1.0,), tokens)[0] if tokens else 0
-            if query_pass and 0 < kept < tokens:
-                total, compute, load = simulate([s + query] * num_layers, per_layer, 0, cost, in_compute)
-                recompute = simulate([kept + query] * num_layers, 0.0, num_layers, cost)[0]
-                total, compute = total + recompute, compute + recompute
+            plan = plan_recompute(prompt, ratio, selection.check_layers, selection.filter_schedule, num_layers,
+                                  policy=selection.policy, placements=loaded, sink_tokens=selection.sink_tokens,
+                                  query_layers=selection.query_layers, query_pool=selection.query_pool, fresh=s)
+            rows = plan.layer_rows(num_layers)
+            if plan.query_pass:
+                passed = plan.pass_rows()
+                total, compute, load = simulate(passed, per_layer, 0, cost, in_compute)
+                rest = simulate(rows, per_layer, len(passed), cost, in_compute, start=total)
+                total, compute, load = rest[0], compute + rest[1], load + rest[2]
             else:
-                rows = blend_rows(n, s, query, tokens, ratio, check_layers, schedule, num_layers)
-                start = load_from_layer(ratio, tokens, check_layers, schedule, num_layers)
-                total, compute, load = simulate(rows, per_layer, start, cost, in_compute)
+                total, compute, load = simulate(rows, per_layer, plan.load_from, cost, in_compute)
             results.append((total, compute, load, s))
         full = simulate([n] * num_layers, 0.0, num_layers, cost)[0]
         base = results[0]
@@ -252,10 +221,11 @@ class Splitter:
         load = stats.load
         slow_reads = any(self.tier_kinds.get(name, name) not in ("cpu", "computed") for name in load.bytes_by_tier)
         if rows is not None and not (stats.mode in ("blend", "reuse") and misses) and not slow_reads:
-            if len(rows) == 2 * num_layers and stats.selection.query_pass:
+            passed = stats.selection.pass_rows
+            if passed:
                 first = min(stats.compute_s, max(0.0, stats.selection.selection_s - stats.exposed_load_s))
-                self.prefill.observe(rows[:num_layers], first)
-                self.prefill.observe(rows[num_layers:], stats.compute_s - first)
+                self.prefill.observe(passed, first)
+                self.prefill.observe(rows, stats.compute_s - first)
             else:
                 self.prefill.observe(rows, stats.compute_s)
         if load.bytes_by_tier:
@@ -263,27 +233,14 @@ class Splitter:
 
 
 def rows_per_layer(stats: RequestStats, num_layers: int) -> list[int] | None:
-    """Rows each layer computed in a finished request, from its stats (None when unknown)."""
+    """Rows each layer computed in a finished request (blend and reuse: what its layer loop
+    recorded, the query pass apart in `stats.selection.pass_rows`; None when unknown)."""
     n = stats.context_tokens + stats.query_tokens
     if stats.mode == "full":
         return [n] * num_layers
     if stats.mode == "prefix":
         computed = n - stats.loaded_tokens
         return [computed] * num_layers if computed > 0 else None
-    if stats.mode not in ("blend", "reuse"):
-        return None
-    fresh = stats.split.computed_tokens
-    query = stats.query_tokens
-    sel = stats.selection
-    if sel.query_pass:  # the query pass (fresh and query rows), then the recompute of the selection
-        return [fresh + query] * num_layers + [sel.recomputed_tokens + query] * num_layers
-    if not sel.check_layers:
-        # nothing loaded (a plan that recomputes every candidate is a full prefill): every row
-        return [n if not stats.loaded_tokens else fresh + query] * num_layers
-    kept = dict(zip(sel.check_layers, sel.selected_per_layer, strict=False))
-    rows, current = [], n
-    for layer in range(num_layers):
-        if layer in kept:
-            current = fresh + query + kept[layer]
-        rows.append(current)
-    return rows
+    if stats.mode in ("blend", "reuse") and stats.selection.layer_rows:
+        return list(stats.selection.layer_rows)
+    return None

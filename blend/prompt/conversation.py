@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -100,12 +101,20 @@ def hole_literals(tokenizer, dicts: Sequence[Mapping[str, str]]) -> tuple[list[d
     return out, holes
 
 
+# A fast tokenizer's `split_special_tokens` is a switch on the one Rust tokenizer that every
+# thread shares (transformers flips it for the call and back): two threads encoding at once,
+# one as data and one as template, would each see the other's setting (a template's
+# <|im_start|> split into text). Every encode goes through this lock.
+TOKENIZER_LOCK = threading.Lock()
+
+
 def encode(tokenizer, text: str, *, data: bool = False) -> list[int]:
     """Token ids of `text` (no BOS/EOS). `data`: user text, whose special-token strings
-    (e.g. "<|im_start|>") stay text instead of becoming control tokens."""
+    (e.g. "<|im_start|>") stay text instead of becoming control tokens. Thread-safe."""
     if not text:
         return []
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=data).input_ids)
+    with TOKENIZER_LOCK:
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=data).input_ids)
 
 
 def encode_with_holes(tokenizer, text: str, holes: Mapping[str, str]) -> list[int]:
@@ -130,7 +139,9 @@ def chat_ids(tokenizer, dicts: Sequence[Mapping[str, str]]) -> list[int]:
     holding special-token strings are encoded as data."""
     dicts, holes = hole_literals(tokenizer, dicts)
     if not holes:
-        return list(tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=True, return_dict=False))
+        with TOKENIZER_LOCK:
+            return list(tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False))
     text = tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True)
     return encode_with_holes(tokenizer, text, holes)
 

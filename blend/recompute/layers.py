@@ -88,8 +88,10 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
     # plan (runner.attend caches it for this `active` tensor) are made once per change
     rows = active.to(dev)
     cos, sin = cos_all[rows], sin_all[rows]
+    computed: list[int] = []  # rows whose q/k/v each layer computes
     for layer in range(runner.num_layers):
         loader.wait(layer)
+        computed.append(int(active.numel()))
         q, k, v = runner.qkv(layer, h, cos, sin)  # (H, T, D), (Hkv, T, D) x2
         if stale.rows.numel():  # rows were dropped at an earlier check layer
             rec = is_cand[active].to(dev)  # (T,) the recomputed candidates among the active rows
@@ -138,13 +140,13 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
     if plan.full:
         recomputed = int(plan.ctx_rows.numel())
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), recomputed,
-                             selection_s, tuple(selected), key_bias=stale.per_layer())
+                             selection_s, tuple(selected), key_bias=stale.per_layer(), layer_rows=tuple(computed))
     return runner.logits(h[-1:])[0], report
 
 
 
 def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
-               value_weighted: bool = False) -> torch.Tensor:
+               value_weighted: bool = False, computed: list[int] | None = None) -> torch.Tensor:
     """Run the query rows through layers 0..plan.query_layers-1 over the loaded K/V
     (waiting for each layer's loads) and return the fused attention score of every
     context position 0..q_start-1, (q_start,) float32.
@@ -163,6 +165,8 @@ def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
     cos, sin = runner.rope(rows)
     h = runner.embed(token_ids[rows])  # (F+Q, hidden)
     fused = QueryAttention(q_start, value_weighted=value_weighted)
+    if computed is not None:
+        computed.extend([int(rows.numel())] * plan.query_layers)
     for layer in range(plan.query_layers):
         loader.wait(layer)
         q, k, v = runner.qkv(layer, h, cos, sin)  # (H, F+Q, D), (Hkv, F+Q, D) x2
@@ -185,7 +189,8 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
                       loader: LayerLoader, value_weighted: bool, deviation_kind: str, stale: StaleKeys
                       ) -> tuple[torch.Tensor, SelectionReport]:
     t0 = time.perf_counter()
-    scores = query_pass(runner, cache, token_ids, plan, loader, value_weighted).cpu()  # (q_start,)
+    passed: list[int] = []  # rows each layer of the query pass computes
+    scores = query_pass(runner, cache, token_ids, plan, loader, value_weighted, passed).cpu()  # (q_start,)
     cand = plan.cand_rows
     forced = torch.zeros(plan.n, dtype=torch.bool)
     forced[plan.forced_rows] = True
@@ -201,9 +206,11 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
     last = runner.num_layers - 1
     nq = plan.query_rows.numel()
     stale.update(active)
+    computed: list[int] = []  # rows whose q/k/v each layer computes
     for layer in range(runner.num_layers):
         if layer >= plan.query_layers:  # layers the query pass did not wait for
             loader.wait(layer)
+        computed.append(int(active.numel()))
         q, k, v = runner.qkv(layer, h, cos, sin)
         m = active.numel() - nq  # the recomputed context rows come first
         stale.correct(runner, cache, layer, q[:, m:], k[:, :m], v[:, :m], rows[:m])
@@ -235,6 +242,7 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
         if narrowed:  # the pool was narrowed: the dropped rows are stale from the next layer on
             stale.update(active)
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), int(chosen.numel()),
-                             selection_s, tuple(selected), query_pass=True, key_bias=stale.per_layer())
+                             selection_s, tuple(selected), query_pass=True, key_bias=stale.per_layer(),
+                             pass_rows=tuple(passed), layer_rows=tuple(computed))
     return runner.logits(h[-1:])[0], report
 

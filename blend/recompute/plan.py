@@ -36,6 +36,36 @@ class RecomputePlan:
     # load-or-compute split (blend.split): positions [0, fresh) are computed in every layer, never loaded
     fresh_rows: torch.Tensor = _EMPTY  # (F,)
 
+    def pass_rows(self) -> tuple[int, ...]:
+        """Rows each layer of the query pass computes (the fresh and query rows; empty without one)."""
+        if not self.query_pass:
+            return ()
+        return (self.fresh_rows.numel() + self.query_rows.numel(),) * self.query_layers
+
+    def layer_rows(self, num_layers: int) -> tuple[int, ...]:
+        """Rows whose q/k/v each layer of the layer loop computes (blend.recompute.layers runs
+        exactly these; the split's cost model prices plans by them)."""
+        fresh, query = self.fresh_rows.numel(), self.query_rows.numel()
+        if self.full:
+            return (self.n,) * num_layers
+        if self.query_pass:  # the pool (then its narrowed sets) and the query, from layer 0
+            rows, current = [], self.counts[0]
+            for layer in range(num_layers):
+                rows.append(current + query)
+                if layer in self.check_layers[1:]:
+                    current = self.counts[self.check_layers.index(layer)]
+            return tuple(rows)
+        if not self.check_layers:  # reuse: the computed prefix and the query
+            return (fresh + query,) * num_layers
+        exact = self.ctx_rows.numel() - self.cand_rows.numel()  # loaded, never candidates
+        rows, current = [], self.n  # every row up to the first check layer
+        for layer in range(num_layers):
+            rows.append(current)
+            if layer in self.check_layers:  # the kept candidates; exact rows until their loads start
+                kept = min(self.counts[self.check_layers.index(layer)], self.cand_rows.numel())
+                current = fresh + query + kept + (exact if layer < self.load_from else 0)
+        return tuple(rows)
+
     @property
     def first_active(self) -> torch.Tensor:
         """Rows computed at layer 0: all of them when a check layer comes or nothing is

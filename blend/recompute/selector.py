@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEVIATIONS = ("v", "k", "kv")
+from blend.modes import CHECK_LAYER_SELECTIONS, DEVIATIONS, QUERY_SELECTIONS, SELECTIONS  # noqa: F401 - the registry
 
 
 def deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor,
@@ -134,8 +134,8 @@ POLICIES: dict[str, Callable[[CheckLayerKV, torch.Tensor, str], torch.Tensor]] =
     "attention": _attention_scores,
     "hybrid": _hybrid_scores,
 }
-QUERY_POLICIES = ("query",)  # selected before layer 0 from a query pass over the loaded KV
-SELECTIONS = (*POLICIES, *QUERY_POLICIES)
+QUERY_POLICIES = QUERY_SELECTIONS  # selected before layer 0 from a query pass over the loaded KV
+assert tuple(POLICIES) == CHECK_LAYER_SELECTIONS  # blend.modes names them for the config (no torch there)
 
 
 def check_policy(policy: str) -> str:

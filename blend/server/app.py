@@ -6,11 +6,13 @@
   DELETE /v1/documents/{id}     remove a document's KV blocks from every tier
   GET    /v1/models, /health, /metrics
 
-Every engine call goes through the `EngineWorker` (one thread, bounded queue, batch
-size 1); handlers only wait on the job's events, so the event loop stays free. A
-request is cancelled when its client disconnects (between two tokens) or when the
-request timeout passes (504, or an error event in a stream). Bad input is 400 (the
-engine's checks) or 422 (the body's shape), always as OpenAI's error object.
+Every generation and ingest is queued on the engine's scheduler (batched decode, at most
+`queue_size` requests waiting: more get 503); handlers only wait on their job's events
+(blend.server.jobs), so the event loop stays free. A request is cancelled when its client
+disconnects or when the request timeout passes (504, or an error event in a stream): it
+leaves the decode batch at the scheduler's next step, the others go on unchanged. Bad
+input is 400 (the engine's checks) or 422 (the body's shape), always as OpenAI's error
+object.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blend.decode.decoder import GenerationResult, TextDelta
+from blend.decode.result import GenerationResult, TextDelta
 from blend.engine.engine import BlendEngine
 from blend.engine.request import GenerationRequest
+from blend.engine.scheduler import QueueFull
+from blend.engine.sequence import Handle
 from blend.prompt.document import check_documents, render_document
 from blend.server import schemas
+from blend.server.jobs import Finished, Job
 from blend.server.metrics import CONTENT_TYPE, Metrics
-from blend.server.worker import EngineWorker, Finished, Job, QueueFull
 from storage.tier import StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -47,7 +51,7 @@ class ServerSettings:
     """How the server shares its engine."""
 
     served_model_name: str
-    queue_size: int = 64  # requests that may wait while one runs; more get 503
+    queue_size: int = 64  # requests that may wait for the scheduler (beyond those running); more get 503
     request_timeout_s: float = 300.0  # from acceptance to the last token
     warmup: bool = True  # run engine.warmup() before accepting requests
     max_body_bytes: int = 16 << 20  # larger request bodies get 413 before they are parsed
@@ -118,29 +122,24 @@ def _replay(first: dict, receive: Callable) -> Callable:
 
 
 def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
-    """The application. Its lifespan starts the worker (and warms the engine up) and, at
-    shutdown, after uvicorn has let the in-flight requests finish, stops the worker and
-    closes the engine (flushing queued cache writes)."""
+    """The application. Its lifespan warms the engine up and, at shutdown, after uvicorn has
+    let the in-flight requests finish, closes the engine (the scheduler's last items finish,
+    queued cache writes are flushed)."""
     state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        worker = EngineWorker(settings.queue_size)
-        state["worker"] = worker
-        state["metrics"] = Metrics(lambda: worker.depth, settings.queue_size)
+        state["metrics"] = Metrics(engine.scheduler, settings.queue_size)
+        loop = asyncio.get_running_loop()
         if settings.warmup:
-            job = worker.submit(lambda _job: engine.warmup())
-            finished = await _finished(job)
-            if finished.error is not None:
-                raise finished.error
-            log.info("engine warmed up in %.2f s", finished.value)
+            seconds = await loop.run_in_executor(None, engine.warmup)
+            log.info("engine warmed up in %.2f s", seconds)
         state["ready"] = True
         try:
             yield
         finally:
             state["ready"] = False
-            await asyncio.get_running_loop().run_in_executor(None, worker.stop)
-            engine.close()
+            await loop.run_in_executor(None, engine.close)
 
     app = FastAPI(title="kvblend", lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
@@ -191,11 +190,21 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
             raise ApiError(404, f"model {name!r} is not served here; this server serves {model!r}",
                            "model_not_found")
 
-    def submit(fn: Callable[[Job], Any]) -> Job:
+    async def submit(start: Callable[[Job], Handle]) -> Job:
+        """Queue an engine item (`start(job)` queues it with `job.sink` and returns its handle;
+        it lays the prompt out, so it runs off the event loop). 503 when `queue_size`
+        requests already wait; the engine's own refusals (bad input: 400) are raised as is."""
+        if engine.scheduler.waiting >= settings.queue_size:
+            err = engine.scheduler.busy()
+            raise ApiError(503, str(err), "server_busy", {"Retry-After": str(err.retry_after_s)})
+        job = Job(asyncio.get_running_loop(), time.monotonic() + settings.request_timeout_s)
         try:
-            return state["worker"].submit(fn, deadline=time.monotonic() + settings.request_timeout_s)
+            job.attach(await asyncio.get_running_loop().run_in_executor(None, start, job))
         except QueueFull as err:
             raise ApiError(503, str(err), "server_busy", {"Retry-After": str(err.retry_after_s)}) from None
+        except (TypeError, ValueError) as err:
+            raise bad_request(err) from None
+        return job
 
     def bad_request(err: Exception) -> ApiError:
         return ApiError(400, str(err))
@@ -209,9 +218,9 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
             return ApiError(503, str(err), "store_unavailable")
         return None
 
-    async def run_job(fn: Callable[[Job], Any], request: Request) -> Finished:
+    async def run_job(start: Callable[[Job], Handle], request: Request) -> Finished:
         """Submit and wait for the end (cancelled if the client leaves or time runs out)."""
-        job = submit(fn)
+        job = await submit(start)
         async with _watch_disconnect(request, job):
             finished = await _finished(job, job.deadline)
         if finished.cancelled:
@@ -220,15 +229,11 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
             raise job_error(finished.error) or finished.error
         return finished
 
-    async def document_job(action: str, fn: Callable[[Job], Any], request: Request,
-                           missing: str | None = None) -> Finished:
-        """`run_job` for /v1/documents, counted under ("documents", action) with its final
-        status; with `missing`, a None result is a 404 with that message."""
+    async def document_job(action: str, start: Callable[[Job], Handle], request: Request) -> Finished:
+        """`run_job` for /v1/documents, counted under ("documents", action) with its final status."""
         status = 500
         try:
-            finished = await run_job(fn, request)
-            if finished.value is None and missing is not None:
-                raise ApiError(404, missing, "not_found")
+            finished = await run_job(start, request)
             status = 200
             return finished
         except ApiError as err:
@@ -242,30 +247,17 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
         check_model(body.model)
         kwargs = body.engine_kwargs()
         mode = body.kvblend.mode
-        try:
+        try:  # bad arguments: 400 before queueing (the text's fit is checked when it is queued: 400 too)
             docs = [d.to_document() for d in body.documents]
-            engine.check_fits(GenerationRequest.create(engine.config.engine, query, docs, **kwargs))  # 400 before queueing
+            req = GenerationRequest.create(engine.config.engine, query, docs, **kwargs)
         except (TypeError, ValueError) as err:
             metrics().request(endpoint, mode, 400)
             raise bad_request(err) from None
 
-        def work(job: Job) -> GenerationResult | None:
-            stream = engine.generate_stream(query, docs, **kwargs)
-            try:
-                for item in stream:
-                    if isinstance(item, GenerationResult):
-                        return item
-                    job.emit(item)
-                    if job.stopped():
-                        return None
-            finally:
-                stream.close()
-            return None
-
         accepted = time.monotonic()
         rid = schemas.new_id("chatcmpl" if endpoint == "chat" else "cmpl")
         try:
-            job = submit(work)
+            job = await submit(lambda job: engine.submit(req, sink=job.sink, deadline=job.deadline))
         except ApiError as err:
             metrics().request(endpoint, mode, err.status)
             raise
@@ -290,7 +282,7 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
                 status = known.status if known is not None else 500
                 raise known or event.error
             result = event.value
-            if not isinstance(result, GenerationResult):  # cancelled: the client is gone
+            if not isinstance(result, GenerationResult):  # cancelled: the client is gone, or the deadline
                 status = 504 if job.stopped() and not job.cancelled else 499
                 raise ApiError(status, "the request was cancelled", "cancelled")
             status = 200
@@ -405,23 +397,30 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
         except (TypeError, ValueError) as err:
             metrics().request("documents", "ingest", 400)
             raise bad_request(err) from None
-        finished = await document_job("ingest", lambda job: engine.ingest(docs, stop=job.stopped), request)
+        finished = await document_job(
+            "ingest", lambda job: engine.submit_ingest(docs, sink=job.sink, deadline=job.deadline), request)
         for doc in finished.value:
             metrics().documents.labels(str(doc.cached).lower()).inc()
         return JSONResponse({"object": "list", "data": [doc.to_dict() for doc in finished.value]})
 
     @app.delete("/v1/documents/{doc_id:path}")
-    async def delete_document(doc_id: str, request: Request) -> Response:
-        def work(_job: Job) -> tuple[str, ...] | None:
-            try:
-                return engine.delete_document(doc_id)
-            except KeyError:
-                return None
-
-        finished = await document_job("delete", work, request,
-                                      missing=f"document {doc_id!r} is not known to this server (ingest it first)")
-        return JSONResponse({"id": doc_id, "object": "document.deleted", "deleted": True,
-                             "keys": list(finished.value)})
+    async def delete_document(doc_id: str) -> Response:
+        """No model work: the store is asked directly (off the event loop)."""
+        status = 500
+        try:
+            keys = await asyncio.get_running_loop().run_in_executor(None, engine.delete_document, doc_id)
+            status = 200
+        except KeyError:
+            status = 404
+            raise ApiError(404, f"document {doc_id!r} is not known to this server (ingest it first)",
+                           "not_found") from None
+        except Exception as err:
+            known = job_error(err)
+            status = known.status if known is not None else 500
+            raise known or err from None
+        finally:
+            metrics().request("documents", "delete", status)
+        return JSONResponse({"id": doc_id, "object": "document.deleted", "deleted": True, "keys": list(keys)})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -432,9 +431,11 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         ready = bool(state.get("ready"))
-        worker = state.get("worker")
+        scheduler = engine.scheduler
         return JSONResponse({"status": "ok" if ready else "starting", "model": model,
-                             "queue_depth": worker.depth if worker else 0, "queue_size": settings.queue_size},
+                             "queue_depth": scheduler.depth(), "queue_size": settings.queue_size,
+                             "running": scheduler.running, "waiting": scheduler.waiting,
+                             "max_num_seqs": scheduler.config.max_num_seqs},
                             status_code=200 if ready else 503)
 
     @app.get("/metrics")

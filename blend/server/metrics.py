@@ -3,16 +3,21 @@
 Requests are counted by endpoint, mode and HTTP status (499: the client went away).
 Cache lookups are counted per tier in segments (a document chunk, the system part or
 a prefix block: what `RequestStats` counts), next to the token totals (prompt,
-context, loaded, recomputed, generated) and the bytes read per tier.
+context, loaded, recomputed, generated) and the bytes read per tier. The scheduler's
+state is read at scrape time: running and waiting sequences, the decode batch sizes
+(a histogram over decode steps), preemptions and resumes, output tokens per second.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
+from blend.engine.scheduler import Scheduler
 from blend.stats import LOOKUP_KINDS, RequestStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
@@ -22,7 +27,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Metrics:
     """The server's counters, histograms and gauges."""
 
-    def __init__(self, queue_depth: Callable[[], int], queue_size: int):
+    def __init__(self, scheduler: Scheduler, queue_size: int):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kvblend_requests", "HTTP requests by endpoint, mode and status code",
                                 ["endpoint", "mode", "status"], registry=r)
@@ -55,9 +60,21 @@ class Metrics:
         self.documents = Counter("kvblend_documents_ingested", "Documents ingested, by whether they were cached",
                                  ["cached"], registry=r)
         depth = Gauge("kvblend_queue_depth", "Requests waiting for or running on the engine", registry=r)
-        depth.set_function(lambda: float(queue_depth()))
+        depth.set_function(lambda: float(scheduler.depth()))
         capacity = Gauge("kvblend_queue_capacity", "Requests that may wait for the engine", registry=r)
         capacity.set(queue_size)
+        running = Gauge("kvblend_running_sequences", "Sequences in the decode batch", registry=r)
+        running.set_function(lambda: float(scheduler.running))
+        waiting = Gauge("kvblend_waiting_requests", "Requests queued for the scheduler (preempted ones too)",
+                        registry=r)
+        waiting.set_function(lambda: float(scheduler.waiting))
+        active = Gauge("kvblend_active_kv_bytes", "KV bytes the running sequences hold on the compute device",
+                       registry=r)
+        active.set_function(lambda: float(scheduler.active_kv_bytes()))
+        rate = Gauge("kvblend_output_tokens_per_second", "Generated tokens per second over the last 10 s",
+                     registry=r)
+        rate.set_function(lambda: scheduler.metrics.tokens_per_s())
+        r.register(_SchedulerCollector(scheduler))
 
     def request(self, endpoint: str, mode: str, status: int) -> None:
         self.requests.labels(endpoint, mode, str(status)).inc()
@@ -92,3 +109,30 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class _SchedulerCollector(Collector):
+    """The scheduler's counters, read when /metrics is scraped (its thread never touches the registry)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterator[HistogramMetricFamily | CounterMetricFamily]:
+        m = self.scheduler.metrics
+        sizes = dict(m.batch_sizes)
+        buckets, seen = [], 0
+        for bound in BATCH_BUCKETS:
+            seen = sum(n for size, n in sizes.items() if size <= bound)
+            buckets.append((str(float(bound)), seen))
+        buckets.append(("+Inf", sum(sizes.values())))
+        yield HistogramMetricFamily("kvblend_decode_batch_size", "Sequences per decode step",
+                                    buckets=buckets, sum_value=sum(size * n for size, n in sizes.items()))
+        yield CounterMetricFamily("kvblend_preemptions", "Sequences whose KV was parked in the tiers to make room",
+                                  value=m.preemptions)
+        yield CounterMetricFamily("kvblend_resumes", "Preempted sequences resumed", value=m.resumes)
+        yield CounterMetricFamily("kvblend_resume_seconds", "Time spent resuming preempted sequences",
+                                  value=m.resume_s)
+        yield CounterMetricFamily("kvblend_decode_steps", "Decode steps run", value=m.decode_steps)

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from blend.decode.decoder import GenerationResult
+from blend.decode.result import GenerationResult
 from blend.prompt.conversation import Message
 from blend.prompt.document import Document
 

@@ -37,7 +37,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,9 +46,8 @@ from typing import Any
 import torch
 
 from blend.config import BlendConfig
-from blend.decode.decoder import Decoder, GenerationResult, Prefilled
-from blend.decode.sampling import SamplingParams
-from blend.kv.loader import LoadStalled
+from blend.decode.generation import Prefilled
+from blend.decode.result import GenerationResult
 from blend.kv.prefix import PrefixCache, intact_end
 from blend.model.cache import KVCache
 from blend.prompt.builder import Prompt, PromptBuilder
@@ -104,21 +103,6 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
-@dataclass(frozen=True)
-class RagTurn:
-    """How a turn with documents is laid out and prefilled (built by the engine).
-
-    `build` lays out the conversation with the documents before it; `prefill` fills a
-    cache of the given capacity for a prompt in the turn's mode; `exact` says whether
-    that mode's KV is exact (full, prefix) or blended (blend, reuse).
-    """
-
-    build: Callable[[Sequence[Message]], Prompt]
-    prefill: Callable[[Prompt, int], Prefilled]
-    exact: bool
-    documents: Sequence[Document | str] = ()  # what `build` places (their text counts toward the length)
-
-
 @dataclass
 class Session:
     session_id: str
@@ -130,11 +114,48 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)  # held for the whole turn
 
 
+@dataclass
+class Turn:
+    """One chat turn in flight, from `SessionManager.begin` to `finish` or `abort`: the session
+    is held (any other turn on it raises SessionBusy) and the prompt is laid out.
+
+    `prompt` is set when documents come with the turn (they are placed before the
+    conversation); `blended` says the documents' cached KV is blended in (mode blend or
+    reuse: the turn's KV is then not exact and never stored). The prefill fills in where the
+    KV came from: `stored_end` (the end of the prefix whose blocks are intact in the store)
+    and `exact`.
+    """
+
+    session: Session
+    messages: list[dict[str, str]]  # the history plus the new user message
+    ids: list[int]
+    prompt: Prompt | None
+    blended: bool
+    max_new_tokens: int
+    lock_fd: int | None
+    stored_end: int = 0
+    exact: bool = True
+    ended: bool = False
+
+    def device_prefix(self) -> int:
+        """Tokens of the turn the session's device-resident KV already holds."""
+        cache = self.session.cache
+        if cache is None:
+            return 0
+        return _common_prefix(self.session.cache_ids[: cache.length], self.ids, len(self.ids) - 1)
+
+    def blends(self) -> bool:
+        """Whether this turn's documents are blended in: documents in blend/reuse mode that are
+        not all on the device already."""
+        return self.prompt is not None and self.blended and self.device_prefix() < self.prompt.query.start
+
+
 class SessionManager:
     """The chat sessions of one engine. Thread-safe: turns on one session are exclusive."""
 
-    def __init__(self, config: BlendConfig, prefix: PrefixCache, decoder: Decoder, prompts: PromptBuilder):
-        self.config, self.prefix, self.decoder, self.prompts = config, prefix, decoder, prompts
+    def __init__(self, config: BlendConfig, prefix: PrefixCache, prompts: PromptBuilder, eos: Sequence[int]):
+        self.config, self.prefix, self.prompts, self.eos = config, prefix, prompts, tuple(eos)
+        self.runner = prefix.runner
         self.tier_names = [t.name for t in prefix.store.tiers]
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()  # guards `sessions`
@@ -196,23 +217,33 @@ class SessionManager:
                              "free space or fix the sessions directory (engine.sessions_dir); the turn is not "
                              "part of the conversation") from None
 
-    @contextmanager
-    def _exclusive(self, session: Session) -> Iterator[None]:
-        """Hold the session for a turn: its thread lock, and a file lock against other processes.
+    def _acquire(self, session: Session) -> int | None:
+        """Hold the session for a turn: its thread lock, and a file lock against other processes
+        (the descriptor returned; `_release` frees both, from any thread).
 
         Raises SessionBusy at once (never waits) if either is held elsewhere.
         """
         if not session.lock.acquire(blocking=False):
             raise SessionBusy(f"session {session.session_id!r} is already running a turn; wait for it to finish")
-        fd = None
         try:
-            if fcntl is not None:
-                fd = self._lock_file(session.session_id)
+            return self._lock_file(session.session_id) if fcntl is not None else None
+        except BaseException:
+            session.lock.release()
+            raise
+
+    @staticmethod
+    def _release(session: Session, fd: int | None) -> None:
+        if fd is not None:
+            os.close(fd)  # releases the flock
+        session.lock.release()
+
+    @contextmanager
+    def _exclusive(self, session: Session) -> Iterator[None]:
+        fd = self._acquire(session)
+        try:
             yield
         finally:
-            if fd is not None:
-                os.close(fd)  # releases the flock
-            session.lock.release()
+            self._release(session, fd)
 
     def _lock_file(self, session_id: str) -> int:
         """A descriptor holding the flock of `<id>.lock`. A lock file that another process's
@@ -322,16 +353,15 @@ class SessionManager:
         return offloaded
 
     # ------------------------------------------------------------------- turn
-    def turn(self, session_id: str, message: str, *, max_new_tokens: int | None = None,
-             sampling: SamplingParams | None = None, stop: Sequence[str] = (), system: str | None = None,
-             rag: RagTurn | None = None) -> GenerationResult:
-        """One user message -> the assistant's reply, appended to the session's history.
+    def begin(self, session_id: str, message: str, *, max_new_tokens: int | None = None, system: str | None = None,
+              documents: Sequence[Document | str] = (), blended: bool = False) -> Turn:
+        """Start one turn: hold the session, read its history, lay the prompt out (with
+        `documents` placed before the conversation; `blended`: their cached KV is blended in)
+        and check it fits. Every turn that begins ends with `finish` or `abort`.
 
         `system` is a system message put before the history for this turn (not stored in
-        it); `rag` places documents before the conversation. Side effects: the
-        conversation's new full blocks are queued for the store (exact KV only), the
-        history file is rewritten, the idle/budget policy runs. Raises SessionBusy if a
-        turn is already running on `session_id`, ValueError on bad input.
+        it). Raises SessionBusy if a turn is already running on `session_id`, ValueError on
+        bad input (the session is then released).
         """
         if not isinstance(message, str) or not message.strip():
             raise ValueError("empty message: pass some text")
@@ -345,122 +375,125 @@ class SessionManager:
         max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
             raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new!r}")
-        sampling = sampling or SamplingParams(cfg.temperature, cfg.top_p)
         session = self._get(session_id)
         self.enforce()
-        with self._exclusive(session):
-            try:
-                result = self._turn(session, message, max_new, sampling, tuple(stop), system, rag)
-            except BaseException:
-                session.cache = None  # may be partly overwritten by the failed prefill
-                raise
-        self.enforce()
-        return result
+        fd = self._acquire(session)
+        try:
+            return self._lay_out(session, message, max_new, system, tuple(documents), blended, fd)
+        except BaseException:
+            self._release(session, fd)
+            raise
 
-    def _turn(self, session: Session, message: str, max_new: int, sampling: SamplingParams, stop: tuple[str, ...],
-              system: str | None, rag: RagTurn | None) -> GenerationResult:
-        decoder = self.decoder
+    def _lay_out(self, session: Session, message: str, max_new: int, system: str | None,
+                 documents: tuple[Document | str, ...], blended: bool, fd: int | None) -> Turn:
         history = self._read_history(session.session_id)
         if history is not None:  # the file wins: another process may have advanced the conversation
             session.messages = history
         messages = session.messages + [{"role": "user", "content": message}]
         shown = ([{"role": "system", "content": system}] if system is not None else []) + messages
         shorten = ("the conversation is too long: drop the session (engine.drop) and start a new one"
-                   + (", or use fewer or shorter documents" if rag is not None else ""))
+                   + (", or use fewer or shorter documents" if documents else ""))
         try:  # before tokenizing: a history of megabytes would take minutes to be refused
-            self.prompts.check_text_fits([Message(m["role"], m["content"]) for m in shown],
-                                         rag.documents if rag is not None else (), decoder.runner.max_positions,
-                                         fix=shorten)
+            self.prompts.check_text_fits([Message(m["role"], m["content"]) for m in shown], documents,
+                                         self.runner.max_positions, fix=shorten)
         except ValueError as err:
             raise ValueError(f"session {session.session_id!r}: {err}") from None
-        if rag is not None:
-            prompt = rag.build([Message(m["role"], m["content"]) for m in shown])
+        if documents:
+            prompt = self.prompts.build(tuple(Message(m["role"], m["content"]) for m in shown), documents)
             ids = list(prompt.token_ids)
         else:
             prompt = None
-            ids = chat_ids(decoder.tokenizer, shown)
+            ids = chat_ids(self.prompts.tokenizer, shown)
         try:
-            decoder.runner.check_length(len(ids), max_new, shorten)
+            self.runner.check_length(len(ids), max_new, shorten)
         except ValueError as err:
             raise ValueError(f"session {session.session_id!r}: {err}") from None
-        stored_end = 0
-        exact = rag is None or rag.exact
+        return Turn(session, messages, ids, prompt, blended and bool(documents), max_new, fd,
+                    exact=not (blended and documents))
 
-        def prefill() -> Prefilled:
-            nonlocal stored_end, exact
-            capacity = len(ids) + max_new
-            if prompt is not None and not rag.exact and self._device_prefix(session, ids) < prompt.query.start:
-                exact = False  # the documents are not all on the device: blend them in
-                return rag.prefill(prompt, capacity)
-            pre, stored_end = self._prefill(session, ids, capacity=capacity)
-            if pre.stats.source == "device":
-                exact = exact and session.exact
-            return pre
-
-        pre, ttft, t0 = decoder.timed(prefill)
-        result = decoder.finish(pre, ttft, t0, max_new, sampling, stop=stop)
-        all_ids = ids + result.token_ids
-        if exact:
-            stored = self.prefix.store_blocks(all_ids, pre.cache, skip_below=stored_end, tail=True)
-            result.stats = result.stats.replace(stored_blocks=stored)
-        history = messages + [{"role": "assistant", "content": result.text}]
-        self._save(session.session_id, history)  # first: a turn that cannot be saved is not in the conversation
-        session.messages = history
-        session.cache, session.cache_ids, session.exact = pre.cache, all_ids, exact
-        session.last_used = time.monotonic()
-        return result
-
-    def _device_prefix(self, session: Session, ids: list[int]) -> int:
-        """Tokens of `ids` the session's device-resident KV already holds."""
-        if session.cache is None:
-            return 0
-        return _common_prefix(session.cache_ids[: session.cache.length], ids, len(ids) - 1)
-
-    def _prefill(self, session: Session, ids: list[int], capacity: int) -> tuple[Prefilled, int]:
-        """Reuse the device copy, else the stored prefix chain; compute the rest. The cache
-        holds `capacity` positions, so decoding does not reallocate it.
-
-        Returns the prefill and the end of the prefix whose blocks are intact in the store.
-        """
-        runner = self.decoder.runner
+    def prefill(self, turn: Turn, capacity: int) -> Prefilled:
+        """The exact prefill of a turn: reuse the device copy, else the stored prefix chain;
+        compute the rest. The cache holds `capacity` positions. Sets `turn.stored_end` (the
+        end of the prefix whose blocks are intact in the store) and `turn.exact`. Raises
+        LoadStalled when a tier was too slow (the caller computes the turn whole)."""
+        session, ids = turn.session, turn.ids
+        runner = self.runner
         limit = len(ids) - 1  # at least the last token is computed: its logits start decoding
         t0 = time.perf_counter()
 
         def stats(source: str, loaded: int, **fields: Any) -> RequestStats:
-            return RequestStats(mode="chat", recompute_ratio=0.0, context_tokens=len(ids), query_tokens=0,
-                                loaded_tokens=loaded, recomputed_tokens=len(ids) - loaded, source=source,
-                                prefill_s=time.perf_counter() - t0, **fields)
+            return turn_stats(ids, source, loaded, prefill_s=time.perf_counter() - t0, **fields)
 
         if session.cache is not None:
             common = _common_prefix(session.cache_ids[: session.cache.length], ids, limit)
             if common > 0:
                 cache = session.cache
+                session.cache = None  # in use by this turn: a failed turn leaves none behind
                 cache.ensure_capacity(capacity)
                 logits = runner.prefill(torch.tensor(ids[common:]), cache, start=common)[0]
                 # the blocks below were stored by the turn that filled the device copy
-                return Prefilled(logits, cache, stats("device", common)), _block_floor(common, self.prefix.block_tokens)
+                turn.stored_end = _block_floor(common, self.prefix.block_tokens)
+                turn.exact = turn.exact and session.exact
+                return Prefilled(logits, cache, stats("device", common), tuple(ids))
         # the previous turn's tail block ends where its generation stopped: at (or just
         # before) the end-of-turn token that now closes the assistant message
-        ends = [i for i, t in enumerate(ids) if t in self.decoder.eos_ids]
+        ends = [i for i, t in enumerate(ids) if t in self.eos]
         tails = sorted({e for i in ends[-2:] for e in (i, i - 1)}, reverse=True)
         chain = self.prefix.lookup(ids, limit, tail_ends=tails)
         tally = LookupTally(self.tier_names)
         for pl in chain:
             tally.hit_from("prefix_blocks", pl.source)
         cache = runner.new_cache(capacity)
-        try:
-            logits, load = self.prefix.prefill(ids, chain, cache)
-        except LoadStalled as err:  # a tier too slow to wait for (now suspended): computed whole
-            cache = runner.new_cache(capacity)
-            logits = runner.prefill(torch.tensor(ids), cache)[0]
-            return Prefilled(logits, cache, stats("computed", 0, stalled_tiers=err.tiers, **tally_fields(tally))), 0
+        logits, load = self.prefix.prefill(ids, chain, cache)
         # a block whose stored layers were unreadable was recomputed by the loader (exactly,
         # with all tokens before it as context) and deleted by its tier: count it as
         # computed and store it again
-        loaded = sum(pl.length for pl in chain if pl.entry is None)
-        pre = Prefilled(logits, cache, stats("store" if loaded else "computed", loaded, load=load,
-                                             **tally_fields(tally)))
-        return pre, intact_end(chain)
+        rebuilt = set(load.recomputed_starts)
+        loaded = sum(pl.length for pl in chain if pl.entry is None and pl.start not in rebuilt)
+        turn.stored_end = intact_end(chain, load)
+        return Prefilled(logits, cache, stats("store" if loaded else "computed", loaded, load=load,
+                                              **tally_fields(tally)), tuple(ids))
+
+    def finish(self, turn: Turn, result: GenerationResult, cache: KVCache) -> None:
+        """End a turn that generated `result` from `cache`: queue its exact blocks, save the
+        history (first: a turn that cannot be saved is not in the conversation), keep the KV
+        on the device for the next turn, release the session, run the offload policy."""
+        if turn.ended:
+            return
+        session = turn.session
+        try:
+            all_ids = turn.ids + result.token_ids
+            if turn.exact:
+                stored = self.prefix.store_blocks(all_ids, cache, skip_below=turn.stored_end, tail=True)
+                result.stats = result.stats.replace(stored_blocks=stored)
+            history = turn.messages + [{"role": "assistant", "content": result.text}]
+            self._save(session.session_id, history)
+            session.messages = history
+            session.cache, session.cache_ids, session.exact = cache, all_ids, turn.exact
+            session.last_used = time.monotonic()
+        except BaseException:
+            session.cache = None
+            raise
+        finally:
+            turn.ended = True
+            self._release(session, turn.lock_fd)
+        self.enforce()
+
+    def abort(self, turn: Turn) -> None:
+        """End a turn that failed or was cancelled: its device KV is dropped (it may be partly
+        overwritten), the history is unchanged, the session released."""
+        if turn.ended:
+            return
+        turn.ended = True
+        turn.session.cache = None
+        self._release(turn.session, turn.lock_fd)
+        self.enforce()
+
+
+def turn_stats(ids: Sequence[int], source: str, loaded: int, **fields: Any) -> RequestStats:
+    """The statistics of a chat turn's prefill (mode `chat`)."""
+    return RequestStats(mode="chat", recompute_ratio=0.0, context_tokens=len(ids), query_tokens=0,
+                        loaded_tokens=loaded, recomputed_tokens=len(ids) - loaded, source=source, **fields)
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

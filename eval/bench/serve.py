@@ -1,5 +1,10 @@
 """`kvblend bench serve`: RAG requests through the real HTTP server at several levels of
-concurrency, and the server's TTFT against the in-process API's.
+concurrency and scheduler settings, and the server's TTFT against the in-process API's.
+
+With `max_num_seqs` (e.g. 1,8) the same requests run under each setting in one run, one
+server per setting (`kvblend serve --max-num-seqs N`); every level's row names its
+setting, the decode steps' mean batch size and the preemptions the server counted during
+that level (its /metrics, read before and after).
 
 Method: a `kvblend serve` process is started on a free loopback port (or `--url` names a
 running one) and the fixed document pool (the shipped sample documents, optionally cut
@@ -78,12 +83,18 @@ class Level:
     clients: int
     samples: list[Sample] = field(default_factory=list)
     wall_s: float = 0.0
+    max_num_seqs: int | None = None  # the server's setting
+    scheduler: dict[str, float] = field(default_factory=dict)  # the server's counters over this level
 
     def summary(self) -> dict[str, Any]:
         ok = [s for s in self.samples if s.ok]
         hits, misses = sum(s.hits for s in ok), sum(s.misses for s in ok)
         tokens = sum(s.tokens for s in ok)
+        steps = self.scheduler.get("decode_steps", 0.0)
         return {
+            "max_num_seqs": self.max_num_seqs,
+            "mean_batch_size": round(self.scheduler["batch_sum"] / steps, 3) if steps else None,
+            "preemptions": int(self.scheduler["preemptions"]) if "preemptions" in self.scheduler else None,
             "clients": self.clients, "requests": len(self.samples), "ok": len(ok),
             "lost": len(self.samples) - len(ok), "errors": sorted({s.error for s in self.samples if not s.ok}),
             "wall_s": round(self.wall_s, 3),
@@ -123,7 +134,7 @@ def document_pool(size: int | None, doc_chars: int | None) -> list[dict[str, str
 class ServerProcess:
     """A `kvblend serve` process on a free loopback port (SIGTERM on close)."""
 
-    def __init__(self, config: str | None, queue_size: int, log_path: Path):
+    def __init__(self, config: str | None, queue_size: int, log_path: Path, max_num_seqs: int | None = None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -134,7 +145,8 @@ class ServerProcess:
         with_config = ["--config", str(config)] if config is not None else []  # None: serve's own default
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from blend.cli import main; raise SystemExit(main())", "serve", *with_config,
-             "--port", str(port), "--queue-size", str(queue_size), "--served-model-name", "bench"],
+             "--port", str(port), "--queue-size", str(queue_size), "--served-model-name", "bench",
+             *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs is not None else [])],
             stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 600
         while True:
@@ -194,6 +206,31 @@ def send(http: httpx.Client, url: str, req: BenchRequest, max_tokens: int, kvble
                   hits=int(stats["documents"]["hits"]), misses=int(stats["documents"]["misses"]))
 
 
+def scheduler_counters(http: httpx.Client, base: str) -> dict[str, float]:
+    """The server's scheduler counters from its /metrics: decode steps, the sum of their batch
+    sizes, preemptions (empty when the server has none of them)."""
+    try:
+        text = http.get(base + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    wanted = {"kvblend_decode_batch_size_count": "decode_steps", "kvblend_decode_batch_size_sum": "batch_sum",
+              "kvblend_preemptions_total": "preemptions"}
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            found[wanted[name]] = float(value)
+    return found
+
+
+def server_setting(http: httpx.Client, base: str) -> int | None:
+    """The running server's max_num_seqs (from /health), or None."""
+    try:
+        return http.get(base + "/health", timeout=30).json().get("max_num_seqs")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+
+
 def run_level(url: str, clients: int, requests: list[BenchRequest], max_tokens: int, kvblend: dict[str, Any],
               after_each: Callable[[int, BenchRequest], None] | None = None, model: str | None = None) -> Level:
     """`clients` threads share `requests` (each sends its next one when the previous is answered)."""
@@ -226,7 +263,7 @@ def run_level(url: str, clients: int, requests: list[BenchRequest], max_tokens: 
 
 def in_process_ttft(engine, req: BenchRequest, max_tokens: int, kvblend: dict[str, Any]) -> float:
     """Call -> first non-empty TextDelta of `engine.generate_stream` (the API's TTFT)."""
-    from blend.decode.decoder import TextDelta
+    from blend.decode.result import TextDelta
     from blend.prompt.document import Document
 
     docs = [Document(d["text"], id=d.get("id"), title=d.get("title")) for d in req.documents]
@@ -271,27 +308,20 @@ def server_model(http: httpx.Client, base: str) -> str:
 
 def run_serve_bench(config: str | None, *, clients: list[int], requests: int, pool_size: int | None, docs_per_request: int,
                     max_tokens: int, doc_chars: int | None, mode: str, ratio: float | None, url: str | None = None,
-                    compare: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+                    compare: bool = True, max_num_seqs: Sequence[int | None] = (None,),
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """The benchmark; returns the summary (see the module docstring)."""
     watch = LoadWatch.begin()
     steady = Steadiness.begin()  # before the server starts: its threads would share the cores
     pool = document_pool(pool_size, doc_chars)
     reqs = bench_requests(requests, pool, docs_per_request)
     kvblend: dict[str, Any] = {"mode": mode} | ({"recompute_ratio": ratio} if ratio is not None else {})
-    server = None if url else ServerProcess(config, queue_size=max(clients) * 2,
-                                            log_path=Path(tempfile.mkdtemp(prefix="kvblend-bench-serve-")) / "server.log")
-    base = url or server.url
-    engine, model = None, None
+    settings = [None] if url else list(dict.fromkeys(max_num_seqs)) or [None]
+    levels: list[dict[str, Any]] = []
+    comparison = None
+    model = None
+    engine = None
     try:
-        with httpx.Client(timeout=600) as http:
-            model = server_model(http, base)
-            ingested = http.post(base + "/v1/documents", json={"documents": pool})
-            ingested.raise_for_status()
-            cached = sum(d["cached"] for d in ingested.json()["data"])
-            log(f"pool: {len(pool)} documents ingested ({cached} already cached); server {base}")
-            for req in reqs[:2]:  # warm the request path (the server warmed its engine at start)
-                send(http, base, req, max_tokens, kvblend, model)
-        comparison = None
         if compare and 1 in clients:
             from blend.engine.engine import BlendEngine
             from blend.prompt.document import Document
@@ -301,40 +331,63 @@ def run_serve_bench(config: str | None, *, clients: list[int], requests: int, po
             engine.ingest([Document(d["text"], id=d["id"]) for d in pool])
             for req in reqs[:2]:
                 in_process_ttft(engine, req, max_tokens, kvblend)
-        levels = []
-        local: list[float] = []
-        for n in clients:
-            after = None
-            if n == 1 and engine is not None:
-                def after(_i: int, req: BenchRequest) -> None:
-                    local.append(in_process_ttft(engine, req, max_tokens, kvblend))
-            level = run_level(base, n, reqs, max_tokens, kvblend, after_each=after, model=model)
-            if after is not None:  # the in-process runs took turns with the HTTP ones: not in the wall time
-                level.wall_s = sum(s.e2e_s for s in level.samples)
-            summary = level.summary()
-            levels.append(summary)
-            log(f"{n:>3} clients: {summary['ok']}/{summary['requests']} ok, {summary['requests_per_s']} req/s, "
-                f"TTFT p50 {summary['ttft_p50_s']} s p99 {summary['ttft_p99_s']} s, {summary['tokens_per_s']} tok/s, "
-                f"hit rate {summary['hit_rate']}")
-            if local and comparison is None and summary["ttft_p50_s"] is not None:
-                # at 1 client the samples and the in-process runs alternate: the k-th of each is one request
-                pairs = [(s.ttft_s, t) for s, t in zip(level.samples, local, strict=False) if s.ok]
-                comparison = compare_ttft(summary["ttft_p50_s"], local, pairs)
-                log(f"  1 client: server TTFT p50 {comparison['server_ttft_p50_s']} s vs in-process "
-                    f"{comparison['in_process_ttft_p50_s']} s (target <= {comparison['target_s']} s: "
-                    f"{'met' if comparison['within_target'] else 'missed'})")
+        for setting in settings:
+            server = None if url else ServerProcess(
+                config, queue_size=max(clients) * 2, max_num_seqs=setting,
+                log_path=Path(tempfile.mkdtemp(prefix="kvblend-bench-serve-")) / "server.log")
+            base = url or server.url
+            try:
+                with httpx.Client(timeout=600) as http:
+                    model = server_model(http, base)
+                    setting = server_setting(http, base) if setting is None else setting
+                    ingested = http.post(base + "/v1/documents", json={"documents": pool})
+                    ingested.raise_for_status()
+                    cached = sum(d["cached"] for d in ingested.json()["data"])
+                    log(f"pool: {len(pool)} documents ingested ({cached} already cached); server {base}, "
+                        f"max_num_seqs {setting}")
+                    for req in reqs[:2]:  # warm the request path (the server warmed its engine at start)
+                        send(http, base, req, max_tokens, kvblend, model)
+                    for n in clients:
+                        local: list[float] = []
+                        after = None
+                        if n == 1 and engine is not None and comparison is None:
+                            def after(_i: int, req: BenchRequest, local: list[float] = local) -> None:
+                                local.append(in_process_ttft(engine, req, max_tokens, kvblend))
+                        before = scheduler_counters(http, base)
+                        level = run_level(base, n, reqs, max_tokens, kvblend, after_each=after, model=model)
+                        after_counts = scheduler_counters(http, base)
+                        level.max_num_seqs = setting
+                        level.scheduler = {k: after_counts[k] - before.get(k, 0.0) for k in after_counts}
+                        if after is not None:  # the in-process runs took turns with the HTTP ones: not in the wall time
+                            level.wall_s = sum(s.e2e_s for s in level.samples)
+                        summary = level.summary()
+                        levels.append(summary)
+                        log(f"max_num_seqs {setting}, {n:>3} clients: {summary['ok']}/{summary['requests']} ok, "
+                            f"{summary['requests_per_s']} req/s, TTFT p50 {summary['ttft_p50_s']} s p99 "
+                            f"{summary['ttft_p99_s']} s, {summary['tokens_per_s']} tok/s, mean batch "
+                            f"{summary['mean_batch_size']}, preemptions {summary['preemptions']}, "
+                            f"hit rate {summary['hit_rate']}")
+                        if local and summary["ttft_p50_s"] is not None:
+                            # at 1 client the samples and the in-process runs alternate: the k-th of each is one request
+                            pairs = [(s.ttft_s, t) for s, t in zip(level.samples, local, strict=False) if s.ok]
+                            comparison = compare_ttft(summary["ttft_p50_s"], local, pairs) | {"max_num_seqs": setting}
+                            log(f"  1 client: server TTFT p50 {comparison['server_ttft_p50_s']} s vs in-process "
+                                f"{comparison['in_process_ttft_p50_s']} s (target <= {comparison['target_s']} s: "
+                                f"{'met' if comparison['within_target'] else 'missed'})")
+            finally:
+                if server is not None:
+                    server.close()
     finally:
         if engine is not None:
             engine.close()
-        if server is not None:
-            server.close()
     import torch
 
-    summary = {"config": config, "url": None if server else base, "model": model, "mode": mode,
+    summary = {"config": config, "url": url, "model": model, "mode": mode,
                "recompute_ratio": ratio, "pool": len(pool), "docs_per_request": docs_per_request,
                "doc_chars": doc_chars, "requests_per_level": requests, "max_tokens": max_tokens,
-               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "levels": levels, "in_process": comparison}
+               "max_num_seqs": settings, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "levels": levels, "in_process": comparison,
+               "speedups": setting_ratios(levels)}
     # its own work fills every core (server, then in-process engine): only more than that is contention
     summary.update(watch.finish("serve benchmark", own_threads=cpu_cores()))
     spreads = {}
@@ -343,6 +396,27 @@ def run_serve_bench(config: str | None, *, clients: list[int], requests: int, po
         spreads["HTTP / in-process TTFT of one request (1 client)"] = (r["median"], r["min"], r["max"])
     summary.update(steady.finish(spreads, "serve benchmark"))
     return summary
+
+
+def setting_ratios(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per number of clients, each setting's tokens/s and TTFT p50 as ratios to the smallest
+    setting's (the same requests in the same run)."""
+    out = []
+    for n in dict.fromkeys(lv["clients"] for lv in levels):
+        rows = sorted((lv for lv in levels if lv["clients"] == n and lv["max_num_seqs"] is not None),
+                      key=lambda lv: lv["max_num_seqs"])
+        if len(rows) < 2:
+            continue
+        base = rows[0]
+        for row in rows[1:]:
+            out.append({"clients": n, "max_num_seqs": row["max_num_seqs"], "versus": base["max_num_seqs"],
+                        "tokens_per_s_ratio": _ratio(row["tokens_per_s"], base["tokens_per_s"]),
+                        "ttft_p50_ratio": _ratio(row["ttft_p50_s"], base["ttft_p50_s"])})
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
 
 
 def write_report(summary: dict[str, Any], out: Path) -> None:
@@ -355,10 +429,15 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_file(out / SERVE_JSON, json.dumps(summary, indent=2))
     levels = [lv for lv in summary["levels"] if lv["ok"]]
-    xs = [lv["clients"] for lv in levels]
+    xs = sorted({lv["clients"] for lv in levels})
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(xs, [lv["ttft_p50_s"] for lv in levels], marker="o", label="TTFT p50")
-    left.plot(xs, [lv["ttft_p99_s"] for lv in levels], marker="o", label="TTFT p99")
+    for setting in dict.fromkeys(lv.get("max_num_seqs") for lv in levels):
+        rows = sorted((lv for lv in levels if lv.get("max_num_seqs") == setting), key=lambda lv: lv["clients"])
+        label = f"max_num_seqs {setting}" if setting is not None else "server"
+        cx = [lv["clients"] for lv in rows]
+        left.plot(cx, [lv["ttft_p50_s"] for lv in rows], marker="o", label=f"{label}: p50")
+        left.plot(cx, [lv["ttft_p99_s"] for lv in rows], marker="x", linestyle="--", label=f"{label}: p99")
+        right.plot(cx, [lv["tokens_per_s"] for lv in rows], marker="o", label=label)
     if summary.get("in_process"):
         left.axhline(summary["in_process"]["in_process_ttft_p50_s"], color="black", linestyle=":",
                      label="in-process p50 (1 client)")
@@ -367,13 +446,13 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     left.set_xlabel("concurrent clients")
     left.set_ylabel("seconds")
     left.set_title("time to first token (client)")
-    left.legend()
-    right.plot(xs, [lv["requests_per_s"] for lv in levels], marker="o", color="tab:green")
+    left.legend(fontsize=7)
     right.set_xscale("log", base=2)
     right.set_ylim(bottom=0)
     right.set_xlabel("concurrent clients")
-    right.set_ylabel("requests / s")
-    right.set_title(f"throughput ({summary['mode']}, batch size 1)")
+    right.set_ylabel("output tokens / s")
+    right.set_title(f"throughput ({summary['mode']})")
+    right.legend(fontsize=7)
     for ax in (left, right):
         ax.set_xticks(xs, [str(x) for x in xs])
     fig.tight_layout()

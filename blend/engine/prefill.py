@@ -1,0 +1,221 @@
+"""One request's prefill, in typed stages, as steps the scheduler runs.
+
+    request -> `PromptWork` (the prompt, its block keys, mode, ratio) or a chat `Turn`
+            -> `DocumentCache.lookup`: where each cached segment is (`Resolution`)
+            -> the documents that missed, computed one forward pass per step
+               (`compute_misses`: running sequences decode between the passes)
+            -> placements -> the split (what to compute instead of load) -> the recompute plan
+            -> one step that runs the layers (loading beside them) -> `Prefilled`
+
+`Prefiller.steps(work)` is a generator: each `next()` is one bounded unit of compute and
+the last one returns the `Prefilled`. Every mode ends in one executor path per kind of
+plan (full, prefix, blend/reuse, a chat turn's exact KV); a load that stalls (a tier too
+slow to wait for, now suspended) falls back here, in one place, to a full prefill of the
+same tokens. Teacher forcing (`answer`, `follow`, used by eval) runs right after the
+prefill, before any decode step touches the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+
+from blend.config import BlendConfig, Selection
+from blend.decode.forcing import answer_nll, forced_logprobs
+from blend.decode.generation import Prefilled
+from blend.kv.documents import Block, DocumentCache
+from blend.kv.loader import LayerLoader, LoadStalled
+from blend.kv.prefix import PrefixCache
+from blend.model.runner import Runner
+from blend.planning.split import Splitter
+from blend.prompt.builder import Prompt
+from blend.recompute.layers import run_layers
+from blend.recompute.plan import plan_recompute
+from blend.recompute.stale import shift_applies
+from blend.session.manager import SessionManager, Turn, turn_stats
+from blend.stats import LookupTally, RequestStats, tally_fields
+from storage.stack import TieredStore
+
+
+@dataclass(frozen=True)
+class PromptWork:
+    """A `generate` request's prefill: the prompt laid out, its blocks (keys hashed once),
+    the mode, and what to teacher-force after it."""
+
+    prompt: Prompt
+    blocks: dict[int, list[Block]]  # per cacheable segment index (DocumentCache.segment_blocks)
+    mode: str
+    ratio: float
+    selection: str | None
+    capacity: int  # cache positions allocated up front
+    answer: str | None = None
+    follow: tuple[int, ...] | None = None
+
+
+@dataclass
+class ForcedOutputs:
+    """What teacher forcing after the prefill gave (set by `Prefiller.steps`)."""
+
+    answer_nll: float | None = None
+    follow_logprobs: torch.Tensor | None = None
+
+
+class Prefiller:
+    """Runs prefills for one engine: its runner, document and prefix caches, split, sessions."""
+
+    def __init__(self, config: BlendConfig, runner: Runner, store: TieredStore, documents: DocumentCache,
+                 prefixes: PrefixCache, splitter: Splitter, sessions: SessionManager, tokenizer,
+                 stall_s: float | None):
+        self.config, self.runner, self.store = config, runner, store
+        self.documents, self.prefixes, self.splitter, self.sessions = documents, prefixes, splitter, sessions
+        self.tokenizer, self.stall_s = tokenizer, stall_s
+        self.tier_names = [t.name for t in store.tiers]
+        self._warm = False  # set after the first prefill (not a cost sample: see `_observe`)
+
+    # ------------------------------------------------------------- entry points
+    def steps(self, work: PromptWork, forced: ForcedOutputs | None = None) -> Generator[None, None, Prefilled]:
+        """The prefill of a `generate` request, step by step (see the module docstring)."""
+        prompt, mode = work.prompt, work.mode
+        capacity = max(work.capacity, len(prompt))
+        if mode == "full":
+            pre = yield from self._timed(lambda: self._full(prompt.token_ids, capacity, self._stats(prompt, "full")))
+        elif mode == "prefix":
+            pre = yield from self._timed(lambda: self._prefix(prompt, capacity), fallback=(prompt, capacity))
+        else:
+            ratio = 0.0 if mode == "reuse" else work.ratio
+            selection = self.config.selection.with_policy(work.selection)
+            pre = yield from self._blend_steps(prompt, work.blocks, ratio, capacity, mode, selection)
+        if forced is not None and (work.answer is not None or work.follow):
+            if work.answer is not None:
+                forced.answer_nll = answer_nll(self.runner, self.tokenizer, pre.cache, pre.logits, work.answer)
+                pre.stats = pre.stats.replace(answer_nll=forced.answer_nll)
+            if work.follow:
+                forced.follow_logprobs = forced_logprobs(self.runner, pre.cache, pre.logits, work.follow).cpu()
+        return pre
+
+    def turn_steps(self, turn: Turn, work: PromptWork | None) -> Generator[None, None, Prefilled]:
+        """A chat turn's prefill: its documents blended in (`work`, when the turn blends and
+        they are not all on the device), else its exact KV (device copy, stored prefix chain,
+        the rest computed: `SessionManager.prefill`)."""
+        capacity = len(turn.ids) + turn.max_new_tokens
+        if work is not None and turn.blends():
+            turn.exact = False  # the documents are not all on the device: blend them in
+            return (yield from self.steps(work))
+        fallback_stats = turn_stats(turn.ids, "computed", 0)
+        return (yield from self._timed(lambda: self.sessions.prefill(turn, capacity),
+                                       fallback=(turn.ids, capacity, fallback_stats)))
+
+    # ------------------------------------------------------------------ stages
+    def _blend_steps(self, prompt: Prompt, blocks: dict[int, list[Block]] | None, ratio: float, capacity: int,
+                     mode: str, selection: Selection) -> Generator[None, None, Prefilled]:
+        tally = LookupTally(self.tier_names)
+        cached = [i for i, s in enumerate(prompt.segments) if s.kind != "query"]
+        resolution = self.documents.lookup(prompt, cached, blocks)
+        if resolution.misses:  # computed as their own steps, not inside the timed prefill
+            yield from self.documents.compute_misses(resolution)
+            yield
+        placements = self.documents.placements(resolution, tally)
+        return (yield from self._timed(lambda: self._blend(prompt, placements, tally, ratio, capacity, mode, selection),
+                                       fallback=(prompt, capacity)))
+
+    def _timed(self, run, fallback: tuple | None = None) -> Generator[None, None, Prefilled]:
+        """One step: `run()` timed to its logits (CUDA synchronised); a `LoadStalled` becomes a
+        full prefill of the same tokens (`fallback`: (prompt, capacity) or (ids, capacity,
+        stats)). Feeds the split's cost model."""
+        tuned = len(self.runner.tuner.tunings)
+        t0 = time.perf_counter()
+        try:
+            pre = run()
+        except LoadStalled as err:
+            if fallback is None:
+                raise
+            if isinstance(fallback[0], Prompt):
+                prompt, capacity = fallback
+                ids, stats = prompt.token_ids, self._stats(prompt, "full")
+            else:
+                ids, capacity, stats = fallback
+            pre = self._full(ids, capacity, stats)
+            pre.stats = pre.stats.replace(stalled_tiers=err.tiers)
+        if pre.logits.device.type == "cuda":  # timed to the logits, as TTFT is
+            torch.cuda.synchronize(pre.logits.device)
+        pre.stats = pre.stats.replace(prefill_s=time.perf_counter() - t0)
+        self._observe(pre, tuned)
+        return pre
+        yield  # a generator: one step
+
+    def _observe(self, pre: Prefilled, tuned: int) -> None:
+        # the engine's first prefill pays one-time costs (kernel selection, allocator, lazy
+        # init: often several times slower), and a request that timed attention kernels
+        # measured them: neither is a sample of the model's speed
+        if self._warm and len(self.runner.tuner.tunings) == tuned and pre.stats.mode != "chat":
+            self.splitter.observe(pre.stats, self.runner.num_layers)
+        self._warm = True
+
+    def _stats(self, prompt: Prompt, mode: str, ratio: float = 1.0, **fields) -> RequestStats:
+        context = prompt.query.start
+        fields.setdefault("loaded_tokens", 0)
+        fields.setdefault("recomputed_tokens", context)
+        return RequestStats(mode=mode, recompute_ratio=ratio, context_tokens=context,
+                            query_tokens=len(prompt) - context, **fields)
+
+    def _full(self, token_ids, capacity: int, stats: RequestStats) -> Prefilled:
+        """Every token computed: the reference, and every fallback."""
+        ids = tuple(token_ids)
+        cache = self.runner.new_cache(max(capacity, len(ids)))
+        logits = self.runner.prefill(torch.tensor(ids), cache)[0]
+        stats = stats.replace(loaded_tokens=0, recomputed_tokens=stats.context_tokens)
+        return Prefilled(logits, cache, stats, ids)
+
+    def _blend(self, prompt: Prompt, placements, tally: LookupTally, ratio: float, capacity: int, mode: str,
+               sel: Selection) -> Prefilled:
+        runner = self.runner
+        # the load-or-compute split (blend.split) may compute a prefix instead of loading it
+        split = self.splitter.plan(prompt, placements, ratio, sel, runner.num_layers)
+        plan = plan_recompute(prompt, ratio, sel.check_layers, sel.filter_schedule, runner.num_layers,
+                              policy=sel.policy, placements=placements, sink_tokens=sel.sink_tokens,
+                              query_layers=sel.query_layers, query_pool=sel.query_pool,
+                              fresh=split.computed_tokens)
+        cache = runner.new_cache(capacity)
+        cache.length = plan.n
+        with LayerLoader(self.store, runner, cache, split.loaded, range(plan.load_from, runner.num_layers),
+                         self.config.prefetch_depth, stall_s=self.stall_s) as loader:
+            logits, chosen = run_layers(runner, cache, torch.tensor(prompt.token_ids), plan, loader,
+                                        policy=sel.policy, deviation_kind=sel.deviation, stale_bias=sel.stale_bias,
+                                        stale_shift=shift_applies(sel.stale_shift, sel.policy))
+        stats = self._stats(prompt, mode, ratio, loaded_tokens=0 if plan.full else int(plan.ctx_rows.numel()),
+                            recomputed_tokens=chosen.recomputed_tokens + split.computed_tokens, load=loader.report(),
+                            selection=chosen, split=split.report, **tally_fields(tally))
+        return Prefilled(logits, cache, stats, tuple(prompt.token_ids))
+
+    def _prefix(self, prompt: Prompt, capacity: int) -> Prefilled:
+        """The longest exactly cached prefix: prefix blocks of this very prompt, or the
+        cached segments that are exact at their position (the system part, and the first
+        document when documents are computed after it)."""
+        ids = prompt.token_ids
+        limit = len(ids) - 1  # at least the last token is computed
+        tally = LookupTally(self.tier_names)
+        chain = self.prefixes.lookup(ids, limit)
+        chain_len = sum(pl.length for pl in chain)
+        exact = [prompt.prefix]
+        if self.config.chunk_context == "system" and len(prompt.segments) > 2 and prompt.segments[1].kind == "document":
+            exact.append(prompt.segments[1])
+        exact_len = exact[-1].end if exact[-1].end <= limit else 0
+        if exact_len > chain_len:
+            chain = self.documents.resolve(prompt, [s for s in exact if s.end <= limit], tally)
+        else:
+            for pl in chain:
+                tally.hit_from("prefix_blocks", pl.source)
+        cache = self.runner.new_cache(capacity)
+        # the load-or-compute split (blend.split) may compute the chain's first blocks instead
+        split = self.splitter.plan_prefix(len(ids), chain, self.runner.num_layers)
+        logits, load = self.prefixes.prefill(ids, chain, cache, computed=split.computed_tokens)
+        end = max((pl.start + pl.length for pl in chain), default=0)
+        loaded = end - split.computed_tokens
+        stored = self.prefixes.store_blocks(ids, cache, skip_below=chain_len)
+        stats = self._stats(prompt, "prefix", 0.0, loaded_tokens=loaded,
+                            recomputed_tokens=max(0, prompt.query.start - loaded), load=load, stored_blocks=stored,
+                            split=split.report, **tally_fields(tally))
+        return Prefilled(logits, cache, stats, tuple(ids))

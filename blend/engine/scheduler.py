@@ -1,0 +1,451 @@
+"""The scheduler: one thread that owns the model and runs every request on it.
+
+It keeps a FIFO of waiting items (generations and tasks) and a running set of sequences
+that are decoding. Each step of its loop does one of two things:
+
+    one prefill step   the item at the head of the queue is admitted (a sequence: while the
+                       running set is below `max_num_seqs` and its KV fits `max_active_kv`;
+                       a task: always) and runs one bounded unit of its prefill (a document
+                       miss's forward pass, or the whole layer loop of a full / prefix /
+                       reuse / blend prefill, as blend.engine.prefill plans it); when its
+                       prefill ends, a sequence samples its first token and joins the batch
+    one decode step    every running sequence advances one token: the linear layers run
+                       once over the batch's newest tokens, attention per sequence over its
+                       own KV (`Runner.decode_step`); each samples with its own parameters
+
+Running sequences are never starved: between two decode steps at most
+`prefills_between_decodes` prefill steps run (1 by default). A cancelled or timed-out item
+leaves at the next step (a waiting one is dropped, a running one frees its slot); one that
+ends (end of sequence, a stop string, max tokens) frees its slot at once.
+
+Memory: a sequence's cache is allocated for its prompt and the first `DECODE_RESERVE` new
+tokens and grows as it decodes. When growing would take the running set's KV past
+`max_active_kv`, the newest running sequence is preempted: its KV is parked in the tiers
+(blend.kv.offload, the prefix-block machinery) and it goes back to the head of the queue;
+when it is admitted again its KV is read back (or, if the tiers lost it, recomputed) and it
+continues where it stopped, with the same output.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+
+import torch
+
+from blend.engine.sequence import Finished, Sequence, Status, Task
+from blend.kv.offload import KVParking
+from blend.model.runner import Runner
+
+log = logging.getLogger(__name__)
+DECODE_RESERVE = 64  # new tokens a sequence's cache holds room for when its prefill allocates it
+GROW_MIN = 64  # a cache that fills up grows by at least this many positions (or a quarter of itself)
+
+
+class QueueFull(RuntimeError):
+    """The scheduler's waiting queue is full; retry after `retry_after_s` seconds."""
+
+    def __init__(self, retry_after_s: int):
+        super().__init__(f"the server is busy (request queue full); retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler shares the model (blend.config: engine.max_num_seqs, max_active_kv)."""
+
+    max_num_seqs: int = 8  # sequences decoding together at most
+    max_active_kv: int = 1 << 30  # bytes of KV the running sequences may hold allocated
+    max_waiting: int = 1 << 20  # items that may wait; more are refused (QueueFull)
+    prefills_between_decodes: int = 1  # prefill steps allowed between two decode steps
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_active_kv", "max_waiting", "prefills_between_decodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+@dataclass
+class SchedulerMetrics:
+    """Counters of one scheduler (written by its thread only; read by anyone)."""
+
+    decode_steps: int = 0
+    batch_sizes: collections.Counter = field(default_factory=collections.Counter)  # decode steps per batch size
+    generated_tokens: int = 0
+    prefill_steps: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    preemptions: int = 0
+    resumes: int = 0
+    resumes_recomputed: int = 0  # resumes whose parked KV was gone from the tiers
+    resume_s: float = 0.0
+    peak_active_kv: int = 0  # the most KV bytes the running set held at once
+    _recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096), repr=False)
+
+    def tokens_per_s(self, window_s: float = 10.0) -> float:
+        """Output tokens per second over the last `window_s` seconds."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._recent) if now - t <= window_s]
+        return sum(n for _, n in recent) / window_s if recent else 0.0
+
+    def mean_batch_size(self) -> float:
+        steps = sum(self.batch_sizes.values())
+        return sum(size * n for size, n in self.batch_sizes.items()) / steps if steps else 0.0
+
+
+class Scheduler:
+    """Owns the model through `runner`; runs submitted `Sequence`s and `Task`s (see the module
+    docstring). Thread-safe: `submit`, `stop` and the properties may be called from any thread."""
+
+    def __init__(self, runner: Runner, parking: KVParking, config: SchedulerConfig, *,
+                 kv_bytes_per_token: int, name: str = "kvblend-scheduler"):
+        self.runner, self.parking, self.config = runner, parking, config
+        self.kv_bytes_per_token = kv_bytes_per_token  # compute dtype, every layer
+        self.metrics = SchedulerMetrics()
+        self._name = name
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Sequence | Task] = collections.deque()
+        self._running: list[Sequence] = []
+        self._current: Sequence | Task | None = None  # the item whose prefill is under way
+        self._since_decode = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._service_s = 1.0  # moving average of an item's time from start to end (Retry-After)
+
+    # ------------------------------------------------------------------ callers
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def depth(self) -> int:
+        """Items waiting, prefilling or decoding."""
+        with self._cond:
+            return len(self._waiting) + len(self._running) + (self._current is not None)
+
+    def active_kv_bytes(self) -> int:
+        """KV bytes the running sequences (and the one prefilling) hold allocated."""
+        running = list(self._running)
+        current = self._current
+        held = sum(s.cache.allocated_bytes() for s in running if s.cache is not None)
+        if isinstance(current, Sequence) and current.cache is not None:
+            held += current.cache.allocated_bytes()
+        return held
+
+    def busy(self) -> QueueFull:
+        """The refusal of a full queue, with a retry estimate from the items ahead and the mean
+        time an item takes."""
+        ahead = len(self._waiting) + len(self._running)
+        return QueueFull(max(1, min(60, round(self._service_s * ahead / self.config.max_num_seqs))))
+
+    def on_thread(self) -> bool:
+        """Whether the caller is the scheduler's own thread (which must never wait on itself)."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def submit(self, item: Sequence | Task, *, front: bool = False) -> None:
+        """Queue an item (FIFO). Raises QueueFull when `max_waiting` items wait, ValueError once stopped."""
+        if self.on_thread():
+            raise RuntimeError("the engine was called from its own scheduler thread (e.g. inside an event sink): "
+                               "that would wait on itself; call it from another thread")
+        with self._cond:
+            if self._stopping:
+                raise ValueError("this BlendEngine is closed; create a new one (BlendEngine.from_config)")
+            if len(self._waiting) >= self.config.max_waiting:
+                raise self.busy()
+            if front:
+                self._waiting.appendleft(item)
+            else:
+                self._waiting.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Refuse new items, let the queued and running ones finish, end the thread."""
+        with self._cond:
+            self._stopping = True
+            thread = self._thread
+            self._cond.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # -------------------------------------------------------------------- loop
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not (self._waiting or self._running or self._current) and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping and not (self._waiting or self._running or self._current):
+                        return
+                try:
+                    self._step()
+                except BaseException as err:  # noqa: BLE001 - every caller is told, then the thread ends
+                    self._fail_all(err)
+                    if not isinstance(err, Exception):
+                        raise
+
+    def _step(self) -> None:
+        self._reap()
+        if self._prefill_allowed():
+            self._prefill_once()
+            self._since_decode += 1
+        elif self._running:
+            self._decode_once()
+            self._since_decode = 0
+        elif self._waiting or self._current:  # nothing runs and nothing could start: cannot happen
+            time.sleep(0.001)  # (admission always admits into an empty running set)
+
+    def _prefill_allowed(self) -> bool:
+        if self._running and self._since_decode >= self.config.prefills_between_decodes:
+            return False
+        if self._current is not None:
+            return True
+        return self._admit()
+
+    def _admit(self) -> bool:
+        """Move the head of the queue into the prefill slot when it may start."""
+        with self._cond:
+            if not self._waiting:
+                return False
+            head = self._waiting[0]
+            if isinstance(head, Sequence) and self._running:
+                if len(self._running) >= self.config.max_num_seqs:
+                    return False
+                if self.active_kv_bytes() + self._estimate(head) > self.config.max_active_kv:
+                    return False
+            self._waiting.popleft()
+        now = time.monotonic()
+        if isinstance(head, Task):
+            head.started = now
+            head.steps = head.make_steps()
+        else:
+            head.status = Status.PREFILLING
+            if head.parked is not None:
+                head.steps = self._resume(head)
+            else:
+                head.started = now
+                head.steps = head.make_prefill()
+        self._current = head
+        return True
+
+    def _estimate(self, seq: Sequence) -> int:
+        """KV bytes a waiting sequence will hold once started."""
+        if seq.parked is not None:
+            tokens = len(seq.parked.token_ids) + min(DECODE_RESERVE, seq.generation.max_new_tokens)
+            return tokens * self.kv_bytes_per_token
+        return seq.kv_bytes
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill_once(self) -> None:
+        item = self._current
+        assert item is not None and item.steps is not None
+        self.metrics.prefill_steps += 1
+        try:
+            next(item.steps)
+            return  # more steps to come
+        except StopIteration as done:
+            value = done.value
+        except Exception as err:  # noqa: BLE001 - handed to the caller, which raises it
+            self._current = None
+            self._end(item, error=err)
+            return
+        self._current = None
+        if isinstance(item, Task):
+            self._end(item, value=value)
+            return
+        seq = item
+        if seq.generation.tokens:  # resumed after a preemption: it continues with its pending token
+            seq.status = Status.RUNNING
+            self._running.append(seq)
+            return
+        pre = value
+        seq.cache, seq.stats, seq.prompt_ids = pre.cache, pre.stats, pre.token_ids
+        seq.ttft_s = time.monotonic() - (seq.started or time.monotonic())
+        self._emit_token(seq, pre.logits)
+        if seq.generation.done:
+            self._end(seq)
+        else:
+            seq.status = Status.RUNNING
+            self._running.append(seq)
+            self.metrics.peak_active_kv = max(self.metrics.peak_active_kv, self.active_kv_bytes())
+
+    def _emit_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+        delta = seq.generation.push(logits)
+        self.metrics.generated_tokens += 1
+        if delta is not None:
+            seq.handle.emit(delta)
+
+    # ------------------------------------------------------------------- decode
+    def _decode_once(self) -> None:
+        self._make_room()
+        batch = list(self._running)
+        if not batch:
+            return
+        tokens = [s.generation.pending for s in batch]
+        logits = self.runner.decode_step(tokens, [s.cache for s in batch])  # (B, vocab)
+        size = len(batch)
+        self.metrics.decode_steps += 1
+        self.metrics.batch_sizes[size] += 1
+        self.metrics._recent.append((time.monotonic(), size))
+        for b, seq in enumerate(batch):
+            seq.decode_steps += 1
+            seq.batch_total += size
+            self._emit_token(seq, logits[b])
+            if seq.generation.done:
+                self._end(seq)
+
+    def _make_room(self) -> None:
+        """Give every running sequence room for one more position; preempt the newest
+        sequences while the growth would take the running set past `max_active_kv`."""
+        for seq in list(self._running):
+            if seq not in self._running:  # preempted meanwhile
+                continue
+            cache = seq.cache
+            assert cache is not None
+            if cache.length < cache.capacity:
+                continue
+            limit = len(seq.prompt_ids) + seq.generation.max_new_tokens
+            grown = min(max(cache.capacity + GROW_MIN, cache.capacity * 5 // 4), max(limit, cache.length + 1))
+            extra = (grown - cache.capacity) * self.kv_bytes_per_token
+            while len(self._running) > 1 and self.active_kv_bytes() + extra > self.config.max_active_kv:
+                victim = self._running[-1]  # the newest
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self._running:
+                cache.ensure_capacity(grown)
+        self.metrics.peak_active_kv = max(self.metrics.peak_active_kv, self.active_kv_bytes())
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Park `seq`'s KV in the tiers and put it back at the head of the queue."""
+        cache = seq.cache
+        assert cache is not None
+        ids = (list(seq.prompt_ids) + seq.generation.tokens)[: cache.length]
+        seq.parked = self.parking.park(ids, cache)
+        seq.cache = None
+        seq.preemptions += 1
+        seq.status = Status.WAITING
+        self._running.remove(seq)
+        self.metrics.preemptions += 1
+        log.info("preempted sequence %d (%d positions parked in the tiers)", seq.id, len(ids))
+        with self._cond:
+            self._waiting.appendleft(seq)
+
+    def _resume(self, seq: Sequence) -> Generator[None, None, None]:
+        """Restore a preempted sequence's cache from the tiers (or recompute it) in one step."""
+        t0 = time.perf_counter()
+        parked = seq.parked
+        assert parked is not None
+        n = len(parked.token_ids)
+        capacity = n + min(DECODE_RESERVE, seq.generation.max_new_tokens)
+        cache = self.parking.restore(parked, capacity)
+        self.parking.release(parked)
+        seq.parked = None
+        if cache is None:  # the tiers lost it: the prefill again, then the tokens it had decoded
+            pre = yield from seq.make_prefill()
+            cache = pre.cache
+            done = list(parked.token_ids[len(pre.token_ids):])
+            if done:
+                cache.ensure_capacity(n + 1)
+                self.runner.prefill(torch.tensor(done), cache, start=len(pre.token_ids), logit_rows=())
+            self.metrics.resumes_recomputed += 1
+        seq.cache = cache
+        seq.resume_s += time.perf_counter() - t0
+        self.metrics.resumes += 1
+        self.metrics.resume_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ ending
+    def _reap(self) -> None:
+        """Cancelled or timed-out items leave: waiting ones are dropped, running ones stop."""
+        with self._cond:
+            gone = [item for item in self._waiting if item.handle.stopped()]
+            for item in gone:
+                self._waiting.remove(item)
+        for item in gone:
+            self._end(item, cancelled=True)
+        current = self._current
+        if current is not None and current.handle.stopped() and not isinstance(current, Task):
+            self._current = None  # a task (an ingest) sees its stop itself, between documents
+            if current.steps is not None:
+                current.steps.close()
+            self._end(current, cancelled=True)
+        for seq in [s for s in self._running if s.handle.stopped()]:
+            self._end(seq, cancelled=True)
+
+    def _end(self, item: Sequence | Task, *, value: object = None, error: BaseException | None = None,
+             cancelled: bool = False) -> None:
+        """Finish an item: its last events, its slot and memory freed."""
+        now = time.monotonic()
+        started = item.started if item.started is not None else now
+        queued_s, run_s = started - item.handle.submitted, now - started
+        self._service_s = 0.8 * self._service_s + 0.2 * run_s
+        if isinstance(item, Task):
+            stopped = error is not None and item.handle.stopped()  # a task may end early by raising once stopped
+            if stopped or cancelled:
+                self.metrics.cancelled += 1
+                item.handle.emit(Finished(cancelled=True, queued_s=queued_s, run_s=run_s))
+            else:
+                self.metrics.failed += error is not None
+                self.metrics.finished += error is None
+                item.handle.emit(Finished(value=value, error=error, queued_s=queued_s, run_s=run_s))
+            return
+        seq = item
+        if seq in self._running:
+            self._running.remove(seq)
+        seq.status = Status.FINISHED
+        if seq.parked is not None:
+            self.parking.release(seq.parked)
+            seq.parked = None
+        if error is not None or cancelled:
+            if seq.end is not None:
+                _quietly(seq.end.abort)
+            seq.cache = None
+            self.metrics.cancelled += cancelled
+            self.metrics.failed += error is not None
+            seq.handle.emit(Finished(error=error, cancelled=cancelled, queued_s=queued_s, run_s=run_s))
+            return
+        rest = seq.generation.rest()
+        if rest is not None:
+            seq.handle.emit(rest)
+        result = seq.result(total_s=now - started)
+        cache, seq.cache = seq.cache, None
+        try:
+            if seq.end is not None:
+                seq.end.finish(result, cache)
+        except Exception as err:  # noqa: BLE001 - e.g. a chat history that cannot be saved
+            self.metrics.failed += 1
+            seq.handle.emit(Finished(error=err, queued_s=queued_s, run_s=run_s))
+            return
+        self.metrics.finished += 1
+        seq.handle.emit(Finished(value=result, queued_s=queued_s, run_s=run_s))
+
+    def _fail_all(self, err: BaseException) -> None:
+        """The loop itself failed (e.g. out of memory in a decode step): every item is told."""
+        log.error("scheduler step failed: %s", err, exc_info=isinstance(err, Exception))
+        with self._cond:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        current, self._current = self._current, None
+        items: list[Sequence | Task] = [*waiting, *([current] if current is not None else []), *self._running]
+        for item in items:
+            self._end(item, error=err if isinstance(err, Exception) else RuntimeError(str(err)))
+        self._running.clear()
+
+
+def _quietly(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - ending a failed item must not fail the loop
+        log.warning("cleaning up a failed request: %s", err)

@@ -1,0 +1,178 @@
+"""What the scheduler runs: a `Sequence` (one generation: a prefill, then decode steps in
+the running batch) or a `Task` (other model work: an ingest, a prefill for inspection), and
+the caller's `Handle` on either.
+
+A handle carries the events of its work to the caller: `TextDelta`s while a sequence
+decodes, then exactly one `Finished` (its value, the error it raised, or `cancelled`).
+Events go to a thread-safe queue (`Handle()`: `events()` / `result()` block the calling
+thread) or to any callable (`Handle(sink=...)`: the asyncio facade and the server hand the
+events to their event loop). `cancel()` (client gone) and the deadline are seen by the
+scheduler at its next step: a waiting item is dropped, a running sequence leaves the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Generic, Protocol, TypeVar
+
+from blend.decode.generation import Generation, Prefilled
+from blend.decode.result import GenerationResult
+from blend.model.cache import KVCache
+from blend.stats import RequestStats
+
+T = TypeVar("T")
+
+
+class Cancelled(RuntimeError):
+    """The work was cancelled (its handle's `cancel()`, or its deadline passed) before it finished."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a handle: its value, or the exception it raised, or `cancelled`."""
+
+    value: Any = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    queued_s: float = 0.0  # submit to start (the first prefill step)
+    run_s: float = 0.0  # start to finish
+
+
+class Handle:
+    """The caller's side of one scheduled item. Thread-safe."""
+
+    def __init__(self, sink: Callable[[Any], None] | None = None, deadline: float | None = None):
+        self._queue: queue.SimpleQueue[Any] | None = queue.SimpleQueue() if sink is None else None
+        self._sink = sink if sink is not None else self._queue.put  # type: ignore[union-attr]
+        self._cancelled = threading.Event()
+        self.deadline = deadline  # time.monotonic() after which the work is stopped
+        self.submitted = time.monotonic()
+        self._finished = False
+
+    def emit(self, event: Any) -> None:
+        """Hand an event to the caller (never blocks); a sink that fails (its loop closed)
+        cancels the work: nobody is listening any more."""
+        if self._finished:
+            return
+        self._finished = isinstance(event, Finished)
+        try:
+            self._sink(event)
+        except RuntimeError:
+            self._cancelled.set()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def stopped(self) -> bool:
+        """Cancelled, or past its deadline."""
+        return self._cancelled.is_set() or (self.deadline is not None and time.monotonic() > self.deadline)
+
+    def events(self) -> Iterator[Any]:
+        """The events as they come (blocking), the `Finished` one last. Only for handles
+        made without a sink."""
+        if self._queue is None:
+            raise RuntimeError("this handle sends its events to a sink")
+        while True:
+            event = self._queue.get()
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    def result(self) -> Any:
+        """Wait for the end: the value, or the work's exception (`Cancelled` if it was cancelled)."""
+        for event in self.events():
+            if isinstance(event, Finished):
+                return unwrap(event)
+        raise AssertionError("unreachable")
+
+
+def unwrap(finished: Finished) -> Any:
+    if finished.error is not None:
+        raise finished.error
+    if finished.cancelled:
+        raise Cancelled("the request was cancelled (or its deadline passed) before it finished")
+    return finished.value
+
+
+class Task(Generic[T]):
+    """Model work that is not a generation, run in the scheduler's prefill slot: `steps()`
+    yields between bounded units of compute (an ingest: between packed passes) so that
+    running sequences decode in between, and returns the task's value."""
+
+    def __init__(self, name: str, steps: Callable[[], Generator[None, None, T]], handle: Handle):
+        self.name, self.make_steps, self.handle = name, steps, handle
+        self.steps: Generator[None, None, T] | None = None
+        self.started: float | None = None
+
+
+class SequenceEnd(Protocol):
+    """Told how a sequence ended (a chat turn: store its blocks and history, or release it)."""
+
+    def finish(self, result: GenerationResult, cache: KVCache | None) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class Status(Enum):
+    WAITING = "waiting"  # submitted, not started (or preempted: its KV parked in the tiers)
+    PREFILLING = "prefilling"  # its prefill is running, step by step
+    RUNNING = "running"  # in the decode batch
+    FINISHED = "finished"
+
+
+_ids = itertools.count(1)
+
+
+class Sequence:
+    """One generation as the scheduler sees it.
+
+    `prefill` makes the prefill's steps (a generator yielding between bounded units of
+    compute and returning the `Prefilled`; called again to recompute a preempted sequence
+    whose parked KV the tiers lost); `generation` decodes; `end` (a chat turn) is told how
+    the sequence ended. The scheduler owns every field below the first ones.
+    """
+
+    def __init__(self, prefill: Callable[[], Generator[None, None, Prefilled]], generation: Generation,
+                 handle: Handle, *, kv_bytes: int, end: SequenceEnd | None = None, mode: str = "blend",
+                 warnings: tuple[str, ...] = ()):
+        self.id = next(_ids)
+        self.make_prefill, self.generation, self.handle = prefill, generation, handle
+        self.kv_bytes = kv_bytes  # KV of the prompt and its first new tokens, compute dtype (admission)
+        self.end = end
+        self.mode, self.warnings = mode, warnings
+        self.status = Status.WAITING
+        self.steps: Generator[None, None, Any] | None = None
+        self.prompt_ids: tuple[int, ...] = ()  # what the cache's first positions hold
+        self.cache: KVCache | None = None
+        self.stats: RequestStats | None = None
+        self.forced: Any = None  # blend.engine.prefill.ForcedOutputs: teacher forcing after the prefill
+        self.started: float | None = None  # first prefill step (monotonic)
+        self.ttft_s = 0.0  # prefill start to the first token's logits
+        self.decode_steps = 0
+        self.batch_total = 0  # sum of the batch sizes of its decode steps
+        self.preemptions = 0
+        self.resume_s = 0.0  # time spent restoring its parked KV
+        self.parked: Any = None  # blend.kv.offload.ParkedKV while preempted
+
+    def result(self, total_s: float) -> GenerationResult:
+        gen = self.generation
+        stats = self.stats or RequestStats(mode=self.mode, recompute_ratio=0.0, context_tokens=0, query_tokens=0,
+                                           loaded_tokens=0, recomputed_tokens=0)
+        queued = (self.started or self.handle.submitted) - self.handle.submitted
+        stats = stats.replace(ttft_s=self.ttft_s, total_s=total_s, new_tokens=len(gen.tokens), queued_s=queued,
+                              batch_size_mean=self.batch_total / self.decode_steps if self.decode_steps else 0.0,
+                              preempted=self.preemptions, resume_s=self.resume_s)
+        follow = getattr(self.forced, "follow_logprobs", None)
+        result = gen.result(stats, self.ttft_s, follow_logprobs=follow)
+        result.warnings = self.warnings
+        return result
