@@ -11,7 +11,8 @@ that tier, falling back to a lower tier holding an identical header if the entry
 vanished meanwhile. A request that still finds a layer missing recomputes the segment and
 hands it to `repair`, which rewrites the entry once. `put` writes to every tier through a
 bounded background writer: encoded in each tier's codec (`storage.codec`; once per codec,
-an entry already encoded is written as it is), then sealed when the store has a secret.
+an entry already encoded is written as it is; `exact` puts and promotions are written as
+they are), then sealed when the store has a secret.
 Reads return what the tier holds (an encoded entry's K and V parts: the reader decodes, on
 its device; `storage.entry.decode_layer`). A hit in
 a lower tier is promoted: the layers the request reads are collected and, once all are
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from storage.codec import Codec, codec_named
+from storage.codec import NONE, Codec, codec_named
 from storage.config import SHARED_KINDS, StoreConfig, TierConfig
 from storage.entry import EntryHeader, Expected, KVEntry
 from storage.serialization import layer_views
@@ -336,8 +337,8 @@ class TieredStore:
                         return  # the source lost it meanwhile: nothing to promote
                     promotion.layers[i] = layer
             entry = KVEntry(located.header, [promotion.layers[i] for i in range(located.header.num_layers)])
-            for i in range(located.tier_index):  # an encoded entry goes up as it is (never encoded twice)
-                self.tiers[i].put(located.key, self._seal(located.key, entry.encode(self.codecs[i])))
+            for i in range(located.tier_index):  # as it is: never encoded twice, exact entries stay exact
+                self.tiers[i].put(located.key, entry)
                 self._count(i, promotions=1)
 
         self._ensure_writer()
@@ -347,25 +348,29 @@ class TieredStore:
             self._count(located.tier_index, promotions_dropped=1)
 
     # ------------------------------------------------------------------ writes
-    def put(self, key: str, entry: KVEntry, *, sync: bool = False) -> None:
-        """Write `entry` under `key` to every tier.
+    def put(self, key: str, entry: KVEntry, *, sync: bool = False, exact: bool = False) -> None:
+        """Write `entry` under `key` to every tier, encoded in each tier's codec.
 
         sync=False (default) queues the write for the background writer and returns;
         it blocks while the queue (write_queue jobs) is full. Do not modify `entry`
-        afterwards. sync=True writes inline. Errors of a `required` tier raise
-        StoreUnavailable: inline, or for background writes at the next put/flush.
+        afterwards. sync=True writes inline. exact=True stores the entry as given in
+        every tier, whatever its codec (KV that must come back bit for bit, e.g. a
+        parked sequence). Errors of a `required` tier raise StoreUnavailable: inline,
+        or for background writes at the next put/flush.
         """
         self._raise_background_error()
         if sync:
-            self._write(key, entry)
+            self._write(key, entry, exact)
             return
         self._ensure_writer()
-        self._queue.put(lambda: self._write(key, entry))
+        self._queue.put(lambda: self._write(key, entry, exact))
 
-    def _write(self, key: str, entry: KVEntry) -> None:
-        """Put `entry` into every tier, encoded in the tier's codec (once per codec) and sealed."""
+    def _write(self, key: str, entry: KVEntry, exact: bool = False) -> None:
+        """Put `entry` into every tier, encoded in the tier's codec (once per codec; not when
+        `exact`) and sealed."""
         ready: dict[Codec, KVEntry] = {}
         for tier, codec in zip(self.tiers, self.codecs, strict=True):
+            codec = NONE if exact else codec
             if codec not in ready:
                 ready[codec] = self._seal(key, entry.encode(codec))
             tier.put(key, ready[codec])

@@ -3,7 +3,8 @@
 When the scheduler needs device memory back it parks the newest running sequence: the
 KV of every position it holds is written to the tiers as a chain of blocks (the prefix
 block machinery: `EntryMaker.from_cache`, write-behind `TieredStore.put`), in the compute
-dtype so that the restored cache is the one parked (bit for bit), under keys private to
+dtype and in no tier's codec (`exact`) so that the restored cache is the one parked (bit for
+bit), under keys private to
 this parking (`storage.keys.parked_block_key`: blended KV is not exact for its tokens and
 must never be found by a prefix lookup). The cache's stale-key bias (blend's
 `KVCache.bias`, a few hundred bytes per token) stays with the sequence on the host.
@@ -71,7 +72,7 @@ class KVParking:
         for start in range(0, n, self.block_tokens):
             end = min(start + self.block_tokens, n)
             key = self._key(ids, owner, start, end)
-            self.store.put(key, self.maker.from_cache(cache, ids[start:end], start))
+            self.store.put(key, self.maker.from_cache(cache, ids[start:end], start), exact=True)
             blocks.append((key, start, end))
         bias = None if cache.bias is None else tuple(b[:, :n].to("cpu", copy=True) for b in cache.bias)
         return ParkedKV(owner, tuple(ids), tuple(blocks), bias, cache.nbytes())

@@ -14,16 +14,17 @@ budgets scaled to `cache_fraction` of the corpus' uncompressed KV when asked (ti
 budget: cpu, disk), disk tiers in a scratch directory beside the configured one, Redis tiers under
 a namespace of their own (cleared afterwards). Cold misses are part of the run.
 
-Per request: the time it arrived, started (the engine took it) and finished; its TTFT as a user
-sees it (waiting included: start - arrival + the engine's TTFT) and end to end; its lookups and
-where they hit; the queue depth (requests submitted and not yet started) and the store's
-write-behind queue at each arrival and start. Every n-th request (`fidelity_every`) is also
+Requests run concurrently: `BlendEngine.generate` is called from every client thread at once and
+the engine's scheduler interleaves their prefills and batches their decode steps. Per request: the
+time it arrived, started (its first prefill step: arrival + the scheduler's `queued_s`) and finished;
+its TTFT as a user sees it (waiting included: start - arrival + the engine's TTFT) and end to end;
+its lookups and where they hit; the queue depth (requests submitted and not yet started: the
+scheduler's waiting queue) and the store's write-behind queue at each arrival and completion. Every n-th request (`fidelity_every`) is also
 answered with full prefill before the stream starts (full prefill reads nothing from the store:
 the same answer whenever it runs), giving a first-token KL(full || mode) sample.
 
-Until `BlendEngine.generate` may be called from several threads at once, the clients pass through
-`EngineGate`, which lets one request into the engine at a time, in the order they arrived
-(`SERIALIZE`: set it False to let them in together).
+`EngineGate` counts the requests submitted and can also hold them to one at a time in arrival order
+(`SERIALIZE = True`: the engine as it was before its scheduler, for a comparison).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from eval.results import save_figure, write_file
 
 log = logging.getLogger(__name__)
 
-SERIALIZE = True  # one request in the engine at a time (BlendEngine.generate is not thread-safe yet)
+SERIALIZE = False  # True: one request in the engine at a time, in arrival order (the scheduler batches otherwise)
 REPORT_FILES = WORKLOAD_JSON, WORKLOAD_MD, HIT_RATE_PLOT, TTFT_CDF_PLOT = (
     "workload.json", "workload.md", "hit_rate_over_time.png", "ttft_cdf.png")
 QUESTION_FOR_SIZING = "?"
@@ -129,8 +130,8 @@ def poisson_arrivals(stream: Sequence[WorkloadRequest], rate: float, seed: int =
 
 # --------------------------------------------------------------------------- the gate
 class EngineGate:
-    """Lets requests into the engine one at a time, in ticket (arrival) order, while `serialize`
-    (BlendEngine.generate is not thread-safe yet); counts the requests waiting to start."""
+    """Counts the requests submitted and not yet handed to the engine; with `serialize`, lets them
+    in one at a time, in ticket (arrival) order."""
 
     def __init__(self, serialize: bool = SERIALIZE):
         self.serialize = serialize
@@ -211,16 +212,20 @@ def run_stream(engine: Any, stream: Sequence[WorkloadRequest], *, mode: str, rat
     def now() -> float:
         return time.perf_counter() - t0
 
+    def depth() -> int:
+        """Requests submitted and not yet started: held by the gate, or waiting in the scheduler."""
+        return gate.waiting + int(getattr(getattr(engine, "scheduler", None), "waiting", 0))
+
+    def sample(t: float) -> None:
+        with lock:
+            trace.queue_depth.append((t, depth()))
+            trace.write_queue.append((t, engine.store.pending_writes()))
+
     def serve(req: WorkloadRequest, arrival: float) -> None:
-        depth = gate.arrive()
-        with lock:
-            trace.queue_depth.append((arrival, depth))
-            trace.write_queue.append((arrival, engine.store.pending_writes()))
-        depth = gate.enter(req.index)
-        start = now()
-        with lock:
-            trace.queue_depth.append((start, depth))
-            trace.write_queue.append((start, engine.store.pending_writes()))
+        gate.arrive()
+        sample(arrival)
+        gate.enter(req.index)
+        entered = now()
         try:
             result = engine.generate(req.question, list(req.passages), mode=mode, recompute_ratio=ratio,
                                      max_new_tokens=max_new_tokens, temperature=0.0)
@@ -231,14 +236,16 @@ def run_stream(engine: Any, stream: Sequence[WorkloadRequest], *, mode: str, rat
             gate.leave()
         end = now()
         if result is None:
-            record = RequestRecord(req.index, arrival, start, end, end - start, 0, 0, {}, {}, error=error)
+            record = RequestRecord(req.index, arrival, entered, end, end - entered, 0, 0, {}, {}, error=error)
         else:
             seg = result.stats.cached_segments
             kl = None
             if references and req.index in references and mode != "full":
                 kl = kl_divergence(references[req.index].first_token_logprobs, result.first_token_logprobs)
+            start = entered + float(getattr(result.stats, "queued_s", 0.0))  # its first prefill step
             record = RequestRecord(req.index, arrival, start, end, result.ttft_s, seg.hits, seg.misses,
                                    dict(result.stats.hits_by_tier), dict(result.stats.misses_by_tier), kl)
+        sample(end)
         with lock:
             trace.records.append(record)
 
