@@ -70,6 +70,7 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _NOT_A_FILE = {errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EOPNOTSUPP}  # link (Linux, BSD), socket
 _RESCAN_MIN_INTERVAL_S = 2.0
+RECENCY_S = 10.0  # a header hit refreshes the file's mtime (its LRU recency) when it is older than this
 _WARN_INTERVAL_S = 30.0
 
 
@@ -107,10 +108,11 @@ def open_regular(name: str, dir_fd: int) -> int:
 
 
 class _Handle:
-    __slots__ = ("fd", "refs", "retired")
+    __slots__ = ("fd", "refs", "retired", "advised")
 
     def __init__(self, fd: int) -> None:
         self.fd, self.refs, self.retired = fd, 1, False
+        self.advised = False  # the rest of the entry's layers asked for (POSIX_FADV_WILLNEED)
 
 
 class _Handles:
@@ -482,8 +484,9 @@ class DiskTier:
             return None
         try:
             header, offsets, size = self._read_prelude(handle.fd)
-            try:
-                os.utime(handle.fd)  # recency survives restarts
+            try:  # recency survives restarts; a few seconds' precision spares a metadata write per hit
+                if time.time() - os.fstat(handle.fd).st_mtime >= RECENCY_S:
+                    os.utime(handle.fd)
             except OSError:
                 pass
         except CorruptEntry as e:
@@ -531,7 +534,7 @@ class DiskTier:
                 self._stats.add(layer_misses=1)
                 return None
             try:
-                got = self._read_layer(key, handle.fd, layer, header, out)
+                got = self._read_layer(key, handle, layer, header, out)
             except CorruptEntry as e:
                 if not opened:
                     continue  # a descriptor kept from before a replacement: retry on the current file
@@ -552,10 +555,14 @@ class DiskTier:
             return got
         raise AssertionError("unreachable")
 
-    def _read_layer(self, key: str, fd: int, layer: int, header: EntryHeader | None,
+    def _read_layer(self, key: str, handle: _Handle, layer: int, header: EntryHeader | None,
                     out: torch.Tensor | None) -> Layer | None:
         """Read and verify one layer from an open entry file into `out` (or a fresh buffer);
-        None if the entry changed since `header` was read."""
+        None if the entry changed since `header` was read. The first layer read of an open file
+        asks the kernel for the layers after it too (POSIX_FADV_WILLNEED): a reader that starts
+        on an entry reads it to its end, and each file would otherwise ramp its readahead up from
+        scratch."""
+        fd = handle.fd
         with self._lock:
             info = self._index.get(key)
             offsets = info.offsets if info is not None and header is not None and info.header == header else None
@@ -573,6 +580,13 @@ class DiskTier:
         elif out.dtype != torch.uint8 or out.numel() != n or not out.is_contiguous():
             raise ValueError(f"read_layer_into: out must be a contiguous ({n},) uint8 tensor, got "
                              f"{tuple(out.shape)} {out.dtype}")
+        if not handle.advised:
+            handle.advised = True
+            if hasattr(os, "posix_fadvise"):
+                try:
+                    os.posix_fadvise(fd, offsets[layer] + n, 0, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    pass
         got = os.preadv(fd, [out.numpy()], offsets[layer])
         if got != n:
             raise CorruptEntry(f"layer {layer}: read {got} of {n} bytes (file truncated)")
