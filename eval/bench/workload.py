@@ -336,7 +336,7 @@ def summarize_run(trace: RunTrace, *, mode: str, codec: str, ratio: float | None
         "evictions": sum(s["evictions"] or 0 for s in tiers.values()),
         "write_queue_max": max((d for _, d in trace.write_queue), default=0),
         "queue_depth_max": max((d for _, d in trace.queue_depth), default=0),
-        "io_block_bytes": max(io_block_bytes.values(), default=None),
+        "io_block_bytes": list(io_block_bytes.values())[-1] if io_block_bytes else None,  # the last tier's reads
         "kv_block_tokens": kv_block_tokens,
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
         "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
@@ -417,7 +417,7 @@ def run_store_config(store: Any, *, codec: str | None, budget: int | None, scrat
 
 
 def io_blocks(engine: Any) -> dict[str, int]:
-    """Per tier, the bytes of one read: one layer of a full block in the tier's codec."""
+    """Per tier (in stack order), the bytes of one read: one layer of a full block in the tier's codec."""
     from storage.stack import tier_codec
 
     dims, tokens = engine.lm.dims, engine.config.engine.chunk_tokens
