@@ -279,29 +279,33 @@ def float16_bytes(entry: KVEntry) -> int:
 
 def codec_rates(codec: Codec, entries: list[KVEntry]) -> dict[str, Any]:
     """Encode every entry in `codec`, then decode each layer into float32 (one thread, as the CPU
-    loader does): the encoded entries and the rates in float16-equivalent bytes per second."""
-    raw = sum(float16_bytes(e) for e in entries)
+    loader does): the encoded entries and the rates in float16-equivalent bytes per second, from
+    the median time per entry (a moment the machine was busy elsewhere does not decide them)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    encoded, encode_s, decode_s = [], [], []
     try:
-        t0 = time.perf_counter()
-        encoded = [e.encode(codec) for e in entries]
-        encode_s = time.perf_counter() - t0
-        decode_s = None
+        for e in entries:
+            t0 = time.perf_counter()
+            encoded.append(e.encode(codec))
+            encode_s.append(time.perf_counter() - t0)
         if not codec.raw:
             h = entries[0].header
             k, v = torch.empty(h.shape), torch.empty(h.shape)  # (H, T, D) float32
             decode_into(codec, *encoded[0].layers[0], k, v)  # warm-up
-            t0 = time.perf_counter()
             for e in encoded:
+                t0 = time.perf_counter()
                 for kp, vp in e.layers:
                     decode_into(codec, kp, vp, k, v)
-            decode_s = time.perf_counter() - t0
+                decode_s.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
-    return {"encoded": encoded, "encode_gbps": round(raw / encode_s / 1e9, 3) if not codec.raw else None,
-            "decode_gbps": round(raw / decode_s / 1e9, 3) if decode_s else None, "decode_s": decode_s,
-            "rate_threads": 1}
+    per_entry = float16_bytes(entries[0])
+    decode = statistics.median(decode_s) if decode_s else None
+    return {"encoded": encoded,
+            "encode_gbps": None if codec.raw else round(per_entry / statistics.median(encode_s) / 1e9, 3),
+            "decode_gbps": round(per_entry / decode / 1e9, 3) if decode else None,
+            "decode_s": decode * len(entries) if decode else None, "rate_threads": 1}
 
 
 def run_load(
