@@ -23,6 +23,7 @@ from blend.cli.common import (
     json_arg,
     require_eval_extra,
 )
+from blend.cli.eval import parse_field_map
 from blend.modes import check_mode, parse_ratio
 from storage.codec import CODEC_NAMES
 from storage.dtypes import DTYPE_NAMES
@@ -221,7 +222,8 @@ def _workload_settings(args: argparse.Namespace) -> Any:
         codecs=tuple(_codecs(args.codecs)) if args.codecs else None, passages=args.passages, zipf=args.zipf,
         docs_per_request=args.docs_per_request, clients=args.clients if args.rate is None else None,
         rate=args.rate, seed=args.seed, cache_fraction=args.cache_fraction, fidelity_every=args.fidelity_every,
-        ratio=args.ratio, max_new_tokens=args.max_new_tokens, split=args.split, limit=args.limit)
+        ratio=args.ratio, max_new_tokens=args.max_new_tokens, split=args.split, limit=args.limit,
+        field_map=args.field_map)
 
 
 def cmd_workload(args: argparse.Namespace) -> int:
@@ -254,6 +256,8 @@ def _register_workload(sub: Any) -> None:
     p.add_argument("--dataset", required=True, metavar="PATH_OR_NAME",
                    help="any file or hub name `kvblend eval` reads; its passages are the corpus")
     p.add_argument("--split", default=None, help="dataset split")
+    p.add_argument("--field-map", type=arg_type(parse_field_map), default=None, metavar="OURS=THEIRS,...",
+                   help="rename source fields, e.g. question=query,answers=gold (as kvblend eval)")
     p.add_argument("--limit", type=POSITIVE_INT, default=None, help="first N usable examples of the dataset")
     p.add_argument("--passages", type=POSITIVE_INT, default=None, metavar="K",
                    help="each request: one question over its own first K passages")

@@ -382,6 +382,7 @@ class WorkloadSettings:
     max_new_tokens: int = 8
     split: str | None = None
     limit: int | None = None
+    field_map: dict[str, str] | None = None
 
 
 def corpus_kv_bytes(engine: Any, passages: Sequence[str]) -> tuple[int, int]:
@@ -435,7 +436,7 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
     from storage.dtypes import dtype_bytes
 
     watch = LoadWatch.begin()
-    examples = load_examples(settings.dataset, split=settings.split, limit=settings.limit)
+    examples = load_examples(settings.dataset, split=settings.split, limit=settings.limit, field_map=settings.field_map)
     stream = request_stream(examples, settings.requests, passages=settings.passages, zipf=settings.zipf,
                             docs_per_request=settings.docs_per_request, seed=settings.seed)
     if settings.rate is not None:
