@@ -416,3 +416,24 @@ def test_blend_over_encoded_tiers_stays_close_to_blend_over_float16(tmp_path):
     assert kl_divergence(base, results["int8"].first_token_logprobs) < 1e-3
     assert kl_divergence(base, results["int4"].first_token_logprobs) < 5e-2
     assert loader_module.FORCE_STAGED is None
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_a_redis_tier_stores_and_serves_encoded_entries(redis_url, codec):
+    from storage.config import RedisTierConfig
+
+    key, tokens, entry = keyed()
+    cfg = StoreConfig(tiers=(RedisTierConfig(url=redis_url, codec=codec, key_prefix="codecs:"),),
+                      secret=SECRET)
+    with TieredStore.from_config(cfg) as store:
+        store.put(key, entry, sync=True)
+        located = store.lookup(key, expect(tokens))
+        assert located is not None and located.header.codec.name == codec and verify(located.header, key, SECRET)
+        out = torch.empty(located.header.layer_nbytes, dtype=torch.uint8)
+        assert store.read_layer_into(located, 1, out)  # the staged path's read: encoded bytes
+        kpart, vpart = store.get_layer(located, 1)
+        assert torch.equal(out, torch.cat((kpart, vpart)))
+        stats = store.stats()["redis"]
+        assert stats["codec"] == codec and 0 < stats["bytes_used"] < entry.nbytes
+        store.clear()
