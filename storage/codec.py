@@ -81,7 +81,7 @@ class Codec:
         n = kv_heads * num_tokens * head_dim
         if self.raw:
             return n * dtype_bytes(kv_dtype), n * dtype_bytes(kv_dtype)
-        codes = n * self.bits // 8
+        codes = codes_nbytes(n, self.bits)
         key_groups = kv_heads * math.ceil(num_tokens / self.key_group) * head_dim
         value_groups = kv_heads * num_tokens * (head_dim // self.value_group_for(head_dim))
         scale = dtype_bytes(self.scale)
@@ -96,6 +96,11 @@ class Codec:
     def supports(self, head_dim: int) -> bool:
         """Whether layers of this head_dim can be encoded (int4 packs two codes a byte: an even head_dim)."""
         return self.raw or self.bits == 8 or head_dim % 2 == 0
+
+
+def codes_nbytes(n: int, bits: int) -> int:
+    """Bytes of n codes of `bits` bits, rounded up to even: the float16 scales after them stay aligned."""
+    return (n * bits // 8 + 1) // 2 * 2
 
 
 NONE = Codec()
@@ -205,10 +210,13 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return flat[:half] | (flat[half:] << 4)
 
 
-def _bytes(*tensors: torch.Tensor | None) -> torch.Tensor:
+def _bytes(codes: torch.Tensor, *scales: torch.Tensor | None) -> torch.Tensor:
+    """One part: the packed codes (padded to an even length), then the float16 scales and minimums."""
     import torch
 
-    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors if t is not None])
+    parts = [codes] + ([torch.zeros(1, dtype=torch.uint8)] if codes.numel() % 2 else [])
+    parts += [t.contiguous().reshape(-1).view(torch.uint8) for t in scales if t is not None]
+    return torch.cat(parts)
 
 
 def encode_layer(codec: Codec, k: torch.Tensor, v: torch.Tensor, *, pos_start: int = 0,
@@ -288,7 +296,7 @@ def decode_into(codec: Codec, kpart: torch.Tensor, vpart: torch.Tensor, k_out: t
     g = codec.key_group
     groups = math.ceil(t / g)
     k_out.copy_(_unpack(kpart, n, codec.bits).view(h, t, d))
-    s, m, _ = _scales(kpart, n * codec.bits // 8, h * groups * d, codec.key_zero)
+    s, m, _ = _scales(kpart, codes_nbytes(n, codec.bits), h * groups * d, codec.key_zero)
     s, m = s.view(h, groups, 1, d), (m.view(h, groups, 1, d) if m is not None else None)
     full = t // g
     if full:
@@ -298,6 +306,6 @@ def decode_into(codec: Codec, kpart: torch.Tensor, vpart: torch.Tensor, k_out: t
         _apply(k_out[:, full * g :], s[:, full], m[:, full] if m is not None else None, codec.bits)
     gv = codec.value_group_for(d)
     v_out.copy_(_unpack(vpart, n, codec.bits).view(h, t, d))
-    s, m, _ = _scales(vpart, n * codec.bits // 8, h * t * (d // gv), codec.value_zero)
+    s, m, _ = _scales(vpart, codes_nbytes(n, codec.bits), h * t * (d // gv), codec.value_zero)
     _apply(v_out.view(h, t, d // gv, gv), s.view(h, t, d // gv, 1),
            m.view(h, t, d // gv, 1) if m is not None else None, codec.bits)
