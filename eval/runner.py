@@ -343,7 +343,7 @@ def _use_template(engine: Any, template: PromptTemplate) -> None:
     current = engine.prompts
     if current.system_prompt != system or current.query_template != template.query:
         engine.prompts = PromptBuilder(engine.lm.tokenizer, system, template.query,
-                                       engine.config.engine.max_document_tokens)
+                                       engine.config.engine.max_document_tokens, engine.lm.dims.max_positions)
 
 
 def _warm_up(engine: Any, ex: Example, template: PromptTemplate) -> None:

@@ -163,12 +163,13 @@ class KVEntry:
     """A header plus `layers[i] = (K, V)`, each (kv_heads, num_tokens, head_dim), contiguous CPU; for
     an encoded entry (header.codec not `none`) `layers[i] = (K part, V part)`, flat uint8.
 
-    `inv_freq`: the RoPE frequencies (head_dim / 2,) its keys were rotated with, when the model that
-    computed them is known (a codec then quantizes keys before RoPE); never stored."""
+    `rope`: per layer, the RoPE frequencies (head_dim / 2,) its keys were rotated with, when the model
+    that computed them is known (a codec then quantizes keys before RoPE; models such as Gemma 3 rotate
+    some layers with other frequencies); never stored."""
 
     header: EntryHeader
     layers: list[tuple[torch.Tensor, torch.Tensor]]
-    inv_freq: torch.Tensor | None = None
+    rope: tuple[torch.Tensor, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -178,17 +179,19 @@ class KVEntry:
         """This entry in `codec`: itself when it is already encoded (in any codec: an encoded
         entry is never encoded again) or `codec` is `none` or cannot hold its shape; else a new
         entry (CPU work, ~the layers' size; the checksums recomputed in the header's algorithm).
-        Keys go before RoPE only where the codec asks and `inv_freq` is known."""
+        Keys go before RoPE only where the codec asks and `rope` is known."""
         if not self.header.codec.raw or codec.raw or not codec.supports(self.header.head_dim):
             return self
-        if codec.keys == KEYS_PRE_ROPE and self.inv_freq is None:
+        if codec.keys == KEYS_PRE_ROPE and self.rope is None:
             codec = dataclasses.replace(codec, keys=KEYS_ROTATED)
         h = self.header
-        layers = [encode_layer(codec, k, v, pos_start=h.pos_start, inv_freq=self.inv_freq) for k, v in self.layers]
+        rope = self.rope or (None,) * len(self.layers)
+        layers = [encode_layer(codec, k, v, pos_start=h.pos_start, inv_freq=f)
+                  for (k, v), f in zip(self.layers, rope, strict=True)]
         sums = tuple(layer_checksum(codec, kp, vp, h.checksum) for kp, vp in layers)
         header = dataclasses.replace(h, codec=codec, layer_checksums=sums, tag="",
                                      layer_nbytes=codec.layer_nbytes(h.kv_heads, h.num_tokens, h.head_dim, h.kv_dtype))
-        return KVEntry(header, layers, self.inv_freq)
+        return KVEntry(header, layers, self.rope)
 
     def decoded(self) -> KVEntry:
         """This entry with K and V (a `none` entry: itself); the keys as the codec decodes them
@@ -196,7 +199,7 @@ class KVEntry:
         if self.header.codec.raw:
             return self
         layers = [decode_layer(self.header, kp, vp) for kp, vp in self.layers]
-        return KVEntry(self.header, layers, self.inv_freq)
+        return KVEntry(self.header, layers, self.rope)
 
     @classmethod
     def from_tensors(
@@ -207,13 +210,14 @@ class KVEntry:
         token_ids: Sequence[int],
         pos_start: int,
         kv_dtype: str,
-        inv_freq: torch.Tensor | None = None,
+        rope: torch.Tensor | Sequence[torch.Tensor] | None = None,
     ) -> KVEntry:
         """Build an entry from per-layer (K, V) tensors shaped (kv_heads, num_tokens, head_dim).
 
         Tensors are copied to contiguous CPU tensors in `kv_dtype` (always a copy, so the
         entry owns its storage and the caller may reuse its buffers); per-layer checksums
-        are computed. `inv_freq`: the model's RoPE frequencies (see KVEntry). Raises
+        are computed. `rope`: the model's RoPE frequencies, one tensor for every layer or one per
+        layer (see KVEntry). Raises
         ValueError on inconsistent shapes.
         """
         dtype = dtype_of(kv_dtype)
@@ -254,8 +258,12 @@ class KVEntry:
             layer_checksums=tuple(sums),
             layer_nbytes=2 * out[0][0].numel() * out[0][0].element_size(),
         )
-        inv = None if inv_freq is None else inv_freq.detach().to(device="cpu", dtype=torch.float32)
-        return cls(header=header, layers=out, inv_freq=inv)
+        if rope is not None:
+            per_layer = [rope] * len(out) if isinstance(rope, torch.Tensor) else list(rope)
+            if len(per_layer) != len(out):
+                raise ValueError(f"KVEntry.from_tensors: {len(per_layer)} RoPE frequency tensors for {len(out)} layers")
+            rope = tuple(f.detach().to(device="cpu", dtype=torch.float32) for f in per_layer)
+        return cls(header=header, layers=out, rope=rope)
 
 
 def decode_layer(header: EntryHeader, kpart: torch.Tensor, vpart: torch.Tensor,

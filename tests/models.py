@@ -14,9 +14,19 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True)
 
 
+# a tiny Gemma 3: sliding layers of 16 tokens (their RoPE base 10k) around a global one (base 1M),
+# query_pre_attn_scalar unlike head_dim (so the scaling is the config's, not 1/sqrt(head_dim))
+GEMMA3 = dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=24,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
 def tiny_model(arch: str = "llama", *, vocab_size: int = 49152, seed: int = 0, tokenizer=None, **overrides) -> LoadedModel:
     """A random-weight model of a supported architecture, fp32, eval mode."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -28,13 +38,17 @@ def tiny_model(arch: str = "llama", *, vocab_size: int = 49152, seed: int = 0, t
     )
 
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+               "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM)}
     config_cls, model_cls = classes[arch]
     kwargs = dict(TINY, vocab_size=vocab_size, **overrides)
     if arch == "mistral":
         kwargs.setdefault("sliding_window", None)
     if arch == "qwen3":
         kwargs.setdefault("head_dim", 16)
+    if arch == "gemma3_text":
+        for key, value in GEMMA3.items():
+            kwargs.setdefault(key, value)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs))
     with torch.no_grad():  # larger-than-init weights so that positions and context matter
@@ -53,3 +67,9 @@ def smollm2() -> LoadedModel:
 @functools.cache
 def smollm2_tokenizer():
     return smollm2().tokenizer
+
+
+@functools.cache
+def gemma3() -> LoadedModel:
+    """The shipped Gemma 3 270M (the gemma extra; converted copy cached under ~/.cache/kvblend)."""
+    return load_model("gemma3-270m", device="cpu")

@@ -140,9 +140,8 @@ def test_store_ls_json_and_clear_confirmation(config_file, capsys, monkeypatch):
     assert main(["store", "ls", "--config", cfg, "--json"]) == 0
     entries = json.loads(capsys.readouterr().out)["entries"]
     assert {e["key"] for e in entries} >= set(keys) and {e["tier"] for e in entries} == {"disk"}  # a new process
-    assert set(entries[0]) == {"key", "tier", "tokens", "bytes", "pos_start", "codec", "corrupt"}
+    assert set(entries[0]) == {"key", "tier", "tokens", "bytes", "pos_start", "corrupt"}
     assert all(e["corrupt"] is None for e in entries)
-    assert {e["codec"] for e in entries} == {"int8"}  # a disk tier's default codec
     assert main(["store", "clear", "--config", cfg]) == 2  # stdin is not a terminal and no --yes
     assert "--yes" in capsys.readouterr().err
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)

@@ -307,7 +307,7 @@ def _placements(runner, store, specs):
         layers = [(cache.k[j][:, pos_start:pos_start + length], cache.v[j][:, pos_start:pos_start + length])
                   for j in range(runner.num_layers)]
         entry = KVEntry.from_tensors(layers, fingerprint="f", token_ids=ids, pos_start=pos_start, kv_dtype="float16",
-                                     inv_freq=runner.rotary.inv_freq)
+                                     rope=runner.inv_freqs[0])
         key = document_block_key("f", ids, "float16", start=0)
         store.put(key, entry, sync=True)
         exp = Expected.of(ids, fingerprint="f", num_layers=runner.num_layers, kv_heads=runner.kv_heads,

@@ -43,10 +43,12 @@ def test_local_directory_round_trip_and_fingerprint(tmp_path):
 def test_unsupported_architecture_rope_and_sliding_window():
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3, "
+                                         "gemma3_text"):
         check_supported(GPT2Config())
-    scaled = LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
-    with pytest.raises(ValueError, match="unsupported RoPE variant 'linear'.*supported: default, llama3, yarn"):
+    scaled = LlamaConfig(rope_parameters={"rope_type": "longrope", "factor": 2.0, "rope_theta": 10000.0,
+                                          "short_factor": [1.0] * 32, "long_factor": [1.0] * 32})
+    with pytest.raises(ValueError, match="unsupported RoPE variant 'longrope'.*supported: default, linear, llama3, yarn"):
         check_supported(scaled)
     dynamic = Qwen2Config(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(ValueError, match="unsupported RoPE variant 'dynamic'"):
@@ -54,11 +56,9 @@ def test_unsupported_architecture_rope_and_sliding_window():
     partial = LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
     with pytest.raises(ValueError, match="partial_rotary_factor 0.5.*whole head"):
         check_supported(partial)
-    with pytest.raises(ValueError, match="sliding-window"):
-        check_supported(MistralConfig(sliding_window=1024, max_position_embeddings=4096))
-    with pytest.raises(ValueError, match="sliding-window"):
-        check_supported(Qwen2Config(use_sliding_window=True, sliding_window=512, max_window_layers=0,
-                                    max_position_embeddings=4096))
+    # sliding windows are run since issue 34 (tests/test_sliding.py); a window that covers every position is full
+    assert check_supported(MistralConfig(sliding_window=1024, max_position_embeddings=4096)).window == 1024
+    assert check_supported(MistralConfig(sliding_window=4096, max_position_embeddings=4096)).layer_types == ()
     assert check_supported(MistralConfig(sliding_window=None)).arch == "mistral"
     assert check_supported(Qwen2Config(use_sliding_window=False)).arch == "qwen2"
 

@@ -145,6 +145,7 @@ def _inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         dtype_bytes=args.dtype_bytes, tokens=args.tokens, prefill_tokens_per_s=rate,
         read_mibps=args.read_mibps, read_iops=args.read_iops, io_block_bytes=args.io_block,
         link_gibps=args.link_gibps, min_ratio=args.min_ratio, prefill_source=source,
+        layer_types=shape.layer_types, window=shape.window,
     )
 
 
@@ -154,6 +155,14 @@ def format_plan(result: PlanResult) -> list[str]:
         f"KV per token       : {result.kv_bytes_per_token} B ({fmt_bytes(result.kv_bytes_per_token)})",
         f"payload            : {result.payload_bytes} B ({fmt_bytes(result.payload_bytes)}) for {result.tokens} tokens",
     ]
+    if "sliding" in result.layers_by_type:
+        share = result.payload_bytes / result.uniform_payload_bytes
+        lines += [
+            f"layers             : {', '.join(f'{n} {t}' for t, n in result.layers_by_type.items())} "
+            f"(window {result.window} tokens)",
+            f"uniform payload    : {result.uniform_payload_bytes} B ({fmt_bytes(result.uniform_payload_bytes)}); "
+            f"the windows keep {share:.1%} of it",
+        ]
     for s in result.stages:
         mark = "  <- bottleneck" if s.name == result.bottleneck else ""
         lines.append(f"stage {s.name:<13}: {format_rate(s.bytes_per_s)} (limited by {s.limited_by}){mark}")

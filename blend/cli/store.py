@@ -46,12 +46,40 @@ def bytes_per_token(config: Any) -> dict[str, float | None]:
             for t in config.store.tiers}
 
 
+def entry_kind(fingerprint: str) -> str:
+    """What an entry holds, from its header's fingerprint: `window` (a hybrid model's sliding
+    layers, last window of a conversation), `global` (its full-attention layers' prefix
+    block) or `all` (every layer: documents, prefix blocks of other models)."""
+    from blend.kv.windowed import FULL_SUFFIX, WINDOW_SUFFIX
+
+    return "window" if fingerprint.endswith(WINDOW_SUFFIX) else "global" if fingerprint.endswith(FULL_SUFFIX) else "all"
+
+
+def _bytes_by_kind(tier: Any) -> dict[str, int]:
+    """Entry bytes of one tier by `entry_kind` (every header read with peek_header: nothing touched)."""
+    from storage.entry import CorruptEntry
+
+    out = dict.fromkeys(("all", "global", "window"), 0)
+    for key in tier.keys():
+        try:
+            header = tier.peek_header(key)
+        except CorruptEntry:
+            continue
+        if header is not None:
+            out[entry_kind(header.fingerprint)] += header.nbytes
+    return out
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     from blend.config import load_config
 
     config = load_config(args.config)
     with _open_store(args, config.store) as store:
         stats = store.stats()
+        if args.by_kind:  # per layer type: a hybrid model's sessions keep windows and global blocks apart
+            for tier in store.tiers:
+                if tier.name in stats and not stats[tier.name].get("down"):
+                    stats[tier.name] = {**stats[tier.name], "bytes_by_kind": _bytes_by_kind(tier)}
     for name, per_token in bytes_per_token(config).items():
         stats[name]["bytes_per_token"] = per_token
     if args.json:
@@ -60,8 +88,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     for name, s in stats.items():
         down = " DOWN" if s.get("down") else ""
         per_token = f"{s['bytes_per_token'] / 1024:.1f} KiB/token" if s["bytes_per_token"] else "? KiB/token"
+        kinds = "".join(f"  {k} {v / 2**20:.1f} MiB" for k, v in s.get("bytes_by_kind", {}).items())
         print(f"{name:<14} {s['kind']:<14} {s['codec']:<5} {per_token:>15}  entries {s['entries']:>7}  used "
-              f"{s['bytes_used'] / 2**20:>10.1f} MiB  corrupt {s['corrupt']}  errors {s['errors']}{down}")
+              f"{s['bytes_used'] / 2**20:>10.1f} MiB  corrupt {s['corrupt']}  errors {s['errors']}{down}{kinds}")
     return 0
 
 
@@ -71,7 +100,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     rows = []
     with _open_store(args) as store:
         if not args.json:
-            print(f"{'key':<48} {'tier':<14} {'tokens':>7} {'bytes':>11} {'pos_start':>9} codec", flush=True)
+            print(f"{'key':<48} {'tier':<14} {'tokens':>7} {'bytes':>11} {'pos_start':>9}", flush=True)
         for tier in store.tiers:
             for key in tier.keys():
                 # a listing changes nothing: no recency, and an unreadable entry is shown, not deleted
@@ -80,14 +109,14 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                     header = tier.peek_header(key)
                 except CorruptEntry as err:
                     row = {"key": key, "tier": tier.name, "tokens": None, "bytes": None, "pos_start": None,
-                           "codec": None, "corrupt": str(err)}
+                           "corrupt": str(err)}
                     line = f"corrupt: {err}"
                 else:
                     if header is None:
                         continue
                     row = {"key": key, "tier": tier.name, "tokens": header.num_tokens, "bytes": header.nbytes,
-                           "pos_start": header.pos_start, "codec": header.codec.name, "corrupt": None}
-                    line = f"{header.num_tokens:>7} {header.nbytes:>11} {header.pos_start:>9} {header.codec.name}"
+                           "pos_start": header.pos_start, "corrupt": None}
+                    line = f"{header.num_tokens:>7} {header.nbytes:>11} {header.pos_start:>9}"
                 if args.json:
                     rows.append(row)
                 else:
@@ -125,7 +154,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="store_command", required=True, metavar="ACTION")
     for name, func, text in (
         ("stats", _cmd_stats, "per-tier codec, bytes per token, counters and usage"),
-        ("ls", _cmd_ls, "list entries: key, tier, tokens, bytes, pos_start, codec"),
+        ("ls", _cmd_ls, "list entries: key, tier, tokens, bytes, pos_start"),
         ("clear", _cmd_clear, "delete every entry of the config's namespace from every tier (asks, or pass --yes)"),
     ):
         p = sub.add_parser(name, help=text)
@@ -133,5 +162,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         json_arg(p)
         if name == "clear":
             p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+        if name == "stats":
+            p.add_argument("--by-kind", action="store_true",
+                           help="also the bytes of each entry kind (all layers / a hybrid model's global blocks / "
+                                "its sliding windows), read from every entry's header")
         p.set_defaults(func=func)
     return parser

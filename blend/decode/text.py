@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from blend.prompt.conversation import TOKENIZER_LOCK
+
 log = logging.getLogger(__name__)
 
 
@@ -34,8 +36,9 @@ class TextAssembler:
             return ""
         self.ids.append(token)
         start, read = self._window
-        before = self.tokenizer.decode(self.ids[start:read], skip_special_tokens=True)
-        after = self.tokenizer.decode(self.ids[start:], skip_special_tokens=True)
+        with TOKENIZER_LOCK:  # the Rust tokenizer is shared with threads that encode prompts
+            before = self.tokenizer.decode(self.ids[start:read], skip_special_tokens=True)
+            after = self.tokenizer.decode(self.ids[start:], skip_special_tokens=True)
         if len(after) > len(before) and not after.endswith("\ufffd"):  # else: an incomplete character
             self._raw += after[len(before):]
             self._window = (read, len(self.ids))
@@ -50,7 +53,9 @@ class TextAssembler:
         """The remaining text once generation has ended (the whole decoding, stripped)."""
         if self.stopped:
             return ""
-        return self._emit(self.tokenizer.decode(self.ids, skip_special_tokens=True).strip())
+        with TOKENIZER_LOCK:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._emit(text.strip())
 
     def _emit(self, upto: str) -> str:
         if len(upto) <= len(self.out):

@@ -111,7 +111,8 @@ class BlendEngine:
         self.lm = model or load_model(config.model, device=config.device, dtype=config.dtype)
         cfg.check_model_layers(self.lm.dims.num_layers)
         self.runner = Runner(self.lm)
-        self.prompts = PromptBuilder(self.lm.tokenizer, cfg.system_prompt, cfg.query_template, cfg.max_document_tokens)
+        self.prompts = PromptBuilder(self.lm.tokenizer, cfg.system_prompt, cfg.query_template, cfg.max_document_tokens,
+                                     self.lm.dims.max_positions)
         entry_bytes = self.lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * cfg.chunk_tokens
         self.store = store or TieredStore.from_config(config.store, min_entry_bytes=entry_bytes)
         self.fingerprint = self.lm.fingerprint

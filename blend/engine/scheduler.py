@@ -271,6 +271,7 @@ class Scheduler:
             self._running.append(seq)
             return
         pre = value
+        pre.cache.compact_()  # sliding-window layers: rings of their window from here on (memory bounded)
         seq.cache, seq.stats, seq.prompt_ids = pre.cache, pre.stats, pre.token_ids
         seq.ttft_s = time.monotonic() - (seq.started or time.monotonic())
         self._emit_token(seq, pre.logits)
@@ -318,7 +319,7 @@ class Scheduler:
                 continue
             limit = len(seq.prompt_ids) + seq.generation.max_new_tokens
             grown = min(max(cache.capacity + GROW_MIN, cache.capacity * 5 // 4), max(limit, cache.length + 1))
-            extra = (grown - cache.capacity) * self.kv_bytes_per_token
+            extra = cache.growth_bytes(grown)  # per layer type: a sliding layer's ring does not grow
             while len(self._running) > 1 and self.active_kv_bytes() + extra > self.config.max_active_kv:
                 victim = self._running[-1]  # the newest
                 self._preempt(victim)

@@ -89,6 +89,16 @@ class Placement:
     located: Located | None
     entry: KVEntry | None
     recompute: Callable[[], KVEntry]
+    # the cache layers the entry holds, in its layer order (None: every layer, entry layer i =
+    # cache layer i); a hybrid model's session entries hold one layer type each (blend.kv.windowed)
+    layers: tuple[int, ...] | None = None
+
+    def holds(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def entry_layer(self, layer: int) -> int:
+        """The entry's index of cache layer `layer`."""
+        return layer if self.layers is None else self.layers.index(layer)
 
     @property
     def source(self) -> str:
@@ -248,7 +258,9 @@ class LayerLoader:
         dtypes = {p.header.dtype for p in self.placements}
         if staged is None:
             staged = self._cuda if FORCE_STAGED is None else FORCE_STAGED
-        self.staged = staged and len(dtypes) == 1
+        # entries of one layer type each, or a cache with ring layers: placed per segment (host path)
+        per_layer = any(p.layers is not None for p in self.placements) or any(r is not None for r in cache.rings)
+        self.staged = staged and len(dtypes) == 1 and not per_layer
         self._scratch: torch.Tensor | None = None
         self._held: list[object] = []  # tier views copied asynchronously: kept until close()
         self._thread = threading.Thread(target=self._run, name="kvblend-loader", daemon=True)
@@ -406,11 +418,11 @@ class _HostPlacer:
 
     def __init__(self, loader: LayerLoader):
         self.loader = loader
-        self._rotations: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # pre-RoPE keys
+        self._rotations: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # pre-RoPE keys
 
     def _fetch(self, p: Placement, layer: int) -> tuple[EntryHeader, torch.Tensor, torch.Tensor]:
-        """What `p` holds for `layer`: the header it is read under and its K and V (or, encoded,
-        its K part and V part)."""
+        """What `p` holds for the entry's layer `layer` (its own index: Placement.entry_layer): the
+        header it is read under and its K and V (or, encoded, its K part and V part)."""
         ld = self.loader
         if p.entry is None and p.located is not None and ld.store is not None:
             t0 = time.perf_counter()
@@ -441,30 +453,43 @@ class _HostPlacer:
         for p in ld.placements:
             if ld._stop:
                 return
-            header, k, v = self._fetch(p, layer)
+            if not p.holds(layer):
+                continue
+            header, k, v = self._fetch(p, p.entry_layer(layer))
             t0 = time.perf_counter()
-            dst_k = cache.k[layer][:, p.start : p.start + p.length]
-            dst_v = cache.v[layer][:, p.start : p.start + p.length]
+            where = cache.slots(layer, p.start, p.start + p.length)
+            ring = isinstance(where, torch.Tensor)  # a ring's slots: placed through a converted copy
+            if ring:
+                dst_k = torch.empty(k.shape if header.codec.raw else header.shape, dtype=cache.k[layer].dtype,
+                                    device=cache.k[layer].device)
+                dst_v = torch.empty_like(dst_k)
+            else:
+                dst_k, dst_v = cache.k[layer][:, where], cache.v[layer][:, where]
             if header.codec.raw:
                 dst_k.copy_(k, non_blocking=True)  # converts to the compute dtype in place
                 dst_v.copy_(v, non_blocking=True)
             else:
                 decode_into(header.codec, k.to(dst_k.device), v.to(dst_k.device), dst_k, dst_v)
             if header.keys_pre_rope:
-                self._rotate_(dst_k, p.start, p.length)
+                self._rotate_(dst_k, p.start, p.length, layer)
             else:
-                runner.rerotate_(dst_k, p.start - p.pos_start)
+                runner.rerotate_(dst_k, p.start - p.pos_start, layer)  # the layer's own RoPE
+            if ring:
+                cache.k[layer][:, where] = dst_k
+                cache.v[layer][:, where] = dst_v
             ld.copies += 2
             ld.place_s += time.perf_counter() - t0
 
-    def _rotate_(self, k: torch.Tensor, start: int, length: int) -> None:
-        """Rotate keys decoded at position 0 (H, length, D), in place, to positions start.. (the
-        rotation tables kept per segment: every layer asks again)."""
-        cs = self._rotations.get((start, length))
+    def _rotate_(self, k: torch.Tensor, start: int, length: int, layer: int) -> None:
+        """Rotate keys decoded at position 0 (H, length, D), in place, to positions start.. with
+        `layer`'s RoPE (the tables kept per segment and RoPE kind: every layer asks again)."""
+        runner = self.loader.runner
+        key = (start, length, runner.layer_rope[layer])
+        cs = self._rotations.get(key)
         if cs is None:
-            cos, sin = self.loader.runner.rotation(torch.arange(start, start + length))  # (T, D) float32
+            cos, sin = runner.rotation(torch.arange(start, start + length), layer)  # (T, D) float32
             half = cos.shape[-1] // 2
-            cs = self._rotations[(start, length)] = (cos[:, :half].to(k.dtype), sin[:, :half].to(k.dtype))
+            cs = self._rotations[key] = (cos[:, :half].to(k.dtype), sin[:, :half].to(k.dtype))
         c, s = cs
         half = k.shape[-1] // 2
         x1, x2 = k[..., :half], k[..., half:]
@@ -695,12 +720,16 @@ class _StagedPlacer:
                            for p, pre in zip(ld.placements, pre_rope, strict=True)])
         self.rotate = bool(delta.any())
         if self.rotate:
-            cos, sin = ld.runner.rotation(delta)  # (N, D) float32 each, on the device
             half = self.head_dim // 2
             dtype = ld.cache.k[0].dtype
             # float32 caches: the host path's math exactly; half-precision ones: float32 math, rounded once
             math = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-            self.cos, self.sin = cos[:, :half].to(math), sin[:, :half].to(math)  # (N, D/2)
+            self.rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE kind: cos, sin (N, D/2)
+            for layer in ld.layers:
+                kind = ld.runner.layer_rope[layer]
+                if kind not in self.rotations:
+                    cos, sin = ld.runner.rotation(delta, layer)  # (N, D) float32 each, on the device
+                    self.rotations[kind] = (cos[:, :half].to(math), sin[:, :half].to(math))
             self.math = math
 
     def _spread(self, layer: int, raw: torch.Tensor) -> None:
@@ -720,12 +749,13 @@ class _StagedPlacer:
             dst_v = v
         if self.rotate:
             half = d // 2
+            cos, sin = self.rotations[ld.runner.layer_rope[layer]]  # (N, D/2) of this layer's RoPE
             x = k.to(self.math)  # (H, N, D)
             x1, x2 = x[..., :half], x[..., half:]
-            first = torch.mul(x1, self.cos)
-            torch.addcmul(first, x2, self.sin, value=-1, out=dst_k[..., :half])  # x1 cos - x2 sin
-            second = torch.mul(x2, self.cos)
-            torch.addcmul(second, x1, self.sin, out=dst_k[..., half:])  # x2 cos + x1 sin
+            first = torch.mul(x1, cos)
+            torch.addcmul(first, x2, sin, value=-1, out=dst_k[..., :half])  # x1 cos - x2 sin
+            second = torch.mul(x2, cos)
+            torch.addcmul(second, x1, sin, out=dst_k[..., half:])  # x2 cos + x1 sin
         else:
             dst_k.copy_(k)
         if self.span is not None:

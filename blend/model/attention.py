@@ -16,6 +16,11 @@ Strategies (`AttentionPlan.kind`):
            boolean mask (on CUDA the query heads of a KV head may be folded into the rows)
   tail     the last rows (contiguous, ending at the last key): one causal call with the
            mask aligned to the bottom right (the CUDA flash kernel's own alignment)
+  window   a sliding-window layer (a query at p sees keys p - W + 1 .. p only): the rows in
+           position-sorted groups spanning fewer than W positions, each over the keys from
+           its first row's window start to its last row, with a band mask (none where every
+           key of the slice is visible, e.g. one decoded token); used once some row's window
+           starts after key 0 (before that, the layer attends like a full one)
   merge    cost proportional to the visible (query, key) pairs: the keys from the first
            query's position on are cut into equal bands; one causal call covers every band
            (each query placed at its offset in its band, its band's keys only), and per band
@@ -76,6 +81,8 @@ class AttentionPlan:
     band: tuple[int, int, int] = (0, 0, 0)  # merge: (first key, width, count) of the causal band block
     band_index: torch.Tensor | None = None  # merge: (2, Tq) each query's band and offset in it, on the device
     prefixes: tuple[tuple[int, int, int], ...] = ()  # merge: (first, end row, keys) per unmasked prefix call
+    windows: tuple[tuple[int, int, int, int, torch.Tensor, bool], ...] = ()  # window: (first, end row,
+    # first key, end key, band mask (Tg, keys), whether the mask hides any key of the slice)
     options: tuple[AttentionPlan, ...] = ()  # tune: the exact candidates, the reference first
     bucket: tuple[int, int] = (0, 0)  # tune: the shape bucket
 
@@ -178,6 +185,33 @@ def _merge_plan(pos: torch.Tensor, tk: int, parts: int, device: torch.device) ->
                          prefixes=prefixes)
 
 
+def window_plan(pos: torch.Tensor, tk: int, window: int, device: torch.device) -> AttentionPlan:
+    """The `window` plan of queries at host positions pos (Tq,) (sorted, unique, all < tk) in a
+    layer whose query at p sees the keys p - window + 1 .. p: groups of rows spanning fewer
+    than `window` positions (so at most 2 * window - 1 keys each), each over keys
+    [first row's window start, last row + 1) with a boolean band mask (applied only where it
+    hides a key)."""
+    tq = pos.numel()
+    groups = []
+    a = 0
+    while a < tq:
+        first = int(pos[a])
+        b = int(torch.searchsorted(pos, first + window))  # rows at positions first .. first + window - 1
+        lo, hi = max(0, first - window + 1), int(pos[b - 1]) + 1
+        keys = torch.arange(lo, hi)  # (Tk',) key positions
+        rows = pos[a:b, None]  # (Tg, 1)
+        mask = (keys[None, :] <= rows) & (keys[None, :] > rows - window)  # (Tg, Tk')
+        groups.append((a, b, lo, hi, mask.to(device), not bool(mask.all())))
+        a = b
+    return AttentionPlan("window", tq, tk, windows=tuple(groups), parts=window)
+
+
+def needs_window(pos: torch.Tensor, window: int | None) -> bool:
+    """Whether a sliding window of `window` hides a key from some query at sorted positions
+    pos (a query at p < window sees every key 0..p, as in a full layer)."""
+    return window is not None and int(pos[-1]) >= window
+
+
 def is_tail(pos: torch.Tensor, tk: int) -> bool:
     """Whether sorted positions pos (Tq,) are the last rows: contiguous, ending at key tk-1."""
     return int(pos[-1]) == tk - 1 and int(pos[-1]) - int(pos[0]) + 1 == pos.numel()
@@ -222,6 +256,11 @@ def run_plan(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         return _attend_groups(q, k, v, plan, scale)
     if plan.kind == "merge":
         return _attend_merge(q, k, v, plan, scale)
+    if plan.kind == "window":
+        outs = [F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, lo:hi], v[None, :, lo:hi],
+                                               attn_mask=mask if hides else None, scale=scale, enable_gqa=True)[0]
+                for a, b, lo, hi, mask, hides in plan.windows]  # (H, Tg, D) each
+        return torch.cat(outs, dim=1).transpose(0, 1).reshape(tq, -1)  # (Tq, H*D)
     if plan.kind == TAIL:
         if q.device.type == "cuda":  # the flash kernel aligns a causal mask to the bottom right: exact here
             out = torch.ops.aten._scaled_dot_product_flash_attention(q[None], k[None], v[None], 0.0, True, False,
@@ -262,8 +301,11 @@ def _attend_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Atte
 
 
 def causal_float_masks(plan: AttentionPlan, dtype: torch.dtype) -> list[torch.Tensor]:
-    """The bool masks of a `groups` plan as additive float masks (0 visible, -inf not),
-    (Tg, keys) each in `dtype`; [] for other plans."""
+    """The bool masks of a `groups` or `window` plan as additive float masks (0 visible,
+    -inf not), (Tg, keys) each in `dtype`; [] for other plans."""
+    if plan.kind == "window":
+        return [torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+                for *_, mask, _hides in plan.windows]
     if plan.kind != "groups":
         return []
     return [torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
@@ -289,13 +331,15 @@ def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
                                              enable_gqa=True)[0]  # (H, Tq, D)
         return out.transpose(0, 1).reshape(tq, -1)
-    if plan.kind != "groups" or plan.fold != 1 or len(masks) != len(plan.groups):
-        raise ValueError(f"biased attention runs an unfolded groups plan or `all`, got {plan.strategy!r}")
+    spans = ([(a, e, lo, hi) for a, e, lo, hi, _, _ in plan.windows] if plan.kind == "window"
+             else [(a, e, 0, end) for a, e, end, _ in plan.groups] if plan.kind == "groups" and plan.fold == 1 else None)
+    if spans is None or len(masks) != len(spans):
+        raise ValueError(f"biased attention runs an unfolded groups plan, a window plan or `all`, got {plan.strategy!r}")
     b = bias.to(q.dtype)
     outs = []
-    for (a, e, end, _), causal in zip(plan.groups, masks, strict=True):
-        per_head = [F.scaled_dot_product_attention(q[None, h * g:(h + 1) * g, a:e], k[None, h:h + 1, :end],
-                                                   v[None, h:h + 1, :end], attn_mask=causal + b[h, None, :end],
+    for (a, e, lo, hi), causal in zip(spans, masks, strict=True):
+        per_head = [F.scaled_dot_product_attention(q[None, h * g:(h + 1) * g, a:e], k[None, h:h + 1, lo:hi],
+                                                   v[None, h:h + 1, lo:hi], attn_mask=causal + b[h, None, lo:hi],
                                                    scale=scale, enable_gqa=True)[0]  # (g, Tg, D)
                     for h in range(hkv)]
         outs.append(torch.cat(per_head, dim=0))  # (H, Tg, D)

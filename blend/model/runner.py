@@ -13,6 +13,14 @@ Per layer the runner can
   - `attend`: attend those queries over a caller-supplied K/V with the exact causal mask
               by position;
   - `finish`: o_proj, residual, post-attention norm, MLP, residual for that subset only.
+
+Layers of a hybrid model differ by attention type (`ModelDims.layer_types`): a sliding
+layer's query at p attends only the keys p - window + 1 .. p (`attend(window=)`, exact
+for any set of query rows), and its RoPE may use its own base (Gemma 3: 10k locally,
+1M globally): `rope` then gives one cos/sin per RoPE kind, (T, K, D), and `qkv`,
+`rotation` and `rerotate` take each layer's own. Gemma 3's sandwich norms (a norm after
+attention and after the MLP too), its embedding scale and QK-norm are the model's own
+modules, run in the model's order.
 """
 
 from __future__ import annotations
@@ -34,11 +42,13 @@ from blend.model.attention import (
     decode_attention,
     flash_attn_func,
     is_tail,
+    needs_window,
     rule_strategy,
     run_plan,
     shape_bucket,
     shortcut_plan,
     wall_timer,
+    window_plan,
 )
 from blend.model.cache import KVCache
 from blend.model.loading import LoadedModel
@@ -68,14 +78,25 @@ class Runner:
             raise ValueError(f"unknown attention backend {attention!r}; use auto, sdpa or flash")
         self.lm = lm
         inner = lm.model.model
-        self.embed_tokens = inner.embed_tokens
+        self.embed_tokens = inner.embed_tokens  # Gemma: scales by sqrt(hidden) itself
         self.layers = inner.layers
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
         self.lm_head = lm.model.lm_head
         d = lm.dims
+        self.dims = d
         self.num_layers, self.num_heads, self.kv_heads, self.head_dim = d.num_layers, d.num_heads, d.kv_heads, d.head_dim
         self.max_positions = d.max_positions
+        self.windows: tuple[int | None, ...] = tuple(d.layer_window(i) for i in range(d.num_layers))  # None: full
+        # RoPE kinds: one (None) for most models; Gemma 3's rotary holds one per layer type
+        per_type = isinstance(getattr(self.rotary, "rope_type", None), dict)
+        self.rope_kinds: tuple[str | None, ...] = tuple(sorted(self.rotary.rope_type)) if per_type else (None,)
+        types = list(getattr(lm.config, "layer_types", None) or [])
+        self.layer_rope: tuple[int, ...] = (tuple(self.rope_kinds.index(t) for t in types) if per_type
+                                            else (0,) * d.num_layers)  # each layer's RoPE kind
+        self.inv_freqs = [getattr(self.rotary, "inv_freq" if k is None else f"{k}_inv_freq") for k in self.rope_kinds]
+        self.sandwich = hasattr(self.layers[0], "pre_feedforward_layernorm")  # norms before and after attn / MLP
+        self.logit_softcap = getattr(lm.config, "final_logit_softcapping", None)
         self.scaling = self.layers[0].self_attn.scaling
         self.device = lm.device
         self.dtype = lm.dtype
@@ -85,8 +106,10 @@ class Runner:
         # flash-attn kernels take fp16/bf16 only; fp32 models use SDPA on CUDA too
         self.use_flash = (use_flash and flash_attn_func is not None and self.device.type == "cuda"
                           and self.dtype in (torch.float16, torch.bfloat16))
-        self._shifts: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._shifts: dict[tuple[int, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._plan: tuple[torch.Tensor, AttentionPlan] | None = None  # the last attention plan and its q_pos
+        self._window_plans: dict[int, tuple[torch.Tensor, AttentionPlan]] = {}  # the same per window
+        self._biased_window_plans: dict[int, tuple[torch.Tensor, AttentionPlan, list[torch.Tensor]]] = {}
         self._biased_plan: tuple[torch.Tensor, AttentionPlan, list[torch.Tensor]] | None = None  # biased attention's
         # scattered query rows: on CUDA the fastest exact strategy per shape, measured once
         # (the engine's warm-up and the benches' warm-ups absorb it); elsewhere a fixed rule
@@ -95,8 +118,11 @@ class Runner:
         self.strategies: Counter[str] = Counter()  # attention calls per strategy run
 
     # ----------------------------------------------------------------- helpers
-    def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
+    def new_cache(self, capacity: int, ring: bool = False) -> KVCache:
+        """An empty cache for `capacity` positions; with `ring`, sliding layers are rings of
+        window + RING_SLACK slots from the start (a resumed conversation: its windows only)."""
+        return KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, self.device,
+                       windows=self.windows, ring=ring)
 
     def check_length(self, n: int, new_tokens: int = 0, shorten: str = "use fewer or shorter documents") -> None:
         """Raise if a prompt of n tokens plus `new_tokens` to generate does not fit the
@@ -116,51 +142,66 @@ class Runner:
             )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (T, D) for explicit integer positions (T,), as the model applies them
-        (including YaRN's attention scaling), in the model dtype."""
+        """cos, sin for explicit integer positions (T,), as the model applies them (including
+        YaRN's attention scaling), in the model dtype: (T, D), or (T, K, D) for a model with
+        K RoPE kinds (one per layer type; `qkv` takes each layer's own). Rows index dim 0."""
         dummy = torch.empty(0, dtype=self.dtype, device=self.device)
-        cos, sin = self.rotary(dummy, positions.to(self.device)[None])
-        return cos[0], sin[0]
+        pos = positions.to(self.device)[None]
+        if self.rope_kinds == (None,):
+            cos, sin = self.rotary(dummy, pos)
+            return cos[0], sin[0]
+        pairs = [self.rotary(dummy, pos, kind) for kind in self.rope_kinds]
+        return torch.stack([c[0] for c, _ in pairs], dim=1), torch.stack([s[0] for _, s in pairs], dim=1)
 
-    def rotation(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (T, D) float32 of the pure rotations R(delta) for integer offsets (T,).
+    def layer_rope_of(self, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (T, D) cos/sin of `layer` out of `rope`'s result."""
+        if cos.dim() == 3:
+            kind = self.layer_rope[layer]
+            return cos[:, kind], sin[:, kind]
+        return cos, sin
 
-        The rotary module's own frequencies (so llama3/YaRN rescaling included) and its
-        math (float32 angles), but never its attention scaling: a key computed at p already
-        carries that factor once, and R(d) R(p) = R(p + d) moves it without adding another.
+    def rotation(self, delta: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, D) float32 of the pure rotations R(delta) of `layer`'s RoPE for integer
+        offsets (T,).
+
+        The rotary module's own frequencies (so llama3/YaRN/linear rescaling included, and
+        each layer type's own base) and its math (float32 angles), but never its attention
+        scaling: a key computed at p already carries that factor once, and R(d) R(p) =
+        R(p + d) moves it without adding another.
         """
-        freqs = delta.reshape(-1, 1).to(self.device).float() * self.rotary.inv_freq.float()  # (T, D/2)
+        inv_freq = self.inv_freqs[self.layer_rope[layer]]
+        freqs = delta.reshape(-1, 1).to(self.device).float() * inv_freq.float()  # (T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
         return emb.cos(), emb.sin()
 
-    def rerotate(self, k: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
-        """Move keys rotated at positions p to positions p + delta (delta may be negative).
+    def rerotate(self, k: torch.Tensor, delta: torch.Tensor | int, layer: int = 0) -> torch.Tensor:
+        """Move keys of `layer` rotated at positions p to positions p + delta (delta may be negative).
 
         RoPE rotations compose: R(p + d) = R(d) R(p), so rotating a cached key by the
-        position shift gives exactly the key computed at the new position.
-        k: (kv_heads, T, D); delta: int or (T,) ints. Returns a new tensor (k itself when
-        delta is 0); does not modify k.
+        position shift gives exactly the key computed at the new position (with the
+        layer's own RoPE frequencies). k: (kv_heads, T, D); delta: int or (T,) ints.
+        Returns a new tensor (k itself when delta is 0); does not modify k.
         """
         if isinstance(delta, int):
             if delta == 0:
                 return k
-            cos, sin = self._shift(delta, k.dtype)  # (1, D), broadcast over T
+            cos, sin = self._shift(delta, k.dtype, layer)  # (1, D), broadcast over T
         else:
-            cos, sin = self.rotation(delta)
+            cos, sin = self.rotation(delta, layer)
             cos, sin = cos.to(k.dtype), sin.to(k.dtype)
         return apply_rope(k, cos, sin)
 
-    def rerotate_(self, k: torch.Tensor, delta: torch.Tensor | int) -> None:
-        """In-place `rerotate` of k (Hkv, T, D) (the loader's hot path: per layer per segment).
+    def rerotate_(self, k: torch.Tensor, delta: torch.Tensor | int, layer: int = 0) -> None:
+        """In-place `rerotate` of k (Hkv, T, D) of `layer` (the loader's hot path: per layer per segment).
 
         delta: int (memoised cos/sin) or (T,) ints. Modifies k; delta 0 is a no-op.
         """
         if isinstance(delta, int):
             if delta == 0:
                 return
-            cos, sin = self._shift(delta, k.dtype)  # (1, D)
+            cos, sin = self._shift(delta, k.dtype, layer)  # (1, D)
         else:
-            cos, sin = self.rotation(delta)
+            cos, sin = self.rotation(delta, layer)
             cos, sin = cos.to(k.dtype), sin.to(k.dtype)
         half = k.shape[-1] // 2
         c, s = cos[:, :half], sin[:, :half]
@@ -169,13 +210,14 @@ class Runner:
         x1.mul_(c).addcmul_(x2, s, value=-1)  # x1 cos - x2 sin
         x2.mul_(c).addcmul_(first, s)  # x2 cos + x1 sin
 
-    def _shift(self, delta: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (1, D) of the pure rotation R(delta) in `dtype`, memoised (the loader asks
-        per layer per segment)."""
-        key = (delta, dtype)
+    def _shift(self, delta: int, dtype: torch.dtype, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (1, D) of the pure rotation R(delta) of `layer`'s RoPE in `dtype`, memoised
+        (the loader asks per layer per segment)."""
+        kind = self.layer_rope[layer]
+        key = (delta, dtype, kind)
         hit = self._shifts.get(key)
         if hit is None:
-            cos, sin = self.rotation(torch.tensor([delta]))
+            cos, sin = self.rotation(torch.tensor([delta]), layer)
             hit = (cos.to(dtype), sin.to(dtype))
             if len(self._shifts) > 512:
                 self._shifts.clear()
@@ -189,7 +231,8 @@ class Runner:
 
     def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows h (T, hidden) at the positions of cos/sin (T, D) -> q (H, T, D), k and v (Hkv, T, D)."""
+        """Rows h (T, hidden) at the positions of cos/sin (T, D) or (T, K, D) (`rope`) -> q (H, T, D),
+        k and v (Hkv, T, D)."""
         block = self.layers[layer]
         attn = block.self_attn
         x = block.input_layernorm(h)
@@ -197,9 +240,10 @@ class Runner:
         q = attn.q_proj(x).view(t, -1, self.head_dim)  # (T, H, D)
         k = attn.k_proj(x).view(t, -1, self.head_dim)  # (T, Hkv, D)
         v = attn.v_proj(x).view(t, -1, self.head_dim)  # (T, Hkv, D)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3, Gemma 3
             q = attn.q_norm(q)
             k = attn.k_norm(k)
+        cos, sin = self.layer_rope_of(layer, cos, sin)  # (T, D) of this layer's RoPE kind
         q = apply_rope(q.transpose(0, 1), cos, sin)  # (H, T, D)
         k = apply_rope(k.transpose(0, 1), cos, sin)  # (Hkv, T, D)
         return q, k, v.transpose(0, 1)
@@ -239,7 +283,8 @@ class Runner:
                              bucket=bucket)
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               plan: AttentionPlan | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+               plan: AttentionPlan | None = None, bias: torch.Tensor | None = None,
+               window: int | None = None) -> torch.Tensor:
         """Exact causal attention by position.
 
         q (H, Tq, D) at positions q_pos (Tq,), sorted ascending; k, v (Hkv, Tk, D) hold
@@ -249,9 +294,15 @@ class Runner:
         from then on runs the winner. Counts the strategy run in `self.strategies`.
         `bias` (Hkv, Tk) float: a logit added to every query's score of each key (per KV
         head; `KVCache.bias`); then the rows go through masked groups with a float mask
-        (`biased` in `strategies`). Returns (Tq, H*D).
+        (`biased` in `strategies`). `window` (a sliding layer's, `windows[layer]`): a query
+        at p sees only the keys p - window + 1 .. p (a `window` plan, built once per row
+        set and window, once some row's window starts after key 0). Returns (Tq, H*D).
         """
         tq, tk = q.shape[1], k.shape[1]
+        if window is not None:
+            pos = q_pos.cpu() if q_pos.device.type != "cpu" else q_pos
+            if needs_window(pos, window):
+                return self._attend_window(q, q_pos, pos, k, v, window, bias)
         if bias is not None:
             return self._attend_biased(q, q_pos, k, v, bias)
         if plan is None:
@@ -287,6 +338,29 @@ class Runner:
         self.strategies["biased"] += 1
         return biased_attention(q, k, v, bias, self.scaling, plan, masks)
 
+    def _attend_window(self, q: torch.Tensor, q_pos: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, window: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """`attend` in a sliding-window layer (plans kept per window for the same q_pos tensor)."""
+        tq, tk = q.shape[1], k.shape[1]
+        if bias is None:
+            cached = self._window_plans.get(window)
+            if cached is not None and cached[0] is q_pos and cached[1].tk == tk and cached[1].tq == tq:
+                plan = cached[1]
+            else:
+                plan = window_plan(pos, tk, window, self.device)
+                self._window_plans[window] = (q_pos, plan)  # keeps q_pos alive: its identity stays unique
+            self.strategies["window"] += 1
+            return run_plan(plan, q, k, v, self.scaling)
+        hit = self._biased_window_plans.get(window)
+        if hit is not None and hit[0] is q_pos and hit[1].tk == tk and hit[1].tq == tq:
+            plan, masks = hit[1], hit[2]
+        else:
+            plan = window_plan(pos, tk, window, self.device)
+            masks = causal_float_masks(plan, q.dtype)
+            self._biased_window_plans[window] = (q_pos, plan, masks)
+        self.strategies["biased"] += 1
+        return biased_attention(q, k, v, bias, self.scaling, plan, masks)
+
     def _tune(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
               ) -> tuple[AttentionPlan, torch.Tensor | None]:
         """The candidate of a `tune` plan to run: measured now on these inputs (returning its
@@ -299,14 +373,23 @@ class Runner:
         chosen, out = self.tuner.choose(plan.bucket, runs)
         return by_name[chosen], out
     def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """o_proj + residual, then post-attention norm + MLP + residual, for rows h (T, hidden)."""
+        """o_proj + residual, then post-attention norm + MLP + residual, for rows h (T, hidden)
+        (Gemma's sandwich: the attention and MLP outputs normed before their residual adds,
+        the MLP input by its pre-feed-forward norm)."""
         block = self.layers[layer]
-        h = h + block.self_attn.o_proj(attn_out)
+        out = block.self_attn.o_proj(attn_out)
+        if self.sandwich:
+            h = h + block.post_attention_layernorm(out)
+            return h + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(h)))
+        h = h + out
         return h + block.mlp(block.post_attention_layernorm(h))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head for rows h (T, hidden) -> (T, vocab) in float32."""
-        return self.lm_head(self.norm(h)).float()
+        """Final norm + lm_head (+ the model's final soft-capping) for rows h (T, hidden) -> (T, vocab) float32."""
+        logits = self.lm_head(self.norm(h)).float()
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     # --------------------------------------------------------- whole passes
     @torch.inference_mode()
@@ -315,7 +398,8 @@ class Runner:
                 before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Compute tokens at positions start..start+T-1 attending cache slots 0..start-1.
 
-        Writes their K/V into `cache` slots start..start+T-1 and sets cache.length.
+        Writes their K/V into `cache` at positions start..start+T-1 (a ring layer: its slots of
+        them) and sets cache.length.
         `before_layer(i)` is called before layer i reads the cache (a loader's wait).
         Returns logits (len(logit_rows), vocab) for the requested rows (default: last);
         with no rows (`logit_rows=()`, only the KV is wanted) the last layer stops after
@@ -334,21 +418,33 @@ class Runner:
             if before_layer is not None:
                 before_layer(layer)
             q, k, v = self.qkv(layer, h, cos, sin)
-            cache.k[layer][:, start:end] = k
-            cache.v[layer][:, start:end] = v
-            keys, values = cache.layer(layer, end)
+            window = self.windows[layer]
+            if cache.is_ring(layer) and end > cache.k[layer].shape[1]:
+                # a ring that wraps: the keys of the rows' windows in position order, then the new ones
+                lo = max(0, start - window + 1)
+                past_k, past_v = cache.window(layer, lo, start)  # (Hkv, start - lo, D)
+                keys, values = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)  # positions lo..end-1
+                bias = cache.window_bias(layer, lo, start)
+                if bias is not None:
+                    bias = torch.cat([bias, bias.new_zeros((bias.shape[0], t))], dim=1)
+                q_pos = positions - lo
+                cache.put(layer, start, k, v)
+            else:
+                cache.k[layer][:, start:end] = k
+                cache.v[layer][:, start:end] = v
+                keys, values = cache.layer(layer, end)
+                bias, q_pos = cache.layer_bias(layer, end), positions
             if layer == self.num_layers - 1 and not rows:  # its output feeds nothing wanted
                 cache.length = end
                 return torch.zeros((0, self.lm_head.weight.shape[0]), dtype=torch.float32, device=h.device)
             if layer == self.num_layers - 1 and len(rows) < t:
                 # only the rows whose logits are wanted need the last layer's output
                 sel = torch.tensor(rows)
-                attn = self.attend(q[:, sel.to(self.device)], positions[sel], keys, values,
-                                   bias=cache.layer_bias(layer, end))
+                attn = self.attend(q[:, sel.to(self.device)], q_pos[sel], keys, values, bias=bias, window=window)
                 h = self.finish(layer, h[sel], attn)
                 rows = list(range(len(rows)))
             else:
-                h = self.finish(layer, h, self.attend(q, positions, keys, values, bias=cache.layer_bias(layer, end)))
+                h = self.finish(layer, h, self.attend(q, q_pos, keys, values, bias=bias, window=window))
         cache.length = end
         return self.logits(h[rows])
 
@@ -387,7 +483,10 @@ class Runner:
         key_rows = torch.where(own < n[:, None], key_rows, 0)  # padding keys: any row, masked below
         mask = (own[:, None, :] < 0) | (own[:, None, :] <= i[None, :, None])  # (1, Lq, Lk): context or causal
         mask = mask & (own[:, None, :] < n[:, None, None])  # (B, Lq, Lk): not past the sequence's end
-        mask = mask[:, None].to(self.device)  # (B, 1, Lq, Lk); a padded query row still sees key 0
+        masks = {None: mask[:, None].to(self.device)}  # (B, 1, Lq, Lk); a padded query row still sees key 0
+        for window in set(self.windows) - {None}:  # key slot = key position; a query row i sits at start + i
+            band = key[None, None, :] > (start + i)[None, :, None] - window  # (1, Lq, Lk)
+            masks[window] = (mask & band)[:, None].to(self.device)
         rows_d, key_rows_d = rows.to(self.device), key_rows.to(self.device)
         keep = (torch.arange(batch)[:, None] * longest + i[None, :])[valid].to(self.device)  # (T,) in packed order
         packed = self.new_cache(total)
@@ -407,7 +506,7 @@ class Runner:
             qb = q[:, rows_d].transpose(0, 1)  # (B, H, Lq, D)
             kb = k_all[:, key_rows_d].transpose(0, 1)  # (B, Hkv, Lk, D)
             vb = v_all[:, key_rows_d].transpose(0, 1)
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=self.scaling,
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=masks[self.windows[layer]], scale=self.scaling,
                                                  enable_gqa=True)  # (B, H, Lq, D)
             out = out.transpose(1, 2).reshape(batch * longest, -1)[keep]  # (T, H*D)
             h = self.finish(layer, h, out)
@@ -421,8 +520,9 @@ class Runner:
 
         The linear layers (QKV, output projection, MLP, LM head) run once over the B rows;
         attention runs per sequence over its own keys (`decode_attention`: one call per
-        sequence and layer, the cache's stale-key bias folded in). Every cache needs room for
-        one more position (`ensure_capacity`). Returns logits (B, vocab) float32.
+        sequence and layer, the cache's stale-key bias folded in; a sliding layer over its
+        window only, from a ring where the cache has one). Every cache needs room for one more
+        position (`ensure_capacity`). Returns logits (B, vocab) float32.
         """
         batch = len(caches)
         if batch != len(token_ids) or batch == 0:
@@ -440,12 +540,13 @@ class Runner:
         for layer in range(self.num_layers):
             q, k, v = self.qkv(layer, h, cos, sin)  # (H, B, D), (Hkv, B, D) x2
             out = h.new_empty((batch, self.num_heads * self.head_dim))  # (B, H*D)
+            window = self.windows[layer]
             for b, (c, p) in enumerate(zip(caches, pos, strict=True)):
-                keys, values = c.k[layer], c.v[layer]
-                keys[:, p] = k[:, b]
-                values[:, p] = v[:, b]
-                out[b] = decode_attention(q[:, b], keys[:, : p + 1], values[:, : p + 1], self.scaling,
-                                          c.layer_bias(layer, p + 1))
+                # a sliding layer: the keys of the last `window` positions only (a ring: gathered)
+                lo = 0 if window is None else max(0, p - window + 1)
+                c.put(layer, p, k[:, b:b + 1], v[:, b:b + 1])
+                keys, values = c.window(layer, lo, p + 1)  # (Hkv, p + 1 - lo, D)
+                out[b] = decode_attention(q[:, b], keys, values, self.scaling, c.window_bias(layer, lo, p + 1))
             h = self.finish(layer, h, out)
         for c, p in zip(caches, pos, strict=True):
             c.length = p + 1

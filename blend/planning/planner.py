@@ -23,7 +23,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from storage.dtypes import kv_bytes_per_token
@@ -65,6 +65,18 @@ class PlanInputs:
     link_gibps: float | None = None
     min_ratio: float = DEFAULT_MIN_RATIO
     prefill_source: str = "given"  # how prefill_tokens_per_s was obtained, e.g. "measured on cpu"
+    # per layer "full" or "sliding" (empty: every layer full); a sliding layer keeps the last `window` tokens
+    layer_types: tuple[str, ...] = ()
+    window: int | None = None
+
+
+def kept_token_layers(layers: int, layer_types: Sequence[str], window: int | None, tokens: int) -> int:
+    """Sum over layers of the tokens each must keep for a sequence of `tokens`: all of them in a
+    full layer, min(tokens, window) in a sliding one (ModelDims.kv_bytes, without a model)."""
+    if not layer_types:
+        return layers * tokens
+    sliding = sum(t == "sliding" for t in layer_types)
+    return (layers - sliding) * tokens + sliding * min(tokens, window or tokens)
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,11 @@ class PlanResult:
     min_ratio: float
     bottleneck: str  # name of the slowest stage
     stages: tuple[Stage, ...]
+    # KV accounting per layer type: `payload_bytes` counts a sliding layer at min(tokens, window)
+    # tokens, `uniform_payload_bytes` every layer at every token (2 * L * n * h * d * b)
+    layers_by_type: dict[str, int] = field(default_factory=dict)
+    window: int | None = None
+    uniform_payload_bytes: int = 0
 
     def to_dict(self) -> dict:
         """A JSON-ready dict; `stages` becomes a list of {name, bytes_per_s, limited_by}."""
@@ -152,7 +169,9 @@ def plan(inputs: PlanInputs) -> PlanResult:
 
     Verdict "load" when the load-time lower bound is below the prefill time (the load can
     then be hidden behind recomputing `recommended_ratio` of the tokens), else "recompute"
-    with the ratio capped at 1.0. Raises ValueError for invalid inputs.
+    with the ratio capped at 1.0. The payload is what the sequence must keep to go on
+    decoding: a sliding layer's last min(tokens, window) tokens, every token of a full
+    layer. Raises ValueError for invalid inputs.
     """
     for value, what in (
         (inputs.layers, "layers (--layers)"),
@@ -169,8 +188,15 @@ def plan(inputs: PlanInputs) -> PlanResult:
         raise ValueError(f"minimum recompute ratio (--min-ratio) must be in [0, 1], got {inputs.min_ratio!r}")
     stages = transfer_stages(inputs.read_mibps, inputs.read_iops, inputs.io_block_bytes, inputs.link_gibps)
     bottleneck = min(stages, key=lambda s: s.bytes_per_s)  # first wins a tie
+    if inputs.layer_types and (len(inputs.layer_types) != inputs.layers or not set(inputs.layer_types) <= {
+            "full", "sliding"} or ("sliding" in inputs.layer_types and not (inputs.window or 0) > 0)):
+        raise ValueError(f"layer types must be {inputs.layers} of full / sliding, with a window > 0 for sliding ones; "
+                         f"got {inputs.layer_types!r} and window {inputs.window!r}")
     per_token = kv_bytes_per_token(inputs.layers, inputs.kv_heads, inputs.head_dim, inputs.dtype_bytes)
-    payload = per_token * inputs.tokens
+    uniform = per_token * inputs.tokens
+    per_layer_token = kv_bytes_per_token(1, inputs.kv_heads, inputs.head_dim, inputs.dtype_bytes)
+    payload = per_layer_token * kept_token_layers(inputs.layers, inputs.layer_types, inputs.window, inputs.tokens)
+    types = inputs.layer_types or ("full",) * inputs.layers
     t_load = payload / bottleneck.bytes_per_s
     t_prefill = inputs.tokens / inputs.prefill_tokens_per_s
     return PlanResult(
@@ -187,6 +213,9 @@ def plan(inputs: PlanInputs) -> PlanResult:
         min_ratio=inputs.min_ratio,
         bottleneck=bottleneck.name,
         stages=stages,
+        layers_by_type={t: types.count(t) for t in ("full", "sliding") if t in types},
+        window=inputs.window if "sliding" in types else None,
+        uniform_payload_bytes=uniform,
     )
 
 
@@ -197,6 +226,8 @@ class ModelKVShape:
     layers: int
     kv_heads: int
     head_dim: int
+    layer_types: tuple[str, ...] = ()  # per layer full / sliding (empty: all full)
+    window: int | None = None
 
 
 def model_kv_shape(model_name: str) -> ModelKVShape:
@@ -204,20 +235,18 @@ def model_kv_shape(model_name: str) -> ModelKVShape:
 
     Reads only the config (for GGUF, the metadata), not the weights.
     """
-    from transformers import AutoConfig
+    from blend.model.loading import check_supported, model_config
 
-    from blend.model.loading import RANDOM_PREFIX, random_config, resolve_model
-
-    if model_name.startswith(RANDOM_PREFIX):
-        config = random_config(model_name[len(RANDOM_PREFIX):])
-    else:
-        directory, gguf_file = resolve_model(model_name)
-        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+    config = model_config(model_name)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = int(config.num_attention_heads)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return ModelKVShape(int(config.num_hidden_layers), int(kv_heads), int(head_dim))
+    try:  # layer types of a model the runner supports; another model's KV is counted uniformly
+        dims = check_supported(config)
+    except ValueError:
+        return ModelKVShape(int(config.num_hidden_layers), int(kv_heads), int(head_dim))
+    return ModelKVShape(int(config.num_hidden_layers), int(kv_heads), int(head_dim), dims.layer_types, dims.window)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ Each document is tokenized on its own and the ids are concatenated, so a documen
 tokens are identical standalone and inside any prompt (no boundary re-tokenization).
 Each document is one `document` segment: its KV is computed as one sequence (later
 tokens see earlier ones) and stored block by block (blend.documents). A document longer
-than `max_document_tokens` is split on token boundaries into consecutive documents of
-`max_document_tokens` tokens (the last one shorter); each part is computed on its own.
+than `max_document_tokens` - capped to what fits the model's positions after the fixed
+system part - is split on token boundaries into consecutive documents of that many
+tokens (the last one shorter); each part is computed on its own.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from blend.prompt.conversation import (
     encode_with_holes,
     special_strings,
     split_conversation,
+    start_ids,
     unique_marker,
 )
 from blend.prompt.document import Document, clean_text, render_document
@@ -129,13 +131,15 @@ class Prompt:
 class PromptBuilder:
     """Builds prompts for one tokenizer and one instruction/query template."""
 
-    def __init__(self, tokenizer, system_prompt: str, query_template: str, max_document_tokens: int = 4096):
+    def __init__(self, tokenizer, system_prompt: str, query_template: str, max_document_tokens: int = 4096,
+                 max_positions: int | None = None):
         if max_document_tokens < 1:
             raise ValueError(f"max_document_tokens must be >= 1, got {max_document_tokens}")
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.query_template = query_template
         self.max_document_tokens = max_document_tokens
+        self.max_positions = max_positions  # the model's: a document part must fit them after the fixed part
 
     @functools.cached_property
     def _special_strings(self) -> tuple[str, ...]:
@@ -175,10 +179,12 @@ class PromptBuilder:
 
     def frame(self, question: str | Sequence[Message]) -> tuple[list[int], list[int]]:
         """Token ids before and after the documents for this question (or conversation,
-        blend.conversation: the configured system prompt when it has none)."""
+        blend.conversation: the configured system prompt when it has none). Without a chat
+        template the head starts with the tokenizer's BOS where it puts one (`start_ids`)."""
         if not isinstance(question, str):
             head, tail, holes = split_conversation(self.tokenizer, question, self.system_prompt)
-            return encode_with_holes(self.tokenizer, head, holes), encode_with_holes(self.tokenizer, tail, holes)
+            return (start_ids(self.tokenizer) + encode_with_holes(self.tokenizer, head, holes),
+                    encode_with_holes(self.tokenizer, tail, holes))
         question = clean_text(question)
         literal = any(s in question for s in self._special_strings)
         # a question holding a special token's string is cut out and encoded as data (the
@@ -193,15 +199,28 @@ class PromptBuilder:
         else:
             text = f"{self.system_prompt}\n\n{user}\nAnswer:"
         head, tail = text.split(marker)
-        return encode(self.tokenizer, head), encode_with_holes(self.tokenizer, tail, {hole: question} if literal else {})
+        return start_ids(self.tokenizer) + encode(self.tokenizer, head), encode_with_holes(self.tokenizer, tail, {hole: question} if literal else {})
 
     def document_ids(self, document: str) -> list[int]:
         """A document's own token ids (stripped text plus a blank line that ends it)."""
         return encode(self.tokenizer, document.strip() + "\n\n", data=True)  # text is data, not structure
 
-    def split(self, ids: list[int]) -> list[tuple[int, ...]]:
-        """A document's ids as parts of at most `max_document_tokens` tokens (one part when it fits)."""
-        n = self.max_document_tokens
+    def document_limit(self, head: int) -> int:
+        """The most tokens of one document part after a fixed part of `head` tokens:
+        `max_document_tokens`, capped so that the part fits the model's positions after it
+        (a document is computed after the system part). ValueError when no token fits."""
+        if self.max_positions is None:
+            return self.max_document_tokens
+        room = self.max_positions - head
+        if room < 1:
+            raise ValueError(f"the prompt's fixed part ({head} tokens: system prompt and template) leaves none of the "
+                             f"model's {self.max_positions} positions for documents; shorten the system prompt")
+        return min(self.max_document_tokens, room)
+
+    def split(self, ids: list[int], limit: int | None = None) -> list[tuple[int, ...]]:
+        """A document's ids as parts of at most `limit` (default `max_document_tokens`) tokens
+        (one part when it fits)."""
+        n = self.max_document_tokens if limit is None else limit
         if len(ids) > n:
             log.debug("document of %d tokens split into parts of %d (max_document_tokens)", len(ids), n)
         return [tuple(ids[i : i + n]) for i in range(0, len(ids), n)]
@@ -225,8 +244,9 @@ class PromptBuilder:
         head, tail = self.frame(question)
         segments = [Segment("prefix", tuple(head), 0)]
         pos = len(head)
+        limit = self.document_limit(len(head)) if documents else self.max_document_tokens
         for d, doc in enumerate(self.clean_documents(documents)):
-            for piece in self.split(self.document_ids(doc)):
+            for piece in self.split(self.document_ids(doc), limit):
                 segments.append(Segment("document", piece, pos, d))
                 pos += len(piece)
         segments.append(Segment("query", tuple(tail), pos))

@@ -104,7 +104,8 @@ def hole_literals(tokenizer, dicts: Sequence[Mapping[str, str]]) -> tuple[list[d
 # A fast tokenizer's `split_special_tokens` is a switch on the one Rust tokenizer that every
 # thread shares (transformers flips it for the call and back): two threads encoding at once,
 # one as data and one as template, would each see the other's setting (a template's
-# <|im_start|> split into text). Every encode goes through this lock.
+# <|im_start|> split into text), and a decode beside the switch fails to borrow it. Every encode
+# and decode goes through this lock.
 TOKENIZER_LOCK = threading.Lock()
 
 
@@ -134,10 +135,29 @@ def encode_with_holes(tokenizer, text: str, holes: Mapping[str, str]) -> list[in
     return ids + encode(tokenizer, text[pos:])
 
 
+def start_ids(tokenizer) -> list[int]:
+    """The ids a prompt starts with where no chat template renders them: the BOS of a
+    tokenizer that puts one before its texts (a base model such as Gemma 3), else none."""
+    if getattr(tokenizer, "chat_template", None):
+        return []
+    bos = getattr(tokenizer, "bos_token_id", None)
+    ids = list(tokenizer("", add_special_tokens=True).input_ids)
+    return ids if bos is not None and ids == [bos] else []
+
+
+def plain_chat(dicts: Sequence[Mapping[str, str]]) -> str:
+    """A conversation as text for a model without a chat template: "Role: content" blocks
+    ending with "Assistant:"."""
+    return "\n\n".join(f"{d['role'].capitalize()}: {d['content']}" for d in dicts) + "\n\nAssistant:"
+
+
 def chat_ids(tokenizer, dicts: Sequence[Mapping[str, str]]) -> list[int]:
     """The chat template's prompt ids for `dicts` (with the generation prompt); contents
-    holding special-token strings are encoded as data."""
+    holding special-token strings are encoded as data. Without a chat template: the
+    tokenizer's BOS (`start_ids`) and `plain_chat`."""
     dicts, holes = hole_literals(tokenizer, dicts)
+    if not getattr(tokenizer, "chat_template", None):
+        return start_ids(tokenizer) + encode_with_holes(tokenizer, plain_chat(dicts), holes)
     if not holes:
         with TOKENIZER_LOCK:
             return list(tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=True,
@@ -166,7 +186,7 @@ def split_conversation(tokenizer, messages: Sequence[Message], default_system: s
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True)
     else:
-        text = "\n\n".join(f"{d['role'].capitalize()}: {d['content']}" for d in dicts) + "\n\nAssistant:"
+        text = plain_chat(dicts)
     head, sep, tail = text.partition(marker)
     if not sep or marker in tail:
         raise ValueError("the chat template does not render the first user message verbatim; "

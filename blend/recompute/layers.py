@@ -112,7 +112,7 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
                 cache.write(layer, rows, k, v, n)
                 q_rows = torch.searchsorted(active, plan.query_rows).to(dev)
                 kv = CheckLayerKV(k[:, cand_dev], v[:, cand_dev], *prior, q[:, q_rows], cache.k[layer][:, :n],
-                                  runner.scaling)
+                                  runner.scaling, runner.windows[layer])
                 chosen = select(policy, kv, rows_dev, count, deviation_kind, is_forced[cand_rows]).cpu()
             else:  # every candidate kept: no scores needed
                 cache.write(layer, rows, k, v, n)
@@ -132,7 +132,7 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
         if layer == runner.num_layers - 1:  # only the last row's output is needed
             q, h, active, changed = q[:, -1:], h[-1:], active[-1:], True
         attn = runner.attend(q, active, cache.k[layer][:, :n], cache.v[layer][:, :n],  # host positions: no sync
-                             bias=cache.layer_bias(layer, n))
+                             bias=cache.layer_bias(layer, n), window=runner.windows[layer])
         h = runner.finish(layer, h, attn)
         if changed:
             rows = active.to(dev)
@@ -172,14 +172,15 @@ def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
         q, k, v = runner.qkv(layer, h, cos, sin)  # (H, F+Q, D), (Hkv, F+Q, D) x2
         cache.write(layer, rows_dev, k, v, n)
         keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]
-        probs = query_probs(q[:, nf:], keys, runner.scaling, q_start)  # (Hkv, g*Q, N)
+        probs = query_probs(q[:, nf:], keys, runner.scaling, q_start, runner.windows[layer])  # (Hkv, g*Q, N)
         fused.add(layer, probs, values)
         if layer < plan.query_layers - 1:
             heads, tq, d = q[:, nf:].shape
             out = (probs.to(values.dtype) @ values).reshape(heads, tq, d)  # (H, Q, D)
             out = out.transpose(0, 1).reshape(tq, -1)  # (Q, H*D)
             if nf:
-                out = torch.cat([runner.attend(q[:, :nf], fresh, keys[:, :nf], values[:, :nf]), out])
+                out = torch.cat([runner.attend(q[:, :nf], fresh, keys[:, :nf], values[:, :nf],
+                                               window=runner.windows[layer]), out])
             h = runner.finish(layer, h, out)
     return fused.scores()
 
@@ -234,11 +235,12 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
             cache.write(layer, rows, k, v, n)
             narrowed = False
         keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]
-        bias = cache.layer_bias(layer, n)
+        bias, window = cache.layer_bias(layer, n), runner.windows[layer]
         if layer == last:  # only the last row's output is needed
-            h = runner.finish(layer, h[-1:], runner.attend(q[:, -1:], active[-1:], keys, values, bias=bias))
+            h = runner.finish(layer, h[-1:], runner.attend(q[:, -1:], active[-1:], keys, values, bias=bias,
+                                                           window=window))
         else:  # host positions: no sync; the plan is reused while `active` stays the same tensor
-            h = runner.finish(layer, h, runner.attend(q, active, keys, values, bias=bias))
+            h = runner.finish(layer, h, runner.attend(q, active, keys, values, bias=bias, window=window))
         if narrowed:  # the pool was narrowed: the dropped rows are stale from the next layer on
             stale.update(active)
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), int(chosen.numel()),

@@ -51,15 +51,31 @@ def deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tens
     raise ValueError(f"unknown deviation {kind!r}; use v, k or kv")
 
 
-def query_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+def outside_window(q_start: int, tq: int, n: int, window: int | None, groups: int,
+                   device: torch.device) -> torch.Tensor | None:
+    """(g*Q, N) bool: which keys 0..N-1 lie before the sliding window of each query row at
+    positions q_start..q_start+Q-1 (rows head-major as in `query_probs`); None when no
+    window hides any key."""
+    if window is None or q_start + tq - 1 < window:
+        return None
+    rows = torch.arange(q_start, q_start + tq, device=device).repeat(groups)  # (g*Q,)
+    return torch.arange(n, device=device)[None, :] <= rows[:, None] - window  # (g*Q, N)
+
+
+def query_attention(q: torch.Tensor, k: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """How much the query attends to each key: softmax(q k^T) averaged over heads and query rows.
 
-    q (H, Tq, D) of the query rows (which see every key), k (Hkv, N, D). Returns (N,) float32.
+    q (H, Tq, D) of the query rows (the last Tq positions; each sees every key, or in a
+    sliding layer of `window` only the keys of its window), k (Hkv, N, D). Returns (N,) float32.
     """
     heads, tq, d = q.shape
     groups = heads // k.shape[0]
     qg = q.float().reshape(k.shape[0], groups * tq, d)  # heads of one kv group stacked
-    probs = torch.softmax(qg @ k.float().transpose(1, 2) * scale, dim=-1)  # (Hkv, g*Tq, N)
+    logits = qg @ k.float().transpose(1, 2) * scale  # (Hkv, g*Tq, N)
+    hidden = outside_window(k.shape[1] - tq, tq, k.shape[1], window, groups, q.device)
+    if hidden is not None:
+        logits.masked_fill_(hidden, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # (Hkv, g*Tq, N)
     return probs.mean(dim=(0, 1))
 
 
@@ -110,6 +126,7 @@ class CheckLayerKV:
     query_q: torch.Tensor
     keys: torch.Tensor
     scaling: float
+    window: int | None = None  # the layer's sliding window (None: full attention)
 
 
 def normalised(scores: torch.Tensor) -> torch.Tensor:
@@ -122,7 +139,7 @@ def _deviation_scores(kv: CheckLayerKV, cand_rows: torch.Tensor, kind: str) -> t
 
 
 def _attention_scores(kv: CheckLayerKV, cand_rows: torch.Tensor, kind: str) -> torch.Tensor:
-    return query_attention(kv.query_q, kv.keys, kv.scaling)[cand_rows]
+    return query_attention(kv.query_q, kv.keys, kv.scaling, kv.window)[cand_rows]
 
 
 def _hybrid_scores(kv: CheckLayerKV, cand_rows: torch.Tensor, kind: str) -> torch.Tensor:
@@ -164,12 +181,14 @@ def select(policy: str, kv: CheckLayerKV, cand_rows: torch.Tensor, count: int, d
     return select_top(scores, cand_rows, count, forced)
 
 
-def query_probs(q: torch.Tensor, k: torch.Tensor, scale: float, q_start: int) -> torch.Tensor:
+def query_probs(q: torch.Tensor, k: torch.Tensor, scale: float, q_start: int,
+                window: int | None = None) -> torch.Tensor:
     """Attention probabilities of the query rows over every key, float32.
 
     q (H, Q, D) at positions q_start..q_start+Q-1 (the last rows of the prompt), k
     (Hkv, N, D) for positions 0..N-1 (N = q_start + Q). Returns (Hkv, g*Q, N): the g
-    query heads sharing kv head j are rows j*g*Q .. (j+1)*g*Q-1, head-major.
+    query heads sharing kv head j are rows j*g*Q .. (j+1)*g*Q-1, head-major. In a
+    sliding layer (`window`) a row at p has probability 0 on the keys before p - window + 1.
     """
     heads, tq, d = q.shape
     kv_heads = k.shape[0]
@@ -182,6 +201,9 @@ def query_probs(q: torch.Tensor, k: torch.Tensor, scale: float, q_start: int) ->
     # every query row sees all of the context; only the query's own columns need the causal mask
     later = torch.ones(tq, tq, dtype=torch.bool, device=q.device).triu_(1).repeat(groups, 1)  # (g*Q, Q)
     logits[:, :, q_start:q_start + tq].masked_fill_(later, float("-inf"))
+    hidden = outside_window(q_start, tq, k.shape[1], window, groups, q.device)
+    if hidden is not None:
+        logits.masked_fill_(hidden, float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 

@@ -54,7 +54,7 @@ class StaleKeys:
         self.device, self.enabled, self.shift = device, enabled, shift
         self.rows = _EMPTY  # (S,) stale rows, host
         self.rows_dev = _EMPTY.to(device)
-        self._rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (S, D) of the stale rows
+        self._rotation: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE kind: cos, sin (S, D) of the stale rows
         self._means: list[torch.Tensor | None] = []  # per layer: the mean bias over heads (None: none set)
 
     def update(self, active: torch.Tensor) -> None:
@@ -63,7 +63,7 @@ class StaleKeys:
         stale[active] = False
         self.rows = stale.nonzero().flatten()
         self.rows_dev = self.rows.to(self.device)
-        self._rotation = None
+        self._rotation = {}
 
     def correct(self, runner: Runner, cache: KVCache, layer: int, query_q: torch.Tensor, fresh_k: torch.Tensor,
                 fresh_v: torch.Tensor, recomputed: torch.Tensor) -> None:
@@ -86,13 +86,14 @@ class StaleKeys:
                loaded_k: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
         """Add the recomputed rows' mean K/V offset to the stale rows of `layer`; returns the
         recomputed rows' loaded keys with the same offset (Hkv, S, D), for the bias."""
-        cos, sin = runner.rotation(recomputed)  # (S, D) float32: R(p) of each recomputed row
+        cos, sin = runner.rotation(recomputed, layer)  # (S, D) float32: R(p) of each recomputed row (this layer's RoPE)
         # R(p) k_fresh - R(p) k_loaded, turned back by R(-p): cos(-x) = cos x, sin(-x) = -sin x
         dk = apply_rope(fresh_k.float() - loaded_k.float(), cos, -sin).mean(dim=1, keepdim=True)  # (Hkv, 1, D)
         dv = (fresh_v.float() - cache.v[layer][:, recomputed].float()).mean(dim=1, keepdim=True)  # (Hkv, 1, D)
-        if self._rotation is None:
-            self._rotation = runner.rotation(self.rows)
-        st_cos, st_sin = self._rotation  # (T, D) of the T stale rows
+        kind = runner.layer_rope[layer]
+        if kind not in self._rotation:
+            self._rotation[kind] = runner.rotation(self.rows, layer)
+        st_cos, st_sin = self._rotation[kind]  # (T, D) of the T stale rows
         keys, values, st = cache.k[layer], cache.v[layer], self.rows_dev
         keys[:, st] += _at_positions(dk, st_cos, st_sin).to(keys.dtype)
         values[:, st] += dv.to(values.dtype)

@@ -49,11 +49,13 @@ from blend.config import BlendConfig
 from blend.decode.generation import Prefilled
 from blend.decode.result import GenerationResult
 from blend.kv.prefix import PrefixCache, intact_end
-from blend.model.cache import KVCache
+from blend.kv.windowed import WindowedChain
+from blend.model.cache import RING_SLACK, KVCache
 from blend.prompt.builder import Prompt, PromptBuilder
 from blend.prompt.conversation import ROLES, Message, chat_ids
 from blend.prompt.document import Document, clean_text
 from blend.stats import LookupTally, RequestStats, tally_fields
+from storage.entry import KVEntry
 from storage.tier import StoreUnavailable
 
 try:  # POSIX: the cross-process turn lock
@@ -136,6 +138,8 @@ class Turn:
     stored_end: int = 0
     exact: bool = True
     ended: bool = False
+    resume_at: tuple[int, ...] = ()  # more ends a stored chain may stop at (a hybrid model: the last prompt's)
+    prompt_window: tuple[str, KVEntry] | None = None  # a hybrid model's window at this prompt's end
 
     def device_prefix(self) -> int:
         """Tokens of the turn the session's device-resident KV already holds."""
@@ -156,6 +160,8 @@ class SessionManager:
     def __init__(self, config: BlendConfig, prefix: PrefixCache, prompts: PromptBuilder, eos: Sequence[int]):
         self.config, self.prefix, self.prompts, self.eos = config, prefix, prompts, tuple(eos)
         self.runner = prefix.runner
+        # a model with sliding-window layers stores and resumes their last window only (blend.kv.windowed)
+        self.windowed = WindowedChain(prefix) if prefix.runner.dims.hybrid else None
         self.tier_names = [t.name for t in prefix.store.tiers]
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()  # guards `sessions`
@@ -408,8 +414,13 @@ class SessionManager:
             self.runner.check_length(len(ids), max_new, shorten)
         except ValueError as err:
             raise ValueError(f"session {session.session_id!r}: {err}") from None
+        resume_at: tuple[int, ...] = ()  # the previous turn's prompt end: a hybrid model stored a window there
+        if self.windowed is not None and not documents:
+            previous = [i for i, m in enumerate(shown[:-1]) if m["role"] == "user"]
+            if previous:
+                resume_at = (len(chat_ids(self.prompts.tokenizer, shown[: previous[-1] + 1])),)
         return Turn(session, messages, ids, prompt, blended and bool(documents), max_new, fd,
-                    exact=not (blended and documents))
+                    exact=not (blended and documents), resume_at=resume_at)
 
     def prefill(self, turn: Turn, capacity: int) -> Prefilled:
         """The exact prefill of a turn: reuse the device copy, else the stored prefix chain;
@@ -426,7 +437,9 @@ class SessionManager:
 
         if session.cache is not None:
             common = _common_prefix(session.cache_ids[: session.cache.length], ids, limit)
-            if common > 0:
+            # a ring layer holds the windows of its last RING_SLACK positions: rewinding further needs the store
+            rewinds = session.cache.length - common
+            if common > 0 and (rewinds < RING_SLACK or not any(session.cache.rings)):
                 cache = session.cache
                 session.cache = None  # in use by this turn: a failed turn leaves none behind
                 cache.ensure_capacity(capacity)
@@ -434,25 +447,45 @@ class SessionManager:
                 # the blocks below were stored by the turn that filled the device copy
                 turn.stored_end = _block_floor(common, self.prefix.block_tokens)
                 turn.exact = turn.exact and session.exact
+                self.take_prompt_window(turn, cache)
                 return Prefilled(logits, cache, stats("device", common), tuple(ids))
         # the previous turn's tail block ends where its generation stopped: at (or just
         # before) the end-of-turn token that now closes the assistant message
         ends = [i for i, t in enumerate(ids) if t in self.eos]
-        tails = sorted({e for i in ends[-2:] for e in (i, i - 1)}, reverse=True)
-        chain = self.prefix.lookup(ids, limit, tail_ends=tails)
+        tails = sorted({e for i in ends[-2:] for e in (i, i - 1)} | set(turn.resume_at), reverse=True)
+        windowed = self.windowed
+        chain = (windowed or self.prefix).lookup(ids, limit, tail_ends=tails)
         tally = LookupTally(self.tier_names)
         for pl in chain:
             tally.hit_from("prefix_blocks", pl.source)
-        cache = runner.new_cache(capacity)
+        # a hybrid model: sliding layers are rings holding the loaded window, then the new tokens
+        cache = runner.new_cache(capacity, ring=windowed is not None)
         logits, load = self.prefix.prefill(ids, chain, cache)
         # a block whose stored layers were unreadable was recomputed by the loader (exactly,
         # with all tokens before it as context) and deleted by its tier: count it as
         # computed and store it again
         rebuilt = set(load.recomputed_starts)
-        loaded = sum(pl.length for pl in chain if pl.entry is None and pl.start not in rebuilt)
-        turn.stored_end = intact_end(chain, load)
-        return Prefilled(logits, cache, stats("store" if loaded else "computed", loaded, load=load,
-                                              **tally_fields(tally)), tuple(ids))
+        if windowed is not None:  # positions loaded: the global chain's (the window lies inside it)
+            loaded = sum(pl.length for pl in chain
+                         if pl.entry is None and pl.start not in rebuilt and pl.layers == windowed.full_layers)
+            if any(pl.layers == windowed.sliding_layers and (pl.entry is not None or pl.start in rebuilt)
+                   for pl in chain):
+                loaded = 0  # the window was recomputed from the whole conversation
+            turn.stored_end = windowed.intact_end(chain, load)
+        else:
+            loaded = sum(pl.length for pl in chain if pl.entry is None and pl.start not in rebuilt)
+            turn.stored_end = intact_end(chain, load)
+        pre = Prefilled(logits, cache, stats("store" if loaded else "computed", loaded, load=load,
+                                             **tally_fields(tally)), tuple(ids))
+        self.take_prompt_window(turn, cache)
+        return pre
+
+    def take_prompt_window(self, turn: Turn, cache: KVCache) -> None:
+        """A hybrid model's window at the end of the turn's prompt, taken before decoding moves
+        the rings on (stored by `finish`, so that the next turn resumes there: its reply,
+        re-rendered, may tokenize otherwise)."""
+        if self.windowed is not None and turn.exact and turn.prompt is None and cache.length >= len(turn.ids):
+            turn.prompt_window = self.windowed.window_entry(turn.ids, cache, len(turn.ids))
 
     def finish(self, turn: Turn, result: GenerationResult, cache: KVCache) -> None:
         """End a turn that generated `result` from `cache`: queue its exact blocks, save the
@@ -463,7 +496,11 @@ class SessionManager:
         session = turn.session
         try:
             all_ids = turn.ids + result.token_ids
-            if turn.exact:
+            if turn.exact and self.windowed is not None:
+                also = [(len(turn.ids), turn.prompt_window)] if turn.prompt_window is not None else []
+                stored = self.windowed.store_blocks(all_ids, cache, skip_below=turn.stored_end, also=also)
+                result.stats = result.stats.replace(stored_blocks=stored)
+            elif turn.exact:
                 stored = self.prefix.store_blocks(all_ids, cache, skip_below=turn.stored_end, tail=True)
                 result.stats = result.stats.replace(stored_blocks=stored)
             history = turn.messages + [{"role": "assistant", "content": result.text}]

@@ -80,7 +80,7 @@ def random_entry(
         for _ in range(shape.layers)
     ]
     entry = KVEntry.from_tensors(layers, fingerprint=fingerprint, token_ids=token_ids, pos_start=pos_start,
-                                 kv_dtype=shape.kv_dtype, inv_freq=rope_frequencies(shape.head_dim))
+                                 kv_dtype=shape.kv_dtype, rope=rope_frequencies(shape.head_dim))
     return token_ids, entry
 
 

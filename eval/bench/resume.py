@@ -10,6 +10,13 @@ that history and no device copy, so the prefix chain is loaded from exactly that
 and only the tail is prefilled; a re-prefill is a full prefill of the same token ids.
 Each message differs per repeat, so no block past the history is reused.
 
+A model with sliding-window layers (Gemma 3) stores a conversation as its global layers'
+blocks and its sliding layers' last window (blend.kv.windowed), which only a chat turn
+writes: there the history's last turn is run once as a real turn (its reply replaces
+the acknowledgement), so the resume point is that turn's prompt end. Each row then
+also gives the bytes a resume moved against the uniform accounting of the same tokens
+(`moved_bytes`, `uniform_bytes`, `moved_share`).
+
 Hygiene: a warm-up per tier first (not recorded), then `--repeats` rounds interleaving
 tiers, lengths and the two variants (alternating which goes first); medians are
 reported with min and max, and the load average at start and end (`contended: true`
@@ -41,13 +48,25 @@ MAX_NEW_TOKENS = 1  # a resume is timed to its first token
 
 
 # ------------------------------------------------------------------ history
+def render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool = False) -> list[int]:
+    """Token ids of a conversation: the chat template's, or kvblend's plain rendering for a
+    tokenizer without one (blend.prompt.conversation.chat_ids, which always ends with the
+    assistant's prompt)."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                                  return_dict=False))
+    from blend.prompt.conversation import chat_ids
+
+    return chat_ids(tokenizer, messages)
+
+
 def build_history(tokenizer: Any, documents: Sequence[tuple[str, str]], target: int) -> list[dict[str, str]]:
     """Prior turns (a user passage, an assistant acknowledgement) whose chat-templated
     tokens just reach `target`: the last passage is cut to the shortest that does.
     Documents are reused in order if they run out."""
 
     def length(messages: list[dict[str, str]]) -> int:
-        return len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+        return len(render(tokenizer, messages))
 
     def turn(name: str, text: str) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"Here is the passage {name}:\n\n{text}"},
@@ -102,8 +121,8 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
     disk_dir = Path(disk_path) if disk_path else _default_disk_dir(config, tag, work)
 
     histories = {n: build_history(tokenizer, docs, n) for n in lengths}
-    history_ids = {n: list(tokenizer.apply_chat_template(h, tokenize=True, return_dict=False))
-                   for n, h in histories.items()}
+    history_ids = {n: render(tokenizer, h) for n, h in histories.items()}
+    hybrid = lm.dims.hybrid
 
     engines: dict[str, Any] = {}
     errors: dict[str, str] = {}
@@ -124,6 +143,16 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
     try:
         # the history's KV, computed once per length and stored in every tier
         runners = [engine.runner for engine in engines.values()][:1]  # one model: any engine's runner
+        if hybrid and engines:  # only a turn stores a hybrid model's windows: the history's last turn is run as one
+            for n in lengths:
+                for engine in engines.values():
+                    seed = f"seed-{n}"
+                    engine.sessions.set_history(seed, histories[n][:-2])
+                    engine.chat(seed, histories[n][-2]["content"], max_new_tokens=4)
+                    replied = engine.sessions.sessions[seed].messages
+                    engine.drop(seed)
+                histories[n] = replied  # greedy: the same reply in every engine
+            runners = []
         for runner in runners:
             for ids in history_ids.values():
                 cache = runner.new_cache(len(ids))
@@ -142,8 +171,7 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
             counter += 1
             engine = engines[kind]
             message = f"({counter}) In one sentence, what do the passages above have in common?"
-            ids = list(tokenizer.apply_chat_template(histories[n] + [{"role": "user", "content": message}],
-                                                     add_generation_prompt=True, tokenize=True, return_dict=False))
+            ids = render(tokenizer, histories[n] + [{"role": "user", "content": message}], generation_prompt=True)
             out: dict[str, Any] = {}
             for variant in (("resume", "reprefill") if resume_first else ("reprefill", "resume")):
                 if variant == "resume":
@@ -155,7 +183,8 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
                     engine.drop(sid)
                     if result.stats.context_tokens != len(ids):
                         raise RuntimeError("the resumed prompt differs from the re-prefilled one")
-                    out.update(resume=result.ttft_s, loaded=result.stats.loaded_tokens,
+                    moved = sum((result.stats.load.bytes_by_tier if result.stats.load else {}).values())
+                    out.update(resume=result.ttft_s, loaded=result.stats.loaded_tokens, moved=moved,
                                computed=result.stats.recomputed_tokens, load_s=result.stats.load_s,
                                exposed=result.stats.exposed_load_s, resume_logprobs=result.first_token_logprobs)
                 else:
@@ -202,6 +231,7 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
                     "resume_load_s": round(statistics.median(s["load_s"]), 5),
                     "resume_exposed_load_s": round(statistics.median(s["exposed"]), 5),
                     "max_first_token_logprob_diff": max(s["logprob_diff"]),
+                    **_moved(lm.dims, config.store.kv_dtype, s),
                 })
     finally:
         for engine in engines.values():
@@ -220,6 +250,17 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
         "chunk_tokens": config.engine.chunk_tokens, "repeats": repeats, "cold_disk": cold_disk, "results": results,
         **watch.finish("resume benchmark"), **steady.finish(spreads, "resume benchmark"),
     }
+
+
+def _moved(dims: Any, kv_dtype: str, samples: dict[str, list]) -> dict[str, Any]:
+    """Bytes a resume read from the tier against the uniform accounting of its loaded tokens
+    (every layer x every token), median over the repeats."""
+    from storage.dtypes import dtype_bytes
+
+    moved = int(statistics.median(samples["moved"]))
+    uniform = dims.kv_bytes_per_token(dtype_bytes(kv_dtype)) * int(statistics.median(samples["loaded"]))
+    return {"moved_bytes": moved, "uniform_bytes": uniform,
+            "moved_share": round(moved / uniform, 4) if uniform else None}
 
 
 def _default_disk_dir(config: Any, tag: str, work: Path) -> Path:

@@ -1,0 +1,88 @@
+"""`max_document_tokens` is capped to the model's positions: a document longer than a model of
+2,048 positions can hold is split into parts that fit after the system part, and stored
+whole by the engine, `kvblend ingest` and the server alike; what cannot fit is refused
+before anything is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from blend.cli import main
+from blend.config import EngineConfig
+from blend.engine.engine import BlendEngine
+from tests.models import smollm2_tokenizer, tiny_model
+
+LONG = " ".join(f"Entry {i}: the ledger of the Harrow mill records {i * 7 % 97} sacks of barley." for i in range(420))
+
+
+def kv_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kv"))
+
+
+def make_engine(tmp_path: Path, **overrides) -> BlendEngine:
+    lm = tiny_model("llama", tokenizer=smollm2_tokenizer())
+    assert lm.dims.max_positions == 2048
+    cfg = EngineConfig().with_overrides(
+        store={"kv_dtype": "float32", "tiers": [{"kind": "disk", "path": str(tmp_path / "disk"), "budget": "1GiB"}]},
+        chunk_tokens=512, **overrides)
+    return BlendEngine(cfg, model=lm)
+
+
+def test_a_document_longer_than_the_positions_is_split_to_fit(tmp_path):
+    with make_engine(tmp_path) as engine:  # max_document_tokens 4096 > 2048 positions
+        prompt = engine.build_prompt("q", [LONG])
+        head = prompt.prefix.end
+        assert sum(len(s.token_ids) for s in prompt.documents) > 2048
+        assert all(len(s.token_ids) <= 2048 - head for s in prompt.documents) and len(prompt.documents) >= 3
+        [doc] = engine.ingest([LONG])
+        assert doc.stored and len(doc.keys) >= 6
+        assert len(kv_files(tmp_path)) == len(doc.keys) + 1  # and the system part's block
+        again = engine.ingest([LONG])[0]
+        assert again.cached and again.keys == doc.keys
+        with pytest.raises(ValueError, match="positions"):  # a question over it cannot fit: refused, nothing new written
+            engine.generate("What did the ledger record?", [LONG], mode="blend")
+        assert len(kv_files(tmp_path)) == len(doc.keys) + 1
+    with make_engine(tmp_path, max_document_tokens=300) as engine:  # a smaller setting stays in force
+        assert max(len(s.token_ids) for s in engine.build_prompt("q", [LONG]).documents) == 300
+
+
+def test_a_system_part_that_fills_the_positions_is_refused_before_writing(tmp_path):
+    with make_engine(tmp_path, system_prompt="word " * 2100) as engine:
+        with pytest.raises(ValueError, match="leaves none of the model's 2048 positions for documents"):
+            engine.ingest(["A short document."])
+    assert kv_files(tmp_path) == []
+
+
+def test_cli_ingest_and_the_server_store_a_long_document_whole(tmp_path, capsys):
+    lm = tiny_model("llama", tokenizer=smollm2_tokenizer())
+    lm.model.save_pretrained(tmp_path / "model")
+    smollm2_tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "long.txt").write_text(LONG)
+    for name in ("cli", "server"):
+        (tmp_path / f"{name}.yaml").write_text(f"""
+model: {tmp_path / "model"}
+device: cpu
+engine:
+  chunk_tokens: 512
+  sessions_dir: {tmp_path / "sessions"}
+store:
+  kv_dtype: float32
+  tiers:
+    - {{kind: disk, path: {tmp_path / name}, budget: 1GiB}}
+""")
+    assert main(["ingest", "--config", str(tmp_path / "cli.yaml"), str(tmp_path / "long.txt")]) == 0
+    assert "ingested 1 document(s) as" in capsys.readouterr().out
+    written = len(kv_files(tmp_path / "cli"))
+    assert written >= 6
+
+    from fastapi.testclient import TestClient
+
+    from blend.server.app import ServerSettings, create_app
+
+    with BlendEngine.from_config(tmp_path / "server.yaml") as engine:
+        with TestClient(create_app(engine, ServerSettings("tiny", warmup=False))) as client:
+            reply = client.post("/v1/documents", json={"documents": [{"text": LONG}]})
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["data"][0]["keys"]) + 1 == len(kv_files(tmp_path / "server")) == written
