@@ -441,3 +441,34 @@ def test_a_redis_tier_stores_and_serves_encoded_entries(redis_url, codec):
         stats = store.stats()["redis"]
         assert stats["codec"] == codec and 0 < stats["bytes_used"] < entry.nbytes
         store.clear()
+
+
+def test_a_hybrid_models_keys_go_before_rope_with_each_layers_own_frequencies():
+    """Gemma 3 rotates its sliding and global layers with different bases: int4 takes each layer's
+    rotation off with that layer's frequencies, and the loader puts it back with the same (rotating
+    with the wrong base scrambles the keys of the other layer type)."""
+    lm = tiny_model("gemma3_text", tokenizer=smollm2_tokenizer())
+    runner = Runner(lm)
+    assert len({float(f[1]) for f in runner.inv_freqs}) == 2  # two RoPE bases
+    stored = {}
+    for codec in ("none", "int4"):
+        cfg = EngineConfig().with_overrides(store={"kv_dtype": "float16", "tiers": [
+            {"kind": "cpu", "budget": "64MiB", "codec": codec}]}, chunk_tokens=16, split="off")
+        with BlendEngine(cfg, model=lm) as engine:
+            engine.ingest(DOCS)
+            tier = engine.store.tiers[0]
+            stored[codec] = {key: tier.get(key) for key in tier.keys()}
+            assert engine.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=1).stats.documents.hits == 3
+    assert stored["none"].keys() == stored["int4"].keys()
+    for key, plain in stored["none"].items():
+        coded = stored["int4"][key]
+        assert coded.header.keys_pre_rope and plain.header.pos_start == coded.header.pos_start
+        positions = torch.arange(coded.header.pos_start, coded.header.pos_start + coded.header.num_tokens)
+        for layer in range(runner.num_layers):  # decoded at position 0, turned as the loader turns them
+            k, _ = decode_layer(coded.header, *coded.layers[layer], torch.float32)
+            cos, sin = runner.rotation(positions, layer)
+            half = k.shape[-1] // 2
+            c, s_ = cos[:, :half], sin[:, :half]
+            back = torch.cat((k[..., :half] * c - k[..., half:] * s_, k[..., half:] * c + k[..., :half] * s_), -1)
+            want = plain.layers[layer][0].float()
+            assert (back - want).abs().max() <= 0.25 * want.abs().max() + 0.05, (key, layer)
