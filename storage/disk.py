@@ -56,7 +56,7 @@ import torch
 from storage.config import DiskTierConfig, tier_display_name
 from storage.entry import CorruptEntry, EntryHeader, KVEntry
 from storage.keys import ENGINE_KEY_RE, ENTRY_KEY_RE
-from storage.serialization import MAGIC, decode_header, encode_header, header_size, layer_from_bytes
+from storage.serialization import MAGIC, decode_header, encode_header, header_size, layer_views, verify_layer
 from storage.tier import Layer, StoreUnavailable, TierStats, over_budget, read_entry, report_corrupt
 
 log = logging.getLogger("kvblend.storage")
@@ -70,6 +70,7 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _NOT_A_FILE = {errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EOPNOTSUPP}  # link (Linux, BSD), socket
 _RESCAN_MIN_INTERVAL_S = 2.0
+RECENCY_S = 10.0  # a header hit refreshes the file's mtime (its LRU recency) when it is older than this
 _WARN_INTERVAL_S = 30.0
 
 
@@ -482,8 +483,9 @@ class DiskTier:
             return None
         try:
             header, offsets, size = self._read_prelude(handle.fd)
-            try:
-                os.utime(handle.fd)  # recency survives restarts
+            try:  # recency survives restarts; a few seconds' precision spares a metadata write per hit
+                if time.time() - os.fstat(handle.fd).st_mtime >= RECENCY_S:
+                    os.utime(handle.fd)
             except OSError:
                 pass
         except CorruptEntry as e:
@@ -531,7 +533,7 @@ class DiskTier:
                 self._stats.add(layer_misses=1)
                 return None
             try:
-                got = self._read_layer(key, handle.fd, layer, header, out)
+                got = self._read_layer(key, handle, layer, header, out)
             except CorruptEntry as e:
                 if not opened:
                     continue  # a descriptor kept from before a replacement: retry on the current file
@@ -547,14 +549,18 @@ class DiskTier:
             if got is None:
                 self._stats.add(layer_misses=1)
                 return None
-            self._stats.add(layer_reads=1, bytes_read=got[0].nbytes * 2, read_seconds=time.perf_counter() - t0)
+            self._stats.add(layer_reads=1, bytes_read=got[0].nbytes + got[1].nbytes,
+                            read_seconds=time.perf_counter() - t0)
             return got
         raise AssertionError("unreachable")
 
-    def _read_layer(self, key: str, fd: int, layer: int, header: EntryHeader | None,
+    def _read_layer(self, key: str, handle: _Handle, layer: int, header: EntryHeader | None,
                     out: torch.Tensor | None) -> Layer | None:
         """Read and verify one layer from an open entry file into `out` (or a fresh buffer);
-        None if the entry changed since `header` was read."""
+        None if the entry changed since `header` was read. (Asking the kernel for an entry's
+        remaining layers at its first read, POSIX_FADV_WILLNEED, measured slower: 0.25-0.38 of a
+        raw read against 0.49-0.52 without, 2026-12-03.)"""
+        fd = handle.fd
         with self._lock:
             info = self._index.get(key)
             offsets = info.offsets if info is not None and header is not None and info.header == header else None
@@ -572,10 +578,12 @@ class DiskTier:
         elif out.dtype != torch.uint8 or out.numel() != n or not out.is_contiguous():
             raise ValueError(f"read_layer_into: out must be a contiguous ({n},) uint8 tensor, got "
                              f"{tuple(out.shape)} {out.dtype}")
-        got = os.preadv(fd, [out.numpy()], offsets[layer])
+        array = out.numpy()
+        got = os.preadv(fd, [array], offsets[layer])
         if got != n:
             raise CorruptEntry(f"layer {layer}: read {got} of {n} bytes (file truncated)")
-        return layer_from_bytes(out, header, layer)
+        verify_layer(array, header, layer)
+        return layer_views(out, header)
 
     def get_layers(self, key: str, layers: Sequence[int], header: EntryHeader | None = None) -> list[Layer | None]:
         return [self.get_layer(key, i, header) for i in layers]

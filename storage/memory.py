@@ -28,6 +28,7 @@ import torch
 
 from storage.config import CpuTierConfig, tier_display_name
 from storage.entry import EntryHeader, KVEntry
+from storage.serialization import layer_views
 from storage.tier import Layer, TierStats, over_budget, read_entry
 
 log = logging.getLogger("kvblend.storage")
@@ -148,16 +149,20 @@ class PinnedPool:
 
 
 def pinned_entry(entry: KVEntry, pool: PinnedPool) -> KVEntry | None:
-    """A copy of `entry` in one pool block (layer by layer, K then V), or None when it does not fit."""
+    """A copy of `entry` in one pool block (layer by layer, K then V, or an encoded entry's K part
+    then V part), or None when it does not fit."""
     header = entry.header
     block = pool.allocate(header.nbytes)
     if block is None:
         return None
-    kv = block.view(header.dtype).view(header.num_layers, 2, *header.shape)  # (L, 2, H, T, D)
+    n = header.layer_nbytes
+    layers = []
     for i, (k, v) in enumerate(entry.layers):
-        kv[i, 0].copy_(k)
-        kv[i, 1].copy_(v)
-    return KVEntry(header, [(kv[i, 0], kv[i, 1]) for i in range(header.num_layers)])
+        dst_k, dst_v = layer_views(block[i * n : (i + 1) * n], header)  # (H, T, D) each, or flat parts
+        dst_k.copy_(k)
+        dst_v.copy_(v)
+        layers.append((dst_k, dst_v))
+    return KVEntry(header, layers)
 
 
 class CpuTier:
@@ -238,15 +243,15 @@ class CpuTier:
         return out
 
     def read_layer_into(self, key: str, layer: int, header: EntryHeader | None, out: torch.Tensor) -> bool:
-        """Copy layer `layer` (K bytes then V bytes) into `out`, a (layer_nbytes,) uint8 CPU tensor.
-        False on a miss (out untouched)."""
+        """Copy layer `layer` (K bytes then V bytes, or an encoded entry's K part then V part) into
+        `out`, a (layer_nbytes,) uint8 CPU tensor. False on a miss (out untouched)."""
+        entry = self._touch(key)
         got = self.get_layer(key, layer, header)
-        if got is None:
+        if got is None or entry is None:
             return False
-        k, v = got
-        half = k.numel() * k.element_size()
-        out[:half].view(k.dtype).view(k.shape).copy_(k)
-        out[half:2 * half].view(v.dtype).view(v.shape).copy_(v)
+        dst_k, dst_v = layer_views(out, header or entry.header)
+        dst_k.copy_(got[0])
+        dst_v.copy_(got[1])
         return True
 
     def get(self, key: str) -> KVEntry | None:

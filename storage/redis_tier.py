@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-import torch
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
@@ -48,6 +47,7 @@ from storage.serialization import (
     encode_header,
     layer_from_bytes,
     layer_to_bytes,
+    layer_views,
 )
 from storage.tier import Layer, StoreUnavailable, TierStats, read_entry, report_corrupt
 
@@ -362,13 +362,17 @@ class RedisTier:
         """Layer `layer` read as `get_layers` does (bounded, verified, a partial entry is a
         miss) and copied once into `out`, a contiguous (layer_nbytes,) uint8 CPU tensor
         (e.g. a pinned staging buffer). False on a miss."""
+        if header is None:
+            header = self._decode_header(key, self._run("get header", lambda c: self._header_bytes(c, key), None))
+            if header is None:
+                self._stats.add(layer_misses=1)
+                return False
         got = self.get_layers(key, [layer], header)[0]
         if got is None:
             return False
-        k, v = got  # (H, T, D) views of one reply buffer: K bytes then V bytes
-        n = k.numel() * k.element_size()
-        out[:n].copy_(k.reshape(-1).view(torch.uint8))
-        out[n : 2 * n].copy_(v.reshape(-1).view(torch.uint8))
+        dst_k, dst_v = layer_views(out, header)  # K then V (or an encoded entry's parts) of one reply
+        dst_k.copy_(got[0])
+        dst_v.copy_(got[1])
         return True
 
     def get(self, key: str) -> KVEntry | None:

@@ -1,7 +1,9 @@
 """Entry headers and layers <-> bytes, and their verification.
 
 Header bytes: MAGIC (8) | format version (u32 LE) | JSON length (u32 LE) | UTF-8 JSON.
-Layer bytes:  raw K bytes then raw V bytes, C order, storage dtype, no framing.
+Layer bytes:  raw K bytes then raw V bytes, C order, storage dtype, no framing; for an
+              entry in a codec (the header's `codec`, absent for `none`) its K part then its
+              V part (storage.codec).
 Never pickle, never torch.load: decoding untrusted bytes can only fail with CorruptEntry.
 A header is at most MAX_HEADER_BYTES and a layer at most MAX_LAYER_BYTES, so a tier can
 bound every read before it fetches a value. How bytes travel (files, Redis keys) is each
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from storage import checksum as _checksum
-from storage.dtypes import kv_bytes_per_token
+from storage import codec as _codec
 from storage.entry import FORMAT_VERSION, TORCH_DTYPES, CorruptEntry, EntryHeader, tensor_bytes
 
 MAGIC = b"KVBLEND\x00"
@@ -30,7 +32,7 @@ PRELUDE_SIZE = _PRELUDE.size  # 16
 MAX_HEADER_BYTES = 64 << 10  # ~3000 layers of checksums; tiers never read more for a header
 MAX_LAYER_BYTES = 1 << 30
 _FIELDS = {f.name: f for f in dataclasses.fields(EntryHeader)}
-_OPTIONAL = {"tag"}  # absent in unsigned entries (and in entries written before signing existed)
+_OPTIONAL = {"tag", "codec"}  # absent in unsigned entries / `none` entries (and in entries written before either)
 _INTS = ("format_version", "num_layers", "kv_heads", "num_tokens", "head_dim", "pos_start", "layer_nbytes")
 _STRS = ("fingerprint", "kv_dtype", "tokens_digest", "checksum", "tag")
 
@@ -41,6 +43,10 @@ def encode_header(header: EntryHeader) -> bytes:
     body["layer_checksums"] = list(header.layer_checksums)
     if not header.tag:
         del body["tag"]
+    if header.codec.raw:
+        del body["codec"]  # a `none` entry's header is byte for byte what it was before codecs
+    else:
+        body["codec"] = header.codec.to_json()
     data = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
     return _PRELUDE.pack(MAGIC, header.format_version, len(data)) + data
 
@@ -75,6 +81,11 @@ def decode_header(data: bytes | bytearray | memoryview) -> EntryHeader:
     if not isinstance(sums, list) or not all(_is_uint(c) for c in sums):
         raise CorruptEntry("header layer_checksums is not a list of non-negative integers")
     body["layer_checksums"] = tuple(sums)
+    if "codec" in body:
+        try:
+            body["codec"] = _codec.from_json(body["codec"])
+        except ValueError as e:
+            raise CorruptEntry(f"header {e}") from None
     _check_types(body)
     header = EntryHeader(**body)
     _check_header(header)
@@ -97,8 +108,10 @@ def _check_types(body: dict[str, Any]) -> None:
 def _check_header(h: EntryHeader) -> None:
     if h.kv_dtype not in TORCH_DTYPES:
         raise CorruptEntry(f"header kv_dtype {h.kv_dtype!r} unknown")
-    if h.layer_nbytes != kv_bytes_per_token(1, h.kv_heads, h.head_dim, h.kv_dtype) * h.num_tokens or h.layer_nbytes == 0:
-        raise CorruptEntry("header layer_nbytes does not match its shape and dtype")
+    # a codec this build does not know is left to Expected (a mismatch: counted, never decoded)
+    if h.layer_nbytes == 0 or (_codec.known(h.codec) and h.codec.supports(h.head_dim) and h.layer_nbytes
+                               != h.codec.layer_nbytes(h.kv_heads, h.num_tokens, h.head_dim, h.kv_dtype)):
+        raise CorruptEntry("header layer_nbytes does not match its shape, dtype and codec")
     if h.layer_nbytes > MAX_LAYER_BYTES:
         raise CorruptEntry(f"header layer_nbytes {h.layer_nbytes} exceeds {MAX_LAYER_BYTES}")
     if len(h.layer_checksums) != h.num_layers or h.num_layers == 0:
@@ -106,8 +119,19 @@ def _check_header(h: EntryHeader) -> None:
 
 
 def layer_parts(k: torch.Tensor, v: torch.Tensor) -> tuple[memoryview, memoryview]:
-    """Zero-copy byte views (K, V) of one layer; tensors must be contiguous CPU."""
+    """Zero-copy byte views (K, V) of one layer (or its K and V parts); tensors must be contiguous CPU."""
     return tensor_bytes(k), tensor_bytes(v)
+
+
+def layer_views(buf: torch.Tensor, header: EntryHeader) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of one layer's bytes in `buf` ((layer_nbytes,) uint8, any device): K and V, each
+    (kv_heads, num_tokens, head_dim) in the storage dtype; for an encoded entry its K part and V part
+    (flat uint8)."""
+    kn, vn = header.part_nbytes
+    if header.codec.raw:
+        k, v = buf[: kn + vn].view(header.dtype).view(2, *header.shape).unbind(0)  # (H, T, D) each
+        return k, v
+    return buf[:kn], buf[kn : kn + vn]
 
 
 def layer_to_bytes(k: torch.Tensor, v: torch.Tensor) -> bytes:
@@ -124,7 +148,8 @@ def verify_layer(data: Any, header: EntryHeader, layer: int) -> None:
     if n != header.layer_nbytes:
         raise CorruptEntry(f"layer {layer}: {n} bytes, expected {header.layer_nbytes}")
     try:
-        got = _checksum.checksum((data,), header.checksum)
+        prefix = _codec.tag(header.codec)
+        got = _checksum.checksum((prefix, data) if prefix else (data,), header.checksum)
     except ValueError as e:
         raise CorruptEntry(str(e)) from None
     if got != header.layer_checksums[layer]:
@@ -150,7 +175,8 @@ def _alias_readonly(mv: memoryview) -> torch.Tensor:
 def layer_from_bytes(
     data: Any, header: EntryHeader, layer: int, *, owned: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify and decode one layer into (K, V), each (kv_heads, num_tokens, head_dim).
+    """Verify one layer and view it as (K, V), each (kv_heads, num_tokens, head_dim) (an encoded
+    entry: as its (K part, V part), flat uint8; storage.entry.decode_layer decodes them).
 
     `data` is any buffer. A writable buffer (bytearray, uint8 tensor/numpy array) is used
     without copying and the tensors alias it. A read-only one (bytes) is copied into a
@@ -173,5 +199,4 @@ def layer_from_bytes(
         else:
             flat = torch.empty(mv.nbytes, dtype=torch.uint8)  # (layer_nbytes,)
             flat.numpy()[:] = np.frombuffer(mv, dtype=np.uint8)
-    k, v = flat.view(header.dtype).view(2, *header.shape).unbind(0)  # (H, T, D) each
-    return k, v
+    return layer_views(flat, header)

@@ -16,7 +16,7 @@ import hashlib
 import hmac
 
 from storage import checksum as _checksum
-from storage.entry import EntryHeader, KVEntry, tensor_bytes
+from storage.entry import EntryHeader, KVEntry, layer_checksum
 from storage.serialization import encode_header
 
 DOMAIN = b"kvblend/entry-tag/v1\x00"
@@ -38,10 +38,11 @@ def verify(header: EntryHeader, key: str, secret: str) -> bool:
 def seal(entry: KVEntry, key: str, secret: str) -> KVEntry:
     """`entry` tagged for `key`: the same entry if it already verifies (a promotion), else a
     new one whose header has sha256 checksums recomputed over the layers (~1.4 GB/s) and
-    the tag. The layers are shared, not copied."""
+    the tag (the header's codec included: an encoded entry is sealed as it is). The layers are
+    shared, not copied."""
     if verify(entry.header, key, secret):
         return entry
     algorithm = _checksum.CRYPTOGRAPHIC[0]
-    sums = tuple(_checksum.checksum((tensor_bytes(k), tensor_bytes(v)), algorithm) for k, v in entry.layers)
+    sums = tuple(layer_checksum(entry.header.codec, k, v, algorithm) for k, v in entry.layers)
     header = dataclasses.replace(entry.header, checksum=algorithm, layer_checksums=sums, tag="")
     return KVEntry(dataclasses.replace(header, tag=_tag(header, key, secret)), entry.layers)

@@ -5,11 +5,16 @@ Request flow: `lookup(key, expected)` walks the tiers fastest-first and returns 
 tokens, positions, dims, dtype, sizes: `storage.entry.Expected`) and, in a store with a
 secret, carries a valid tag (`storage.signature`). Any other header is a miss, counted
 per tier (`mismatches`, `unauthenticated`), and deleted from that tier, so no tensor is
-ever built from a header the reader did not expect. `get_layer` / `get_layers` read from
+ever built from a header the reader did not expect; an entry that fails authentication is
+left in place (another engine with another secret may own it). `get_layer` / `get_layers` read from
 that tier, falling back to a lower tier holding an identical header if the entry
 vanished meanwhile. A request that still finds a layer missing recomputes the segment and
 hands it to `repair`, which rewrites the entry once. `put` writes to every tier through a
-bounded background writer (sealing entries first when the store has a secret). A hit in
+bounded background writer: encoded in each tier's codec (`storage.codec`; once per codec,
+an entry already encoded is written as it is; `exact` puts and promotions are written as
+they are), then sealed when the store has a secret.
+Reads return what the tier holds (an encoded entry's K and V parts: the reader decodes, on
+its device; `storage.entry.decode_layer`). A hit in
 a lower tier is promoted: the layers the request reads are collected and, once all are
 seen, written to the tiers above in the background; `flush` (or overflow of the pending
 table) completes partially read promotions by reading the remaining layers.
@@ -29,8 +34,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from storage.config import StoreConfig, TierConfig
+from storage.codec import NONE, Codec, codec_named
+from storage.config import SHARED_KINDS, StoreConfig, TierConfig
 from storage.entry import EntryHeader, Expected, KVEntry
+from storage.serialization import layer_views
 from storage.signature import seal, verify
 from storage.tier import Layer, StoreUnavailable, Tier, tier_class
 
@@ -45,6 +52,11 @@ def build_tier(config: TierConfig, namespace: str = "") -> Tier:
     """Instantiate the tier for `config.kind` (storage.tier.tier_class), scoped to `namespace`;
     ValueError lists the valid kinds."""
     return tier_class(config.kind)(config, namespace=namespace)
+
+
+def tier_codec(tier: Tier) -> Codec:
+    """The codec a tier writes in (its config's `codec`; `none` for a tier without one)."""
+    return codec_named(getattr(getattr(tier, "config", None), "codec", "none"))
 
 
 @dataclass
@@ -79,12 +91,6 @@ class _Promotion:
 _STOP = object()
 
 
-def layer_views(buf: torch.Tensor, header: EntryHeader) -> Layer:
-    """(K, V) views, each (kv_heads, num_tokens, head_dim), of one layer's bytes in `buf` ((layer_nbytes,) uint8)."""
-    k, v = buf.view(header.dtype).view(2, *header.shape).unbind(0)
-    return k, v
-
-
 def _read_into(tier: Tier, located: Located, layer: int, out: torch.Tensor) -> bool:
     """One tier's read of a layer into `out`, through its `read_layer_into` where it has one."""
     reader = getattr(tier, "read_layer_into", None)
@@ -117,6 +123,7 @@ class TieredStore:
         if secret is not None and not secret:
             raise ValueError("store secret is empty; set a long random string or leave it unset")
         self.tiers: list[Tier] = list(tiers)
+        self.codecs: list[Codec] = [tier_codec(t) for t in self.tiers]
         self.namespace = namespace
         self._secret = secret
         self.kv_dtype = kv_dtype
@@ -129,6 +136,12 @@ class TieredStore:
         self._lock = threading.Lock()
         self._counts: dict[str, Counter] = {t.name: Counter() for t in self.tiers}
         self._closed = False
+        shared = [t.name for t in self.tiers if getattr(getattr(t, "config", None), "kind", "") in SHARED_KINDS]
+        if shared and secret is None:
+            log.warning("%s tier%s shared without store.secret: anyone who can write to the server can plant "
+                        "entries with valid checksums, and this engine serves them as KV; set store.secret "
+                        "(KVBLEND_STORE_SECRET, the same on every engine sharing it) to accept only entries "
+                        "sealed with it", ", ".join(shared), "s are" if len(shared) > 1 else " is")
 
     @classmethod
     def from_config(cls, config: StoreConfig, *, min_entry_bytes: int | None = None) -> TieredStore:
@@ -188,9 +201,11 @@ class TieredStore:
                 continue
             problem = expected.mismatch(header)
             if problem is None and self._secret is not None and not verify(header, key, self._secret):
+                # left in place: an engine with another secret may share this tier (deleting would
+                # let two of them wipe each other's entries); a recompute here overwrites it
                 self._count(i, lookup_misses=1, unauthenticated=1)
-                log.warning("%s tier: entry %s has no valid tag for this store's secret; deleted", tier.name, key)
-                tier.delete(key)
+                log.warning("%s tier: entry %s has no valid tag for this store's secret (written by an engine "
+                            "with another secret, or forged); a miss, left in place", tier.name, key)
                 continue
             if problem is not None:
                 self._count(i, lookup_misses=1, mismatches=1)
@@ -322,7 +337,7 @@ class TieredStore:
                         return  # the source lost it meanwhile: nothing to promote
                     promotion.layers[i] = layer
             entry = KVEntry(located.header, [promotion.layers[i] for i in range(located.header.num_layers)])
-            for i in range(located.tier_index):
+            for i in range(located.tier_index):  # as it is: never encoded twice, exact entries stay exact
                 self.tiers[i].put(located.key, entry)
                 self._count(i, promotions=1)
 
@@ -333,28 +348,32 @@ class TieredStore:
             self._count(located.tier_index, promotions_dropped=1)
 
     # ------------------------------------------------------------------ writes
-    def put(self, key: str, entry: KVEntry, *, sync: bool = False) -> None:
-        """Write `entry` under `key` to every tier.
+    def put(self, key: str, entry: KVEntry, *, sync: bool = False, exact: bool = False) -> None:
+        """Write `entry` under `key` to every tier, encoded in each tier's codec.
 
         sync=False (default) queues the write for the background writer and returns;
         it blocks while the queue (write_queue jobs) is full. Do not modify `entry`
-        afterwards. sync=True writes inline. Errors of a `required` tier raise
-        StoreUnavailable: inline, or for background writes at the next put/flush.
+        afterwards. sync=True writes inline. exact=True stores the entry as given in
+        every tier, whatever its codec (KV that must come back bit for bit, e.g. a
+        parked sequence). Errors of a `required` tier raise StoreUnavailable: inline,
+        or for background writes at the next put/flush.
         """
         self._raise_background_error()
         if sync:
-            sealed = self._seal(key, entry)
-            for tier in self.tiers:
-                tier.put(key, sealed)
+            self._write(key, entry, exact)
             return
-
-        def job() -> None:
-            sealed = self._seal(key, entry)
-            for tier in self.tiers:
-                tier.put(key, sealed)
-
         self._ensure_writer()
-        self._queue.put(job)
+        self._queue.put(lambda: self._write(key, entry, exact))
+
+    def _write(self, key: str, entry: KVEntry, exact: bool = False) -> None:
+        """Put `entry` into every tier, encoded in the tier's codec (once per codec; not when
+        `exact`) and sealed."""
+        ready: dict[Codec, KVEntry] = {}
+        for tier, codec in zip(self.tiers, self.codecs, strict=True):
+            codec = NONE if exact else codec
+            if codec not in ready:
+                ready[codec] = self._seal(key, entry.encode(codec))
+            tier.put(key, ready[codec])
 
     def _seal(self, key: str, entry: KVEntry) -> KVEntry:
         """`entry` with a tag for `key` when the store has a secret (sha256 checksums: ~1.4 GB/s)."""
@@ -382,6 +401,10 @@ class TieredStore:
                 self._error = self._error or e
             finally:
                 self._queue.task_done()
+
+    def pending_writes(self) -> int:
+        """Write-behind jobs queued and not yet taken by the writer (puts, promotions); no side effects."""
+        return self._queue.qsize()
 
     def _raise_background_error(self) -> None:
         error, self._error = self._error, None
@@ -452,5 +475,6 @@ class TieredStore:
             with self._lock:
                 counts = dict(self._counts[tier.name])
             extra = {k: counts.get(k, 0) for k in LOOKUP_COUNTERS}
-            out[tier.name] = {"kind": getattr(tier.config, "kind", tier.name)} | tier.stats() | extra
+            out[tier.name] = ({"kind": getattr(tier.config, "kind", tier.name), "codec": tier_codec(tier).name}
+                              | tier.stats() | extra)
         return out

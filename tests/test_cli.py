@@ -351,3 +351,21 @@ def test_parting_shows_each_modes_top_tokens():
     assert parting.line().startswith("where they part (token 13): full prefill '0' 0.57, '7' 0.43; blend on the "
                                      "same first 12 tokens '7' 0.62, '0' 0.38")
     assert json.loads(json.dumps(parting.to_dict()))["full_top"][0] == ["0", parting.full_top[0][1]]
+
+
+def test_an_ingest_larger_than_the_budget_says_by_how_much(config_file, capsys):
+    """Fault sweep: later documents of one ingest evict the earlier ones; the error names the tier, its
+    budget and how much more the ingest wrote."""
+    text = (config_file / "c.yaml").read_text()
+    start = text.index("    - {kind: cpu")
+    (config_file / "small.yaml").write_text(text[:start] + "    - {kind: cpu, budget: 40KiB}\n")
+    docs = []
+    for i in range(6):
+        path = config_file / f"many{i}.txt"
+        path.write_text(f"Document {i}: the {i}th mill on the river Dell was rebuilt in {1850 + i} after a fire.")
+        docs.append(str(path))
+    assert main(["ingest", "--config", str(config_file / "small.yaml"), *docs]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kvblend: error:")]
+    assert len(errors) == 1
+    assert "larger than the budget of tier cpu (40KiB)" in errors[0] and "more" in errors[0]
+    assert "later documents evicted the earlier ones" in errors[0]

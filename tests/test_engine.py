@@ -21,11 +21,14 @@ DOCS = [
 QUESTION = "Who built the lighthouse at Carrow Point?"
 
 
-def make_engine(arch="llama", tmp_path=None, chunk_tokens=24, kv_dtype="float32", **engine_overrides) -> BlendEngine:
+def make_engine(arch="llama", tmp_path=None, chunk_tokens=24, kv_dtype="float32", codec="none",
+                **engine_overrides) -> BlendEngine:
+    """A tiny engine with a cpu tier and, given tmp_path, a disk tier in `codec` (none: lossless,
+    so results are comparable bit for bit across engines)."""
     lm = tiny_model(arch, tokenizer=smollm2_tokenizer(), attention_bias=(arch == "qwen2"))
     tiers = [{"kind": "cpu", "budget": "64MiB"}]
     if tmp_path is not None:
-        tiers.append({"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB"})
+        tiers.append({"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB", "codec": codec})
     # a tiny model's layers cost about the same for 30 rows as for 3000, so the load-or-compute
     # split (tested in test_split.py) would rightly compute many blends whole: off here, where
     # the tests look at what blend itself does
@@ -215,7 +218,7 @@ def test_corrupt_entry_is_recomputed(tmp_path):
         path.write_bytes(bytes(data))
     lm = tiny_model("llama", tokenizer=smollm2_tokenizer())
     cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": [
-        {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB"}]}, chunk_tokens=24)
+        {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB", "codec": "none"}]}, chunk_tokens=24)
     with BlendEngine(cfg, model=lm) as engine:
         again = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.3, max_new_tokens=3)
         assert again.stats.load.recomputed_segments > 0 or again.stats.documents.misses > 0

@@ -593,11 +593,13 @@ ALL_FAULTS = HEADER_FAULTS + SIZE_FAULTS + PATH_FAULTS + FORGED_FAULTS
 
 # ---------------------------------------------------------------------------- sweep
 def tier_config(kind: str, tmp: Path, redis_url: str | None, cluster_urls: list[str] | None, n: int) -> dict:
+    """One tier in codec none: a healthy hit then answers exactly as a clean recompute (the criterion),
+    and the faults forge raw layers (codec headers are swept in tests/test_codecs.py)."""
     if kind == "disk":
-        return {"kind": "disk", "path": str(tmp / "cache"), "budget": "256MiB"}
+        return {"kind": "disk", "path": str(tmp / "cache"), "budget": "256MiB", "codec": "none"}
     if kind == "redis":
-        return {"kind": "redis", "url": redis_url, "key_prefix": f"sweep{n}:"}
-    return {"kind": "redis-cluster", "urls": cluster_urls, "key_prefix": f"sweep{n}:"}
+        return {"kind": "redis", "url": redis_url, "key_prefix": f"sweep{n}:", "codec": "none"}
+    return {"kind": "redis-cluster", "urls": cluster_urls, "key_prefix": f"sweep{n}:", "codec": "none"}
 
 
 def net_output_bytes(kind: str, client: Any) -> int:

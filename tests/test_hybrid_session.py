@@ -21,7 +21,8 @@ TOL = 1e-4
 
 def make_engine(tmp_path, tiers=("cpu",)) -> BlendEngine:
     specs = {"cpu": {"kind": "cpu", "budget": "64MiB"},
-             "disk": {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB"}}
+             # lossless: a resume is compared with a full prefill to 1e-4
+             "disk": {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB", "codec": "none"}}
     cfg = EngineConfig().with_overrides(
         store={"kv_dtype": "float32", "tiers": [specs[t] for t in tiers]}, chunk_tokens=BLOCK,
         sessions_dir=str(tmp_path / "sessions"), max_new_tokens=MAX_NEW, split="off")

@@ -29,8 +29,9 @@ MESSAGES = [
 
 def make_engine(tmp_path, *, tiers=("cpu", "disk"), redis_url=None, **overrides) -> BlendEngine:
     specs = {"cpu": {"kind": "cpu", "budget": "64MiB"},
-             "disk": {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB"},
-             "redis": {"kind": "redis", "url": redis_url, "required": True}}
+             # lossless: a resume is compared bit for bit with the conversation that was offloaded
+             "disk": {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB", "codec": "none"},
+             "redis": {"kind": "redis", "url": redis_url, "required": True, "codec": "none"}}
     cfg = EngineConfig().with_overrides(
         store={"kv_dtype": "float32", "tiers": [specs[t] for t in tiers]}, chunk_tokens=BLOCK,
         sessions_dir=str(tmp_path / "sessions"), max_new_tokens=MAX_NEW, **{"split": "off", **overrides})

@@ -35,8 +35,10 @@ def expect(token_ids, fingerprint: str = "bench", **changes) -> Expected:
     return Expected.of(token_ids, **fields)
 
 
-def cpu_disk(tmp_path: Path, **kw) -> TieredStore:
-    cfg = StoreConfig(tiers=(CpuTierConfig(budget=1 << 20), DiskTierConfig(path=str(tmp_path / "disk"))), **kw)
+def cpu_disk(tmp_path: Path, codec: str = "none", **kw) -> TieredStore:
+    """A cpu + disk store; the disk tier in `codec` (none: both tiers hold the same entry)."""
+    cfg = StoreConfig(tiers=(CpuTierConfig(budget=1 << 20), DiskTierConfig(path=str(tmp_path / "disk"), codec=codec)),
+                      **kw)
     return TieredStore.from_config(cfg)
 
 
@@ -95,9 +97,11 @@ def test_store_with_a_secret_seals_writes_and_refuses_untagged_entries(tmp_path)
         stored = store.tiers[1].get_header(key)
         assert stored.checksum == "sha256" and verify(stored, key, "s3cret-0123456789abcdef")
         assert store.lookup(key, expect(tokens)).header == stored
-        store.tiers[1].put(key2, entry2)  # planted without the secret
+        store.tiers[1].put(key2, entry2)  # planted without the secret (or written by an engine with another one)
         assert store.lookup(key2, expect(tokens2)) is None
-        assert store.stats()["disk"]["unauthenticated"] == 1 and not store.tiers[1].contains(key2)
+        # a miss, counted, and left in place: two engines with different secrets must not wipe each other
+        assert store.stats()["disk"]["unauthenticated"] == 1 and store.tiers[1].contains(key2)
+        assert store.lookup(key2, expect(tokens2)) is None and store.stats()["disk"]["unauthenticated"] == 2
         store.tiers[0].clear()  # a promotion from disk keeps the tag (and does not re-hash)
         located = store.lookup(key, expect(tokens))
         assert located.tier_name == "disk" and store.get(located) is not None
@@ -250,3 +254,33 @@ def test_background_failure_of_required_tier_surfaces_on_flush(tmp_path, monkeyp
         store.flush()
     assert store.tiers[0].contains(key)  # tiers before the failing one were written
     store.close()
+
+
+def test_engines_with_different_secrets_do_not_delete_each_others_entries(tmp_path):
+    """Fault sweep: an entry that fails authentication is a miss, counted, and stays where it is."""
+    key, tokens, entry = keyed()
+    mine = StoreConfig(secret="first-secret-0123456789", tiers=(DiskTierConfig(path=str(tmp_path / "d")),))
+    theirs = dataclasses.replace(mine, secret="other-secret-0123456789")
+    with TieredStore.from_config(mine) as a:
+        a.put(key, entry, sync=True)
+    with TieredStore.from_config(theirs) as b:
+        assert b.lookup(key, expect(tokens)) is None
+        stats = b.stats()["disk"]
+        assert stats["unauthenticated"] == 1 and stats["lookup_misses"] == 1 and b.tiers[0].contains(key)
+    with TieredStore.from_config(mine) as a:
+        assert a.lookup(key, expect(tokens)) is not None  # still there for its owner
+
+
+@pytest.mark.parametrize("kinds, secret, warned", [
+    (("redis",), None, True), (("redis",), "a-secret-0123456789ab", False), (("cpu", "disk"), None, False),
+])
+def test_a_shared_tier_without_a_secret_warns_once_at_start(tmp_path, caplog, kinds, secret, warned):
+    tiers = {"cpu": CpuTierConfig(), "disk": DiskTierConfig(path=str(tmp_path / "d")),
+             "redis": RedisTierConfig(url="redis://127.0.0.1:1/0", connect_timeout_s=0.2, socket_timeout_s=0.2)}
+    with caplog.at_level(logging.WARNING, logger="kvblend.storage"):
+        with TieredStore.from_config(StoreConfig(secret=secret, tiers=tuple(tiers[k] for k in kinds))):
+            pass
+    risk = [r.getMessage() for r in caplog.records if "without store.secret" in r.getMessage()]
+    assert len(risk) == (1 if warned else 0)
+    if warned:
+        assert "plant entries" in risk[0] and "KVBLEND_STORE_SECRET" in risk[0]

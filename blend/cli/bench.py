@@ -1,4 +1,4 @@
-"""`kvblend bench load | ttft | resume | serve | decode`: argument parsing and printing; the measurements
+"""`kvblend bench load | ttft | resume | workload | serve | decode`: argument parsing and printing; the measurements
 live in eval/bench. Arguments are checked before anything is loaded or written; progress
 and tables go to stdout, or to stderr with --json (stdout then holds the JSON line only)."""
 
@@ -12,6 +12,7 @@ from blend.cli import serve
 from blend.cli.common import (
     POSITIVE_FLOAT,
     POSITIVE_INT,
+    RATIO,
     arg_type,
     check_out_dir,
     config_arg,
@@ -22,7 +23,9 @@ from blend.cli.common import (
     json_arg,
     require_eval_extra,
 )
-from blend.modes import parse_ratio
+from blend.cli.eval import parse_field_map
+from blend.modes import check_mode, parse_ratio
+from storage.codec import CODEC_NAMES
 from storage.dtypes import DTYPE_NAMES
 
 COMPUTE_DTYPES = ("auto", *DTYPE_NAMES)
@@ -40,6 +43,15 @@ def _tiers(text: str, allowed: tuple[str, ...] | None = None) -> list[str]:
     return kinds
 
 
+def _codecs(text: str) -> list[str]:
+    """Codec names from "none,int8,int4"; ValueError lists the valid ones."""
+    names = csv_list(text, "--codec")
+    for name in names:
+        if name not in CODEC_NAMES:
+            raise ValueError(f"unknown codec {name!r}; use some of {', '.join(CODEC_NAMES)}")
+    return list(dict.fromkeys(names))
+
+
 # ------------------------------------------------------------------- load
 def cmd_load(args: argparse.Namespace) -> int:
     kinds = _tiers(",".join(args.tier or ["cpu"]))
@@ -54,13 +66,14 @@ def cmd_load(args: argparse.Namespace) -> int:
     cluster_urls = args.cluster_urls.split(",") if args.cluster_urls else None
     for kind in kinds:  # every tier's settings checked (a URL, node URLs) before any tier runs
         one_tier(kind, config, scratch=Path("."), redis_url=args.redis_url, cluster_urls=cluster_urls)
+    codecs = _codecs(args.codec) if args.codec else [None]
     shape = ChunkShape(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, tokens=args.chunk_tokens,
                        kv_dtype=args.kv_dtype)
     say = human(args)
     results = [
         run_load(kind, args.size_mb, shape, config=config, redis_url=args.redis_url, cluster_urls=cluster_urls,
-                 rounds=args.rounds, log=say)
-        for kind in kinds
+                 rounds=args.rounds, codec=codec, log=say)
+        for kind in kinds for codec in codecs
     ]
     if args.json:
         emit_json({"tiers": results})
@@ -71,7 +84,11 @@ def _register_load(sub: Any) -> None:
     p = sub.add_parser("load", help="KV store throughput per tier vs raw reads")
     p.add_argument("--tier", action="append", default=None, metavar="KIND",
                    help="a tier kind (cpu, disk, redis, redis-cluster); repeat or comma-separate (default cpu)")
-    p.add_argument("--size-mb", type=POSITIVE_FLOAT, default=256, help="MiB of KV written and read (default 256)")
+    p.add_argument("--size-mb", type=POSITIVE_FLOAT, default=256,
+                   help="MiB of KV written and read, float16-equivalent (default 256)")
+    p.add_argument("--codec", default=None, metavar="C,...",
+                   help="codecs to store the KV in, comma-separated, from " + ", ".join(CODEC_NAMES)
+                        + " (default: the tier's configured codec); one row per tier and codec")
     json_arg(p)
     p.add_argument("--config", default=None, metavar="FILE",
                    help="take tier settings (disk path, redis url) from this YAML")
@@ -222,6 +239,53 @@ def cmd_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------- workload
+def _workload_settings(args: argparse.Namespace) -> Any:
+    """The checked settings of `bench workload` (one-line ValueErrors naming the flag)."""
+    from eval.bench.workload import WorkloadSettings
+
+    modes = tuple(dict.fromkeys(check_mode(m) for m in csv_list(args.modes, "--modes")))
+    if (args.passages is None) == (args.zipf is None):
+        raise ValueError("give either --passages K (each question over its own first K passages) or --zipf ALPHA "
+                         "--docs-per-request K (passages drawn by popularity over the whole corpus)")
+    if (args.zipf is None) != (args.docs_per_request is None):
+        raise ValueError("--zipf and --docs-per-request go together: popularity ALPHA and the passages per request")
+    if args.clients is not None and args.rate is not None:
+        raise ValueError("give either --clients N (closed loop) or --rate R (open loop, requests per second), not both")
+    if args.cache_fraction is not None and not 0 < args.cache_fraction:
+        raise ValueError(f"--cache-fraction must be > 0, got {args.cache_fraction}")
+    return WorkloadSettings(
+        dataset=args.dataset, requests=args.requests, modes=modes,
+        codecs=tuple(_codecs(args.codecs)) if args.codecs else None, passages=args.passages, zipf=args.zipf,
+        docs_per_request=args.docs_per_request, clients=args.clients if args.rate is None else None,
+        rate=args.rate, seed=args.seed, cache_fraction=args.cache_fraction, fidelity_every=args.fidelity_every,
+        ratio=args.ratio, max_new_tokens=args.max_new_tokens, split=args.split, limit=args.limit,
+        field_map=args.field_map)
+
+
+def cmd_workload(args: argparse.Namespace) -> int:
+    if args.clients is None and args.rate is None:
+        args.clients = 1
+    settings = _workload_settings(args)
+    if args.out:
+        require_eval_extra("matplotlib")
+        from eval.bench.workload import REPORT_FILES
+
+        check_out_dir(args.out, REPORT_FILES)
+    from blend.config import load_config
+
+    config = load_config(args.config)  # a bad config fails here, before the model loads
+    from eval.bench.workload import run_workload, write_report
+
+    say = human(args)
+    summary = run_workload(settings, config, log_line=say)
+    if args.out:
+        write_report(summary, Path(args.out))
+    if args.json:
+        emit_json(summary)
+    return 0
+
+
 def _register_decode(sub: Any) -> None:
     p = sub.add_parser("decode", help="decode step time and tokens/s per context length and batch size")
     config_arg(p)
@@ -240,11 +304,49 @@ def _register_decode(sub: Any) -> None:
     p.set_defaults(func=cmd_decode)
 
 
+def _register_workload(sub: Any) -> None:
+    p = sub.add_parser("workload", help="a stream of RAG requests over a corpus larger than the cache: hit rate, "
+                                        "misses, writes, evictions, TTFT and end-to-end latency per mode and codec")
+    config_arg(p)
+    p.add_argument("--dataset", required=True, metavar="PATH_OR_NAME",
+                   help="any file or hub name `kvblend eval` reads; its passages are the corpus")
+    p.add_argument("--split", default=None, help="dataset split")
+    p.add_argument("--field-map", type=arg_type(parse_field_map), default=None, metavar="OURS=THEIRS,...",
+                   help="rename source fields, e.g. question=query,answers=gold (as kvblend eval)")
+    p.add_argument("--limit", type=POSITIVE_INT, default=None, help="first N usable examples of the dataset")
+    p.add_argument("--passages", type=POSITIVE_INT, default=None, metavar="K",
+                   help="each request: one question over its own first K passages")
+    p.add_argument("--zipf", type=POSITIVE_FLOAT, default=None, metavar="ALPHA",
+                   help="each request: --docs-per-request passages drawn with Zipf popularity ALPHA over the corpus")
+    p.add_argument("--docs-per-request", type=POSITIVE_INT, default=None, metavar="K")
+    p.add_argument("--clients", type=POSITIVE_INT, default=None, metavar="N",
+                   help="closed loop: N clients, each sends its next request when the last one finished (default 1)")
+    p.add_argument("--rate", type=POSITIVE_FLOAT, default=None, metavar="R",
+                   help="open loop: Poisson arrivals at R requests per second (seeded)")
+    p.add_argument("--requests", type=POSITIVE_INT, default=40, help="requests in the stream (default 40)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the stream and its arrivals (default 0)")
+    p.add_argument("--modes", default="full,blend", help="modes, comma-separated (default full,blend)")
+    p.add_argument("--codecs", default=None, metavar="C,...",
+                   help="run every tier in each of these codecs (" + ", ".join(CODEC_NAMES)
+                        + "); default: the tiers as configured")
+    p.add_argument("--cache-fraction", type=POSITIVE_FLOAT, default=None, metavar="F",
+                   help="set every budgeted tier's budget to F x the corpus' uncompressed KV")
+    p.add_argument("--fidelity-every", type=int, default=0, metavar="N",
+                   help="every N-th request also answered with full prefill: first-token KL samples (default 0: off)")
+    p.add_argument("--ratio", type=RATIO, default=None, help="blend recompute ratio (default: the config's)")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=8, help="tokens generated per request (default 8)")
+    json_arg(p)
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write workload.json, workload.md, hit_rate_over_time.png and ttft_cdf.png here")
+    p.set_defaults(func=cmd_workload)
+
+
 def register(subparsers: Any) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks (load, ttft, resume, serve, decode)")
+    bench = subparsers.add_parser("bench", help="benchmarks (load, ttft, resume, workload, serve, decode)")
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     _register_load(sub)
     _register_ttft(sub)
     _register_resume(sub)
+    _register_workload(sub)
     serve.register_bench(sub)
     _register_decode(sub)

@@ -51,6 +51,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     docs = [Document(text, id=path) for path, text in zip(args.files, read_documents(args.files), strict=True)]
     with _engine(args) as engine:
         ingested = engine.ingest(docs)
+        overflow = _budget_overflow(engine.store.stats())
     keys = [k for doc in ingested for k in doc.keys]
     if args.json:
         emit_json({"documents": [doc.to_dict() for doc in ingested], "chunks": keys})
@@ -58,12 +59,31 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         new = sum(doc.keys != () and not doc.cached for doc in ingested)
         print(f"ingested {len(docs)} document(s) as {len(keys)} chunk(s), {new} newly computed")
     lost = [doc.id for doc in ingested if doc.keys and doc.stored is False]
+    if lost and overflow:
+        print(f"kvblend: error: {len(lost)} of {len(docs)} document(s) were not stored, e.g. {lost[0]!r}: this ingest "
+              f"is larger than {'; '.join(overflow)}, so its later documents evicted the earlier ones; raise the "
+              "budget or ingest fewer documents at a time", file=sys.stderr)
+        return 2
     if lost:
         print(f"kvblend: error: {len(lost)} of {len(docs)} document(s) were not stored, e.g. {lost[0]!r}: no tier "
               "accepted their blocks (the warnings above say why); fix the tier's path, permissions or server "
               "in the config", file=sys.stderr)
         return 2
     return 0
+
+
+def _budget_overflow(stats: dict[str, dict]) -> list[str]:
+    """Per budgeted tier that evicted while this process wrote more than its budget: "the budget of
+    tier T (B): the ingest wrote W, X more" (the tiers of a fresh engine count this ingest only)."""
+    from storage.units import format_bytes
+
+    out = []
+    for name, s in stats.items():
+        budget, written = s.get("budget"), s.get("bytes_written", 0)
+        if budget and s.get("evictions", 0) and written > budget:
+            out.append(f"the budget of tier {name} ({format_bytes(budget)}): it wrote {format_bytes(written)} of KV, "
+                       f"{format_bytes(written - budget)} more")
+    return out
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

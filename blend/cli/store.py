@@ -27,6 +27,25 @@ def _open_store(args: argparse.Namespace, config: Any = None) -> Any:
     return TieredStore.from_config(config)
 
 
+def bytes_per_token(config: Any) -> dict[str, float | None]:
+    """Per tier of an engine config, the bytes of KV one token takes there: the model's KV shape
+    (read from its config, no weights), the tier's codec, full blocks of `chunk_tokens`. None per
+    tier when the model's config cannot be read."""
+    from storage.codec import codec_named
+    from storage.config import tier_display_name
+
+    try:
+        from blend.planning.planner import model_kv_shape
+
+        shape = model_kv_shape(config.model)
+    except Exception:  # noqa: BLE001 - an unreadable model config leaves the column empty, never fails stats
+        return {tier_display_name(t): None for t in config.store.tiers}
+    tokens = config.engine.chunk_tokens
+    return {tier_display_name(t): codec_named(t.codec).layer_nbytes(shape.kv_heads, tokens, shape.head_dim,
+                                                                     config.store.kv_dtype) * shape.layers / tokens
+            for t in config.store.tiers}
+
+
 def entry_kind(fingerprint: str) -> str:
     """What an entry holds, from its header's fingerprint: `window` (a hybrid model's sliding
     layers, last window of a conversation), `global` (its full-attention layers' prefix
@@ -52,20 +71,26 @@ def _bytes_by_kind(tier: Any) -> dict[str, int]:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    with _open_store(args) as store:
+    from blend.config import load_config
+
+    config = load_config(args.config)
+    with _open_store(args, config.store) as store:
         stats = store.stats()
         if args.by_kind:  # per layer type: a hybrid model's sessions keep windows and global blocks apart
             for tier in store.tiers:
                 if tier.name in stats and not stats[tier.name].get("down"):
                     stats[tier.name] = {**stats[tier.name], "bytes_by_kind": _bytes_by_kind(tier)}
+    for name, per_token in bytes_per_token(config).items():
+        stats[name]["bytes_per_token"] = per_token
     if args.json:
         emit_json(stats)
         return 0
     for name, s in stats.items():
         down = " DOWN" if s.get("down") else ""
+        per_token = f"{s['bytes_per_token'] / 1024:.1f} KiB/token" if s["bytes_per_token"] else "? KiB/token"
         kinds = "".join(f"  {k} {v / 2**20:.1f} MiB" for k, v in s.get("bytes_by_kind", {}).items())
-        print(f"{name:<14} {s['kind']:<14} entries {s['entries']:>7}  used {s['bytes_used'] / 2**20:>10.1f} MiB"
-              f"  corrupt {s['corrupt']}  errors {s['errors']}{down}{kinds}")
+        print(f"{name:<14} {s['kind']:<14} {s['codec']:<5} {per_token:>15}  entries {s['entries']:>7}  used "
+              f"{s['bytes_used'] / 2**20:>10.1f} MiB  corrupt {s['corrupt']}  errors {s['errors']}{down}{kinds}")
     return 0
 
 
@@ -128,7 +153,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("store", help="inspect or empty the tiered KV store")
     sub = parser.add_subparsers(dest="store_command", required=True, metavar="ACTION")
     for name, func, text in (
-        ("stats", _cmd_stats, "per-tier counters and usage"),
+        ("stats", _cmd_stats, "per-tier codec, bytes per token, counters and usage"),
         ("ls", _cmd_ls, "list entries: key, tier, tokens, bytes, pos_start"),
         ("clear", _cmd_clear, "delete every entry of the config's namespace from every tier (asks, or pass --yes)"),
     ):

@@ -11,9 +11,14 @@ hits a whole entry instead of recomputing again.
 
 Two ways to place a layer, chosen by the cache's device:
 
+An entry a tier holds encoded (storage.codec: int8, int4) travels as its encoded bytes and is
+decoded where the cache is, straight into the cache slice (CPU) or the device buffer (CUDA);
+re-rotation, and every later correction of the stale K/V, works on the decoded values. Keys
+stored before RoPE (int4) are rotated by their whole prompt position instead of the shift.
+
 host (CPU caches): per segment, the tier's read (a view of cpu-tier memory, or a disk /
-Redis read into a reused scratch buffer) is copied into the cache slice with dtype
-conversion, and its keys are re-rotated there in place.
+Redis read into a reused scratch buffer) is copied (or decoded) into the cache slice with
+dtype conversion, and its keys are re-rotated there in place.
 
 staged (CUDA caches): every segment's layer bytes reach the device with as few copies
 as possible, then one batched step places them all.
@@ -24,8 +29,11 @@ as possible, then one batched step places them all.
     buffers (disk: preadv straight into it, several reads in flight from a thread
     pool; Redis: the reply copied once), entries computed in this request are copied
     into it; segments adjacent in the slot go up in one copy; a slot is reused only
-    after its copy event has completed;
-  - the copies land in a device buffer laid out segment after segment; one gather per
+    after its copy event has completed; encoded entries are staged and copied encoded
+    (the bytes that cross PCIe are the compressed ones);
+  - the copies land in a device buffer laid out segment after segment (encoded ones in
+    a second buffer, decoded from there into the first on the device, in the storage
+    dtype: the precision a `none` entry has); one gather per
     K and V, one re-rotation by each token's position shift (float32 math) and one
     write into the cache slots place every segment of the layer at once;
   - all of it runs on a dedicated copy stream and ends with an event per layer:
@@ -50,9 +58,12 @@ import torch
 from blend.model.cache import KVCache
 from blend.model.runner import Runner
 from blend.stats import LoadReport
+from storage.codec import decode_into
 from storage.entry import EntryHeader, KVEntry
 from storage.memory import CpuTier
+from storage.serialization import layer_views
 from storage.stack import Located, TieredStore
+from storage.tier import Layer
 
 log = logging.getLogger(__name__)
 LOADER_NICE = 5
@@ -403,13 +414,15 @@ class LayerLoader:
 
 # ------------------------------------------------------------------ host path
 class _HostPlacer:
-    """Per segment: read, copy into the cache slice (dtype conversion), re-rotate in place."""
+    """Per segment: read, copy (or decode) into the cache slice (dtype conversion), re-rotate in place."""
 
     def __init__(self, loader: LayerLoader):
         self.loader = loader
+        self._rotations: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # pre-RoPE keys
 
-    def _fetch(self, p: Placement, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the entry's layer `layer` (its own index: Placement.entry_layer)."""
+    def _fetch(self, p: Placement, layer: int) -> tuple[EntryHeader, torch.Tensor, torch.Tensor]:
+        """What `p` holds for the entry's layer `layer` (its own index: Placement.entry_layer): the
+        header it is read under and its K and V (or, encoded, its K part and V part)."""
         ld = self.loader
         if p.entry is None and p.located is not None and ld.store is not None:
             t0 = time.perf_counter()
@@ -422,14 +435,16 @@ class _HostPlacer:
                 buf = ld._scratch[: header.layer_nbytes]
                 if ld.store.read_layer_into(p.located, layer, buf):
                     ld._count_read(p, header.layer_nbytes, time.perf_counter() - t0)
-                    k, v = buf.view(header.dtype).view(2, *header.shape).unbind(0)
-                    return k, v
+                    k, v = layer_views(buf, header)
+                    return header, k, v
             else:
                 kv = ld.store.get_layer(p.located, layer)
                 if kv is not None:
                     ld._count_read(p, header.layer_nbytes, time.perf_counter() - t0)
-                    return kv
-        return ld._recompute(p, layer).layers[layer]
+                    return header, kv[0], kv[1]
+        entry = ld._recompute(p, layer)
+        k, v = entry.layers[layer]
+        return entry.header, k, v
 
     def place(self, layer: int) -> None:
         ld = self.loader
@@ -440,26 +455,55 @@ class _HostPlacer:
                 return
             if not p.holds(layer):
                 continue
-            k, v = self._fetch(p, p.entry_layer(layer))
+            header, k, v = self._fetch(p, p.entry_layer(layer))
             t0 = time.perf_counter()
             where = cache.slots(layer, p.start, p.start + p.length)
-            if isinstance(where, torch.Tensor):  # a ring's slots: placed through a converted copy
-                moved = k.to(cache.k[layer].dtype)
-                runner.rerotate_(moved, p.start - p.pos_start, layer)
-                cache.k[layer][:, where] = moved
-                cache.v[layer][:, where] = v.to(cache.v[layer].dtype)
+            ring = isinstance(where, torch.Tensor)  # a ring's slots: placed through a converted copy
+            if ring:
+                dst_k = torch.empty(k.shape if header.codec.raw else header.shape, dtype=cache.k[layer].dtype,
+                                    device=cache.k[layer].device)
+                dst_v = torch.empty_like(dst_k)
             else:
-                dst_k = cache.k[layer][:, where]
+                dst_k, dst_v = cache.k[layer][:, where], cache.v[layer][:, where]
+            if header.codec.raw:
                 dst_k.copy_(k, non_blocking=True)  # converts to the compute dtype in place
+                dst_v.copy_(v, non_blocking=True)
+            else:
+                decode_into(header.codec, k.to(dst_k.device), v.to(dst_k.device), dst_k, dst_v)
+            if header.keys_pre_rope:
+                self._rotate_(dst_k, p.start, p.length, layer)
+            else:
                 runner.rerotate_(dst_k, p.start - p.pos_start, layer)  # the layer's own RoPE
-                cache.v[layer][:, where].copy_(v, non_blocking=True)
+            if ring:
+                cache.k[layer][:, where] = dst_k
+                cache.v[layer][:, where] = dst_v
             ld.copies += 2
             ld.place_s += time.perf_counter() - t0
+
+    def _rotate_(self, k: torch.Tensor, start: int, length: int, layer: int) -> None:
+        """Rotate keys decoded at position 0 (H, length, D), in place, to positions start.. with
+        `layer`'s RoPE (the tables kept per segment and RoPE kind: every layer asks again)."""
+        runner = self.loader.runner
+        key = (start, length, runner.layer_rope[layer])
+        cs = self._rotations.get(key)
+        if cs is None:
+            cos, sin = runner.rotation(torch.arange(start, start + length), layer)  # (T, D) float32
+            half = cos.shape[-1] // 2
+            cs = self._rotations[key] = (cos[:, :half].to(k.dtype), sin[:, :half].to(k.dtype))
+        c, s = cs
+        half = k.shape[-1] // 2
+        x1, x2 = k[..., :half], k[..., half:]
+        first = x1.clone()
+        x1.mul_(c).addcmul_(x2, s, value=-1)  # x1 cos - x2 sin
+        x2.mul_(c).addcmul_(first, s)  # x2 cos + x1 sin
 
 
 # ---------------------------------------------------------------- staged path
 class _StagedPlacer:
-    """All segments of a layer: bytes to the device in few copies, then one batched placement."""
+    """All segments of a layer: bytes to the device in few copies, then one batched placement.
+
+    Encoded segments (a tier's codec) are staged and copied encoded into `packed`, a device byte
+    buffer, and decoded from there into their place in `raw` on the device."""
 
     def __init__(self, loader: LayerLoader):
         self.loader = ld = loader
@@ -471,16 +515,23 @@ class _StagedPlacer:
         self.numel = [2 * h * p.length * d for p in ps]  # K and V elements per segment
         self.offset = [sum(self.numel[:i]) for i in range(len(ps))]  # element offsets in the device buffer
         self.total = sum(self.numel)
+        # encoded segments: byte offsets in the device buffer of encoded bytes (as located: a segment
+        # recomputed on a bad read is placed from its computed entry instead)
+        self.poff: dict[int, int] = {}
+        packed = 0
+        for i, p in enumerate(ps):
+            if p.entry is None and not p.header.codec.raw:
+                self.poff[i] = packed
+                packed += p.header.layer_nbytes
         dev = ld.device
         # gather rows (rows of head_dim elements in the device buffer) of K and V, in prompt order
-        k_rows, v_rows, positions, deltas = [], [], [], []
+        k_rows, v_rows, positions = [], [], []
         for p, off in zip(ps, self.offset, strict=True):
             base = off // d
             grid = (torch.arange(h)[:, None] * p.length + torch.arange(p.length)[None, :])  # (H, T)
             k_rows.append(base + grid)
             v_rows.append(base + h * p.length + grid)
             positions.append(torch.arange(p.start, p.start + p.length))
-            deltas.append(torch.full((p.length,), p.start - p.pos_start))
         self.k_idx = torch.cat(k_rows, dim=1).reshape(-1).to(dev)  # (H * N,)
         self.v_idx = torch.cat(v_rows, dim=1).reshape(-1).to(dev)  # (H * N,)
         pos = torch.cat(positions)  # (N,)
@@ -488,20 +539,8 @@ class _StagedPlacer:
         first = int(pos[0])
         self.span = (first, first + self.n) if bool((pos == torch.arange(first, first + self.n)).all()) else None
         self.pos = None if self.span is not None else pos.to(dev)
-        delta = torch.cat(deltas)  # (N,)
-        self.rotate = bool(delta.any())
-        if self.rotate:
-            half = d // 2
-            dtype = ld.cache.k[0].dtype
-            # float32 caches: the host path's math exactly; half-precision ones: float32 math, rounded once
-            math = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-            self.rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE kind: cos, sin (N, D/2)
-            for layer in ld.layers:
-                kind = ld.runner.layer_rope[layer]
-                if kind not in self.rotations:
-                    cos, sin = ld.runner.rotation(delta, layer)  # (N, D) float32 each, on the device
-                    self.rotations[kind] = (cos[:, :half].to(math), sin[:, :half].to(math))
-            self.math = math
+        self._pre_rope: tuple[bool, ...] | None = None  # per segment: its placed keys decode before RoPE
+        self.rotate = False
         # direct sources: pinned cpu-tier views, read once for every layer and kept until close()
         self.direct: dict[int, list[torch.Tensor]] = {}
         if ld.store is not None:
@@ -515,13 +554,24 @@ class _StagedPlacer:
                     if all(f is not None for f in flats):
                         self.direct[i] = flats  # type: ignore[assignment]
                         ld._held.append(flats)
-        self.buffers = [torch.empty(self.total, dtype=self.dtype, device=dev) for _ in range(min(DEVICE_BUFFERS, len(ld.layers)))]
+        count = min(DEVICE_BUFFERS, len(ld.layers))
+        self.buffers = [torch.empty(self.total, dtype=self.dtype, device=dev) for _ in range(count)]
+        self.packed = [torch.empty(packed, dtype=torch.uint8, device=dev) for _ in range(count if packed else 0)]
         self.turn = 0
         self.ring = staging_ring(dev if ld._cuda else torch.device("cpu"))
+
+    def _encoded(self, i: int) -> bool:
+        """Whether segment i is placed from its encoded stored bytes (not recomputed meanwhile)."""
+        return i in self.poff and self.loader.placements[i].entry is None
+
+    def _nbytes(self, i: int) -> int:
+        """Bytes segment i stages this layer: encoded, or K and V in the storage dtype."""
+        return self.loader.placements[i].header.layer_nbytes if self._encoded(i) else self.numel[i] * self.elem
 
     def place(self, layer: int) -> None:
         ld = self.loader
         raw = self.buffers[self.turn % len(self.buffers)]  # (E,) in the storage dtype
+        packed = self.packed[self.turn % len(self.packed)] if self.packed else None  # (P,) uint8
         self.turn += 1
         staged = [i for i in range(len(ld.placements)) if i not in self.direct]
         fills = self._fills(staged)
@@ -529,22 +579,51 @@ class _StagedPlacer:
         first = self._fill(layer, fills[0]) if fills else None
         ld._begin_span()
         li = ld.layers.index(layer) if self.direct else 0
+        raw_bytes = raw.view(torch.uint8)
         for i, flats in self.direct.items():
             t0 = time.perf_counter()
-            raw[self.offset[i] : self.offset[i] + self.numel[i]].copy_(flats[li], non_blocking=True)
+            buf, at = self._destination(i, raw_bytes, packed)
+            buf[at : at + flats[li].numel()].copy_(flats[li], non_blocking=True)
             ld.copies += 1
-            ld._count_read(ld.placements[i], self.numel[i] * self.elem, time.perf_counter() - t0)
+            ld._count_read(ld.placements[i], flats[li].numel(), time.perf_counter() - t0)
         for n, fill in enumerate(fills):
-            slot, where = first if n == 0 and first is not None else self._fill(layer, fill)
-            self._upload(fill, slot, where, raw)
+            slot, where, computed = first if n == 0 and first is not None else self._fill(layer, fill)
+            self._upload(fill, slot, where, raw_bytes, packed, computed)
+            for i, (k, v) in computed.items():  # recomputed on a bad read: K and V straight into place
+                self._raw_kv(i, raw)[0].copy_(k)
+                self._raw_kv(i, raw)[1].copy_(v)
+                ld.copies += 2
+        for i in self.poff:
+            if self._encoded(i):
+                assert packed is not None
+                p = ld.placements[i]
+                kn, vn = p.header.part_nbytes
+                at = self.poff[i]
+                k, v = self._raw_kv(i, raw)
+                decode_into(p.header.codec, packed[at : at + kn], packed[at + kn : at + kn + vn], k, v)
         self._spread(layer, raw)
+
+    def _raw_kv(self, i: int, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segment i's K and V (H, T, D) in the device buffer `raw`."""
+        h, d, length = self.heads, self.head_dim, self.loader.placements[i].length
+        half = self.numel[i] // 2
+        seg = raw[self.offset[i] : self.offset[i] + self.numel[i]]
+        return seg[:half].view(h, length, d), seg[half:].view(h, length, d)
+
+    def _destination(self, i: int, raw_bytes: torch.Tensor, packed: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """Where segment i's staged bytes land on the device: (byte buffer, offset) of its encoded
+        region, or of its K and V."""
+        if self._encoded(i):
+            assert packed is not None
+            return packed, self.poff[i]
+        return raw_bytes, self.offset[i] * self.elem
 
     def _fills(self, staged: list[int]) -> list[list[int]]:
         """The staged segments in slot-sized groups (in order)."""
         fills: list[list[int]] = []
         size = 0
         for i in staged:
-            nbytes = self.numel[i] * self.elem
+            nbytes = self._nbytes(i)
             if not fills or size + nbytes > STAGING_SLOT_MAX:
                 fills.append([])
                 size = 0
@@ -552,27 +631,32 @@ class _StagedPlacer:
             size += nbytes
         return fills
 
-    def _fill(self, layer: int, fill: list[int]) -> tuple[_Slot, dict[int, int]]:
-        """A staging slot holding the layer bytes of every segment of `fill`, and their offsets there."""
-        slot = self.ring.acquire(sum(self.numel[i] for i in fill) * self.elem)
+    def _fill(self, layer: int, fill: list[int]) -> tuple[_Slot, dict[int, int], dict[int, Layer]]:
+        """A staging slot holding the layer bytes of every segment of `fill`, their offsets there,
+        and the K and V of encoded segments that had to be recomputed (they do not fit their bytes)."""
+        slot = self.ring.acquire(sum(self._nbytes(i) for i in fill))
         try:
             assert slot.buf is not None
-            return slot, self._read(layer, fill, slot.buf)
+            where, computed = self._read(layer, fill, slot.buf)
+            return slot, where, computed
         except BaseException:
             self.ring.release(slot, None)
             raise
 
-    def _upload(self, fill: list[int], slot: _Slot, where: dict[int, int], raw: torch.Tensor) -> None:
-        """Copy a filled slot to `raw`, one copy per run of segments adjacent in both; release
+    def _upload(self, fill: list[int], slot: _Slot, where: dict[int, int], raw_bytes: torch.Tensor,
+                packed: torch.Tensor | None, skip: dict[int, Layer]) -> None:
+        """Copy a filled slot to the device, one copy per run of segments adjacent in both; release
         the slot with the event of those copies."""
         event = None
         try:
             assert slot.buf is not None
-            raw_bytes = raw.view(torch.uint8)
-            for a, b in _runs(fill, where, self.numel, self.elem):
-                src = slot.buf[where[a] : where[b] + self.numel[b] * self.elem]
-                dst0 = self.offset[a] * self.elem
-                raw_bytes[dst0 : dst0 + src.numel()].copy_(src, non_blocking=True)
+            sizes = {i: self._nbytes(i) for i in fill}
+            dests = {i: self._destination(i, raw_bytes, packed) for i in fill if i not in skip}
+            for run in _runs([i for i in fill if i not in skip], where, sizes, dests):
+                a, b = run[0], run[-1]
+                src = slot.buf[where[a] : where[b] + sizes[b]]
+                buf, at = dests[a]
+                buf[at : at + src.numel()].copy_(src, non_blocking=True)
                 self.loader.copies += 1
             if self.loader._cuda:
                 event = torch.cuda.Event()
@@ -580,44 +664,78 @@ class _StagedPlacer:
         finally:
             self.ring.release(slot, event)
 
-    def _read(self, layer: int, fill: list[int], buf: torch.Tensor) -> dict[int, int]:
-        """Bytes of every segment of `fill` into `buf`, back to back; their byte offsets there."""
+    def _read(self, layer: int, fill: list[int], buf: torch.Tensor) -> tuple[dict[int, int], dict[int, Layer]]:
+        """Bytes of every segment of `fill` into `buf`, back to back; their byte offsets there, and
+        the K and V of the encoded segments recomputed on a bad read (placed by the caller)."""
         ld = self.loader
+        sizes = {i: self._nbytes(i) for i in fill}
         where: dict[int, int] = {}
         at = 0
         for i in fill:
             where[i] = at
-            at += self.numel[i] * self.elem
+            at += sizes[i]
         stored = [i for i in fill if ld.placements[i].entry is None and ld.placements[i].located is not None
                   and ld.store is not None]
 
         def read(i: int) -> bool:
             p = ld.placements[i]
             assert ld.store is not None and p.located is not None
-            return ld.store.read_layer_into(p.located, layer, buf[where[i] : where[i] + self.numel[i] * self.elem])
+            return ld.store.read_layer_into(p.located, layer, buf[where[i] : where[i] + sizes[i]])
 
         t0 = time.perf_counter()
         results = list(read_pool().map(read, stored)) if len(stored) > 1 else [read(i) for i in stored]
         wall = time.perf_counter() - t0  # reads overlap: each is charged its share of the wall time
         ok = dict(zip(stored, results, strict=True))
-        total = sum(self.numel[i] for i in stored) or 1
+        total = sum(sizes[i] for i in stored) or 1
         for i, good in ok.items():
             if good:
-                ld._count_read(ld.placements[i], self.numel[i] * self.elem, wall * self.numel[i] / total)
+                ld._count_read(ld.placements[i], sizes[i], wall * sizes[i] / total)
+        computed: dict[int, Layer] = {}
         for i in fill:
             if ok.get(i):
                 continue
             entry = ld._recompute(ld.placements[i], layer)  # in memory: computed this request
             k, v = entry.layers[layer]
-            view = buf[where[i] : where[i] + self.numel[i] * self.elem].view(self.dtype)
+            if sizes[i] != self.numel[i] * self.elem:  # its encoded bytes were to come here
+                computed[i] = (k, v)
+                continue
+            view = buf[where[i] : where[i] + sizes[i]].view(self.dtype)
             half = self.numel[i] // 2
             view[:half].view(k.shape).copy_(k)
             view[half:].view(v.shape).copy_(v)
-        return where
+        return where, computed
+
+    def _rotation(self) -> None:
+        """The per-token rotation tables for where each segment's placed keys are rotated at now
+        (encoded keys stored before RoPE: position 0; a segment recomputed meanwhile: pos_start)."""
+        ld = self.loader
+        pre_rope = tuple(i in self.poff and p.entry is None and p.header.keys_pre_rope
+                         for i, p in enumerate(ld.placements))
+        if pre_rope == self._pre_rope:
+            return
+        self._pre_rope = pre_rope
+        # token t of a segment goes from position pos_start + t (keys as computed) or 0 (keys stored
+        # before RoPE) to start + t
+        delta = torch.cat([torch.arange(p.start, p.start + p.length) if pre else torch.full((p.length,), p.start - p.pos_start)
+                           for p, pre in zip(ld.placements, pre_rope, strict=True)])
+        self.rotate = bool(delta.any())
+        if self.rotate:
+            half = self.head_dim // 2
+            dtype = ld.cache.k[0].dtype
+            # float32 caches: the host path's math exactly; half-precision ones: float32 math, rounded once
+            math = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+            self.rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE kind: cos, sin (N, D/2)
+            for layer in ld.layers:
+                kind = ld.runner.layer_rope[layer]
+                if kind not in self.rotations:
+                    cos, sin = ld.runner.rotation(delta, layer)  # (N, D) float32 each, on the device
+                    self.rotations[kind] = (cos[:, :half].to(math), sin[:, :half].to(math))
+            self.math = math
 
     def _spread(self, layer: int, raw: torch.Tensor) -> None:
         """Gather every segment's K and V from `raw`, convert, re-rotate K, write into the cache."""
         ld = self.loader
+        self._rotation()
         h, d, n = self.heads, self.head_dim, self.n
         rows = raw.view(-1, d)  # (E / D, D)
         k = rows.index_select(0, self.k_idx).view(h, n, d)  # (H, N, D) storage dtype
@@ -648,22 +766,26 @@ class _StagedPlacer:
 
 
 def _flat_kv(kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
-    """K and V of one layer as one flat tensor when they are adjacent in memory, else None."""
+    """The bytes of one layer's K and V (or K part and V part) as one flat uint8 tensor when they are
+    adjacent in memory, else None."""
     k, v = kv
-    n = k.numel()
-    if not (k.is_contiguous() and v.is_contiguous() and v.dtype == k.dtype and v.numel() == n
-            and v.data_ptr() == k.data_ptr() + n * k.element_size()):
+    kb, vb = k.numel() * k.element_size(), v.numel() * v.element_size()
+    if not (k.is_contiguous() and v.is_contiguous() and v.data_ptr() == k.data_ptr() + kb):
         return None
-    return torch.as_strided(k, (2 * n,), (1,))  # (2 * H * T * D,) K then V
+    return torch.as_strided(k.reshape(-1).view(torch.uint8), (kb + vb,), (1,))  # K bytes then V bytes
 
 
-def _runs(fill: list[int], where: dict[int, int], numel: list[int], elem: int) -> list[tuple[int, int]]:
-    """(first, last) segment indices of the runs of `fill` that are adjacent both in the slot and
-    in the device buffer (consecutive segments)."""
-    runs: list[tuple[int, int]] = []
+def _runs(fill: list[int], where: dict[int, int], sizes: dict[int, int],
+          dests: dict[int, tuple[torch.Tensor, int]]) -> list[list[int]]:
+    """The segments of `fill` in runs that are adjacent both in the slot and in one device buffer
+    (`dests`: per segment its (buffer, byte offset)); each run is one copy."""
+    runs: list[list[int]] = []
     for i in fill:
-        if runs and runs[-1][1] == i - 1 and where[i - 1] + numel[i - 1] * elem == where[i]:
-            runs[-1] = (runs[-1][0], i)
-        else:
-            runs.append((i, i))
+        if runs:
+            j = runs[-1][-1]
+            (buf_j, at_j), (buf_i, at_i) = dests[j], dests[i]
+            if where[j] + sizes[j] == where[i] and buf_j is buf_i and at_j + sizes[j] == at_i:
+                runs[-1].append(i)
+                continue
+        runs.append([i])
     return runs

@@ -3,7 +3,8 @@
 When the scheduler needs device memory back it parks the newest running sequence: the
 KV of every position it holds is written to the tiers as a chain of blocks (the prefix
 block machinery: `EntryMaker.from_cache`, write-behind `TieredStore.put`), in the compute
-dtype so that the restored cache is the one parked (bit for bit), under keys private to
+dtype and in no tier's codec (`exact`) so that the restored cache is the one parked (bit for
+bit), under keys private to
 this parking (`storage.keys.parked_block_key`: blended KV is not exact for its tokens and
 must never be found by a prefix lookup). The cache's stale-key bias (blend's
 `KVCache.bias`, a few hundred bytes per token) stays with the sequence on the host.
@@ -82,7 +83,7 @@ class KVParking:
         for start in range(0, n, self.block_tokens):
             end = min(start + self.block_tokens, n)
             key = self._key(ids, owner, start, end)
-            self.store.put(key, self.maker.from_cache(cache, ids[start:end], start))
+            self.store.put(key, self.maker.from_cache(cache, ids[start:end], start), exact=True)
             blocks.append((key, start, end))
         bias = None if cache.bias is None else tuple(b[:, :n].to("cpu", copy=True) for b in cache.bias)
         return ParkedKV(owner, tuple(ids), tuple(blocks), bias, cache.nbytes())
@@ -106,11 +107,11 @@ class KVParking:
         for start in range(0, n, self.block_tokens) if linear else ():
             end = min(start + self.block_tokens, n)
             key = self._key(ids, owner, start, end)
-            self.store.put(key, self._entry(cache, linear, ids, start, end))
+            self.store.put(key, self._entry(cache, linear, ids, start, end), exact=True)
             blocks.append((key, start, end))
         lo = max(0, n - min(cache.k[i].shape[1] for i in rings))  # the positions every ring holds
         window = (self._key(ids, f"{owner}-rings", lo, n), lo, n)  # its own key: it may span a block exactly
-        self.store.put(window[0], self._entry(cache, rings, ids, lo, n))
+        self.store.put(window[0], self._entry(cache, rings, ids, lo, n), exact=True)
         bias = None
         if cache.bias is not None:
             bias = tuple((cache.window_bias(i, lo, n) if i in rings else cache.bias[i][:, :n]).to("cpu", copy=True)

@@ -135,11 +135,17 @@ class EntryMaker:
 
     def from_slots(self, cache: KVCache, token_ids: Sequence[int], slot: int, pos_start: int) -> KVEntry:
         """Slots slot..slot+len(token_ids)-1 of `cache`, whose keys are rotated at positions
-        pos_start.., as an entry (copied, storage dtype)."""
+        pos_start.., as an entry (copied, storage dtype; it carries the model's RoPE frequencies, so
+        a tier's codec may quantize the keys before RoPE)."""
         end = slot + len(token_ids)
         layers = [(cache.k[i][:, slot:end], cache.v[i][:, slot:end]) for i in range(self.runner.num_layers)]
         return KVEntry.from_tensors(layers, fingerprint=self.fingerprint, token_ids=list(token_ids),
-                                    pos_start=pos_start, kv_dtype=self.kv_dtype)
+                                    pos_start=pos_start, kv_dtype=self.kv_dtype, rope=self.rope())
+
+    def rope(self, layers: Sequence[int] | None = None) -> tuple[torch.Tensor, ...]:
+        """The RoPE frequencies of each of `layers` (default: every layer), for an entry's `rope`."""
+        r = self.runner
+        return tuple(r.inv_freqs[r.layer_rope[i]] for i in (range(r.num_layers) if layers is None else layers))
 
 
 def pack_groups(lengths: Sequence[int], context: int) -> list[list[int]]:

@@ -74,7 +74,8 @@ class WindowedChain:
         layers = self.full_layers if kind == "full" else self.sliding_layers
         kv = [cache.window(i, start, end) for i in layers]  # (Hkv, end - start, D) each, position order
         return KVEntry.from_tensors(kv, fingerprint=self.fingerprints[kind], token_ids=list(ids[start:end]),
-                                    pos_start=start, kv_dtype=self.prefix.maker.kv_dtype)
+                                    pos_start=start, kv_dtype=self.prefix.maker.kv_dtype,
+                                    rope=self.prefix.maker.rope(layers))
 
     def window_entry(self, token_ids: Sequence[int], cache: KVCache, end: int) -> tuple[str, KVEntry]:
         """The key and entry (copied, storage dtype) of the window ending at `end`, taken now:

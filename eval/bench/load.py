@@ -1,8 +1,9 @@
 """`kvblend bench load`: KV throughput of one tier against a raw read of the same bytes.
 
-For each tier: write N MiB of KV shaped like SmolLM2 chunks (30 layers, 3 KV heads,
-head_dim 64, 512 tokens, fp16 by default), then read it back layer by layer through the
-tier and, interleaved with it, read the same number of bytes raw:
+For each tier (and codec): write N MiB of KV shaped like SmolLM2 chunks (30 layers, 3 KV
+heads, head_dim 64, 512 tokens, fp16 by default; N counts the float16-equivalent bytes),
+encoded in the codec, then read it back layer by layer through the tier and, interleaved
+with it, read the same number of bytes raw:
   cpu            raw = a tensor copy of each layer's K and V
   disk           raw = os.preadv of layer-sized blocks from one plain file; the page cache
                  of the raw file and of the tier's files is dropped before every pass
@@ -15,6 +16,10 @@ core count). Separate passes (not
 entry-by-entry interleaving) because the raw file's background readahead would otherwise
 compete with the tier's reads.
 cpu "write" is a put by reference (no copy), so its write_gbps only measures bookkeeping.
+A codec row adds the entry size (`entry_bytes`, `ratio_to_float16`), the encoding rate and the
+decoding rate (one thread, into float32 as the CPU loader does), both in float16-equivalent
+bytes per second, and `effective_gbps`: float16-equivalent bytes over read + decode time, the
+figure to hold against a `none` row's read_gbps.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 
 from eval.bench.common import LoadWatch, drop_page_cache, one_tier, spread
+from storage.codec import Codec, codec_named, decode_into
 from storage.config import StoreConfig
 from storage.disk import DiskTier
 from storage.dtypes import dtype_bytes
@@ -55,10 +61,16 @@ class ChunkShape:
     kv_dtype: str = "float16"
 
 
+def rope_frequencies(head_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """The plain RoPE inverse frequencies (head_dim / 2,) float32 of a model with this head_dim."""
+    return 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+
+
 def random_entry(
     shape: ChunkShape = ChunkShape(), *, seed: int = 0, fingerprint: str = "bench", pos_start: int = 0
 ) -> tuple[list[int], KVEntry]:
-    """Token ids and a KVEntry of random K/V (deterministic for a seed). Used by tests too."""
+    """Token ids and a KVEntry of random K/V (deterministic for a seed), with plain RoPE
+    frequencies (so a pre-RoPE codec does its whole work). Used by tests too."""
     g = torch.Generator().manual_seed(seed)
     token_ids = torch.randint(0, 49152, (shape.tokens,), generator=g).tolist()
     dtype = dtype_of(shape.kv_dtype)
@@ -67,9 +79,8 @@ def random_entry(
         (torch.randn(size, generator=g).to(dtype), torch.randn(size, generator=g).to(dtype))  # (H, T, D) each
         for _ in range(shape.layers)
     ]
-    entry = KVEntry.from_tensors(
-        layers, fingerprint=fingerprint, token_ids=token_ids, pos_start=pos_start, kv_dtype=shape.kv_dtype
-    )
+    entry = KVEntry.from_tensors(layers, fingerprint=fingerprint, token_ids=token_ids, pos_start=pos_start,
+                                 kv_dtype=shape.kv_dtype, rope=rope_frequencies(shape.head_dim))
     return token_ids, entry
 
 
@@ -260,6 +271,43 @@ def check_memory(needed: int, what: str) -> None:
                          "available; pass a smaller size")
 
 
+def float16_bytes(entry: KVEntry) -> int:
+    """The bytes of `entry`'s K and V in float16 (what a `none` float16 entry of it holds)."""
+    h = entry.header
+    return h.num_layers * 2 * h.kv_heads * h.num_tokens * h.head_dim * 2
+
+
+def codec_rates(codec: Codec, entries: list[KVEntry]) -> dict[str, Any]:
+    """Encode every entry in `codec`, then decode each layer into float32 (one thread, as the CPU
+    loader does): the encoded entries and the rates in float16-equivalent bytes per second, from
+    the median time per entry (a moment the machine was busy elsewhere does not decide them)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    encoded, encode_s, decode_s = [], [], []
+    try:
+        for e in entries:
+            t0 = time.perf_counter()
+            encoded.append(e.encode(codec))
+            encode_s.append(time.perf_counter() - t0)
+        if not codec.raw:
+            h = entries[0].header
+            k, v = torch.empty(h.shape), torch.empty(h.shape)  # (H, T, D) float32
+            decode_into(codec, *encoded[0].layers[0], k, v)  # warm-up
+            for e in encoded:
+                t0 = time.perf_counter()
+                for kp, vp in e.layers:
+                    decode_into(codec, kp, vp, k, v)
+                decode_s.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    per_entry = float16_bytes(entries[0])
+    decode = statistics.median(decode_s) if decode_s else None
+    return {"encoded": encoded,
+            "encode_gbps": None if codec.raw else round(per_entry / statistics.median(encode_s) / 1e9, 3),
+            "decode_gbps": round(per_entry / decode / 1e9, 3) if decode else None,
+            "decode_s": decode * len(entries) if decode else None, "rate_threads": 1}
+
+
 def run_load(
     kind: str,
     size_mb: float,
@@ -269,11 +317,12 @@ def run_load(
     redis_url: str | None = None,
     cluster_urls: list[str] | None = None,
     rounds: int = 5,
+    codec: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Benchmark one tier kind; uses its own keys/directory and removes them afterwards.
-    ValueError (one line) when the entries, built in memory first, cannot fit this
-    machine's available memory."""
+    """Benchmark one tier kind in `codec` (default: the tier's configured codec); uses its own
+    keys/directory and removes them afterwards. ValueError (one line) when the entries, built
+    in memory first, cannot fit this machine's available memory."""
     watch = LoadWatch.begin()
     # one entry, with the float32 layer it is drawn in, before anything is allocated
     layer_elems = shape.kv_heads * shape.tokens * shape.head_dim
@@ -286,11 +335,17 @@ def run_load(
     for i in range(n):
         token_ids, entry = random_entry(shape, seed=i)
         keyed.append((document_block_key("bench", token_ids, shape.kv_dtype, namespace=f"bench{os.getpid()}", start=0), entry))
-    total = n * template.nbytes
-    block = template.header.layer_nbytes
+    chosen = codec_named(codec if codec is not None else getattr(one_tier(kind, config, scratch=Path(".")), "codec", "none"))
+    rates = codec_rates(chosen, [e for _, e in keyed])
+    keyed = [(key, e) for (key, _), e in zip(keyed, rates.pop("encoded"), strict=True)]
+    float16 = float16_bytes(template)
+    coded = keyed[0][1]
+    total = n * coded.nbytes
+    block = coded.header.layer_nbytes
     budget = int(total * 1.2) + 64 * MiB
     tag = f"kvblend-bench:{os.getpid()}:"
-    log(f"[{kind}] {n} entries x {template.nbytes / MiB:.2f} MiB = {total / MiB:.1f} MiB, layer {block / 1024:.0f} KiB")
+    log(f"[{kind} {chosen.name}] {n} entries x {coded.nbytes / MiB:.2f} MiB = {total / MiB:.1f} MiB "
+        f"({float16 / coded.nbytes:.2f}x smaller than float16), layer {block / 1024:.0f} KiB")
     cleanup: list[Callable[[], None]] = []
     try:
         before: Callable[[], None] | None = None
@@ -317,13 +372,25 @@ def run_load(
             os.sync()  # make the tier's pages clean so DONTNEED can drop them
         result = measure_tier(tier, raw, keyed, rounds=rounds, before_pass=before)
         result["tier"] = kind
+        result["codec"] = chosen.name
+        result["entry_bytes"] = coded.nbytes
+        result["ratio_to_float16"] = round(float16 / coded.nbytes, 3)
+        result["encode_gbps"] = rates["encode_gbps"]
+        result["decode_gbps"] = rates["decode_gbps"]
+        result["rate_threads"] = rates["rate_threads"]
+        read_s = total / (result["read_gbps"] * 1e9) if result["read_gbps"] else None
+        decode_s = rates["decode_s"] or 0.0
+        result["effective_gbps"] = (round(n * float16 / (read_s + decode_s) / 1e9, 3)
+                                    if read_s else None)  # float16-equivalent bytes over read + decode
         result.update(watch.finish(f"{kind} load benchmark"))
     finally:
         for fn in reversed(cleanup):
             fn()
+    coding = (f"  encode {result['encode_gbps']} decode {result['decode_gbps']} effective {result['effective_gbps']} GB/s"
+              if not chosen.raw else "")
     log(
-        f"[{kind}] write {result['write_gbps']:.2f} GB/s  read {result['read_gbps']:.2f} GB/s  "
+        f"[{kind} {chosen.name}] write {result['write_gbps']:.2f} GB/s  read {result['read_gbps']:.2f} GB/s  "
         f"raw {result['raw_read_gbps']:.2f} GB/s  ratio {result['ratio']:.2f}  "
-        f"layer p50 {result['layer_read_ms_p50']:.3f} ms p99 {result['layer_read_ms_p99']:.3f} ms  ({result['raw']})"
+        f"layer p50 {result['layer_read_ms_p50']:.3f} ms p99 {result['layer_read_ms_p99']:.3f} ms  ({result['raw']}){coding}"
     )
     return result
