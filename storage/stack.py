@@ -44,6 +44,9 @@ from storage.tier import Layer, StoreUnavailable, Tier, tier_class
 log = logging.getLogger("kvblend.storage")
 
 MAX_PENDING_PROMOTIONS = 16
+# a lookup of a key whose write is still queued waits this long for it before it misses
+# (a miss means the caller computes the document again and writes it a second time)
+QUEUED_WRITE_WAIT_S = 1.0
 LOOKUP_COUNTERS = ("lookup_hits", "lookup_misses", "mismatches", "unauthenticated", "repairs", "promotions",
                    "promotions_dropped")
 
@@ -133,6 +136,7 @@ class TieredStore:
         self._writer_lock = threading.Lock()
         self._error: BaseException | None = None
         self._pending: OrderedDict[str, _Promotion] = OrderedDict()
+        self._queued: dict[str, threading.Event] = {}  # keys of puts not yet written, set when done
         self._lock = threading.Lock()
         self._counts: dict[str, Counter] = {t.name: Counter() for t in self.tiers}
         self._closed = False
@@ -189,8 +193,13 @@ class TieredStore:
         Any other header is a miss counted in that tier's `mismatches` (or
         `unauthenticated`) and deleted from that tier (the recompute rewrites it). A hit
         below the top tier registers a promotion. With `budget`, each tier's time is
-        charged to it (see LookupBudget).
+        charged to it (see LookupBudget). A key whose put still waits in the write-behind
+        queue is waited for (up to QUEUED_WRITE_WAIT_S) before the tiers are asked.
         """
+        with self._lock:
+            queued = self._queued.get(key)
+        if queued is not None:
+            queued.wait(QUEUED_WRITE_WAIT_S)
         for i, tier in enumerate(self.tiers):
             t0 = time.monotonic()
             header = tier.get_header(key)
@@ -363,7 +372,20 @@ class TieredStore:
             self._write(key, entry, exact)
             return
         self._ensure_writer()
-        self._queue.put(lambda: self._write(key, entry, exact))
+        done = threading.Event()
+        with self._lock:
+            self._queued[key] = done
+
+        def job() -> None:
+            try:
+                self._write(key, entry, exact)
+            finally:
+                done.set()
+                with self._lock:
+                    if self._queued.get(key) is done:
+                        del self._queued[key]
+
+        self._queue.put(job)
 
     def _write(self, key: str, entry: KVEntry, exact: bool = False) -> None:
         """Put `entry` into every tier, encoded in the tier's codec (once per codec; not when

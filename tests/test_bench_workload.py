@@ -148,10 +148,8 @@ def test_a_workload_run_adds_up_shows_its_cold_start_and_repeats_for_a_seed(tmp_
         assert series[0] == 0.0 and max(x for x in series if x is not None) > 0  # an empty cache to start with
         assert blend["kl_samples"] == 3 and blend["kl_mean"] is not None and full["kl_mean"] is None
         for name, tier in blend["tiers"].items():  # no evictions here: everything written is still held
-            # a passage looked up again while its first write still waits in the write-behind queue
-            # (a busy machine) misses, is computed again and written twice: puts >= entries
-            assert tier["evictions"] == 0 and 0 < tier["entries"] <= tier["puts"]
-            if name == "cpu" and tier["entries"] == tier["puts"]:
+            assert tier["evictions"] == 0 and tier["entries"] == tier["puts"] > 0  # (a lookup waits for a queued put)
+            if name == "cpu":
                 assert tier["bytes_written"] == tier["bytes_used"]  # entries stored x their sizes
             assert tier["codec"] == codec
     # (a tiny model's small heads and blocks carry relatively more scales than a real one's 3.5x)

@@ -284,3 +284,24 @@ def test_a_shared_tier_without_a_secret_warns_once_at_start(tmp_path, caplog, ki
     assert len(risk) == (1 if warned else 0)
     if warned:
         assert "plant entries" in risk[0] and "KVBLEND_STORE_SECRET" in risk[0]
+
+
+def test_a_lookup_waits_for_the_queued_write_of_its_key(tmp_path, monkeypatch):
+    """A document looked up while its put waits in the write-behind queue is a hit, not a second
+    computation and a second write."""
+    key, tokens, entry = keyed()
+    with cpu_disk(tmp_path) as store:
+        cpu = store.tiers[0]
+        slow_put = cpu.put
+
+        def put(*args, **kwargs):
+            time.sleep(0.3)  # a busy writer: nothing is in any tier for 0.3 s
+            return slow_put(*args, **kwargs)
+
+        monkeypatch.setattr(cpu, "put", put)
+        store.put(key, entry)  # queued; the writer takes ~0.3 s for it
+        located = store.lookup(key, expect(tokens))
+        assert located is not None and located.tier_name == "cpu"
+        stats = store.stats()
+        assert stats["cpu"]["lookup_hits"] == 1 and stats["cpu"]["lookup_misses"] == 0
+        assert stats["disk"]["puts"] == 1 and not store._queued
