@@ -132,6 +132,7 @@ def test_a_workload_run_adds_up_shows_its_cold_start_and_repeats_for_a_seed(tmp_
     settings = _settings(tmp_path, clients=1)  # one client: the order of the requests, and so every counter, repeats
     first = run_workload(settings, _config(tmp_path), lm=tiny, log_line=lambda _: None)
     rows = {(r["mode"], r["codec"]): r for r in first["results"]}
+    assert 0 < first["distinct_documents"] < first["stream_documents"] == 14 * 2  # repeats: some lookups can hit
     assert set(rows) == {("full", "none"), ("blend", "none"), ("full", "int4"), ("blend", "int4")}
     for row in rows.values():
         assert row["completed"] == row["requests"] == 14 and not row["errors"]
