@@ -566,6 +566,8 @@ def test_bench_serve_against_the_running_server(server, setup, tmp_path):
         assert level["ok"] == 3 and level["lost"] == 0 and level["hit_rate"] == 1.0
         assert level["max_num_seqs"] == 8 and level["preemptions"] == 0  # the running server's setting
         assert level["mean_batch_size"] >= 1.0
+        assert level["prefill_busy_s"] > 0 and level["decode_busy_s"] > 0 and level["decode_ms_per_step"] > 0
+        assert level["prefill_busy_s"] + level["decode_busy_s"] <= level["wall_s"]  # one scheduler thread
         assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"] and level["requests_per_s"] > 0
     write_report(summary, tmp_path)
     assert json.loads((tmp_path / "serve.json").read_text())["levels"] and (tmp_path / "serve.png").stat().st_size

@@ -86,6 +86,8 @@ class SchedulerMetrics:
     resumes_recomputed: int = 0  # resumes whose parked KV was gone from the tiers
     resume_s: float = 0.0
     peak_active_kv: int = 0  # the most KV bytes the running set held at once
+    prefill_s: float = 0.0  # time in prefill steps (requests' prefills, missed documents, tasks, resumes)
+    decode_s: float = 0.0  # time in decode steps (the batched step, sampling and emitting included)
     _recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096), repr=False)
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
@@ -199,10 +201,14 @@ class Scheduler:
     def _step(self) -> None:
         self._reap()
         if self._prefill_allowed():
+            t0 = time.perf_counter()
             self._prefill_once()
+            self.metrics.prefill_s += time.perf_counter() - t0
             self._since_decode += 1
         elif self._running:
+            t0 = time.perf_counter()
             self._decode_once()
+            self.metrics.decode_s += time.perf_counter() - t0
             self._since_decode = 0
         elif self._waiting or self._current:  # nothing runs and nothing could start: cannot happen
             time.sleep(0.001)  # (admission always admits into an empty running set)

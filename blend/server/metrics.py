@@ -136,3 +136,8 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily("kvblend_resume_seconds", "Time spent resuming preempted sequences",
                                   value=m.resume_s)
         yield CounterMetricFamily("kvblend_decode_steps", "Decode steps run", value=m.decode_steps)
+        busy = CounterMetricFamily("kvblend_scheduler_busy_seconds", "Time the scheduler spent in each kind of step",
+                                   labels=["step"])
+        busy.add_metric(["prefill"], m.prefill_s)
+        busy.add_metric(["decode"], m.decode_s)
+        yield busy

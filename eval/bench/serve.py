@@ -95,6 +95,11 @@ class Level:
             "max_num_seqs": self.max_num_seqs,
             "mean_batch_size": round(self.scheduler["batch_sum"] / steps, 3) if steps else None,
             "preemptions": int(self.scheduler["preemptions"]) if "preemptions" in self.scheduler else None,
+            # where the server's scheduler spent the level: prefills do not batch, decode steps do
+            "prefill_busy_s": round(self.scheduler["prefill_s"], 3) if "prefill_s" in self.scheduler else None,
+            "decode_busy_s": round(self.scheduler["decode_s"], 3) if "decode_s" in self.scheduler else None,
+            "decode_ms_per_step": round(1000 * self.scheduler["decode_s"] / steps, 2)
+            if steps and "decode_s" in self.scheduler else None,
             "clients": self.clients, "requests": len(self.samples), "ok": len(ok),
             "lost": len(self.samples) - len(ok), "errors": sorted({s.error for s in self.samples if not s.ok}),
             "wall_s": round(self.wall_s, 3),
@@ -214,7 +219,9 @@ def scheduler_counters(http: httpx.Client, base: str) -> dict[str, float]:
     except httpx.HTTPError:
         return {}
     wanted = {"kvblend_decode_batch_size_count": "decode_steps", "kvblend_decode_batch_size_sum": "batch_sum",
-              "kvblend_preemptions_total": "preemptions"}
+              "kvblend_preemptions_total": "preemptions",
+              'kvblend_scheduler_busy_seconds_total{step="prefill"}': "prefill_s",
+              'kvblend_scheduler_busy_seconds_total{step="decode"}': "decode_s"}
     found: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -366,6 +373,8 @@ def run_serve_bench(config: str | None, *, clients: list[int], requests: int, po
                             f"{summary['requests_per_s']} req/s, TTFT p50 {summary['ttft_p50_s']} s p99 "
                             f"{summary['ttft_p99_s']} s, {summary['tokens_per_s']} tok/s, mean batch "
                             f"{summary['mean_batch_size']}, preemptions {summary['preemptions']}, "
+                            f"busy prefill {summary['prefill_busy_s']} s / decode {summary['decode_busy_s']} s "
+                            f"({summary['decode_ms_per_step']} ms a step), "
                             f"hit rate {summary['hit_rate']}")
                         if local and summary["ttft_p50_s"] is not None:
                             # at 1 client the samples and the in-process runs alternate: the k-th of each is one request
