@@ -235,7 +235,9 @@ def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_
                                  follow=None if first else reference.token_ids)
         if reference is None:
             reference = result
-        rows[entry.name] = _row(ex, entry, result, reference)
+        # the metrics' torch work on the engine's thread (see BlendEngine.run_exclusive): a pool of
+        # this thread's own would slow every later request's TTFT
+        rows[entry.name] = engine.run_exclusive(lambda e=entry, r=result, f=reference: _row(ex, e, r, f))
         if entry.mode == "prefix":
             rows[entry.name]["repeated_prompt"] = _prefix_hit_beyond_first_seen(engine, prompt, result.stats)
     return {"id": ex.id, "digest": ex.digest, "task": ex.task, "question": ex.question, "answers": list(ex.answers),

@@ -306,3 +306,22 @@ def test_a_deadline_cancels_a_queued_or_running_request(lm):
         with pytest.raises(Cancelled):
             handle.result()
         assert engine.scheduler.running == 0
+
+
+def test_run_exclusive_runs_on_the_schedulers_thread_and_returns_or_raises(lm):
+    engine = make_engine(lm)
+    try:
+        caller = threading.current_thread()
+        seen = engine.run_exclusive(lambda: (threading.current_thread(), torch.is_inference_mode_enabled()))
+        assert seen[0] is not caller and seen[0].name == engine.scheduler._name and seen[1]
+        engine.generate("q", ["some words here"], mode="full", max_new_tokens=2)  # the engine still serves
+
+        def broken() -> None:
+            raise ValueError("from the model thread")
+
+        with pytest.raises(ValueError, match="from the model thread"):
+            engine.run_exclusive(broken)
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="closed"):
+        engine.run_exclusive(lambda: None)

@@ -288,7 +288,7 @@ def _measure(args: argparse.Namespace, config: Any, lm: Any, engines: dict[str, 
         engine.ingest(docs)
     # warm-up: every path once (kernels, allocator, pinned pools, the engine's cost model), not timed
     for _ in range(2):
-        layer_times_full(first, prompt)
+        first.run_exclusive(lambda: layer_times_full(first, prompt))  # on the model's thread: see run_exclusive
         first.generate(QUESTION, docs, mode="full", max_new_tokens=1)
     for kind, engine in engines.items():
         for ratio in ratios:
@@ -300,7 +300,7 @@ def _measure(args: argparse.Namespace, config: Any, lm: Any, engines: dict[str, 
     samples: dict[tuple[str, float], list[Any]] = {(k, r): [] for k in engines for r in ratios}
     dropped = False
     for _ in range(args.repeats):
-        ttft, layer_s = layer_times_full(first, prompt)
+        ttft, layer_s = first.run_exclusive(lambda: layer_times_full(first, prompt))
         full_ttfts.append(ttft)
         layer_runs.append(layer_s)
         for kind, engine in engines.items():
@@ -313,7 +313,7 @@ def _measure(args: argparse.Namespace, config: Any, lm: Any, engines: dict[str, 
     full_ttft = full["median"]
     layer_s = [statistics.median(col) for col in zip(*layer_runs, strict=True)]
     num_layers = len(layer_s)
-    attn = attention_time(first, prompt)
+    attn = first.run_exclusive(lambda: attention_time(first, prompt))
     attention_s = [attn] * (num_layers - 1) + [0.0]  # the last layer attends one row
     entry_layer_bytes = lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) // num_layers
     results = []

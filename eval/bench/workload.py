@@ -206,6 +206,9 @@ def run_stream(engine: Any, stream: Sequence[WorkloadRequest], *, mode: str, rat
 
     gate = EngineGate(serialize)
     trace = RunTrace()
+    # first-token log-probs to compare with the references once the stream is over: torch work on
+    # the client threads would slow the engine's own (see BlendEngine.run_exclusive)
+    sampled: dict[int, Any] = {}
     lock = threading.Lock()
     t0 = time.perf_counter()
 
@@ -239,12 +242,11 @@ def run_stream(engine: Any, stream: Sequence[WorkloadRequest], *, mode: str, rat
             record = RequestRecord(req.index, arrival, entered, end, end - entered, 0, 0, {}, {}, error=error)
         else:
             seg = result.stats.cached_segments
-            kl = None
             if references and req.index in references and mode != "full":
-                kl = kl_divergence(references[req.index].first_token_logprobs, result.first_token_logprobs)
+                sampled[req.index] = result.first_token_logprobs
             start = entered + float(getattr(result.stats, "queued_s", 0.0))  # its first prefill step
             record = RequestRecord(req.index, arrival, start, end, result.ttft_s, seg.hits, seg.misses,
-                                   dict(result.stats.hits_by_tier), dict(result.stats.misses_by_tier), kl)
+                                   dict(result.stats.hits_by_tier), dict(result.stats.misses_by_tier))
         sample(end)
         with lock:
             trace.records.append(record)
@@ -281,6 +283,13 @@ def run_stream(engine: Any, stream: Sequence[WorkloadRequest], *, mode: str, rat
     engine.store.flush()  # the write-behind work of the run is part of it
     trace.wall_s = now()
     trace.records.sort(key=lambda r: r.index)
+    def score() -> None:  # on the engine's thread (this thread's own OpenMP pool would outlive the run)
+        for record in trace.records:
+            if record.index in sampled and references is not None:
+                record.kl = kl_divergence(references[record.index].first_token_logprobs, sampled[record.index])
+
+    if sampled:
+        engine.run_exclusive(score)
     trace.queue_depth.sort()
     trace.write_queue.sort()
     return trace
