@@ -96,7 +96,19 @@ def probe_gflops(seconds: float = PROBE_S) -> float:
     """This machine's float32 matrix-product rate on the CPU (GFLOP/s) with torch's threads:
     after a warm-up of a third of `seconds` (thread start-up, clock ramp), the best of five
     windows over the rest, so one descheduled moment does not decide it. The same figure on
-    two days means the same compute speed."""
+    two days means the same compute speed. Runs in a thread of its own that ends with it: an
+    OpenMP pool left on the caller's thread would slow the engine measured next (see
+    BlendEngine.run_exclusive)."""
+    import threading
+
+    out: list[float] = []
+    thread = threading.Thread(target=lambda: out.append(_probe(seconds)), name="kvblend-cpu-probe")
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+def _probe(seconds: float) -> float:
     import time
 
     import torch
