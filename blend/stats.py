@@ -83,6 +83,7 @@ class LoadReport:
     read_s_by_tier: Mapping[str, float] = field(default_factory=dict)  # host time spent in tier reads
     place_s: float = 0.0  # time spent moving bytes into the cache (CUDA: device time)
     recomputed_starts: tuple[int, ...] = ()  # prompt starts of the stored segments recomputed (unreadable)
+    computed_bytes: int = 0  # bytes of entries in hand (computed in this request) placed with the loaded ones
 
 
 @dataclass(frozen=True)

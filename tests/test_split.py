@@ -407,3 +407,21 @@ def test_a_chat_turn_resumed_from_a_stalling_tier_is_computed(tmp_path):
         stalled = engine.chat("s", "And when?", max_new_tokens=3)
         assert stalled.stats.source == "computed" and stalled.stats.stalled_tiers == ("cpu",)
         assert stalled.token_ids == resumed.token_ids
+
+
+def test_placement_rate_counts_the_computed_entries_it_placed(one_thread):
+    """A blend whose documents missed places their computed KV beside the little it read; the
+    placement rate must count those bytes (it once came out ~50x too low, and the split then
+    computed every later request whole)."""
+    loads = LoadCosts("cpu")
+    loads.observe({"cpu": 1 << 20}, {"cpu": 1e-3}, place_s=0.1, other_bytes=50 << 20)
+    assert loads.place_seconds(51 << 20) == pytest.approx(0.1)
+    engine = make_engine(SlowTier(CpuTier(CpuTierConfig(budget=64 << 20))), split="auto")
+    try:
+        cold = engine.generate(QUESTION, DOCS[:3], mode="blend", recompute_ratio=0.3, max_new_tokens=1).stats
+        assert cold.documents.misses == 3 and cold.load.computed_bytes > 0
+        engine.store.flush()
+        warm = engine.generate(QUESTION, DOCS[:3], mode="blend", recompute_ratio=0.3, max_new_tokens=1).stats
+        assert warm.documents.misses == 0 and warm.load.computed_bytes == 0 and sum(warm.load.bytes_by_tier.values())
+    finally:
+        engine.close()

@@ -252,6 +252,7 @@ class LayerLoader:
         self.bytes_by_tier: Counter[str] = Counter()
         self.read_s_by_tier: Counter[str] = Counter()  # host time spent reading, per tier
         self.place_s = 0.0  # time spent moving bytes into the cache (device time on CUDA)
+        self.computed_bytes = 0  # bytes of entries in hand (computed, not read) placed beside the loaded ones
         self.copies = 0  # copy operations into the cache or onto the device
         self.recomputed_segments = 0
         self.layers_done = 0
@@ -353,7 +354,7 @@ class LayerLoader:
         rebuilt = tuple(p.start for p in self.placements if p.entry is not None and p.located is not None)
         return LoadReport(load_s, exposed, dict(self.bytes_by_tier), self.recomputed_segments, copies=self.copies,
                           layers_loaded=self.layers_done, read_s_by_tier=dict(self.read_s_by_tier), place_s=place_s,
-                          recomputed_starts=rebuilt)
+                          recomputed_starts=rebuilt, computed_bytes=self.computed_bytes)
 
     def wait(self, layer: int) -> None:
         """Block until `layer` is placed in the cache (no-op for layers not loaded).
@@ -444,6 +445,7 @@ class _HostPlacer:
                     return header, kv[0], kv[1]
         entry = ld._recompute(p, layer)
         k, v = entry.layers[layer]
+        ld.computed_bytes += k.numel() * k.element_size() + v.numel() * v.element_size()
         return entry.header, k, v
 
     def place(self, layer: int) -> None:

@@ -418,14 +418,19 @@ class LoadCosts:
         """Whether placement overlaps reads and compute (a copy engine does it)."""
         return self.device_type == "cuda"
 
-    def observe(self, bytes_by_tier: dict[str, int], read_s_by_tier: dict[str, float], place_s: float) -> None:
-        """One request's loads: bytes and host read time per tier name, and placement time."""
+    def observe(self, bytes_by_tier: dict[str, int], read_s_by_tier: dict[str, float], place_s: float, *,
+                other_bytes: int = 0) -> None:
+        """One request's loads: bytes and host read time per tier name, and placement time;
+        `other_bytes`: bytes placed in that time that no tier read (entries computed by the
+        request), without which the placement rate would come out far too low (a request
+        that read 1 MB and placed 50 MB of computed documents once priced loads at 13 MB/s,
+        and the split then computed every later request whole)."""
         with self._lock:
             for name, nbytes in bytes_by_tier.items():
                 seconds = read_s_by_tier.get(name, 0.0)
                 if nbytes >= MIN_OBSERVED_BYTES and seconds > 0:
                     self._read_bps[name] = _ema_rate(self._read_bps.get(name), nbytes / seconds)
-            total = sum(bytes_by_tier.values())
+            total = sum(bytes_by_tier.values()) + other_bytes
             if total >= MIN_OBSERVED_BYTES and place_s > 0:
                 self._place_bps = _ema_rate(self._place_bps, total / place_s)
 

@@ -229,7 +229,8 @@ class Splitter:
             else:
                 self.prefill.observe(rows, stats.compute_s)
         if load.bytes_by_tier:
-            self.loads.observe(dict(load.bytes_by_tier), dict(load.read_s_by_tier), load.place_s)
+            self.loads.observe(dict(load.bytes_by_tier), dict(load.read_s_by_tier), load.place_s,
+                               other_bytes=load.computed_bytes)
 
 
 def rows_per_layer(stats: RequestStats, num_layers: int) -> list[int] | None:
