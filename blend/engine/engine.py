@@ -45,7 +45,7 @@ from blend.kv.documents import Block, DocumentCache, IngestStopped
 from blend.kv.offload import KVParking
 from blend.kv.prefix import EntryMaker, PrefixCache
 from blend.model.cache import KVCache
-from blend.model.loading import LoadedModel, load_model
+from blend.model.loading import LoadedModel, in_own_thread, load_model
 from blend.model.runner import Runner
 from blend.planning.planner import LoadCosts, PrefillCosts
 from blend.planning.split import Splitter
@@ -107,6 +107,11 @@ class BlendEngine:
     session with `SessionBusy`."""
 
     def __init__(self, config: EngineConfig, *, model: LoadedModel | None = None, store: TieredStore | None = None):
+        # built in a thread that ends with it: no OpenMP pool of the setup's torch work stays on
+        # the caller's thread beside the scheduler's (see in_own_thread, run_exclusive)
+        in_own_thread(lambda: self._build(config, model, store), "kvblend-engine-setup")
+
+    def _build(self, config: EngineConfig, model: LoadedModel | None, store: TieredStore | None) -> None:
         self.config = config
         cfg = config.engine
         self.lm = model or load_model(config.model, device=config.device, dtype=config.dtype)
