@@ -37,6 +37,7 @@ import torch
 from storage.codec import NONE, Codec, codec_named
 from storage.config import SHARED_KINDS, StoreConfig, TierConfig
 from storage.entry import EntryHeader, Expected, KVEntry
+from storage.openmp import single_threaded
 from storage.serialization import layer_views
 from storage.signature import seal, verify
 from storage.tier import Layer, StoreUnavailable, Tier, tier_class
@@ -410,6 +411,7 @@ class TieredStore:
                 self._writer.start()
 
     def _write_loop(self) -> None:
+        single_threaded()  # encoding here must not start an OpenMP pool beside the engine's (storage.openmp)
         while True:
             job = self._queue.get()
             try:

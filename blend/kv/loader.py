@@ -61,6 +61,7 @@ from blend.stats import LoadReport
 from storage.codec import decode_into
 from storage.entry import EntryHeader, KVEntry
 from storage.memory import CpuTier
+from storage.openmp import single_threaded
 from storage.serialization import layer_views
 from storage.stack import Located, TieredStore
 from storage.tier import Layer
@@ -302,6 +303,7 @@ class LayerLoader:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICE)
         except (AttributeError, OSError):
             pass
+        single_threaded()  # no OpenMP pool of its own beside the scheduler's (storage.openmp)
         try:
             with torch.inference_mode():
                 if self._stream is not None:
