@@ -328,16 +328,26 @@ def test_a_full_queue_answers_503_with_retry_after(server):
         next(lines)  # it runs on the engine now
 
         batch = httpx.get(server.url + "/health", timeout=10).json()["max_num_seqs"]
-        for _ in range(batch - 1 + 8):  # the batch fills up, then the queue (it holds 8)
-            waiter = httpx.Client(timeout=300)
-            clients.append(waiter)
-            pending = waiter.stream("POST", server.url + "/v1/chat/completions", json=body)
-            held.append(pending)  # referenced until the end: a collected stream closes its connection
-            threading.Thread(target=_enter_quietly, args=(pending,), daemon=True).start()
-        deadline = time.monotonic() + 60
-        while (health := httpx.get(server.url + "/health", timeout=10).json())["waiting"] < 8:
-            assert time.monotonic() < deadline, f"requests did not queue up: {health}"
-            time.sleep(0.1)
+
+        def send(n: int) -> None:
+            for _ in range(n):
+                waiter = httpx.Client(timeout=300)
+                clients.append(waiter)
+                pending = waiter.stream("POST", server.url + "/v1/chat/completions", json=body)
+                held.append(pending)  # referenced until the end: a collected stream closes its connection
+                threading.Thread(target=_enter_quietly, args=(pending,), daemon=True).start()
+
+        def until(what: str, n: int) -> dict:
+            deadline = time.monotonic() + 60
+            while (health := httpx.get(server.url + "/health", timeout=10).json())[what] < n:
+                assert time.monotonic() < deadline, f"{what} did not reach {n}: {health}"
+                time.sleep(0.1)
+            return health
+
+        send(batch - 1)  # the batch fills up (admitted one prefill step at a time) ...
+        until("running", batch)
+        send(8)  # ... then the queue (it holds 8)
+        health = until("waiting", 8)
         assert health["running"] == batch
         refused = httpx.post(server.url + "/v1/chat/completions", json=chat_body("Me too?", max_tokens=2), timeout=30)
         assert refused.status_code == 503
