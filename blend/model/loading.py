@@ -538,7 +538,7 @@ def in_own_thread(fn: Callable[[], T], name: str = "kvblend-setup") -> T:
         except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
             failed.append(err)
 
-    thread = threading.Thread(target=work, name=name)
+    thread = threading.Thread(target=work, name=name, daemon=True)  # Ctrl-C on the caller still ends the process
     thread.start()
     thread.join()
     if failed:
