@@ -99,13 +99,9 @@ def probe_gflops(seconds: float = PROBE_S) -> float:
     two days means the same compute speed. Runs in a thread of its own that ends with it: an
     OpenMP pool left on the caller's thread would slow the engine measured next (see
     BlendEngine.run_exclusive)."""
-    import threading
+    from blend.model.loading import in_own_thread
 
-    out: list[float] = []
-    thread = threading.Thread(target=lambda: out.append(_probe(seconds)), name="kvblend-cpu-probe")
-    thread.start()
-    thread.join()
-    return out[0]
+    return in_own_thread(lambda: _probe(seconds), "kvblend-cpu-probe")
 
 
 def _probe(seconds: float) -> float:

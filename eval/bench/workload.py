@@ -283,6 +283,7 @@ def run_stream(engine: Any, stream: Sequence[WorkloadRequest], *, mode: str, rat
     engine.store.flush()  # the write-behind work of the run is part of it
     trace.wall_s = now()
     trace.records.sort(key=lambda r: r.index)
+
     def score() -> None:  # on the engine's thread (this thread's own OpenMP pool would outlive the run)
         for record in trace.records:
             if record.index in sampled and references is not None:
