@@ -27,18 +27,21 @@ log = logging.getLogger(__name__)
 
 @cache
 def _libgomp() -> ctypes.CDLL | None:
-    """torch's own libgomp (the copy loaded in this process), or None."""
+    """torch's own libgomp (the copy loaded from torch's directory; another loaded libgomp
+    keeps its own settings), or None."""
+    import torch
+
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return None
-    for line in maps.splitlines():
-        path = line.split()[-1] if line.split() else ""
-        if "libgomp" in Path(path).name:
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                return None
+    home = str(Path(torch.__file__).parent)
+    paths = {f.split()[-1] for f in maps.splitlines() if "libgomp" in f.rsplit("/", 1)[-1]}
+    for path in sorted(paths, key=lambda p: not p.startswith(home)):  # torch's copy first
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
     return None
 
 

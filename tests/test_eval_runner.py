@@ -348,13 +348,17 @@ def tiny_config(tmp_path_factory) -> Path:
     return config
 
 
+def _eval_one(config, out, capsys, *extra: str) -> dict:
+    """`kvblend eval --json` over the first example's 3 passages, 2 new tokens; its JSON line."""
+    argv = ["eval", "--config", str(config), "--dataset", str(DATA), "--limit", "1", "--passages", "3",
+            "--max-new-tokens", "2", "--json", "--out", str(out), "--no-progress", *extra]
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
 def test_cli_eval_prints_the_summary_json_last(tiny_config, tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["eval", "--config", str(tiny_config), "--dataset", str(DATA), "--limit", "1", "--passages", "3",
-            "--modes", "full,blend", "--ratios", "1.0", "--max-new-tokens", "2", "--json", "--out", str(out),
-            "--no-progress"]
-    assert main(argv) == 0
-    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = _eval_one(tiny_config, out, capsys, "--modes", "full,blend", "--ratios", "1.0")
     assert doc["n"] == 1 and list(doc["summary"]) == ["full", "blend@1.0"]
     assert doc["summary"]["blend@1.0"]["kl_to_full"] < 1e-6
     assert {p.name for p in out.iterdir()} >= {"results.jsonl", "summary.json", "summary.md", "kl_vs_ttft.png"}
@@ -377,11 +381,7 @@ def test_cli_eval_rejects_bad_arguments(extra, message, capsys):
 
 def test_cli_eval_with_a_reference_dtype(tiny_config, tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["eval", "--config", str(tiny_config), "--dataset", str(DATA), "--limit", "1", "--passages", "3",
-            "--modes", "full", "--max-new-tokens", "2", "--reference-dtype", "bfloat16", "--json", "--out", str(out),
-            "--no-progress"]
-    assert main(argv) == 0
-    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = _eval_one(tiny_config, out, capsys, "--modes", "full", "--reference-dtype", "bfloat16")
     assert doc["summary"]["full"]["kl_to_full"] > 1e-6  # float32 full prefill against the bfloat16 one
     settings, _ = read_results(out / FILENAME)
     assert settings["dtype"] == "float32" and settings["reference"]["dtype"] == "bfloat16"

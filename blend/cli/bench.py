@@ -10,6 +10,7 @@ from typing import Any
 
 from blend.cli import serve
 from blend.cli.common import (
+    NON_NEGATIVE_INT,
     POSITIVE_FLOAT,
     POSITIVE_INT,
     RATIO,
@@ -132,11 +133,7 @@ def cmd_ttft(args: argparse.Namespace) -> int:
         f"({summary['model']}, {summary['dtype']}, {summary['device_name']}); CPU probe "
         f"{summary['probe_gflops_start']} -> {summary['probe_gflops_end']} GFLOP/s, widest spread of repeats "
         f"{summary['widest_spread']:.0%}")
-    if summary["random_weights"]:
-        say("random weights: these figures are timings only")
-    if args.json:
-        emit_json(summary)
-    return 0
+    return _timings_done(args, say, summary)
 
 
 def _register_ttft(sub: Any) -> None:
@@ -205,16 +202,6 @@ def _register_resume(sub: Any) -> None:
 
 
 # ----------------------------------------------------------------- decode
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"must be >= 0, got {value}")
-    return value
-
-
 def cmd_decode(args: argparse.Namespace) -> int:
     from blend.cli.common import positive_ints
 
@@ -232,6 +219,11 @@ def cmd_decode(args: argparse.Namespace) -> int:
     say(f"{summary['model']} ({summary['dtype']}, {summary['device']}, {summary['torch_threads']} threads, "
         f"projections {summary['projections']}); CPU probe {summary['probe_gflops_start']} -> "
         f"{summary['probe_gflops_end']} GFLOP/s, widest spread of rounds {summary['widest_spread']:.0%}")
+    return _timings_done(args, say, summary)
+
+
+def _timings_done(args: argparse.Namespace, say: Any, summary: dict[str, Any]) -> int:
+    """The end of a timing bench on a model: the random-weights caveat, the JSON line."""
     if summary["random_weights"]:
         say("random weights: these figures are timings only")
     if args.json:
@@ -295,7 +287,7 @@ def _register_decode(sub: Any) -> None:
                    help="sequences decoding together, comma-separated (default 1,8)")
     p.add_argument("--steps", type=POSITIVE_INT, default=16, help="decode steps per timed round (default 16)")
     p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="timed rounds per setting; the median is reported")
-    p.add_argument("--warmup", type=arg_type(_non_negative_int), default=2, help="untimed steps per setting (default 2)")
+    p.add_argument("--warmup", type=NON_NEGATIVE_INT, default=2, help="untimed steps per setting (default 2)")
     p.add_argument("--model", default=None, help="override the config's model, e.g. random:llama-3.2-1b (timing only)")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES, help="override the compute dtype (auto: "
                    "bfloat16 where the CPU or GPU computes it natively)")

@@ -87,14 +87,23 @@ def open_engine(path: str | None, config: Any) -> Any:
         return BlendEngine(config)
 
 
-def positive_int(text: str) -> int:
+def whole_number(text: str, minimum: int) -> int:
+    """`text` as an int >= minimum; a one-line ValueError otherwise."""
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise ValueError(f"must be >= 1, got {value}")
+        raise ValueError(f"expected a whole number >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise ValueError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return whole_number(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return whole_number(text, 0)
 
 
 def positive_float(text: str) -> float:
@@ -132,6 +141,7 @@ def positive_ints(text: str, what: str) -> list[int]:
 
 
 POSITIVE_INT = arg_type(positive_int)
+NON_NEGATIVE_INT = arg_type(non_negative_int)
 POSITIVE_FLOAT = arg_type(positive_float)
 RATIO = arg_type(parse_ratio)
 

@@ -477,9 +477,11 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
             if budget < entry:
                 raise ValueError(f"--cache-fraction {settings.cache_fraction:g} of the corpus' {corpus_bytes} bytes of KV "
                                  f"is {budget} bytes, less than one block entry ({entry} bytes); raise it")
+        asked = sum(len(r.passages) for r in stream)  # documents over the stream ...
+        distinct = len({p for r in stream for p in r.passages})  # ... the compulsory misses of any cache
         log_line(f"corpus: {len(pool)} passages, {corpus_tokens} tokens, {corpus_bytes / 2**20:.1f} MiB of KV "
-                 f"uncompressed; {len(stream)} requests asking for {sum(len(r.passages) for r in stream)} passages, "
-                 f"{len({p for r in stream for p in r.passages})} distinct" + (f"; tier budgets {budget / 2**20:.1f} MiB" if budget else ""))
+                 f"uncompressed; {len(stream)} requests asking for {asked} passages, {distinct} distinct"
+                 + (f"; tier budgets {budget / 2**20:.1f} MiB" if budget else ""))
         codecs: Sequence[str | None] = settings.codecs or (None,)
         run = 0
         for codec in codecs:
@@ -512,10 +514,8 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
             "arrivals": "closed" if settings.rate is None else "open",
             "corpus_passages": len(pool), "corpus_tokens": corpus_tokens, "corpus_kv_bytes": corpus_bytes,
             "tier_budget": budget, "model": config.model, "device": config.device,
-            # documents asked for over the stream, and how many of them are distinct: the
-            # compulsory misses of any cache (a document is a block or more: per-block lookups differ)
-            "stream_documents": sum(len(r.passages) for r in stream),
-            "distinct_documents": len({p for r in stream for p in r.passages}),
+            # a document is a block or more: per-block lookups differ
+            "stream_documents": asked, "distinct_documents": distinct,
             "serialized": SERIALIZE, "results": rows,
         }
     finally:
