@@ -25,19 +25,25 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-@cache
-def _libgomp() -> ctypes.CDLL | None:
-    """torch's own libgomp (the copy loaded from torch's directory; another loaded libgomp
-    keeps its own settings), or None."""
+def libgomp_paths() -> list[str]:
+    """The files of the libgomp copies loaded in this process, torch's own first (the one
+    its ops run their parallel regions on); empty where none is loaded or /proc is absent."""
     import torch
 
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return None
+        return []
     home = str(Path(torch.__file__).parent)
     paths = {f.split()[-1] for f in maps.splitlines() if "libgomp" in f.rsplit("/", 1)[-1]}
-    for path in sorted(paths, key=lambda p: not p.startswith(home)):  # torch's copy first
+    return sorted(paths, key=lambda p: (not p.startswith(home), p))
+
+
+@cache
+def _libgomp() -> ctypes.CDLL | None:
+    """torch's own libgomp (the copy loaded from torch's directory; another loaded libgomp
+    keeps its own settings), or None."""
+    for path in libgomp_paths():
         try:
             return ctypes.CDLL(path)
         except OSError:

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from blend.model.native import native_decode_attention
+
 try:  # optional extra `gpu`
     from flash_attn import flash_attn_func  # type: ignore[import-not-found]
 except ImportError:  # pragma: no cover - CPU machines
@@ -387,7 +389,15 @@ def cpu_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias
     the product (rounding scores to bfloat16 costs ~10x the attention error; this keeps
     SDPA's), the probabilities are rounded to V's dtype for the second product (as SDPA's
     CPU kernel does).
+
+    Where the native kernel applies (blend.model.native: float32 or bfloat16 K/V, built
+    for this machine), it computes the same in one pass over K and V, the probabilities
+    kept in float32; at 4k keys in bfloat16 it is ~2x faster than these products.
     """
+    if out is None:
+        out = torch.empty(q.shape, dtype=v.dtype, device=v.device)
+    if native_decode_attention(q, k, v, bias, out):
+        return out
     keys = k.transpose(1, 2)  # (Hkv, D, Tk)
     if k.dtype != torch.float32:
         keys = keys.float()
@@ -398,7 +408,7 @@ def cpu_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias
     probs = torch.softmax(scores, dim=-1)
     if v.dtype != torch.float32:
         probs = probs.to(v.dtype)
-    return torch.bmm(probs, v, out=out) if out is not None else torch.bmm(probs, v)  # (Hkv, g, D)
+    return torch.bmm(probs, v, out=out)  # (Hkv, g, D)
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,

@@ -1,0 +1,258 @@
+/* Decode attention on a CPU: a few query rows per KV head over every cached key, read once.
+ *
+ *   out[h, i] = softmax_t(q[h, i] . k[h, t] + bias[h, t]) . v[h, t]
+ *
+ * q (hkv, g, d) float32, already scaled; k, v (hkv, t, d) float32 or bfloat16, rows
+ * contiguous (any head and row strides); bias (hkv, t) float32 or NULL; out (hkv, g, d) in
+ * K/V's dtype. Scores, softmax and the weighted sum are float32 throughout; a bfloat16
+ * key or value is widened in registers as it is read, so K and V cross the memory bus once,
+ * in their own width (torch's CPU kernels either widen the keys into a new float32 tensor
+ * or read bfloat16 at a fraction of memory speed for a handful of query rows).
+ *
+ * Keys are split into blocks of BLOCK rows; (head, block) pairs are shared among the
+ * calling thread's OpenMP threads (the library is linked against torch's own libgomp, so
+ * it uses the same thread pool as torch's ops on that thread). Each block keeps its own
+ * running maximum, sum of exponentials and weighted sum of values; the blocks of a head
+ * are merged at the end, the same arithmetic as flash-decoding.
+ *
+ * Built and loaded by blend/model/native.py; tests/test_native_attention.py holds it to
+ * the torch path.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 256 /* key rows per work item */
+#define MAX_G 16  /* query rows per KV head */
+#define MAX_D 256 /* head dimension */
+
+enum { KIND_F32 = 0, KIND_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* NaN stays NaN */
+    c.u += 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)(c.u >> 16);
+}
+
+/* e^x for x <= 0 (scores minus their maximum), vectorizable: x = n ln2 + r, e^r by a
+ * degree-7 polynomial (Taylor terms; |r| <= ln2 / 2 keeps it within a few ulp of expf),
+ * times 2^n built in the exponent bits. Below -87 the result flushes to 0. */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) x = -87.0f;
+    float fn = (float)(int)(x * 1.44269504088896341f - 0.5f); /* round half down; x <= 0 */
+    float r = x - fn * 0.693359375f - fn * -2.12194440e-4f;  /* ln2 split in two for exactness */
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int)fn + 127) << 23;
+    return p * scale.f;
+}
+
+/* One (head, block) work item: keys lo..hi-1 of a head, g query rows of dimension d.
+ * Writes the block's per-row maximum m[g], sum of exponentials l[g] and unnormalised
+ * weighted values acc[g][d]. Always inlined: called with constant kind, g and d for the
+ * usual shapes, so that its loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_block(
+    int kind, const float *q, const char *k, const char *v, const float *bias, int g, int d, long lo, long hi,
+    long k_row, long v_row, float *m, float *l, float *acc) {
+    float s[MAX_G][BLOCK];
+    float row[MAX_D];
+    const int es = kind == KIND_F32 ? 4 : 2;
+    const int n = (int)(hi - lo);
+    for (int j = 0; j < n; j++) {
+        const char *kr = k + (lo + j) * k_row * es;
+        if (kind == KIND_F32) {
+            memcpy(row, kr, (size_t)d * sizeof(float));
+        } else {
+            const uint16_t *kb = (const uint16_t *)kr;
+#pragma omp simd
+            for (int x = 0; x < d; x++) row[x] = bf16_to_f32(kb[x]);
+        }
+        const float b = bias ? bias[lo + j] : 0.0f;
+        for (int i = 0; i < g; i++) {
+            const float *qi = q + (long)i * d;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int x = 0; x < d; x++) dot += qi[x] * row[x];
+            s[i][j] = dot + b;
+        }
+    }
+    float a[MAX_G * MAX_D];
+    for (int i = 0; i < g; i++) {
+        float top = s[i][0];
+#pragma omp simd reduction(max : top)
+        for (int j = 1; j < n; j++) top = s[i][j] > top ? s[i][j] : top;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int j = 0; j < n; j++) {
+            s[i][j] = exp_nonpositive(s[i][j] - top);
+            total += s[i][j];
+        }
+        m[i] = top;
+        l[i] = total;
+    }
+    for (int x = 0; x < g * d; x++) a[x] = 0.0f;
+    for (int j = 0; j < n; j++) {
+        const char *vr = v + (lo + j) * v_row * es;
+        if (kind == KIND_F32) {
+            memcpy(row, vr, (size_t)d * sizeof(float));
+        } else {
+            const uint16_t *vb = (const uint16_t *)vr;
+#pragma omp simd
+            for (int x = 0; x < d; x++) row[x] = bf16_to_f32(vb[x]);
+        }
+        for (int i = 0; i < g; i++) {
+            const float p = s[i][j];
+#pragma omp simd
+            for (int x = 0; x < d; x++) a[i * d + x] += p * row[x];
+        }
+    }
+    memcpy(acc, a, (size_t)(g * d) * sizeof(float));
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 keys' or values' elements widened to float32. */
+static inline __m512 load16(int kind, const char *p) {
+    if (kind == KIND_F32) return _mm512_loadu_ps((const float *)p);
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* attend_block with AVX-512 for d a multiple of 64 (see attend_block): per key, the g dot
+ * products accumulate in registers and are summed once; the weighted values accumulate in
+ * registers, 4 query rows x 64 dimensions at a time. */
+static inline __attribute__((always_inline)) void attend_block_avx512(
+    int kind, const float *q, const char *k, const char *v, const float *bias, int g, int d, long lo, long hi,
+    long k_row, long v_row, float *m, float *l, float *acc) {
+    float s[MAX_G][BLOCK];
+    const int es = kind == KIND_F32 ? 4 : 2;
+    const int n = (int)(hi - lo);
+    for (int j = 0; j < n; j++) {
+        const char *kr = k + (lo + j) * k_row * es;
+        __m512 dot[MAX_G];
+        for (int i = 0; i < g; i++) dot[i] = _mm512_setzero_ps();
+        for (int c = 0; c < d; c += 16) {
+            const __m512 kc = load16(kind, kr + (long)c * es);
+            for (int i = 0; i < g; i++) dot[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (long)i * d + c), kc, dot[i]);
+        }
+        const float b = bias ? bias[lo + j] : 0.0f;
+        for (int i = 0; i < g; i++) s[i][j] = _mm512_reduce_add_ps(dot[i]) + b;
+    }
+    for (int i = 0; i < g; i++) {
+        float top = s[i][0];
+#pragma omp simd reduction(max : top)
+        for (int j = 1; j < n; j++) top = s[i][j] > top ? s[i][j] : top;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int j = 0; j < n; j++) {
+            s[i][j] = exp_nonpositive(s[i][j] - top);
+            total += s[i][j];
+        }
+        m[i] = top;
+        l[i] = total;
+    }
+    for (int i0 = 0; i0 < g; i0 += 4) {
+        const int rows = g - i0 < 4 ? g - i0 : 4;
+        for (int c0 = 0; c0 < d; c0 += 64) {
+            __m512 a[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int c = 0; c < 4; c++) a[i][c] = _mm512_setzero_ps();
+            for (int j = 0; j < n; j++) {
+                const char *vr = v + ((lo + j) * v_row + c0) * es;
+                __m512 vc[4];
+                for (int c = 0; c < 4; c++) vc[c] = load16(kind, vr + (long)c * 16 * es);
+                for (int i = 0; i < rows; i++) {
+                    const __m512 p = _mm512_set1_ps(s[i0 + i][j]);
+                    for (int c = 0; c < 4; c++) a[i][c] = _mm512_fmadd_ps(p, vc[c], a[i][c]);
+                }
+            }
+            for (int i = 0; i < rows; i++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (long)(i0 + i) * d + c0 + c * 16, a[i][c]);
+        }
+    }
+}
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+
+/* Returns 0, or -1 when the shapes are outside the kernel's limits (the caller falls back).
+ * Strides are in elements of K/V's (or out's) dtype, of bias in float32 elements. */
+int kvb_decode_attention(int kind, const float *q, const void *k, const void *v, const float *bias, void *out,
+                         int hkv, int g, int d, long t, long k_head, long k_row, long v_head, long v_row,
+                         long bias_head, long out_head, long out_row) {
+    if (g < 1 || g > MAX_G || d < 1 || d > MAX_D || t < 1 || hkv < 1) return -1;
+    if (kind != KIND_F32 && kind != KIND_BF16) return -1;
+    const int es = kind == KIND_F32 ? 4 : 2;
+    const long blocks = (t + BLOCK - 1) / BLOCK;
+    const long items = (long)hkv * blocks;
+    const long per_item = 2L * g + (long)g * d;
+    float *part = malloc((size_t)(items * per_item) * sizeof(float));
+    if (!part) return -1;
+#pragma omp parallel for schedule(static) if (items > 1 && t * hkv >= 1024)
+    for (long it = 0; it < items; it++) {
+        const long h = it / blocks, blk = it % blocks;
+        const long lo = blk * BLOCK, hi = lo + BLOCK < t ? lo + BLOCK : t;
+        float *p = part + it * per_item;
+        const float *qh = q + h * g * d, *bh = bias ? bias + h * bias_head : NULL;
+        const char *kh = (const char *)k + h * k_head * es, *vh = (const char *)v + h * v_head * es;
+        /* the head dimensions of the usual models as constants: their loops unroll */
+#if HAVE_AVX512
+#define SHAPE(K, G, D) \
+    if (kind == K && g == G && d == D) \
+        attend_block_avx512(K, qh, kh, vh, bh, G, D, lo, hi, k_row, v_row, p, p + G, p + 2 * G); \
+    else
+        SHAPE(KIND_BF16, 3, 64) SHAPE(KIND_BF16, 4, 64) SHAPE(KIND_BF16, 4, 128) SHAPE(KIND_BF16, 4, 256)
+        SHAPE(KIND_F32, 3, 64) SHAPE(KIND_F32, 4, 64) SHAPE(KIND_F32, 4, 128)
+        if (d % 64 == 0)
+            attend_block_avx512(kind, qh, kh, vh, bh, g, d, lo, hi, k_row, v_row, p, p + g, p + 2 * g);
+        else
+#endif
+            attend_block(kind, qh, kh, vh, bh, g, d, lo, hi, k_row, v_row, p, p + g, p + 2 * g);
+    }
+    for (long h = 0; h < hkv; h++) {
+        for (int i = 0; i < g; i++) {
+            float top = part[(h * blocks) * per_item + i];
+            for (long blk = 1; blk < blocks; blk++) {
+                const float mb = part[(h * blocks + blk) * per_item + i];
+                top = mb > top ? mb : top;
+            }
+            float row[MAX_D];
+            float total = 0.0f;
+            memset(row, 0, (size_t)d * sizeof(float));
+            for (long blk = 0; blk < blocks; blk++) {
+                const float *p = part + (h * blocks + blk) * per_item;
+                const float w = exp_nonpositive(p[i] - top);
+                total += w * p[g + i];
+                const float *a = p + 2 * g + (long)i * d;
+                for (int x = 0; x < d; x++) row[x] += w * a[x];
+            }
+            const float inv = 1.0f / total;
+            if (kind == KIND_F32) {
+                float *o = (float *)out + h * out_head + (long)i * out_row;
+                for (int x = 0; x < d; x++) o[x] = row[x] * inv;
+            } else {
+                uint16_t *o = (uint16_t *)out + h * out_head + (long)i * out_row;
+                for (int x = 0; x < d; x++) o[x] = f32_to_bf16(row[x] * inv);
+            }
+        }
+    }
+    free(part);
+    return 0;
+}

@@ -1,0 +1,161 @@
+"""The native decode attention kernel (blend/model/native.py, kernels/decode_attention.c):
+its numbers against a float64 reference and the torch path, over the shapes its fast and
+generic paths take; where it declines; the KVBLEND_DECODE_KERNEL switch; the build's
+failures as misses with a reason; one OpenMP runtime in the process."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from blend.model import native
+from blend.model.attention import cpu_decode_attention
+from blend.model.native import NativeBuildError, decode_kernel, kernel_mode, native_decode_attention
+from storage.openmp import libgomp_paths
+
+has_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
+
+
+@pytest.fixture(scope="module")
+def kernel_home(tmp_path_factory):
+    """One KVBLEND_HOME for the module's kernel: built once."""
+    return tmp_path_factory.mktemp("kvblend-home")
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, kernel_home):
+    """The switch and the build read afresh, built under the module's temporary KVBLEND_HOME."""
+    monkeypatch.setenv("KVBLEND_HOME", str(kernel_home))
+    decode_kernel.cache_clear()
+    native._load.cache_clear()
+    yield
+    decode_kernel.cache_clear()
+    native._load.cache_clear()
+
+
+def _inputs(hkv: int, g: int, d: int, t: int, dtype: torch.dtype, seed: int, spare: int = 40):
+    """q (hkv, g, d) float32 scaled; k, v (hkv, t, d) slices of a larger buffer (as the
+    cache's are); bias (hkv, t) float32, a slice too."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(hkv, g, d, generator=gen) * d ** -0.5 * 2
+    k = (torch.randn(hkv, t + spare, d, generator=gen) * 2).to(dtype)[:, :t]
+    v = torch.randn(hkv, t + spare, d, generator=gen).to(dtype)[:, :t]
+    bias = torch.randn(hkv, t + spare, generator=gen)[:, :t]
+    return q, k, v, bias
+
+
+def _exact(q, k, v, bias):
+    """float64 softmax(q k^T + bias) v of the inputs as given (bfloat16 values exactly)."""
+    scores = q.double() @ k.double().transpose(1, 2)  # (Hkv, g, Tk)
+    if bias is not None:
+        scores = scores + bias.double()[:, None, :]
+    return torch.softmax(scores, -1) @ v.double()
+
+
+@has_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hkv,g,d,t", [
+    (3, 3, 64, 1), (3, 3, 64, 255), (3, 3, 64, 256), (3, 3, 64, 257), (3, 3, 64, 3000),  # SmolLM2; block edges
+    (1, 4, 256, 700),  # Gemma 3 270M
+    (8, 4, 128, 1100),  # Llama 3 8B
+    (2, 5, 64, 300),  # a row count without its own unrolled shape
+    (2, 16, 96, 513),  # the most rows; a head size off the 64-wide path
+    (4, 1, 16, 40),  # tiny models' heads
+])
+def test_the_kernel_equals_the_float64_reference(fresh_kernel, dtype, hkv, g, d, t):
+    assert decode_kernel() is not None
+    q, k, v, bias = _inputs(hkv, g, d, t, dtype, seed=t + g)
+    for b in (bias, None):
+        out = torch.full((hkv, g, d), float("nan"), dtype=dtype)
+        assert native_decode_attention(q, k, v, b, out)
+        err = (out.double() - _exact(q, k, v, b)).abs().max().item()
+        if dtype == torch.float32:
+            assert err < 1e-5
+        else:  # the output's own rounding to bfloat16 (2^-9 relative) and nothing else
+            assert err < 2 ** -8 * (1 + _exact(q, k, v, b).abs().max().item())
+
+
+@has_compiler
+def test_the_kernel_is_at_least_as_close_as_the_torch_path(fresh_kernel, monkeypatch):
+    """Over bfloat16 K/V the torch path rounds the probabilities to bfloat16; the kernel keeps
+    them in float32: its error is never larger (both measured against float64)."""
+    q, k, v, bias = _inputs(3, 3, 64, 2048, torch.bfloat16, seed=7)
+    ours = cpu_decode_attention(q, k, v, bias)
+    monkeypatch.setenv("KVBLEND_DECODE_KERNEL", "torch")
+    decode_kernel.cache_clear()
+    theirs = cpu_decode_attention(q, k, v, bias)
+    exact = _exact(q, k, v, bias)
+    assert (ours.double() - exact).abs().max() <= (theirs.double() - exact).abs().max() + 1e-6
+    assert (ours.double() - theirs.double()).abs().max() < 2e-2
+
+
+@has_compiler
+def test_scores_far_apart_and_a_large_bias_stay_finite(fresh_kernel):
+    """Scores 200 apart (exponentials that underflow) and a -1e4 bias: finite, the right answer."""
+    q, k, v, bias = _inputs(1, 2, 64, 600, torch.float32, seed=3)
+    k = k.clone()
+    k[:, 17] = q[0, 0] * 200 / q[0, 0].norm() ** 2  # one key 200 logits above the rest for row 0
+    bias = bias.clone()
+    bias[:, 100:] = -1e4
+    out = torch.empty(1, 2, 64)
+    assert native_decode_attention(q, k, v, bias, out)
+    assert torch.isfinite(out).all()
+    assert (out.double() - _exact(q, k, v, bias)).abs().max() < 1e-5
+
+
+@has_compiler
+def test_what_the_kernel_does_not_read_falls_back_to_torch(fresh_kernel):
+    q, k, v, bias = _inputs(2, 3, 64, 50, torch.float16, seed=1)
+    out = torch.empty(2, 3, 64, dtype=torch.float16)
+    assert not native_decode_attention(q, k, v, bias, out)  # float16 K/V
+    q17, k32, v32, _ = _inputs(2, 17, 64, 50, torch.float32, seed=1)
+    assert not native_decode_attention(q17, k32, v32, None, torch.empty(2, 17, 64))  # 17 rows per KV head
+    q3 = q17[:, :3].contiguous()
+    assert native_decode_attention(q3, k32, v32, None, torch.empty(2, 3, 64))
+    assert not native_decode_attention(q3, k32.transpose(1, 2).contiguous().transpose(1, 2), v32, None,
+                                       torch.empty(2, 3, 64))  # keys not row-contiguous
+    got = cpu_decode_attention(q, k, v, bias)  # the torch path: still right
+    assert (got.double() - _exact(q, k, v, bias)).abs().max() < 1e-2
+
+
+def test_the_switch_is_checked_and_torch_turns_the_kernel_off(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("KVBLEND_DECODE_KERNEL", "fast")
+    with pytest.raises(ValueError, match="KVBLEND_DECODE_KERNEL: expected one of auto, native, torch"):
+        kernel_mode()
+    monkeypatch.setenv("KVBLEND_DECODE_KERNEL", "torch")
+    assert decode_kernel() is None and native.decode_kernel_name() == "torch"
+    q, k, v, bias = _inputs(3, 3, 64, 20, torch.float32, seed=2)
+    assert not native_decode_attention(q, k, v, bias, torch.empty(3, 3, 64))
+
+
+def test_a_failed_build_is_the_torch_path_on_auto_and_an_error_on_native(fresh_kernel, monkeypatch, tmp_path,
+                                                                          caplog):
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: no such thing' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    with caplog.at_level("WARNING", logger="blend.model.native"):
+        assert decode_kernel() is None
+    assert "building the decode kernel failed (cc exit 3): cc: no such thing" in caplog.text
+    monkeypatch.setenv("KVBLEND_DECODE_KERNEL", "native")
+    decode_kernel.cache_clear()
+    native._load.cache_clear()
+    with pytest.raises(NativeBuildError, match="exit 3"):
+        decode_kernel()
+
+
+@has_compiler
+def test_the_kernel_shares_torch_s_openmp_runtime_and_is_built_once(fresh_kernel, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    before = libgomp_paths()
+    assert decode_kernel() is not None
+    assert libgomp_paths() == before  # no second runtime: one pool per thread for torch and the kernel
+    built = list((tmp_path / "kernels").glob("decode_attention-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    native._load.cache_clear()
+    decode_kernel.cache_clear()
+    assert decode_kernel() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
