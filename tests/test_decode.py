@@ -308,6 +308,7 @@ def test_bench_decode_json_rows(capsys):
                 "probe_gflops_start", "unsteady"):
         assert key in doc
     assert doc["random_weights"] is True and doc["projections"] is None  # float32
+    assert doc["decode_kernel"] in ("native", "torch")
 
 
 @pytest.mark.parametrize("extra, message", [

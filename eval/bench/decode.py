@@ -173,6 +173,7 @@ def run_decode_bench(config: Any, settings: DecodeSettings, log: Callable[[str],
     """Load the config's model and measure every setting; the JSON summary (`results`: one
     row per (context, batch), plus the run's facts and hygiene fields)."""
     from blend.model.loading import load_model
+    from blend.model.native import decode_kernel_name
     from blend.model.runner import Runner
 
     watch = LoadWatch.begin()
@@ -188,6 +189,7 @@ def run_decode_bench(config: Any, settings: DecodeSettings, log: Callable[[str],
         "config_dtype": config.dtype, "device": str(lm.device), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "projections": runner.projections.layout if runner.projections is not None else None,
+        "decode_kernel": decode_kernel_name() if lm.device.type == "cpu" else None,
         "weight_bytes": weight_bytes(lm), "steps": settings.steps, "repeats": settings.repeats,
         "warmup": settings.warmup, "results": [r.to_dict() for r in rows],
         **steady.finish(spreads, "decode benchmark"), **watch.finish("decode benchmark"),

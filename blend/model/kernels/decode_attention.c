@@ -126,12 +126,46 @@ static inline __attribute__((always_inline)) void attend_block(
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <math.h>
 
 /* 16 keys' or values' elements widened to float32. */
 static inline __m512 load16(int kind, const char *p) {
     if (kind == KIND_F32) return _mm512_loadu_ps((const float *)p);
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* exp_nonpositive on 16 lanes: the same reduction and polynomial, 2^n by scalef. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, fn);
+}
+
+/* The lane sums of 16 vectors as one vector: lane j = the sum of v[j]'s 16 lanes. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 w[8], x[4], y[2];
+    for (int p = 0; p < 8; p++) /* per 128-bit lane: a0+a2 b0+b2 a1+a3 b1+b3 */
+        w[p] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+    for (int p = 0; p < 4; p++) /* per 128-bit lane: one partial of each of 4 vectors */
+        x[p] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * p], w[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * p], w[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int p = 0; p < 2; p++) /* 128-bit lanes pairwise */
+        y[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 /* attend_block with AVX-512 for d a multiple of 64 (see attend_block): per key, the g dot
@@ -143,7 +177,25 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
     float s[MAX_G][BLOCK];
     const int es = kind == KIND_F32 ? 4 : 2;
     const int n = (int)(hi - lo);
-    for (int j = 0; j < n; j++) {
+    /* scores 16 keys at a time: each key's g dot products as 16-lane partial sums, then
+     * one transposing reduction per row turns 16 partial vectors into 16 scores */
+    int j0 = 0;
+    for (; j0 + 16 <= n; j0 += 16) {
+        __m512 part[MAX_G][16];
+        for (int jj = 0; jj < 16; jj++) {
+            const char *kr = k + (lo + j0 + jj) * k_row * es;
+            __m512 dot[MAX_G];
+            for (int i = 0; i < g; i++) dot[i] = _mm512_setzero_ps();
+            for (int c = 0; c < d; c += 16) {
+                const __m512 kc = load16(kind, kr + (long)c * es);
+                for (int i = 0; i < g; i++) dot[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (long)i * d + c), kc, dot[i]);
+            }
+            for (int i = 0; i < g; i++) part[i][jj] = dot[i];
+        }
+        const __m512 b = bias ? _mm512_loadu_ps(bias + lo + j0) : _mm512_setzero_ps();
+        for (int i = 0; i < g; i++) _mm512_storeu_ps(&s[i][j0], _mm512_add_ps(sum16(part[i]), b));
+    }
+    for (int j = j0; j < n; j++) {
         const char *kr = k + (lo + j) * k_row * es;
         __m512 dot[MAX_G];
         for (int i = 0; i < g; i++) dot[i] = _mm512_setzero_ps();
@@ -155,17 +207,22 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
         for (int i = 0; i < g; i++) s[i][j] = _mm512_reduce_add_ps(dot[i]) + b;
     }
     for (int i = 0; i < g; i++) {
-        float top = s[i][0];
-#pragma omp simd reduction(max : top)
-        for (int j = 1; j < n; j++) top = s[i][j] > top ? s[i][j] : top;
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int j = 0; j < n; j++) {
-            s[i][j] = exp_nonpositive(s[i][j] - top);
-            total += s[i][j];
+        __m512 most = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < n; j += 16) {
+            const __mmask16 in = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+            most = _mm512_max_ps(most, _mm512_mask_loadu_ps(most, in, &s[i][j]));
+        }
+        const float top = _mm512_reduce_max_ps(most);
+        const __m512 vtop = _mm512_set1_ps(top);
+        __m512 total = _mm512_setzero_ps();
+        for (int j = 0; j < n; j += 16) {
+            const __mmask16 in = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, &s[i][j]), vtop));
+            _mm512_mask_storeu_ps(&s[i][j], in, e);
+            total = _mm512_mask_add_ps(total, in, total, e);
         }
         m[i] = top;
-        l[i] = total;
+        l[i] = _mm512_reduce_add_ps(total);
     }
     for (int i0 = 0; i0 < g; i0 += 4) {
         const int rows = g - i0 < 4 ? g - i0 : 4;
