@@ -159,3 +159,25 @@ def test_the_kernel_shares_torch_s_openmp_runtime_and_is_built_once(fresh_kernel
     native._load.cache_clear()
     decode_kernel.cache_clear()
     assert decode_kernel() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+@has_compiler
+def test_a_damaged_build_in_the_cache_is_built_again(fresh_kernel, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    assert decode_kernel() is not None
+    built = next((tmp_path / "kernels").glob("decode_attention-*.so"))
+    built.write_bytes(b"not a shared library")
+    native._load.cache_clear()
+    decode_kernel.cache_clear()
+    assert decode_kernel() is not None
+    assert built.read_bytes()[:4] == b"\x7fELF"
+
+
+@has_compiler
+def test_a_home_that_cannot_be_written_is_the_torch_path_with_a_reason(fresh_kernel, monkeypatch, tmp_path, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the home directory should be")
+    monkeypatch.setenv("KVBLEND_HOME", str(blocked))
+    with caplog.at_level("WARNING", logger="blend.model.native"):
+        assert decode_kernel() is None
+    assert "building the decode kernel into" in caplog.text and "failed" in caplog.text

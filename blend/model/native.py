@@ -95,6 +95,13 @@ def _library_path(cc: str, libgomp: str) -> Path:
 
 def _build(cc: str, libgomp: str, target: Path) -> None:
     """Compile SOURCE into `target` (atomically: a temporary file renamed)."""
+    try:
+        _compile(cc, libgomp, target)
+    except OSError as err:  # the cache directory: not writable, full
+        raise NativeBuildError(f"building the decode kernel into {target.parent} failed: {err}") from None
+
+
+def _compile(cc: str, libgomp: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / target.name
@@ -116,22 +123,26 @@ def _build(cc: str, libgomp: str, target: Path) -> None:
 @cache
 def _load() -> ctypes.CDLL:
     """The built library with its function's signature set (NativeBuildError when it can't be)."""
-    cc, libgomp = _compiler(), _torch_libgomp()
-    target = _library_path(cc, libgomp)
-    if not target.exists():
-        _build(cc, libgomp, target)
-        log.info("built the native decode kernel: %s", target)
     from storage.openmp import libgomp_paths
 
+    cc, libgomp = _compiler(), _torch_libgomp()
+    target = _library_path(cc, libgomp)
     before = set(libgomp_paths())
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as err:
-        raise NativeBuildError(f"loading {target} failed: {err}") from None
+    for attempt in range(2):
+        if not target.exists():
+            _build(cc, libgomp, target)
+            log.info("built the native decode kernel: %s", target)
+        try:
+            lib = ctypes.CDLL(str(target))
+            fn = lib.kvb_decode_attention
+            break
+        except (OSError, AttributeError) as err:  # a damaged file in the cache: built again, once
+            if attempt:
+                raise NativeBuildError(f"loading {target} failed: {err}") from None
+            target.unlink(missing_ok=True)
     if set(libgomp_paths()) - before:
         raise NativeBuildError(f"{target} brought a second OpenMP runtime; delete it and rebuild, or set "
                                "KVBLEND_DECODE_KERNEL=torch")
-    fn = lib.kvb_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 5, *[ctypes.c_int] * 3, *[ctypes.c_long] * 8]
     return lib

@@ -53,6 +53,7 @@ from blend.model.attention import (
 )
 from blend.model.cache import KVCache
 from blend.model.loading import LoadedModel
+from blend.model.native import decode_kernel
 from blend.model.projections import Projections, projections_for
 
 
@@ -146,6 +147,8 @@ class Runner:
         self.projections: Projections | None = projections_for(lm.model)
         self.qk_norm = getattr(self.layers[0].self_attn, "q_norm", None) is not None  # Qwen3, Gemma 3
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's cos/sin (P, D) by position
+        if self.device.type == "cpu":
+            decode_kernel()  # built (once per machine) or loaded now, not inside the first decode step
 
     # ----------------------------------------------------------------- helpers
     def new_cache(self, capacity: int, ring: bool = False) -> KVCache:
