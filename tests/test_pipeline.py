@@ -17,6 +17,7 @@ from blend.kv.prefix import EntryMaker
 from blend.model.loading import load_model
 from blend.model.runner import Runner
 from eval.bench.load import ChunkShape, random_entry
+from storage.codec import decode_into
 from storage.config import CpuTierConfig, DiskTierConfig
 from storage.disk import DiskTier
 from storage.entry import Expected
@@ -215,6 +216,41 @@ def test_staged_placement_converts_and_rotates_in_float32(tmp_path):
         ref = host.k[layer][:, :48].float()
         assert (staged.k[layer][:, :48].float() - ref).abs().max() <= 0.02 * ref.abs().max()
         assert torch.equal(staged.v[layer][:, :48], host.v[layer][:, :48])
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
+def test_host_placement_into_bfloat16_rotates_in_float32_and_rounds_once(tmp_path, codec):
+    """Float16 entries (raw or decoded from a codec; int4 keys stored before RoPE) placed into
+    a bfloat16 cache on a CPU: each key is the float32 rotation of what the tier holds, rounded
+    once to bfloat16 (at most half a bfloat16 ulp away: 2^-8 of its size). Rotating in place in
+    bfloat16 rounds three times, with bfloat16 cos / sin."""
+    lm = tiny_model("llama")
+    lm.model.to(torch.bfloat16)
+    runner = Runner(lm)
+    maker = EntryMaker(runner, lm.fingerprint, "float16")
+    tiers = [CpuTier(CpuTierConfig(budget=1 << 26, codec=codec), pinned=True),
+             DiskTier(DiskTierConfig(path=str(tmp_path / "disk"), budget=1 << 28, codec=codec))]
+    with TieredStore(tiers, kv_dtype="float16", promote=False) as store:
+        placements, _ = _placements(runner, store, maker, 16)
+        placements[1] = dataclasses.replace(placements[1], start=16)  # stored at 0, placed at 16
+        host, _ = _loaded_cache(runner, store, placements, 48, staged=False)
+        assert host.k[1].dtype == torch.bfloat16
+        for layer in range(1, runner.num_layers):
+            for p in placements[:2]:
+                header = p.located.header
+                kpart, vpart = store.get_layer(p.located, layer)
+                if header.codec.raw:
+                    k, v = kpart.float(), vpart.float()
+                else:
+                    k, v = torch.empty(header.shape), torch.empty(header.shape)
+                    decode_into(header.codec, kpart, vpart, k, v)
+                if header.keys_pre_rope:  # decoded at position 0: rotated to its positions
+                    ref = runner.rerotate(k, torch.arange(p.start, p.start + p.length), layer)
+                else:
+                    ref = runner.rerotate(k, p.start - p.pos_start, layer)
+                got = host.k[layer][:, p.start:p.start + p.length].float()
+                assert ((got - ref).abs() <= ref.abs() * 2 ** -8 * 1.001 + 1e-6).all()
+                assert torch.equal(host.v[layer][:, p.start:p.start + p.length], v.bfloat16())
 
 
 def test_layers_larger_than_a_staging_slot_are_staged_in_several_fills(tiny_setup, monkeypatch):

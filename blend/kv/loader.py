@@ -417,11 +417,13 @@ class LayerLoader:
 
 # ------------------------------------------------------------------ host path
 class _HostPlacer:
-    """Per segment: read, copy (or decode) into the cache slice (dtype conversion), re-rotate in place."""
+    """Per segment: read, copy (or decode) into the cache slice (dtype conversion), re-rotate in place;
+    into a bfloat16 / float16 cache on a CPU, rotated in float32 from the source instead
+    (`Runner.rotate_into`)."""
 
     def __init__(self, loader: LayerLoader):
         self.loader = loader
-        self._rotations: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # pre-RoPE keys
+        self._rotations: dict[tuple[int, int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # pre-RoPE
 
     def _fetch(self, p: Placement, layer: int) -> tuple[EntryHeader, torch.Tensor, torch.Tensor]:
         """What `p` holds for the entry's layer `layer` (its own index: Placement.entry_layer): the
@@ -469,32 +471,48 @@ class _HostPlacer:
                 dst_v = torch.empty_like(dst_k)
             else:
                 dst_k, dst_v = cache.k[layer][:, where], cache.v[layer][:, where]
-            if header.codec.raw:
-                dst_k.copy_(k, non_blocking=True)  # converts to the compute dtype in place
-                dst_v.copy_(v, non_blocking=True)
+            if dst_k.dtype != torch.float32 and dst_k.device.type == "cpu":
+                # a narrower cache on a CPU: decoded to float32 where encoded, rotated in float32
+                # straight from the source into the cache (one rounding; see Runner.rotate_into)
+                if not header.codec.raw:  # k, v: the K part and V part (uint8)
+                    kf, vf = torch.empty(dst_k.shape), torch.empty(dst_v.shape)  # (H, T, D) float32
+                    decode_into(header.codec, k, v, kf, vf)
+                    k, v = kf, vf
+                dst_v.copy_(v)
+                table = self._table(p.start, p.length, layer, torch.float32) if header.keys_pre_rope else None
+                runner.rotate_into(dst_k, k, p.start - p.pos_start, layer, table)
             else:
-                decode_into(header.codec, k.to(dst_k.device), v.to(dst_k.device), dst_k, dst_v)
-            if header.keys_pre_rope:
-                self._rotate_(dst_k, p.start, p.length, layer)
-            else:
-                runner.rerotate_(dst_k, p.start - p.pos_start, layer)  # the layer's own RoPE
+                if header.codec.raw:
+                    dst_k.copy_(k, non_blocking=True)  # converts to the compute dtype in place
+                    dst_v.copy_(v, non_blocking=True)
+                else:
+                    decode_into(header.codec, k.to(dst_k.device), v.to(dst_k.device), dst_k, dst_v)
+                if header.keys_pre_rope:
+                    self._rotate_(dst_k, p.start, p.length, layer)
+                else:
+                    runner.rerotate_(dst_k, p.start - p.pos_start, layer)  # the layer's own RoPE
             if ring:
                 cache.k[layer][:, where] = dst_k
                 cache.v[layer][:, where] = dst_v
             ld.copies += 2
             ld.place_s += time.perf_counter() - t0
 
-    def _rotate_(self, k: torch.Tensor, start: int, length: int, layer: int) -> None:
-        """Rotate keys decoded at position 0 (H, length, D), in place, to positions start.. with
-        `layer`'s RoPE (the tables kept per segment and RoPE kind: every layer asks again)."""
+    def _table(self, start: int, length: int, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (length, D/2) in `dtype` rotating keys at position 0 to positions start..
+        with `layer`'s RoPE (kept per segment, RoPE kind and dtype: every layer asks again)."""
         runner = self.loader.runner
-        key = (start, length, runner.layer_rope[layer])
+        key = (start, length, runner.layer_rope[layer], dtype)
         cs = self._rotations.get(key)
         if cs is None:
             cos, sin = runner.rotation(torch.arange(start, start + length), layer)  # (T, D) float32
             half = cos.shape[-1] // 2
-            cs = self._rotations[key] = (cos[:, :half].to(k.dtype), sin[:, :half].to(k.dtype))
-        c, s = cs
+            cs = self._rotations[key] = (cos[:, :half].to(dtype), sin[:, :half].to(dtype))
+        return cs
+
+    def _rotate_(self, k: torch.Tensor, start: int, length: int, layer: int) -> None:
+        """Rotate keys decoded at position 0 (H, length, D), in place, to positions start.. with
+        `layer`'s RoPE."""
+        c, s = self._table(start, length, layer, k.dtype)
         half = k.shape[-1] // 2
         x1, x2 = k[..., :half], k[..., half:]
         first = x1.clone()

@@ -257,6 +257,28 @@ class Runner:
         x1.mul_(c).addcmul_(x2, s, value=-1)  # x1 cos - x2 sin
         x2.mul_(c).addcmul_(first, s)  # x2 cos + x1 sin
 
+    def rotate_into(self, dst: torch.Tensor, src: torch.Tensor, delta: int, layer: int = 0,
+                    table: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """dst (Hkv, T, D) = src (Hkv, T, D, any float dtype) moved by `delta` positions
+        (`rerotate`) of `layer`'s RoPE, computed in float32 and rounded once into dst's dtype;
+        or, with `table` (cos, sin (T, D/2) float32), rotated by those angles row by row.
+
+        The loader's placement into a bfloat16 / float16 cache: in-place rotation in those
+        dtypes runs at ~0.4 GB/s on a CPU and rounds three times; this is ~6x faster there.
+        """
+        half = src.shape[-1] // 2
+        if table is None:
+            if delta == 0:
+                dst.copy_(src)
+                return
+            cos, sin = self._shift(delta, torch.float32, layer)  # (1, D)
+            table = (cos[:, :half], sin[:, :half])
+        c, s = table
+        x = src.float()  # (Hkv, T, D)
+        x1, x2 = x[..., :half], x[..., half:]
+        dst[..., :half] = x1 * c - x2 * s
+        dst[..., half:] = x2 * c + x1 * s
+
     def _shift(self, delta: int, dtype: torch.dtype, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (1, D) of the pure rotation R(delta) of `layer`'s RoPE in `dtype`, memoised
         (the loader asks per layer per segment)."""
