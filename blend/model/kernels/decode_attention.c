@@ -21,6 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define BLOCK 256 /* key rows per work item */
 #define MAX_G 16  /* query rows per KV head */
@@ -257,15 +260,26 @@ int kvb_decode_attention(int kind, const float *q, const void *k, const void *v,
     if (g < 1 || g > MAX_G || d < 1 || d > MAX_D || t < 1 || hkv < 1) return -1;
     if (kind != KIND_F32 && kind != KIND_BF16) return -1;
     const int es = kind == KIND_F32 ? 4 : 2;
-    const long blocks = (t + BLOCK - 1) / BLOCK;
+    /* blocks of at most BLOCK keys; more, shorter ones (down to 16 keys) where a head has too
+     * few for every thread to get two work items (a sliding window of 512 keys, one KV head) */
+    long blocks = (t + BLOCK - 1) / BLOCK;
+#ifdef _OPENMP
+    const long want = 2L * omp_get_max_threads();
+    if (hkv * blocks < want) {
+        const long most = (t + 15) / 16;
+        blocks = (want + hkv - 1) / hkv < most ? (want + hkv - 1) / hkv : most;
+    }
+#endif
+    const long span = (t + blocks - 1) / blocks; /* keys per block */
+    blocks = (t + span - 1) / span;
     const long items = (long)hkv * blocks;
     const long per_item = 2L * g + (long)g * d;
     float *part = malloc((size_t)(items * per_item) * sizeof(float));
     if (!part) return -1;
-#pragma omp parallel for schedule(static) if (items > 1 && t * hkv >= 1024)
+#pragma omp parallel for schedule(static) if (items > 1 && t * hkv * d >= 16384)
     for (long it = 0; it < items; it++) {
         const long h = it / blocks, blk = it % blocks;
-        const long lo = blk * BLOCK, hi = lo + BLOCK < t ? lo + BLOCK : t;
+        const long lo = blk * span, hi = lo + span < t ? lo + span : t;
         float *p = part + it * per_item;
         const float *qh = q + h * g * d, *bh = bias ? bias + h * bias_head : NULL;
         const char *kh = (const char *)k + h * k_head * es, *vh = (const char *)v + h * v_head * es;
