@@ -12,7 +12,13 @@ import torch
 
 from blend.model import native
 from blend.model.attention import cpu_decode_attention
-from blend.model.native import NativeBuildError, decode_kernel, kernel_mode, native_decode_attention
+from blend.model.native import (
+    NativeBuildError,
+    decode_kernel,
+    kernel_mode,
+    native_decode_attention,
+    native_decode_attention_batch,
+)
 from storage.openmp import libgomp_paths
 
 has_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
@@ -75,6 +81,28 @@ def test_the_kernel_equals_the_float64_reference(fresh_kernel, dtype, hkv, g, d,
             assert err < 1e-5
         else:  # the output's own rounding to bfloat16 (2^-9 relative) and nothing else
             assert err < 2 ** -8 * (1 + _exact(q, k, v, b).abs().max().item())
+
+
+@has_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_of_sequences_of_different_lengths_in_one_call(fresh_kernel, dtype):
+    """Each sequence its own keys (1 to 3,000 of them), some with a bias: one call gives each
+    the float64 answer; a sequence the kernel does not read makes the call decline, writing
+    nothing."""
+    seqs = []
+    for i, t in enumerate((1, 17, 300, 3000, 64)):
+        q, k, v, bias = _inputs(3, 3, 64, t, dtype, seed=100 + i)
+        seqs.append((q, k, v, bias if i % 2 else None, torch.full((3, 3, 64), float("nan"), dtype=dtype)))
+    assert native_decode_attention_batch(seqs)
+    for q, k, v, bias, out in seqs:
+        exact = _exact(q, k, v, bias)
+        bound = 1e-5 if dtype == torch.float32 else 2 ** -8 * (1 + exact.abs().max().item())
+        assert (out.double() - exact).abs().max() < bound
+    q, k, v, bias, _ = seqs[2]
+    untouched = torch.full((3, 3, 64), 7.0, dtype=dtype)
+    declined = [seqs[0][:4] + (torch.zeros(3, 3, 64, dtype=dtype),), (q, k.half(), v.half(), bias, untouched)]
+    assert not native_decode_attention_batch(declined)
+    assert (declined[0][4] == 0).all() and (untouched == 7).all()
 
 
 @has_compiler

@@ -29,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def _load() -> ctypes.CDLL:
             log.info("built the native decode kernel: %s", target)
         try:
             lib = ctypes.CDLL(str(target))
-            fn = lib.kvb_decode_attention
+            fn = lib.kvb_decode_attention_batch
             break
         except (OSError, AttributeError) as err:  # a damaged file in the cache: built again, once
             if attempt:
@@ -144,7 +145,7 @@ def _load() -> ctypes.CDLL:
         raise NativeBuildError(f"{target} brought a second OpenMP runtime; delete it and rebuild, or set "
                                "KVBLEND_DECODE_KERNEL=torch")
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 5, *[ctypes.c_int] * 3, *[ctypes.c_long] * 8]
+    fn.argtypes = [*[ctypes.c_int] * 5, ctypes.c_void_p]
     return lib
 
 
@@ -178,21 +179,40 @@ def native_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     same dtype, rows contiguous (the cache's slices are); bias (Hkv, Tk) float32 or None;
     out (Hkv, g, D) in K/V's dtype, rows contiguous.
     """
+    return native_decode_attention_batch([(q, k, v, bias, out)])
+
+
+Sequence5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
+
+
+def native_decode_attention_batch(seqs: Sequence[Sequence5]) -> bool:
+    """`native_decode_attention` of several sequences (q, k, v, bias, out) in one call: the
+    threads share every sequence's (head, block of keys) work items, so short contexts
+    still keep both cores busy and the call costs one crossing, not one per sequence. The
+    sequences share the dtype and q's shape; each has its own keys. False (nothing written)
+    where any of them is not something the kernel reads."""
     lib = decode_kernel()
-    if lib is None or q.device.type != "cpu" or k.device.type != "cpu":
+    if lib is None or not seqs:
         return False
-    kind = KINDS.get(k.dtype)
-    hkv, g, d = q.shape
-    t = k.shape[1]
-    if (kind is None or v.dtype != k.dtype or out.dtype != k.dtype or q.dtype != torch.float32
-            or not q.is_contiguous() or k.stride(2) != 1 or v.stride(2) != 1 or out.stride(2) != 1
-            or k.shape != v.shape or k.shape[0] != hkv or k.shape[2] != d or tuple(out.shape) != (hkv, g, d)
-            or g > MAX_QUERY_ROWS or d > MAX_HEAD_DIM or t < 1):
+    q0, k0 = seqs[0][0], seqs[0][1]
+    kind = KINDS.get(k0.dtype)
+    if kind is None or q0.dim() != 3:
         return False
-    if bias is not None and (bias.dtype != torch.float32 or bias.stride(1) != 1 or tuple(bias.shape) != (hkv, t)):
+    hkv, g, d = q0.shape
+    if g > MAX_QUERY_ROWS or d > MAX_HEAD_DIM:
         return False
-    done = lib.kvb_decode_attention(
-        kind, q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
-        hkv, g, d, t, k.stride(0), k.stride(1), v.stride(0), v.stride(1), bias.stride(0) if bias is not None else 0,
-        out.stride(0), out.stride(1))
-    return done == 0
+    rows: list[int] = []
+    for q, k, v, bias, out in seqs:
+        t = k.shape[1]
+        if (q.device.type != "cpu" or k.device.type != "cpu" or k.dtype != k0.dtype or v.dtype != k0.dtype
+                or out.dtype != k0.dtype or q.dtype != torch.float32 or q.shape != q0.shape or not q.is_contiguous()
+                or k.stride(2) != 1 or v.stride(2) != 1 or out.stride(2) != 1 or k.shape != v.shape
+                or k.shape[0] != hkv or k.shape[2] != d or tuple(out.shape) != (hkv, g, d) or t < 1):
+            return False
+        if bias is not None and (bias.dtype != torch.float32 or bias.stride(1) != 1 or tuple(bias.shape) != (hkv, t)):
+            return False
+        rows += (q.data_ptr(), k.data_ptr(), v.data_ptr(), bias.data_ptr() if bias is not None else 0, out.data_ptr(),
+                 t, k.stride(0), k.stride(1), v.stride(0), v.stride(1), bias.stride(0) if bias is not None else 0,
+                 out.stride(0), out.stride(1))
+    table = torch.tensor(rows, dtype=torch.int64)  # (n, 13): the kernel's kvb_seq records
+    return lib.kvb_decode_attention_batch(kind, hkv, g, d, len(seqs), table.data_ptr()) == 0

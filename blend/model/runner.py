@@ -53,7 +53,7 @@ from blend.model.attention import (
 )
 from blend.model.cache import KVCache
 from blend.model.loading import LoadedModel
-from blend.model.native import decode_kernel
+from blend.model.native import decode_kernel, native_decode_attention_batch
 from blend.model.projections import Projections, projections_for
 
 
@@ -634,6 +634,7 @@ class Runner:
             if on_cpu:  # scaled float32 queries, the H / Hkv heads of a KV head as its rows
                 q = (qk[:, :heads].float() * self.scaling).view(batch, hkv, heads // hkv, d)  # (B, Hkv, g, D)
             window = self.windows[layer]
+            seqs = []  # per sequence: q (Hkv, g, D), its keys and values (Hkv, Tk, D), bias, out (Hkv, g, D)
             for b, (c, p) in enumerate(zip(caches, pos, strict=True)):
                 # a sliding layer: the keys of the last `window` positions only (a ring: gathered)
                 lo = 0 if window is None else max(0, p - window + 1)
@@ -641,9 +642,12 @@ class Runner:
                 keys, values = c.window(layer, lo, p + 1)  # (Hkv, p + 1 - lo, D)
                 bias = c.window_bias(layer, lo, p + 1)
                 if on_cpu:
-                    cpu_decode_attention(q[b], keys, values, bias, out=out[b].view(hkv, heads // hkv, d))
+                    seqs.append((q[b], keys, values, bias, out[b].view(hkv, heads // hkv, d)))
                 else:
                     decode_attention(qk[b, :heads], keys, values, self.scaling, bias, out=out[b])
+            if on_cpu and not native_decode_attention_batch(seqs):  # one call for the batch, else per sequence
+                for qb, keys, values, bias, ob in seqs:
+                    cpu_decode_attention(qb, keys, values, bias, out=ob)
             h = self.finish(layer, h, out)
         for c, p in zip(caches, pos, strict=True):
             c.length = p + 1

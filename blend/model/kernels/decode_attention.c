@@ -252,37 +252,71 @@ static inline __attribute__((always_inline)) void attend_block_avx512(
 #define HAVE_AVX512 0
 #endif
 
-/* Returns 0, or -1 when the shapes are outside the kernel's limits (the caller falls back).
- * Strides are in elements of K/V's (or out's) dtype, of bias in float32 elements. */
-int kvb_decode_attention(int kind, const float *q, const void *k, const void *v, const float *bias, void *out,
-                         int hkv, int g, int d, long t, long k_head, long k_row, long v_head, long v_row,
-                         long bias_head, long out_head, long out_row) {
-    if (g < 1 || g > MAX_G || d < 1 || d > MAX_D || t < 1 || hkv < 1) return -1;
+/* One sequence of a batch: where its query rows, keys, values, bias and output live, as
+ * 64-bit integers (pointers included) so that the caller fills one int64 array. Strides
+ * are in elements of K/V's (or out's) dtype, of bias in float32 elements; q is contiguous
+ * (hkv, g, d) float32; bias may be 0 (none). */
+typedef struct {
+    int64_t q, k, v, bias, out, t, k_head, k_row, v_head, v_row, bias_head, out_head, out_row;
+} kvb_seq;
+
+/* Decode attention of n sequences at once: every (sequence, head, block of keys) is one
+ * work item, shared among the threads; then each sequence's blocks are merged. Returns 0,
+ * or -1 when the shapes are outside the kernel's limits (nothing written: the caller falls
+ * back). */
+int kvb_decode_attention_batch(int kind, int hkv, int g, int d, int n, const kvb_seq *seqs) {
+    if (g < 1 || g > MAX_G || d < 1 || d > MAX_D || hkv < 1 || n < 1) return -1;
     if (kind != KIND_F32 && kind != KIND_BF16) return -1;
+    for (int s = 0; s < n; s++)
+        if (seqs[s].t < 1) return -1;
     const int es = kind == KIND_F32 ? 4 : 2;
-    /* blocks of at most BLOCK keys; more, shorter ones (down to 16 keys) where a head has too
-     * few for every thread to get two work items (a sliding window of 512 keys, one KV head) */
-    long blocks = (t + BLOCK - 1) / BLOCK;
+    long *blocks = malloc((size_t)n * 3 * sizeof(long));
+    if (!blocks) return -1;
+    long *span = blocks + n, *first = blocks + 2 * n; /* keys per block; each sequence's first item */
+    long items = 0, work = 0;
 #ifdef _OPENMP
-    const long want = 2L * omp_get_max_threads();
-    if (hkv * blocks < want) {
-        const long most = (t + 15) / 16;
-        blocks = (want + hkv - 1) / hkv < most ? (want + hkv - 1) / hkv : most;
-    }
+    const long want = (2L * omp_get_max_threads() + n - 1) / n; /* items per sequence for two per thread */
+#else
+    const long want = 1;
 #endif
-    const long span = (t + blocks - 1) / blocks; /* keys per block */
-    blocks = (t + span - 1) / span;
-    const long items = (long)hkv * blocks;
+    for (int s = 0; s < n; s++) {
+        const long t = seqs[s].t;
+        /* blocks of at most BLOCK keys; more, shorter ones (down to 16 keys) where the heads
+         * have too few for every thread to get two work items (a 512-key window, one head) */
+        long b = (t + BLOCK - 1) / BLOCK;
+        if (hkv * b < want) {
+            const long most = (t + 15) / 16;
+            b = (want + hkv - 1) / hkv < most ? (want + hkv - 1) / hkv : most;
+        }
+        span[s] = (t + b - 1) / b;
+        blocks[s] = (t + span[s] - 1) / span[s];
+        first[s] = items;
+        items += hkv * blocks[s];
+        work += t * hkv * d;
+    }
     const long per_item = 2L * g + (long)g * d;
     float *part = malloc((size_t)(items * per_item) * sizeof(float));
-    if (!part) return -1;
-#pragma omp parallel for schedule(static) if (items > 1 && t * hkv * d >= 16384)
+    int *seq_of = malloc((size_t)items * sizeof(int));
+    if (!part || !seq_of) {
+        free(part);
+        free(seq_of);
+        free(blocks);
+        return -1;
+    }
+    for (int s = 0; s < n; s++)
+        for (long it = first[s]; it < first[s] + hkv * blocks[s]; it++) seq_of[it] = s;
+#pragma omp parallel for schedule(static) if (items > 1 && work >= 16384)
     for (long it = 0; it < items; it++) {
-        const long h = it / blocks, blk = it % blocks;
-        const long lo = blk * span, hi = lo + span < t ? lo + span : t;
+        const int sq = seq_of[it];
+        const kvb_seq *S = &seqs[sq];
+        const long local = it - first[sq], h = local / blocks[sq], blk = local % blocks[sq];
+        const long lo = blk * span[sq], hi = lo + span[sq] < S->t ? lo + span[sq] : S->t;
         float *p = part + it * per_item;
-        const float *qh = q + h * g * d, *bh = bias ? bias + h * bias_head : NULL;
-        const char *kh = (const char *)k + h * k_head * es, *vh = (const char *)v + h * v_head * es;
+        const float *qh = (const float *)(intptr_t)S->q + h * g * d;
+        const float *bh = S->bias ? (const float *)(intptr_t)S->bias + h * S->bias_head : NULL;
+        const char *kh = (const char *)(intptr_t)S->k + h * S->k_head * es;
+        const char *vh = (const char *)(intptr_t)S->v + h * S->v_head * es;
+        const long k_row = S->k_row, v_row = S->v_row;
         /* the head dimensions of the usual models as constants: their loops unroll */
 #if HAVE_AVX512
 #define SHAPE(K, G, D) \
@@ -297,33 +331,40 @@ int kvb_decode_attention(int kind, const float *q, const void *k, const void *v,
 #endif
             attend_block(kind, qh, kh, vh, bh, g, d, lo, hi, k_row, v_row, p, p + g, p + 2 * g);
     }
-    for (long h = 0; h < hkv; h++) {
-        for (int i = 0; i < g; i++) {
-            float top = part[(h * blocks) * per_item + i];
-            for (long blk = 1; blk < blocks; blk++) {
-                const float mb = part[(h * blocks + blk) * per_item + i];
-                top = mb > top ? mb : top;
-            }
-            float row[MAX_D];
-            float total = 0.0f;
-            memset(row, 0, (size_t)d * sizeof(float));
-            for (long blk = 0; blk < blocks; blk++) {
-                const float *p = part + (h * blocks + blk) * per_item;
-                const float w = exp_nonpositive(p[i] - top);
-                total += w * p[g + i];
-                const float *a = p + 2 * g + (long)i * d;
-                for (int x = 0; x < d; x++) row[x] += w * a[x];
-            }
-            const float inv = 1.0f / total;
-            if (kind == KIND_F32) {
-                float *o = (float *)out + h * out_head + (long)i * out_row;
-                for (int x = 0; x < d; x++) o[x] = row[x] * inv;
-            } else {
-                uint16_t *o = (uint16_t *)out + h * out_head + (long)i * out_row;
-                for (int x = 0; x < d; x++) o[x] = f32_to_bf16(row[x] * inv);
+    for (int sq = 0; sq < n; sq++) {
+        const kvb_seq *S = &seqs[sq];
+        const long nb = blocks[sq];
+        for (long h = 0; h < hkv; h++) {
+            const float *base = part + (first[sq] + h * nb) * per_item;
+            for (int i = 0; i < g; i++) {
+                float top = base[i];
+                for (long blk = 1; blk < nb; blk++) {
+                    const float mb = base[blk * per_item + i];
+                    top = mb > top ? mb : top;
+                }
+                float row[MAX_D];
+                float total = 0.0f;
+                memset(row, 0, (size_t)d * sizeof(float));
+                for (long blk = 0; blk < nb; blk++) {
+                    const float *p = base + blk * per_item;
+                    const float w = exp_nonpositive(p[i] - top);
+                    total += w * p[g + i];
+                    const float *a = p + 2 * g + (long)i * d;
+                    for (int x = 0; x < d; x++) row[x] += w * a[x];
+                }
+                const float inv = 1.0f / total;
+                if (kind == KIND_F32) {
+                    float *o = (float *)(intptr_t)S->out + h * S->out_head + (long)i * S->out_row;
+                    for (int x = 0; x < d; x++) o[x] = row[x] * inv;
+                } else {
+                    uint16_t *o = (uint16_t *)(intptr_t)S->out + h * S->out_head + (long)i * S->out_row;
+                    for (int x = 0; x < d; x++) o[x] = f32_to_bf16(row[x] * inv);
+                }
             }
         }
     }
     free(part);
+    free(seq_of);
+    free(blocks);
     return 0;
 }
