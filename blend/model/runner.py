@@ -601,9 +601,10 @@ class Runner:
         The linear layers (QKV, output projection, MLP, LM head) run once over the B rows
         (`projections` where the runner has them); q and k are rotated together from the
         RoPE table (`rope_rows`, `rotate`); attention runs per sequence over its own keys,
-        the cache's stale-key bias folded in (CPU: `cpu_decode_attention` on queries scaled
-        once per layer; elsewhere `decode_attention`; a sliding layer over its window only,
-        from a ring where the cache has one). Every cache needs room for one more position
+        the cache's stale-key bias folded in (CPU: on queries scaled once per layer, one
+        native kernel call for the batch, `native_decode_attention_batch`, else
+        `cpu_decode_attention` per sequence; elsewhere `decode_attention`; a sliding layer
+        over its window only, from a ring where the cache has one). Every cache needs room for one more position
         (`ensure_capacity`). Returns logits (B, vocab) float32. Each sequence's logits are
         those it gets decoding alone (tests/test_scheduler.py).
         """
