@@ -5,6 +5,7 @@ failures as misses with a reason; one OpenMP runtime in the process."""
 
 from __future__ import annotations
 
+import platform
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from blend.model import native
 from blend.model.attention import cpu_decode_attention
+from blend.model.loading import cpu_flags
 from blend.model.native import (
     NativeBuildError,
     decode_kernel,
@@ -209,3 +211,25 @@ def test_a_home_that_cannot_be_written_is_the_torch_path_with_a_reason(fresh_ker
     with caplog.at_level("WARNING", logger="blend.model.native"):
         assert decode_kernel() is None
     assert "building the decode kernel into" in caplog.text and "failed" in caplog.text
+
+
+@has_compiler
+@pytest.mark.skipif(platform.machine() != "x86_64" or not {"avx2", "fma"} <= cpu_flags(),
+                    reason="needs an x86-64 CPU with AVX2 and FMA")
+def test_the_avx2_build_equals_the_float64_reference(fresh_kernel, monkeypatch, tmp_path):
+    """The AVX2 path (laptops without AVX-512), built for -march=haswell on this machine."""
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "COMPILE_FLAGS", ("-O3", "-march=haswell", "-fPIC", "-fopenmp"))
+    assert decode_kernel() is not None
+    for dtype in (torch.float32, torch.bfloat16):
+        seqs = []
+        for i, (hkv, g, d, t) in enumerate([(3, 3, 64, 1), (3, 3, 64, 263), (3, 3, 64, 2000), (1, 4, 256, 700),
+                                           (2, 5, 32, 100), (2, 3, 48, 90)]):
+            q, k, v, bias = _inputs(hkv, g, d, t, dtype, seed=200 + i)
+            out = torch.full((hkv, g, d), float("nan"), dtype=dtype)
+            assert native_decode_attention_batch([(q, k, v, bias if i % 2 else None, out)])
+            seqs.append((q, k, v, bias if i % 2 else None, out))
+        for q, k, v, bias, out in seqs:
+            exact = _exact(q, k, v, bias)
+            bound = 1e-5 if dtype == torch.float32 else 2 ** -8 * (1 + exact.abs().max().item())
+            assert (out.double() - exact).abs().max() < bound
