@@ -611,10 +611,15 @@ def test_bench_serve_starts_its_own_server_from_the_default_config(setup, tmp_pa
     assert summary["widest_spread"] == round((pair["max"] - pair["min"]) / pair["median"], 3)
 
 
-def test_bench_serve_runs_the_same_requests_under_each_max_num_seqs(setup, tmp_path):
+def test_bench_serve_runs_the_same_requests_under_each_max_num_seqs(setup, tmp_path, monkeypatch):
+    import tempfile
+
     from eval.bench.serve import run_serve_bench, write_report
 
     _, config = setup
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # where the servers' logs go
     summary = run_serve_bench(str(config), clients=[3], requests=3, pool_size=3, docs_per_request=2, max_tokens=6,
                               doc_chars=150, mode="blend", ratio=0.3, compare=False, max_num_seqs=[1, 3],
                               log=lambda _: None)
@@ -625,6 +630,7 @@ def test_bench_serve_runs_the_same_requests_under_each_max_num_seqs(setup, tmp_p
     assert summary["speedups"][0]["max_num_seqs"] == 3 and summary["speedups"][0]["versus"] == 1
     write_report(summary, tmp_path)
     assert (tmp_path / "serve.png").stat().st_size > 0
+    assert not list(temp.glob("kvblend-bench-serve-*"))  # each server's log directory went with it
 
 
 @pytest.mark.redis

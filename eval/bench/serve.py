@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -137,9 +138,12 @@ def document_pool(size: int | None, doc_chars: int | None) -> list[dict[str, str
 
 # ------------------------------------------------------------------ server
 class ServerProcess:
-    """A `kvblend serve` process on a free loopback port (SIGTERM on close)."""
+    """A `kvblend serve` process on a free loopback port (SIGTERM on close). Its output goes
+    to `log_path`; with `remove_log_dir`, a clean close removes the log's directory (a server
+    that fails to start keeps it: the error names the file)."""
 
-    def __init__(self, config: str | None, queue_size: int, log_path: Path, max_num_seqs: int | None = None):
+    def __init__(self, config: str | None, queue_size: int, log_path: Path, max_num_seqs: int | None = None,
+                 remove_log_dir: bool = False):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -147,15 +151,18 @@ class ServerProcess:
         root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.log_path = log_path
+        self.remove_log_dir = remove_log_dir
+        self._log = log_path.open("w")
         with_config = ["--config", str(config)] if config is not None else []  # None: serve's own default
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from blend.cli import main; raise SystemExit(main())", "serve", *with_config,
              "--port", str(port), "--queue-size", str(queue_size), "--served-model-name", "bench",
              *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs is not None else [])],
-            stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+            stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 600
         while True:
             if self.proc.poll() is not None:
+                self._log.close()
                 raise RuntimeError(f"kvblend serve exited with {self.proc.returncode}: {log_path.read_text()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
@@ -163,6 +170,7 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
+                self.remove_log_dir = False
                 self.close()
                 raise RuntimeError(f"kvblend serve did not start within 600 s; see {log_path}")
             time.sleep(0.25)
@@ -175,6 +183,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._log.close()
+        if self.remove_log_dir:
+            shutil.rmtree(self.log_path.parent, ignore_errors=True)
 
 
 def send(http: httpx.Client, url: str, req: BenchRequest, max_tokens: int, kvblend: dict[str, Any],
@@ -341,7 +352,7 @@ def run_serve_bench(config: str | None, *, clients: list[int], requests: int, po
         for setting in settings:
             server = None if url else ServerProcess(
                 config, queue_size=max(clients) * 2, max_num_seqs=setting,
-                log_path=Path(tempfile.mkdtemp(prefix="kvblend-bench-serve-")) / "server.log")
+                log_path=Path(tempfile.mkdtemp(prefix="kvblend-bench-serve-")) / "server.log", remove_log_dir=True)
             base = url or server.url
             try:
                 with httpx.Client(timeout=600) as http:
