@@ -604,9 +604,9 @@ class Runner:
         the cache's stale-key bias folded in (CPU: on queries scaled once per layer, one
         native kernel call for the batch, `native_decode_attention_batch`, else
         `cpu_decode_attention` per sequence; elsewhere `decode_attention`; a sliding layer
-        over its window only, from a ring where the cache has one). Every cache needs room for one more position
-        (`ensure_capacity`). Returns logits (B, vocab) float32. Each sequence's logits are
-        those it gets decoding alone (tests/test_scheduler.py).
+        over its window only, from a ring where the cache has one). Every cache needs room
+        for one more position (`ensure_capacity`). Returns logits (B, vocab) float32. Each
+        sequence's logits are those it gets decoding alone (tests/test_scheduler.py).
         """
         batch = len(caches)
         if batch != len(token_ids) or batch == 0:
