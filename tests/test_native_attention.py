@@ -233,3 +233,25 @@ def test_the_avx2_build_equals_the_float64_reference(fresh_kernel, monkeypatch, 
             exact = _exact(q, k, v, bias)
             bound = 1e-5 if dtype == torch.float32 else 2 ** -8 * (1 + exact.abs().max().item())
             assert (out.double() - exact).abs().max() < bound
+
+
+def test_the_cli_says_in_one_line_when_native_was_asked_for_and_does_not_build(monkeypatch, capsys):
+    """(The usual home, where the shipped tokenizer is converted already: another compiler is
+    another build path, which fails before anything is written there.)"""
+    from blend.cli import main
+
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("KVBLEND_DECODE_KERNEL", "native")
+    decode_kernel.cache_clear()
+    native._load.cache_clear()
+    try:
+        code = main(["bench", "decode", "--model", "random:tiny", "--context-tokens", "40", "--batch", "1",
+                     "--steps", "1", "--repeats", "1"])
+    finally:
+        decode_kernel.cache_clear()
+        native._load.cache_clear()
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("kvblend:")]
+    assert code == 2 and len(said) == 1 and "Traceback" not in err
+    assert said[0].startswith("kvblend: error: building the decode kernel failed (false exit 1)")
+    assert "set KVBLEND_DECODE_KERNEL=auto" in said[0]

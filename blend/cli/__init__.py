@@ -24,7 +24,8 @@ import traceback
 # imported yet cannot have been raised, so they are looked up in sys.modules, not imported.
 # OSError: also a file system that refuses a write (full, read-only): one line naming the file, not a traceback
 _USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError)
-_LAZY_USER_ERRORS = (("storage.tier", "StoreUnavailable"), ("blend.session.manager", "SessionBusy"))
+_LAZY_USER_ERRORS = (("storage.tier", "StoreUnavailable"), ("blend.session.manager", "SessionBusy"),
+                     ("blend.model.native", "NativeBuildError"))
 
 
 class Parser(argparse.ArgumentParser):

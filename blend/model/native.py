@@ -160,7 +160,8 @@ def decode_kernel() -> ctypes.CDLL | None:
         return _load()
     except NativeBuildError as err:
         if mode == "native":
-            raise
+            raise NativeBuildError(f"{err} ({KERNEL_ENV}=native asks for the native kernel: fix the build, "
+                                   f"or set {KERNEL_ENV}=auto to fall back to torch's)") from None
         log.warning("decode attention runs on torch's kernels: %s", err)
         return None
 
