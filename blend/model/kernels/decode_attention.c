@@ -12,14 +12,15 @@
  * Hand-vectorized for AVX-512 and for AVX2 + FMA (whichever the compiler targets, for
  * head dimensions that are multiples of 64 / 32), plain C elsewhere.
  *
- * Keys are split into blocks of BLOCK rows; (head, block) pairs are shared among the
- * calling thread's OpenMP threads (the library is linked against torch's own libgomp, so
- * it uses the same thread pool as torch's ops on that thread). Each block keeps its own
- * running maximum, sum of exponentials and weighted sum of values; the blocks of a head
- * are merged at the end, the same arithmetic as flash-decoding.
+ * One call takes a whole decode batch (kvb_decode_attention_batch): each sequence's keys
+ * are split into blocks of at most BLOCK rows, and every (sequence, head, block) is one
+ * work item, shared among the calling thread's OpenMP threads (the library is linked
+ * against torch's own libgomp, so it uses the same thread pool as torch's ops on that
+ * thread). Each block keeps its own maximum, sum of exponentials and weighted sum of
+ * values; a head's blocks are merged at the end, the same arithmetic as flash-decoding.
  *
- * Built and loaded by blend/model/native.py; tests/test_native_attention.py holds it to
- * the torch path.
+ * Built and loaded by blend/model/native.py; tests/test_native_attention.py holds it to a
+ * float64 reference and to the torch path.
  */
 #include <stdint.h>
 #include <stdlib.h>
