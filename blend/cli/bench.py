@@ -217,8 +217,9 @@ def cmd_decode(args: argparse.Namespace) -> int:
     say = human(args)
     summary = run_decode_bench(config, settings, log=say)
     say(f"{summary['model']} ({summary['dtype']}, {summary['device']}, {summary['torch_threads']} threads, "
-        f"projections {summary['projections']}, decode kernel {summary['decode_kernel']}); CPU probe {summary['probe_gflops_start']} -> "
-        f"{summary['probe_gflops_end']} GFLOP/s, widest spread of rounds {summary['widest_spread']:.0%}")
+        f"projections {summary['projections']}, decode kernel {summary['decode_kernel']}); CPU probe "
+        f"{summary['probe_gflops_start']} -> {summary['probe_gflops_end']} GFLOP/s, widest spread of rounds "
+        f"{summary['widest_spread']:.0%}")
     return _timings_done(args, say, summary)
 
 

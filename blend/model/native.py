@@ -69,8 +69,7 @@ def _compiler() -> str:
 def _torch_libgomp() -> str:
     from storage.openmp import libgomp_paths
 
-    home = str(Path(torch.__file__).parent)
-    paths = [p for p in libgomp_paths() if p.startswith(home)] or libgomp_paths()
+    paths = libgomp_paths()  # torch's own copy first
     if not paths:
         raise NativeBuildError("torch here does not run on libgomp; the kernel would bring a second OpenMP "
                                "runtime (set KVBLEND_DECODE_KERNEL=torch to silence this)")
@@ -183,10 +182,10 @@ def native_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     return native_decode_attention_batch([(q, k, v, bias, out)])
 
 
-Sequence5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
+DecodeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
 
 
-def native_decode_attention_batch(seqs: Sequence[Sequence5]) -> bool:
+def native_decode_attention_batch(seqs: Sequence[DecodeInputs]) -> bool:
     """`native_decode_attention` of several sequences (q, k, v, bias, out) in one call: the
     threads share every sequence's (head, block of keys) work items, so short contexts
     still keep both cores busy and the call costs one crossing, not one per sequence. The

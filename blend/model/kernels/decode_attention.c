@@ -357,6 +357,15 @@ static inline __attribute__((always_inline)) void attend_block_avx2(
 #define HAVE_AVX2 0
 #endif
 
+/* the hand-vectorized block function the compiler's target allows, and the head dimensions it takes */
+#if HAVE_AVX512
+#define ATTEND_FAST attend_block_avx512
+#define FAST_DIM_MULTIPLE 64
+#elif HAVE_AVX2
+#define ATTEND_FAST attend_block_avx2
+#define FAST_DIM_MULTIPLE 32
+#endif
+
 /* One sequence of a batch: where its query rows, keys, values, bias and output live, as
  * 64-bit integers (pointers included) so that the caller fills one int64 array. Strides
  * are in elements of K/V's (or out's) dtype, of bias in float32 elements; q is contiguous
@@ -422,26 +431,16 @@ int kvb_decode_attention_batch(int kind, int hkv, int g, int d, int n, const kvb
         const char *kh = (const char *)(intptr_t)S->k + h * S->k_head * es;
         const char *vh = (const char *)(intptr_t)S->v + h * S->v_head * es;
         const long k_row = S->k_row, v_row = S->v_row;
+#ifdef ATTEND_FAST
         /* the head dimensions of the usual models as constants: their loops unroll */
-#if HAVE_AVX512
 #define SHAPE(K, G, D) \
     if (kind == K && g == G && d == D) \
-        attend_block_avx512(K, qh, kh, vh, bh, G, D, lo, hi, k_row, v_row, p, p + G, p + 2 * G); \
+        ATTEND_FAST(K, qh, kh, vh, bh, G, D, lo, hi, k_row, v_row, p, p + G, p + 2 * G); \
     else
         SHAPE(KIND_BF16, 3, 64) SHAPE(KIND_BF16, 4, 64) SHAPE(KIND_BF16, 4, 128) SHAPE(KIND_BF16, 4, 256)
         SHAPE(KIND_F32, 3, 64) SHAPE(KIND_F32, 4, 64) SHAPE(KIND_F32, 4, 128)
-        if (d % 64 == 0)
-            attend_block_avx512(kind, qh, kh, vh, bh, g, d, lo, hi, k_row, v_row, p, p + g, p + 2 * g);
-        else
-#elif HAVE_AVX2
-#define SHAPE(K, G, D) \
-    if (kind == K && g == G && d == D) \
-        attend_block_avx2(K, qh, kh, vh, bh, G, D, lo, hi, k_row, v_row, p, p + G, p + 2 * G); \
-    else
-        SHAPE(KIND_BF16, 3, 64) SHAPE(KIND_BF16, 4, 64) SHAPE(KIND_BF16, 4, 128) SHAPE(KIND_BF16, 4, 256)
-        SHAPE(KIND_F32, 3, 64) SHAPE(KIND_F32, 4, 64) SHAPE(KIND_F32, 4, 128)
-        if (d % 32 == 0)
-            attend_block_avx2(kind, qh, kh, vh, bh, g, d, lo, hi, k_row, v_row, p, p + g, p + 2 * g);
+        if (d % FAST_DIM_MULTIPLE == 0)
+            ATTEND_FAST(kind, qh, kh, vh, bh, g, d, lo, hi, k_row, v_row, p, p + g, p + 2 * g);
         else
 #endif
             attend_block(kind, qh, kh, vh, bh, g, d, lo, hi, k_row, v_row, p, p + g, p + 2 * g);
