@@ -190,6 +190,7 @@ def test_candidates_are_exact_strategies_with_the_reference_first():
 def test_runner_tunes_once_per_bucket_and_then_runs_the_winner():
     runner = Runner(tiny_model("llama"))  # 4 heads over 2 KV heads
     runner.autotune = True  # what CUDA does; measured here with a fake timer
+    runner.native_blend = False  # (a CPU's native kernel would take these rows)
     timer = FakeTimer({"merge/8": 0.5, "pad": 0.7})
     runner.tuner = AttentionTuner(timer, repeats=1)
     n = 300

@@ -80,9 +80,11 @@ def _gemma(**overrides):
     return lm
 
 
-def test_tiny_gemma3_matches_transformers_rows_steps_and_packed():
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch"])
+def test_tiny_gemma3_matches_transformers_rows_steps_and_packed(native):
     lm = _gemma()
     runner = Runner(lm)
+    runner.native_blend = native and runner.native_blend  # the windows through the native kernel, or torch's plans
     assert runner.windows == (16, 16, None, 16) and runner.sandwich
     assert runner.scaling == pytest.approx(24 ** -0.5)  # query_pre_attn_scalar, not head_dim
     ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(2))  # the window crossed 6 times
@@ -97,7 +99,7 @@ def test_tiny_gemma3_matches_transformers_rows_steps_and_packed():
         # the windows matter: the same weights with every layer full give other logits
         full = Runner(tiny_model("gemma3_text", vocab_size=256, sliding_window=4096))
         assert not full.windows[0]
-    assert runner.strategies["window"] > 0
+    assert runner.strategies["native" if runner.native_blend else "window"] > 0
     # packed sequences after a shared context equal one prefill each (windowed masks in the packed pass)
     context = ids[:30]
     seqs = [ids[30:70].tolist(), ids[50:62].tolist(), ids[10:39].tolist()]

@@ -1,22 +1,34 @@
-"""Native CPU kernels: C source shipped in blend/model/kernels/, compiled once per machine
-by the system's C compiler and loaded with ctypes. One kernel today: decode attention
-(kernels/decode_attention.c), a few query rows per KV head over every cached key.
+"""Native CPU kernels: C sources shipped in blend/model/kernels/, each compiled once per
+machine by the system's C compiler into a library of its own and loaded with ctypes.
+
+- decode attention (kernels/decode_attention.c): a few query rows per KV head over every
+  cached key, for a whole decode batch in one call (`native_decode_attention_batch`).
+- blended attention (kernels/blend_attention.c): query rows at scattered, sorted positions
+  over every key up to their own (a sliding layer's window), plus an additive bias per
+  (KV head, key): CacheBlend's recomputed rows and its query pass (`native_blend_attention`).
 
 Why: torch's CPU kernels give decode attention over bfloat16 keys either a widened float32
-copy of them (`cpu_decode_attention`'s torch path) or a fraction of memory speed (SDPA with
-a handful of query rows); at 4,096 tokens of context that was ~20 of the 45 ms of a
-SmolLM2 decode step on this project's 2-core machine. The kernel reads K and V once, in
-their own width, scoring in float32.
+copy of them or a fraction of memory speed, and give blended attention (a float mask per
+KV head) its masked math path, which materialises every score: at 4,096 tokens of context
+that was ~20 of the 45 ms of a SmolLM2 decode step, and 67% of a blend@0.15 pass, on this
+project's 2-core machine. The kernels read K and V once, in their own width, scoring in
+float32.
 
 Build: `cc -O3 -march=native -fopenmp` into `kvblend_home()/kernels/`, one file per
 source, compiler, CPU and OpenMP runtime (a hash in the name), written under a temporary
 name and renamed, so concurrent builds are safe and a later run loads it in milliseconds.
-The library is linked against torch's own libgomp: its parallel regions then run on the
-same per-thread pool as torch's ops (a second OpenMP runtime would add a second pool, which
-on a 2-core machine makes every small op wait on wake-ups: storage/openmp.py).
+Beside each library, `<name>.sha256` holds its digest and size, written by the build: a
+library is loaded only if it is a regular file of this user whose bytes match it (an ELF
+file), so a truncated, replaced or foreign file in the cache (a directory, a FIFO, half a
+library) is set aside and built again, never `dlopen`ed. Build directories a killed build
+left behind are removed by the next build.
 
-`KVBLEND_DECODE_KERNEL` chooses: `auto` (default: native where it builds, torch else),
-`native` (a build failure is an error that says why), `torch` (never native).
+The libraries are linked against torch's own libgomp: their parallel regions then run on
+the same per-thread pool as torch's ops (a second OpenMP runtime would add a second pool,
+which on a 2-core machine makes every small op wait on wake-ups: storage/openmp.py).
+
+`KVBLEND_DECODE_KERNEL` chooses for both: `auto` (default: native where it builds, torch
+else), `native` (a build failure is an error that says why), `torch` (never native).
 """
 
 from __future__ import annotations
@@ -27,9 +39,13 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
+import time
+import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -39,16 +55,39 @@ log = logging.getLogger(__name__)
 
 KERNEL_ENV = "KVBLEND_DECODE_KERNEL"
 KERNEL_MODES = ("auto", "native", "torch")
-SOURCE = Path(__file__).parent / "kernels" / "decode_attention.c"
+KERNEL_DIR = Path(__file__).parent / "kernels"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-fopenmp")
 BUILD_TIMEOUT_S = 120
-MAX_QUERY_ROWS = 16  # the kernel's MAX_G: query heads per KV head
-MAX_HEAD_DIM = 256  # the kernel's MAX_D
-KINDS = {torch.float32: 0, torch.bfloat16: 1}  # K/V dtypes the kernel reads (its KIND_*)
+STALE_BUILD_S = 4 * BUILD_TIMEOUT_S  # a build directory older than this was left by a killed build
+MAX_LIBRARY_BYTES = 64 << 20
+MAX_QUERY_ROWS = 16  # the decode kernel's MAX_G: query heads per KV head
+MAX_HEAD_DIM = 256  # both kernels' largest head dimension
+BLEND_MAX_GROUP = 64  # the blend kernel's MAX_M: query heads per KV head at most
+KINDS = {torch.float32: 0, torch.bfloat16: 1}  # K/V dtypes the kernels read (their KIND_*)
+_LONG, _INT, _PTR = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One native kernel: its source, the function it exports and that function's C signature."""
+
+    title: str  # in messages: "the decode kernel"
+    source: Path
+    symbol: str
+    argtypes: tuple[type, ...]
+
+
+DECODE = KernelSpec("decode kernel", KERNEL_DIR / "decode_attention.c", "kvb_decode_attention_batch",
+                    (*[_INT] * 5, _PTR))
+BLEND = KernelSpec("blend attention kernel", KERNEL_DIR / "blend_attention.c", "kvb_blend_attention",
+                   (_INT, _INT, _INT, _INT, _INT, _LONG, ctypes.c_float, _INT, _PTR,  # kind..pos
+                    _PTR, _LONG, _LONG, _PTR, _LONG, _LONG, _PTR, _LONG, _LONG,  # q, k, v and their strides
+                    _PTR, _LONG, _PTR, _LONG))  # bias, out
+SOURCE = DECODE.source
 
 
 class NativeBuildError(RuntimeError):
-    """The native kernel could not be built or loaded (the message says why)."""
+    """A native kernel could not be built or loaded (the message says why)."""
 
 
 def kernel_mode() -> str:
@@ -76,8 +115,8 @@ def _torch_libgomp() -> str:
     return paths[0]
 
 
-def _library_path(cc: str, libgomp: str) -> Path:
-    """Where the build for this source, compiler, CPU and OpenMP runtime lives."""
+def _library_path(cc: str, libgomp: str, spec: KernelSpec = DECODE) -> Path:
+    """Where the build of `spec` for this source, compiler, CPU and OpenMP runtime lives."""
     from blend.config import kvblend_home
     from blend.model.loading import cpu_flags
 
@@ -86,83 +125,185 @@ def _library_path(cc: str, libgomp: str) -> Path:
     except (OSError, subprocess.SubprocessError) as err:
         raise NativeBuildError(f"the C compiler {cc} does not run: {err}") from None
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), cc.encode(), version.encode(), " ".join(COMPILE_FLAGS).encode(),
+    for part in (spec.source.read_bytes(), cc.encode(), version.encode(), " ".join(COMPILE_FLAGS).encode(),
                  libgomp.encode(), " ".join(sorted(cpu_flags())).encode(), platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
-    return kvblend_home() / "kernels" / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    return kvblend_home() / "kernels" / f"{spec.source.stem}-{key.hexdigest()[:16]}.so"
 
 
-def _build(cc: str, libgomp: str, target: Path) -> None:
-    """Compile SOURCE into `target` (atomically: a temporary file renamed)."""
+def _digest_path(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of `path` if it is a regular file of this user of at most `limit` bytes
+    (never following a link, never blocking on a FIFO); OSError or ValueError saying why not."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        _compile(cc, libgomp, target)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_uid != os.geteuid():
+            raise ValueError("not written by this user")
+        if st.st_size > limit:
+            raise ValueError(f"{st.st_size} bytes, more than {limit}")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def check_library(target: Path) -> str | None:
+    """Why the library at `target` must not be loaded, or None when it is the one a build
+    wrote: a regular file of this user, an ELF file whose sha256 and size match its
+    `.sha256` file. "missing" when nothing is there."""
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as err:
+        return f"cannot be read: {err}"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    try:
+        digest, size = _read_regular(_digest_path(target), 256).decode("ascii").split()
+        data = _read_regular(target, MAX_LIBRARY_BYTES)
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        return f"its build record does not check ({err})"
+    if len(data) != int(size) or hashlib.sha256(data).hexdigest() != digest:
+        return f"{len(data)} bytes that do not match their build record ({size} bytes): damaged"
+    if data[:4] != b"\x7fELF":
+        return "not a shared library"
+    return None
+
+
+def _set_aside(target: Path) -> bool:
+    """Move whatever is at `target` (and its digest) out of the way; False when it can't be."""
+    for path in (target, _digest_path(target)):
+        if os.path.lexists(path):
+            try:
+                os.rename(path, path.with_name(f"{path.name}.bad-{uuid.uuid4().hex[:8]}"))
+            except OSError:
+                pass
+    return not os.path.lexists(target)
+
+
+def _clear_leftovers(directory: Path) -> None:
+    """Remove entries set aside as bad and build directories a killed build left behind."""
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return
+    now = time.time()
+    for path in entries:
+        try:
+            if ".bad-" in path.name:
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            elif path.name.startswith(".build-") and now - path.lstat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(path)
+        except OSError:
+            pass
+
+
+def _build(cc: str, libgomp: str, target: Path, spec: KernelSpec = DECODE) -> None:
+    """Compile `spec` into `target` (atomically: a temporary file renamed) with its digest beside it."""
+    try:
+        _compile(cc, libgomp, target, spec)
     except OSError as err:  # the cache directory: not writable, full
-        raise NativeBuildError(f"building the decode kernel into {target.parent} failed: {err}") from None
+        raise NativeBuildError(f"building the {spec.title} into {target.parent} failed: {err}") from None
 
 
-def _compile(cc: str, libgomp: str, target: Path) -> None:
+def _compile(cc: str, libgomp: str, target: Path, spec: KernelSpec = DECODE) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
+    _clear_leftovers(target.parent)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / target.name
         # compiled with OpenMP, linked against torch's libgomp only (not the compiler's own)
-        steps = ([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+        steps = ([cc, *COMPILE_FLAGS, "-c", str(spec.source), "-o", str(obj)],
                  [cc, "-shared", str(obj), libgomp, f"-Wl,-rpath,{Path(libgomp).parent}", "-o", str(lib)])
         for cmd in steps:
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             except (OSError, subprocess.SubprocessError) as err:
-                raise NativeBuildError(f"building the decode kernel failed: {err}") from None
+                raise NativeBuildError(f"building the {spec.title} failed: {err}") from None
             if done.returncode:
                 first = (done.stderr.strip().splitlines() or ["(no message)"])[0]
-                raise NativeBuildError(f"building the decode kernel failed ({Path(cmd[0]).name} exit "
+                raise NativeBuildError(f"building the {spec.title} failed ({Path(cmd[0]).name} exit "
                                        f"{done.returncode}): {first}")
+        data = lib.read_bytes()
+        record = Path(tmp) / "digest"
+        record.write_text(f"{hashlib.sha256(data).hexdigest()} {len(data)}\n")
         os.replace(lib, target)
+        os.replace(record, _digest_path(target))
 
 
 @cache
-def _load() -> ctypes.CDLL:
-    """The built library with its function's signature set (NativeBuildError when it can't be)."""
+def _load(spec: KernelSpec = DECODE) -> ctypes.CDLL:
+    """The built library of `spec` with its function's signature set (NativeBuildError when
+    it can't be). A library that does not check (`check_library`) is set aside and built
+    again; one that checks but does not load is built again once."""
     from storage.openmp import libgomp_paths
 
     cc, libgomp = _compiler(), _torch_libgomp()
-    target = _library_path(cc, libgomp)
+    target = _library_path(cc, libgomp, spec)
     before = set(libgomp_paths())
     for attempt in range(2):
-        if not target.exists():
-            _build(cc, libgomp, target)
-            log.info("built the native decode kernel: %s", target)
+        problem = check_library(target)
+        if problem is not None:
+            if problem != "missing":
+                log.warning("rebuilding the %s: %s is %s", spec.title, target, problem)
+                if not _set_aside(target):  # it stays: build under a fresh name
+                    target = target.with_name(f"{target.stem}-{uuid.uuid4().hex[:8]}.so")
+            _build(cc, libgomp, target, spec)
+            log.info("built the native %s: %s", spec.title, target)
+            problem = check_library(target)
+            if problem is not None:
+                raise NativeBuildError(f"the {spec.title} just built at {target} is {problem}")
         try:
             lib = ctypes.CDLL(str(target))
-            fn = lib.kvb_decode_attention_batch
+            fn = getattr(lib, spec.symbol)
             break
-        except (OSError, AttributeError) as err:  # a damaged file in the cache: built again, once
+        except (OSError, AttributeError) as err:
             if attempt:
                 raise NativeBuildError(f"loading {target} failed: {err}") from None
-            target.unlink(missing_ok=True)
+            _set_aside(target)
     if set(libgomp_paths()) - before:
         raise NativeBuildError(f"{target} brought a second OpenMP runtime; delete it and rebuild, or set "
                                "KVBLEND_DECODE_KERNEL=torch")
     fn.restype = ctypes.c_int
-    fn.argtypes = [*[ctypes.c_int] * 5, ctypes.c_void_p]
+    fn.argtypes = list(spec.argtypes)
     return lib
+
+
+def _kernel(spec: KernelSpec) -> ctypes.CDLL | None:
+    mode = kernel_mode()
+    if mode == "torch":
+        return None
+    try:
+        return _load(spec)
+    except NativeBuildError as err:
+        if mode == "native":
+            raise NativeBuildError(f"{err} ({KERNEL_ENV}=native asks for the native kernel: fix the build, "
+                                   f"or set {KERNEL_ENV}=auto to fall back to torch's)") from None
+        log.warning("%s runs on torch's kernels: %s", "decode attention" if spec is DECODE else "blended attention",
+                    err)
+        return None
 
 
 @cache
 def decode_kernel() -> ctypes.CDLL | None:
     """The native decode attention library, or None where `kernel_mode()` says torch or
     (auto) the build fails; `native` raises NativeBuildError instead. Built on first use."""
-    mode = kernel_mode()
-    if mode == "torch":
-        return None
-    try:
-        return _load()
-    except NativeBuildError as err:
-        if mode == "native":
-            raise NativeBuildError(f"{err} ({KERNEL_ENV}=native asks for the native kernel: fix the build, "
-                                   f"or set {KERNEL_ENV}=auto to fall back to torch's)") from None
-        log.warning("decode attention runs on torch's kernels: %s", err)
-        return None
+    return _kernel(DECODE)
+
+
+@cache
+def blend_kernel() -> ctypes.CDLL | None:
+    """The native blended attention library (as `decode_kernel`)."""
+    return _kernel(BLEND)
 
 
 def decode_kernel_name() -> str:
@@ -216,3 +357,48 @@ def native_decode_attention_batch(seqs: Sequence[DecodeInputs]) -> bool:
                  out.stride(0), out.stride(1))
     table = torch.tensor(rows, dtype=torch.int64)  # (n, 13): the kernel's kvb_seq records
     return lib.kvb_decode_attention_batch(kind, hkv, g, d, len(seqs), table.data_ptr()) == 0
+
+
+def blend_kernel_name() -> str:
+    """`native` or `torch`: which blended attention this process runs on a CPU."""
+    return "native" if blend_kernel() is not None else "torch"
+
+
+def native_blend_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           bias: torch.Tensor | None, scale: float, window: int | None, out: torch.Tensor) -> bool:
+    """Exact attention of query rows at sorted positions by the native kernel, into `out`;
+    False (nothing written) where it does not apply: no kernel, not a CPU, a dtype or
+    layout it does not read.
+
+    q (H, Tq, D) at host positions q_pos (Tq,) int64, sorted, unique, all < Tk; k, v (Hkv,
+    Tk, D) hold positions 0..Tk-1, all three float32 or all bfloat16, rows contiguous (any
+    head and row strides); bias (Hkv, Tk) float32 or None: added to every score of key j
+    under KV head h (after `scale`); window: a query at p sees keys p - window + 1 .. p
+    (None: 0 .. p). out (Tq, H*D) in q's dtype, rows contiguous.
+    """
+    lib = blend_kernel()
+    if lib is None:
+        return False
+    kind = KINDS.get(q.dtype)
+    if kind is None or q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or out.dim() != 2:
+        return False
+    heads, tq, d = q.shape
+    hkv, tk = k.shape[0], k.shape[1]
+    if (heads % hkv or heads // hkv > BLEND_MAX_GROUP or d > MAX_HEAD_DIM or d % 2 or tq < 1 or tk < 1
+            or tuple(v.shape) != (hkv, tk, d) or k.shape[2] != d or tuple(out.shape) != (tq, heads * d)
+            or k.dtype != q.dtype or v.dtype != q.dtype or out.dtype != q.dtype
+            or any(t.device.type != "cpu" for t in (q, k, v, out))
+            or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or out.stride(1) != 1
+            or q_pos.dtype != torch.int64 or q_pos.device.type != "cpu" or q_pos.numel() != tq
+            or not q_pos.is_contiguous() or (window is not None and window < 1)):
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.stride(1) != 1
+                             or tuple(bias.shape) != (hkv, tk)):
+        return False
+    done = lib.kvb_blend_attention(
+        kind, hkv, heads // hkv, d, tq, tk, scale, window or 0, q_pos.data_ptr(),
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1),
+        bias.data_ptr() if bias is not None else None, bias.stride(0) if bias is not None else 0,
+        out.data_ptr(), out.stride(0))
+    return done == 0

@@ -53,7 +53,12 @@ from blend.model.attention import (
 )
 from blend.model.cache import KVCache
 from blend.model.loading import LoadedModel
-from blend.model.native import decode_kernel, native_decode_attention_batch
+from blend.model.native import (
+    blend_kernel,
+    decode_kernel,
+    native_blend_attention,
+    native_decode_attention_batch,
+)
 from blend.model.projections import Projections, projections_for
 
 
@@ -147,8 +152,12 @@ class Runner:
         self.projections: Projections | None = projections_for(lm.model)
         self.qk_norm = getattr(self.layers[0].self_attn, "q_norm", None) is not None  # Qwen3, Gemma 3
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's cos/sin (P, D) by position
+        # CPU: the native kernels, built (once per machine) or loaded now, not inside the first request;
+        # `native_blend`: query rows other than a plain causal block go through the blend kernel
+        self.native_blend = False
         if self.device.type == "cpu":
-            decode_kernel()  # built (once per machine) or loaded now, not inside the first decode step
+            decode_kernel()
+            self.native_blend = blend_kernel() is not None and self.dtype in (torch.float32, torch.bfloat16)
 
     # ----------------------------------------------------------------- helpers
     def new_cache(self, capacity: int, ring: bool = False) -> KVCache:
@@ -376,6 +385,10 @@ class Runner:
         set and window, once some row's window starts after key 0). Returns (Tq, H*D).
         """
         tq, tk = q.shape[1], k.shape[1]
+        if self.native_blend and plan is None:
+            out = self._attend_native(q, q_pos, k, v, bias, window)
+            if out is not None:
+                return out
         if window is not None:
             pos = q_pos.cpu() if q_pos.device.type != "cpu" else q_pos
             if needs_window(pos, window):
@@ -397,6 +410,21 @@ class Runner:
             plan = tuned
         self.strategies[plan.strategy] += 1
         return out if out is not None else run_plan(plan, q, k, v, self.scaling)
+
+    def _attend_native(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       bias: torch.Tensor | None, window: int | None) -> torch.Tensor | None:
+        """`attend` by the native blend kernel (CPU): every row set except a plain causal block
+        (every row from 0, no bias, no window that hides a key: torch's fused causal kernel is
+        that shape's own). None where the kernel declines (the torch strategies run)."""
+        tq, tk = q.shape[1], k.shape[1]
+        pos = q_pos if q_pos.dtype == torch.int64 and q_pos.is_contiguous() else q_pos.long().contiguous()
+        if bias is None and tq == tk and int(pos[0]) == 0 and int(pos[-1]) == tk - 1 and not needs_window(pos, window):
+            return None
+        out = torch.empty((tq, q.shape[0] * q.shape[2]), dtype=q.dtype)
+        if not native_blend_attention(q, pos, k, v, bias, self.scaling, window, out):
+            return None
+        self.strategies["native"] += 1
+        return out
 
     def _attend_biased(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        bias: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,694 @@
+/* Blended attention on a CPU: query rows at scattered, sorted positions over every key up
+ * to their own, with an additive bias per (KV head, key): the shape CacheBlend's recomputed
+ * rows and its query pass attend in.
+ *
+ *   out[r, h*g + i] = softmax_{j visible to pos[r]}(q[h*g + i, r] . k[h, j] * scale + bias[h, j]) . v[h, j]
+ *
+ * A row at position p sees the keys lo(p) .. p, lo(p) = 0, or max(0, p - window + 1) in a
+ * sliding-window layer. q (hkv*g, tq, d), k, v (hkv, tk, d), all float32 or all bfloat16,
+ * rows contiguous (any head and row strides); bias (hkv, tk) float32 or NULL; out
+ * (tq, hkv*g*d) in q's dtype, rows contiguous.
+ *
+ * Flash attention, cut the way this shape needs: the rows of a KV head come in row blocks
+ * (at most MAX_M query vectors: the g query heads of up to MAX_M / g rows, all scored
+ * against one read of each key), and each row block walks its keys in blocks of BK keys,
+ * keeping per query vector its running maximum, sum of exponentials and weighted sum of
+ * values (online softmax, float32). Work items are (head, row block, range of keys): where
+ * the row blocks are too few for the threads, a row block's keys are cut into ranges whose
+ * partial results are merged by their log-sum-exp at the end. Masks are computed, never
+ * stored: a key block that every row of a block sees whole takes no mask at all.
+ *
+ * Before the row blocks, each head's keys are packed once for the dot products (shared by
+ * every row block of the head): with AVX-512 BF16, bfloat16 keys as pairs of dimensions
+ * (VNNI layout) for vdpbf16ps, whose products of bfloat16 numbers are exact and whose sums
+ * are float32; otherwise keys transposed to float32 (dimension-major) for FMA. Values are
+ * read as float32 rows (bfloat16 widened once, at packing). Scores, softmax, probabilities
+ * and the weighted sums are float32 throughout.
+ *
+ * Hand-vectorized for AVX-512 (and its BF16 dot products where the CPU has them) and AVX2 +
+ * FMA; plain C elsewhere. The OpenMP regions run on torch's own libgomp (see
+ * blend/model/native.py); tests/test_native_attention.py holds the kernel to float64 and to
+ * the torch path.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define BK 64           /* keys per key block */
+#define MAX_M 64        /* query vectors per row block */
+#define BLEND_MAX_D 256 /* head dimension */
+#define MIN_RANGE 512   /* keys per range at least, when a row block's keys are cut */
+
+enum { BKIND_F32 = 0, BKIND_BF16 = 1 };
+
+#define AI inline __attribute__((always_inline))
+
+static inline float b16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_b16(float f) { /* round to nearest even, as torch does */
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
+    c.u += 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)(c.u >> 16);
+}
+
+/* e^x for x <= 0, vectorizable (the decode kernel's: x = n ln2 + r, degree-7 polynomial,
+ * 2^n in the exponent bits; below -87 it flushes to ~1e-38). */
+static inline float exp_le0(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float fn = (float)(int)(x * 1.44269504088896341f - 0.5f);
+    float r = x - fn * 0.693359375f - fn * -2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } s;
+    s.u = (uint32_t)((int)fn + 127) << 23;
+    return p * s.f;
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define PACK_PAIRS 1 /* bfloat16 keys as dimension pairs for vdpbf16ps */
+#else
+#define PACK_PAIRS 0
+#endif
+
+/* ------------------------------------------------------------------ dot products
+ * scores s[i][0..BK) = q_i . k_{j0 + 0..BK) for qt query vectors (qt <= QT_MAX), from the
+ * packed keys of one head: pairs (kp[x/2][j] holds dimensions x, x+1 of key j, d/2 rows of
+ * `tpad` int32) or float32 transposed (kt[x][j], d rows of `tpad`). */
+#if defined(__AVX512F__)
+#define QT_MAX 6
+
+#if PACK_PAIRS
+static AI void qk_pairs(const uint16_t *q, int qt, int d, const int32_t *kp, long tpad, long j0, float *s) {
+    __m512 acc[QT_MAX][4];
+    for (int i = 0; i < qt; i++)
+        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int x2 = 0; x2 < d / 2; x2++) {
+        const int32_t *kr = kp + x2 * tpad + j0;
+        __m512i kv[4];
+        for (int c = 0; c < 4; c++) kv[c] = _mm512_loadu_si512((const void *)(kr + 16 * c));
+        for (int i = 0; i < qt; i++) {
+            int32_t pair;
+            memcpy(&pair, q + (long)i * d + 2 * x2, sizeof pair);
+            const __m512i qb = _mm512_set1_epi32(pair);
+            for (int c = 0; c < 4; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], (__m512bh)kv[c], (__m512bh)qb);
+        }
+    }
+    for (int i = 0; i < qt; i++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(s + i * BK + 16 * c, acc[i][c]);
+}
+#endif
+
+static AI void qk_f32(const float *q, int qt, int d, const float *kt, long tpad, long j0, float *s) {
+    __m512 acc[QT_MAX][4];
+    for (int i = 0; i < qt; i++)
+        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int x = 0; x < d; x++) {
+        const float *kr = kt + x * tpad + j0;
+        __m512 kv[4];
+        for (int c = 0; c < 4; c++) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+        for (int i = 0; i < qt; i++) {
+            const __m512 qb = _mm512_set1_ps(q[(long)i * d + x]);
+            for (int c = 0; c < 4; c++) acc[i][c] = _mm512_fmadd_ps(qb, kv[c], acc[i][c]);
+        }
+    }
+    for (int i = 0; i < qt; i++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(s + i * BK + 16 * c, acc[i][c]);
+}
+
+/* o[i][0..16W) += sum_j p[i][j] v[j0 + j][0..16W) for qt query vectors, n keys; v rows of `vrow` floats */
+static AI void pv_cols(const float *p, int qt, int d, const float *v, long vrow, long j0, int n, float *o, const int w) {
+    __m512 acc[QT_MAX][4];
+    for (int i = 0; i < qt; i++)
+        for (int c = 0; c < w; c++) acc[i][c] = _mm512_loadu_ps(o + (long)i * d + 16 * c);
+    for (int j = 0; j < n; j++) {
+        const float *vr = v + (j0 + j) * vrow;
+        __m512 vv[4];
+        for (int c = 0; c < w; c++) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+        for (int i = 0; i < qt; i++) {
+            const __m512 pb = _mm512_set1_ps(p[i * BK + j]);
+            for (int c = 0; c < w; c++) acc[i][c] = _mm512_fmadd_ps(pb, vv[c], acc[i][c]);
+        }
+    }
+    for (int i = 0; i < qt; i++)
+        for (int c = 0; c < w; c++) _mm512_storeu_ps(o + (long)i * d + 16 * c, acc[i][c]);
+}
+
+/* o[i][0..d) += sum_j p[i][j] v[j0 + j] (d a multiple of 16) */
+static AI void pv_f32(const float *p, int qt, int d, const float *v, long vrow, long j0, int n, float *o) {
+    int c0 = 0;
+    for (; c0 + 64 <= d; c0 += 64) pv_cols(p, qt, d, v + c0, vrow, j0, n, o + c0, 4);
+    for (; c0 < d; c0 += 16) pv_cols(p, qt, d, v + c0, vrow, j0, n, o + c0, 1);
+}
+
+/* e^x for x <= 0 on 16 lanes (exp_le0's reduction and polynomial, 2^n by scalef) */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, fn);
+}
+
+/* One query vector's scores of a key block into probabilities: sr[j] * scale + bias[j] for
+ * the visible keys [lo, hi) (all BK when masked is 0), exp(. - mnew) with mnew = max(old
+ * maximum, this block's), 0 for hidden keys. Returns the block's maximum (-inf: none
+ * visible) in *top and the sum of the probabilities. */
+static inline float softmax_block(float *sr, const float *bias, float scale, int masked, int lo, int hi, float old,
+                                  float *top) {
+    __m512 t[4];
+    __mmask16 in[4];
+    const __m512 vs = _mm512_set1_ps(scale);
+    __m512 most = _mm512_set1_ps(-INFINITY);
+    for (int c = 0; c < 4; c++) {
+        t[c] = _mm512_fmadd_ps(_mm512_loadu_ps(sr + 16 * c), vs, _mm512_loadu_ps(bias + 16 * c));
+        if (masked) {
+            const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(16 * c), _mm512_setr_epi32(
+                0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+            in[c] = _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32(lo)) & _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(hi));
+            most = _mm512_mask_max_ps(most, in[c], most, t[c]);
+        } else {
+            in[c] = (__mmask16)0xffff;
+            most = _mm512_max_ps(most, t[c]);
+        }
+    }
+    const float blk = _mm512_reduce_max_ps(most);
+    *top = blk;
+    const float mnew = blk > old ? blk : old;
+    const __m512 vm = _mm512_set1_ps(mnew);
+    __m512 total = _mm512_setzero_ps();
+    for (int c = 0; c < 4; c++) {
+        const __m512 e = _mm512_maskz_mov_ps(in[c], exp512(_mm512_sub_ps(t[c], vm)));
+        _mm512_storeu_ps(sr + 16 * c, e);
+        total = _mm512_add_ps(total, e);
+    }
+    return _mm512_reduce_add_ps(total);
+}
+#define HAVE_SOFTMAX_BLOCK 1
+#define VEC_D 16 /* head dimensions the vector paths take: multiples of this */
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QT_MAX 4
+
+static AI void qk_f32(const float *q, int qt, int d, const float *kt, long tpad, long j0, float *s) {
+    for (int jj = 0; jj < BK; jj += 16) {
+        __m256 acc[QT_MAX][2];
+        for (int i = 0; i < qt; i++)
+            for (int c = 0; c < 2; c++) acc[i][c] = _mm256_setzero_ps();
+        for (int x = 0; x < d; x++) {
+            const float *kr = kt + x * tpad + j0 + jj;
+            const __m256 k0 = _mm256_loadu_ps(kr), k1 = _mm256_loadu_ps(kr + 8);
+            for (int i = 0; i < qt; i++) {
+                const __m256 qb = _mm256_broadcast_ss(q + (long)i * d + x);
+                acc[i][0] = _mm256_fmadd_ps(qb, k0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(qb, k1, acc[i][1]);
+            }
+        }
+        for (int i = 0; i < qt; i++) {
+            _mm256_storeu_ps(s + i * BK + jj, acc[i][0]);
+            _mm256_storeu_ps(s + i * BK + jj + 8, acc[i][1]);
+        }
+    }
+}
+
+static AI void pv_cols(const float *p, int qt, int d, const float *v, long vrow, long j0, int n, float *o, const int w) {
+    for (int i0 = 0; i0 < qt; i0 += 2) {
+        const int rows = qt - i0 < 2 ? qt - i0 : 2;
+        __m256 acc[2][4];
+        for (int i = 0; i < rows; i++)
+            for (int c = 0; c < w; c++) acc[i][c] = _mm256_loadu_ps(o + (long)(i0 + i) * d + 8 * c);
+        for (int j = 0; j < n; j++) {
+            const float *vr = v + (j0 + j) * vrow;
+            __m256 vv[4];
+            for (int c = 0; c < w; c++) vv[c] = _mm256_loadu_ps(vr + 8 * c);
+            for (int i = 0; i < rows; i++) {
+                const __m256 pb = _mm256_broadcast_ss(p + (i0 + i) * BK + j);
+                for (int c = 0; c < w; c++) acc[i][c] = _mm256_fmadd_ps(pb, vv[c], acc[i][c]);
+            }
+        }
+        for (int i = 0; i < rows; i++)
+            for (int c = 0; c < w; c++) _mm256_storeu_ps(o + (long)(i0 + i) * d + 8 * c, acc[i][c]);
+    }
+}
+
+static AI void pv_f32(const float *p, int qt, int d, const float *v, long vrow, long j0, int n, float *o) {
+    int c0 = 0;
+    for (; c0 + 32 <= d; c0 += 32) pv_cols(p, qt, d, v + c0, vrow, j0, n, o + c0, 4);
+    for (; c0 < d; c0 += 8) pv_cols(p, qt, d, v + c0, vrow, j0, n, o + c0, 1);
+}
+#define VEC_D 8
+
+#else
+#define QT_MAX 4
+
+static AI void qk_f32(const float *q, int qt, int d, const float *kt, long tpad, long j0, float *s) {
+    for (int i = 0; i < qt; i++) {
+        float acc[BK];
+        for (int j = 0; j < BK; j++) acc[j] = 0.0f;
+        for (int x = 0; x < d; x++) {
+            const float qx = q[(long)i * d + x];
+            const float *kr = kt + x * tpad + j0;
+#pragma omp simd
+            for (int j = 0; j < BK; j++) acc[j] += qx * kr[j];
+        }
+        memcpy(s + i * BK, acc, sizeof acc);
+    }
+}
+
+static AI void pv_f32(const float *p, int qt, int d, const float *v, long vrow, long j0, int n, float *o) {
+    for (int i = 0; i < qt; i++) {
+        float *oi = o + (long)i * d;
+        for (int j = 0; j < n; j++) {
+            const float pj = p[i * BK + j];
+            const float *vr = v + (j0 + j) * vrow;
+#pragma omp simd
+            for (int x = 0; x < d; x++) oi[x] += pj * vr[x];
+        }
+    }
+}
+#define VEC_D 1
+#endif
+
+/* Generic (any d) forms, for head dimensions the vector paths do not take. */
+static void qk_any(const float *q, int qt, int d, const float *kt, long tpad, long j0, float *s) {
+    for (int i = 0; i < qt; i++)
+        for (int j = 0; j < BK; j++) {
+            float acc = 0.0f;
+            for (int x = 0; x < d; x++) acc += q[(long)i * d + x] * kt[x * tpad + j0 + j];
+            s[i * BK + j] = acc;
+        }
+}
+
+static void pv_any(const float *p, int qt, int d, const float *v, long vrow, long j0, int n, float *o) {
+    for (int i = 0; i < qt; i++)
+        for (int j = 0; j < n; j++) {
+            const float pj = p[i * BK + j];
+            for (int x = 0; x < d; x++) o[(long)i * d + x] += pj * v[(j0 + j) * vrow + x];
+        }
+}
+
+/* ------------------------------------------------------------------ the call */
+typedef struct {
+    int h, r0, r1;  /* KV head, rows r0..r1-1 */
+    long k0, k1;    /* keys k0..k1-1 (absolute) */
+    long part;      /* index of its partial result, -1: writes the output itself */
+} item_t;
+
+typedef struct {
+    int kind, hkv, g, d, tq, window, pairs;
+    float scale;
+    const int64_t *pos;
+    const char *q;
+    long q_head, q_row;
+    char *out;
+    long out_row;
+    long kmin, tpad;          /* packed keys: absolute key kmin is packed index 0; tpad per head */
+    const void *kpack;        /* per head: pairs (d/2 x tpad int32) or transposed (d x tpad float) */
+    const float *vbase;       /* per head values as float32 rows */
+    long v_head, v_row;       /* in floats */
+    const float *bpack;       /* per head tpad biases (0 past the keys), or NULL */
+} call_t;
+
+static inline long lo_of(const call_t *C, long p) {
+    return C->window > 0 && p - C->window + 1 > 0 ? p - C->window + 1 : 0;
+}
+
+/* The query vectors of rows r0..r1-1 of head h as a packed matrix (row-major, vector
+ * m = (r - r0) * g + i): bfloat16 for pairs, else float32. */
+static void load_queries(const call_t *C, int h, int r0, int r1, void *qbuf) {
+    const int es = C->kind == BKIND_F32 ? 4 : 2, g = C->g, d = C->d;
+    for (int r = r0; r < r1; r++)
+        for (int i = 0; i < g; i++) {
+            const char *src = C->q + ((long)(h * g + i) * C->q_head + (long)r * C->q_row) * es;
+            const long m = (long)(r - r0) * g + i;
+            if (C->pairs) {
+                memcpy((uint16_t *)qbuf + m * d, src, (size_t)d * 2);
+            } else if (C->kind == BKIND_F32) {
+                memcpy((float *)qbuf + m * d, src, (size_t)d * 4);
+            } else {
+                float *dst = (float *)qbuf + m * d;
+                for (int x = 0; x < d; x++) dst[x] = b16_to_f32(((const uint16_t *)src)[x]);
+            }
+        }
+}
+
+/* One work item: rows r0..r1-1 of head h over keys k0..k1-1. Leaves per query vector the
+ * running maximum mx[m], sum l[m] and unnormalised weighted values o[m][d]. */
+static void run_item(const call_t *C, const item_t *it, float *mx, float *l, float *o) {
+    const int g = C->g, d = C->d, h = it->h;
+    const int nm = (it->r1 - it->r0) * g;
+    _Alignas(64) float s[MAX_M * BK];
+    _Alignas(64) float qbuf[MAX_M * BLEND_MAX_D]; /* float32, or bfloat16 in its first half */
+    load_queries(C, h, it->r0, it->r1, qbuf);
+    for (int m = 0; m < nm; m++) {
+        mx[m] = -INFINITY;
+        l[m] = 0.0f;
+    }
+    memset(o, 0, (size_t)nm * d * sizeof(float));
+    const long first = C->pos[it->r0], last = C->pos[it->r1 - 1];
+    const long lo_last = lo_of(C, last);
+    const char *kp = (const char *)C->kpack + (long)h * C->tpad * d * (C->pairs ? 2 : 4);
+    const float *vh = C->vbase + h * C->v_head;
+    const float *bh = C->bpack ? C->bpack + (long)h * C->tpad : NULL;
+    for (long j0 = it->k0; j0 < it->k1; j0 += BK) {
+        const int n = it->k1 - j0 < BK ? (int)(it->k1 - j0) : BK;
+        const long pj = j0 - C->kmin; /* packed index */
+        /* scores of every query vector of the block, in tiles of QT_MAX */
+        for (int m0 = 0; m0 < nm; m0 += QT_MAX) {
+            const int qt = nm - m0 < QT_MAX ? nm - m0 : QT_MAX;
+            float *sm = s + m0 * BK;
+#if PACK_PAIRS
+            if (C->pairs) {
+                const uint16_t *qm = (const uint16_t *)(const void *)qbuf + (long)m0 * d;
+#define QKP(QT) qk_pairs(qm, QT, d, (const int32_t *)(const void *)kp, C->tpad, pj, sm)
+                switch (qt) {
+                case 6: QKP(6); break;
+                case 5: QKP(5); break;
+                case 4: QKP(4); break;
+                case 3: QKP(3); break;
+                case 2: QKP(2); break;
+                default: QKP(1); break;
+                }
+#undef QKP
+                continue;
+            }
+#endif
+            const float *qm = qbuf + (long)m0 * d;
+            const float *kt = (const float *)(const void *)kp;
+            if (d % VEC_D) {
+                qk_any(qm, qt, d, kt, C->tpad, pj, sm);
+                continue;
+            }
+#define QKF(QT) qk_f32(qm, QT, d, kt, C->tpad, pj, sm)
+            switch (qt) {
+#if QT_MAX >= 6
+            case 6: QKF(6); break;
+            case 5: QKF(5); break;
+#endif
+            case 4: QKF(4); break;
+            case 3: QKF(3); break;
+            case 2: QKF(2); break;
+            default: QKF(1); break;
+            }
+#undef QKF
+        }
+        /* masks only where some row of the block does not see the whole key block */
+        const int masked = !(n == BK && j0 + n - 1 <= first && j0 >= lo_last);
+        _Alignas(64) float bias[BK];
+        for (int j = 0; j < BK; j++) bias[j] = bh && j < n ? bh[pj + j] : 0.0f;
+        for (int m = 0; m < nm; m++) {
+            float *sr = s + m * BK;
+            int vis_lo = 0, vis_hi = BK; /* visible keys of this block: [vis_lo, vis_hi) */
+            if (masked) {
+                const long p = C->pos[it->r0 + m / g];
+                const long lo = lo_of(C, p) - j0, hi = p + 1 - j0;
+                vis_lo = lo > 0 ? (int)lo : 0;
+                vis_hi = hi < n ? (int)hi : n;
+                if (vis_hi <= vis_lo) { /* nothing visible here */
+                    memset(sr, 0, BK * sizeof(float));
+                    continue;
+                }
+            }
+#ifdef HAVE_SOFTMAX_BLOCK
+            float top;
+            const float total = softmax_block(sr, bias, C->scale, masked, vis_lo, vis_hi, mx[m], &top);
+            const float mnew = top > mx[m] ? top : mx[m];
+#else
+            float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+            for (int j = 0; j < BK; j++) {
+                const float t = sr[j] * C->scale + bias[j];
+                const int in = j >= vis_lo && j < vis_hi;
+                sr[j] = in ? t : -INFINITY;
+                top = sr[j] > top ? sr[j] : top;
+            }
+            const float mnew = top > mx[m] ? top : mx[m];
+            float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+            for (int j = 0; j < BK; j++) {
+                const float e = exp_le0(sr[j] - mnew);
+                sr[j] = sr[j] == -INFINITY ? 0.0f : e;
+                total += sr[j];
+            }
+#endif
+            if (mnew > mx[m] && mx[m] != -INFINITY) {
+                const float corr = exp_le0(mx[m] - mnew);
+                float *om = o + (long)m * d;
+#pragma omp simd
+                for (int x = 0; x < d; x++) om[x] *= corr;
+                l[m] *= corr;
+            }
+            mx[m] = mnew;
+            l[m] += total;
+        }
+        /* o += p . v */
+        for (int m0 = 0; m0 < nm; m0 += QT_MAX) {
+            const int qt = nm - m0 < QT_MAX ? nm - m0 : QT_MAX;
+            const float *sm = s + m0 * BK;
+            float *om = o + (long)m0 * d;
+            if (d % VEC_D) {
+                pv_any(sm, qt, d, vh, C->v_row, pj, n, om);
+                continue;
+            }
+#define PVF(QT) pv_f32(sm, QT, d, vh, C->v_row, pj, n, om)
+            switch (qt) {
+#if QT_MAX >= 6
+            case 6: PVF(6); break;
+            case 5: PVF(5); break;
+#endif
+            case 4: PVF(4); break;
+            case 3: PVF(3); break;
+            case 2: PVF(2); break;
+            default: PVF(1); break;
+            }
+#undef PVF
+        }
+    }
+}
+
+/* out rows r0..r1-1 of head h from the normalised sums */
+static void write_rows(const call_t *C, int h, int r0, int r1, const float *l, const float *o) {
+    const int g = C->g, d = C->d;
+    for (int r = r0; r < r1; r++)
+        for (int i = 0; i < g; i++) {
+            const long m = (long)(r - r0) * g + i;
+            const float inv = l[m] > 0.0f ? 1.0f / l[m] : 0.0f;
+            const float *om = o + m * d;
+            const long at = (long)r * C->out_row + (long)(h * g + i) * d;
+            if (C->kind == BKIND_F32) {
+                float *dst = (float *)(void *)C->out + at;
+                for (int x = 0; x < d; x++) dst[x] = om[x] * inv;
+            } else {
+                uint16_t *dst = (uint16_t *)(void *)C->out + at;
+                for (int x = 0; x < d; x++) dst[x] = f32_to_b16(om[x] * inv);
+            }
+        }
+}
+
+/* Pack head h's keys k0..k1-1 (absolute) for the dot products and widen its values. */
+static void pack_keys(const call_t *C, int h, const char *k, long k_head, long k_row, const char *v, long v_head,
+                      long v_row, const float *bias, long bias_head, long tk, long k0, long k1, float *vwide,
+                      float *bpack) {
+    const int d = C->d, es = C->kind == BKIND_F32 ? 4 : 2;
+    for (long j = k0; j < k1; j++) {
+        const long pj = j - C->kmin;
+        const int real = j < tk;
+        const char *kr = k + (h * k_head + j * k_row) * es;
+        if (C->pairs) {
+            int32_t *kp = (int32_t *)(void *)C->kpack + (long)h * C->tpad * (d / 2);
+            for (int x2 = 0; x2 < d / 2; x2++) {
+                int32_t pair = 0;
+                if (real) memcpy(&pair, kr + 4L * x2, 4);
+                kp[x2 * C->tpad + pj] = pair;
+            }
+        } else {
+            float *kt = (float *)(void *)C->kpack + (long)h * C->tpad * d;
+            for (int x = 0; x < d; x++)
+                kt[x * C->tpad + pj] = !real ? 0.0f
+                    : C->kind == BKIND_F32 ? ((const float *)(const void *)kr)[x]
+                    : b16_to_f32(((const uint16_t *)(const void *)kr)[x]);
+        }
+        if (vwide) {
+            float *vr = vwide + h * C->v_head + pj * C->v_row;
+            const uint16_t *src = (const uint16_t *)(const void *)(v + (h * v_head + j * v_row) * es);
+            for (int x = 0; x < d; x++) vr[x] = real ? b16_to_f32(src[x]) : 0.0f;
+        }
+        if (bpack) bpack[(long)h * C->tpad + pj] = real && bias ? bias[h * bias_head + j] : 0.0f;
+    }
+}
+
+/* Returns 0, or -1 when the shapes are outside the kernel's limits or memory is short
+ * (nothing written: the caller falls back). Strides in elements of the tensor's dtype. */
+int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float scale, int window,
+                        const int64_t *pos, const void *q, long q_head, long q_row, const void *k, long k_head,
+                        long k_row, const void *v, long v_head, long v_row, const float *bias, long bias_head,
+                        void *out, long out_row) {
+    if ((kind != BKIND_F32 && kind != BKIND_BF16) || hkv < 1 || g < 1 || g > MAX_M || d < 2 || d % 2 ||
+        d > BLEND_MAX_D || tq < 1 || tk < 1 || window < 0)
+        return -1;
+    for (int r = 0; r < tq; r++)
+        if (pos[r] < 0 || pos[r] >= tk || (r && pos[r] <= pos[r - 1])) return -1;
+    call_t C = {0};
+    C.kind = kind, C.hkv = hkv, C.g = g, C.d = d, C.tq = tq, C.window = window, C.scale = scale, C.pos = pos;
+    C.q = (const char *)q, C.q_head = q_head, C.q_row = q_row, C.out = (char *)out, C.out_row = out_row;
+    C.pairs = PACK_PAIRS && kind == BKIND_BF16;
+    C.kmin = lo_of(&C, pos[0]);
+    const long kend = pos[tq - 1] + 1;
+    C.tpad = ((kend - C.kmin + BK - 1) / BK) * BK;
+    /* row blocks: at most MAX_M / g rows; in a sliding layer spanning under half a window */
+    const int per_block = MAX_M / g;
+    int nblocks = 0;
+    int *starts = malloc((size_t)(tq + 1) * sizeof(int));
+    if (!starts) return -1;
+    for (int r = 0; r < tq;) {
+        int e = r + 1;
+        while (e < tq && e - r < per_block && (!window || pos[e] - pos[r] < (window + 1) / 2)) e++;
+        starts[nblocks++] = r;
+        r = e;
+    }
+    starts[nblocks] = tq;
+    /* key ranges: cut where head x row blocks are too few for the threads */
+#ifdef _OPENMP
+    const int threads = omp_get_max_threads();
+#else
+    const int threads = 1;
+#endif
+    const long want = 4L * threads;
+    long cuts = 1;
+    if ((long)hkv * nblocks < want) cuts = (want + (long)hkv * nblocks - 1) / ((long)hkv * nblocks);
+    long nitems = 0, nparts = 0;
+    for (int b = 0; b < nblocks; b++) {
+        const long span = pos[starts[b + 1] - 1] + 1 - lo_of(&C, pos[starts[b]]);
+        long c = cuts < (span + MIN_RANGE - 1) / MIN_RANGE ? cuts : (span + MIN_RANGE - 1) / MIN_RANGE;
+        c = c < 1 ? 1 : c;
+        nitems += hkv * c;
+        if (c > 1) nparts += hkv * c;
+    }
+    item_t *items = malloc((size_t)nitems * sizeof(item_t));
+    const int vwiden = kind == BKIND_BF16;
+    const size_t kbytes = (size_t)hkv * C.tpad * d * (C.pairs ? 2 : 4);
+    const size_t vbytes = vwiden ? (size_t)hkv * C.tpad * d * 4 : 0;
+    const size_t bbytes = bias ? (size_t)hkv * C.tpad * 4 : 0;
+    const size_t pbytes = (size_t)nparts * MAX_M * (d + 2) * 4;
+    char *pool = malloc(kbytes + vbytes + bbytes + pbytes + 64);
+    long *block_of = malloc((size_t)(nitems + 1) * sizeof(long)); /* first item of each (head, block) */
+    if (!items || !pool || !block_of) {
+        free(items), free(pool), free(block_of), free(starts);
+        return -1;
+    }
+    C.kpack = pool;
+    float *vwide = vwiden ? (float *)(void *)(pool + kbytes) : NULL;
+    C.bpack = bias ? (float *)(void *)(pool + kbytes + vbytes) : NULL;
+    float *parts = (float *)(void *)(pool + kbytes + vbytes + bbytes);
+    if (vwiden) {
+        C.vbase = vwide, C.v_head = C.tpad * d, C.v_row = d;
+    } else { /* float32 values read where they are; packed index 0 is key kmin */
+        C.vbase = (const float *)v + C.kmin * v_row, C.v_head = v_head, C.v_row = v_row;
+    }
+    /* items, the latest row blocks (the most keys) first */
+    long n = 0, np = 0, groups = 0;
+    for (int b = nblocks - 1; b >= 0; b--) {
+        const int r0 = starts[b], r1 = starts[b + 1];
+        const long k0 = lo_of(&C, pos[r0]), k1 = pos[r1 - 1] + 1, span = k1 - k0;
+        long c = cuts < (span + MIN_RANGE - 1) / MIN_RANGE ? cuts : (span + MIN_RANGE - 1) / MIN_RANGE;
+        c = c < 1 ? 1 : c;
+        const long width = ((span + c - 1) / c + BK - 1) / BK * BK;
+        for (int h = 0; h < hkv; h++) {
+            block_of[groups++] = n;
+            for (long x = 0; x < c; x++) {
+                const long a = k0 + x * width, e = a + width < k1 ? a + width : k1;
+                if (a >= e) break;
+                items[n++] = (item_t){h, r0, r1, a, e, c > 1 ? np++ : -1};
+            }
+        }
+    }
+    block_of[groups] = n;
+    /* pack every head's keys (and widen bfloat16 values) once */
+    const long chunk = 256, chunks = (C.tpad + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) if ((long)hkv * C.tpad * d >= 65536)
+    for (long w = 0; w < hkv * chunks; w++) {
+        const int h = (int)(w / chunks);
+        const long a = C.kmin + (w % chunks) * chunk, e = a + chunk < C.kmin + C.tpad ? a + chunk : C.kmin + C.tpad;
+        pack_keys(&C, h, (const char *)k, k_head, k_row, (const char *)v, v_head, v_row, bias, bias_head, tk, a, e,
+                  vwide, (float *)C.bpack);
+    }
+    long work = 0;
+    for (long i = 0; i < n; i++) work += (items[i].k1 - items[i].k0) * (items[i].r1 - items[i].r0);
+#pragma omp parallel if (n > 1 && work * g * d >= 65536)
+    {
+        _Alignas(64) float mx[MAX_M], l[MAX_M];
+        float *o = malloc((size_t)MAX_M * d * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (long i = 0; i < n; i++) {
+            const item_t *it = &items[i];
+            if (it->part < 0) {
+                run_item(&C, it, mx, l, o);
+                write_rows(&C, it->h, it->r0, it->r1, l, o);
+            } else {
+                float *p = parts + it->part * MAX_M * (d + 2);
+                run_item(&C, it, p, p + MAX_M, p + 2 * MAX_M);
+            }
+        }
+        free(o);
+    }
+    if (np) { /* merge the ranges of each cut (head, row block) by log-sum-exp */
+#pragma omp parallel for schedule(static)
+        for (long b = 0; b < groups; b++) {
+            const long i0 = block_of[b], i1 = block_of[b + 1];
+            const item_t *it = &items[i0];
+            if (it->part < 0) continue;
+            const int nm = (it->r1 - it->r0) * g;
+            float *first = parts + it->part * MAX_M * (d + 2);
+            for (int m = 0; m < nm; m++) {
+                float top = -INFINITY;
+                for (long i = i0; i < i1; i++) {
+                    const float mi = parts[items[i].part * MAX_M * (d + 2) + m];
+                    top = mi > top ? mi : top;
+                }
+                float total = 0.0f, acc[BLEND_MAX_D];
+                for (int x = 0; x < d; x++) acc[x] = 0.0f;
+                for (long i = i0; i < i1; i++) {
+                    const float *p = parts + items[i].part * MAX_M * (d + 2);
+                    if (p[m] == -INFINITY) continue;
+                    const float w = exp_le0(p[m] - top);
+                    total += w * p[MAX_M + m];
+                    const float *om = p + 2 * MAX_M + (long)m * d;
+                    for (int x = 0; x < d; x++) acc[x] += w * om[x];
+                }
+                first[MAX_M + m] = total;
+                memcpy(first + 2 * MAX_M + (long)m * d, acc, (size_t)d * sizeof(float));
+            }
+            write_rows(&C, it->h, it->r0, it->r1, first + MAX_M, first + 2 * MAX_M);
+        }
+    }
+    free(items), free(pool), free(block_of), free(starts);
+    return 0;
+}
