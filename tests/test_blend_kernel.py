@@ -1,0 +1,281 @@
+"""The native blended-attention kernel (blend/model/native.py, kernels/blend_attention.c):
+query rows at scattered, sorted positions over every key up to their own (a sliding layer's
+window), plus a per-(KV head, key) bias. Its numbers against float64 and the torch path over
+the shapes of the shipped models, key-block and range edges, its AVX2 and plain-C builds; the
+shapes it declines; blend through the kernel against blend through torch; and a damaged
+kernel cache (truncated, a directory, a FIFO, a killed build) rebuilt, never loaded."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+
+import pytest
+import torch
+
+from blend.model import native
+from blend.model.attention import biased_attention, build_plan, causal_float_masks, window_plan
+from blend.model.loading import cpu_flags
+from blend.model.native import blend_kernel, decode_kernel, native_blend_attention
+from blend.model.runner import Runner
+from tests.models import tiny_model
+
+has_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
+pytestmark = has_compiler
+
+
+@pytest.fixture(scope="module")
+def kernel_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("kvblend-home")
+
+
+def _clear() -> None:
+    decode_kernel.cache_clear()
+    blend_kernel.cache_clear()
+    native._load.cache_clear()
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, kernel_home):
+    """The switch and the build read afresh, built under the module's temporary KVBLEND_HOME."""
+    monkeypatch.setenv("KVBLEND_HOME", str(kernel_home))
+    monkeypatch.delenv("KVBLEND_DECODE_KERNEL", raising=False)
+    _clear()
+    yield
+    _clear()
+
+
+def _inputs(hkv, g, d, tk, dtype, seed, spare=24):
+    """q (H, Tq-ready, D) with head and row strides of the runner's (T, H, D) layout; k, v (Hkv, Tk, D)
+    slices of a larger buffer (as the cache's are); bias (Hkv, Tk) float32, a slice too."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(tk, hkv * g, d, generator=gen) * 1.5).to(dtype).transpose(0, 1)  # (H, Tk, D), row-strided
+    k = (torch.randn(hkv, tk + spare, d, generator=gen) * 1.5).to(dtype)[:, :tk]
+    v = torch.randn(hkv, tk + spare, d, generator=gen).to(dtype)[:, :tk]
+    bias = torch.randn(hkv, tk + spare, generator=gen)[:, :tk]
+    return q, k, v, bias
+
+
+def _exact(q, pos, k, v, bias, scale, window):
+    """float64 attention of q (H, Tq, D) at positions pos over k, v, the bias added, the causal
+    (and window) mask by position: (Tq, H*D)."""
+    heads, tq, d = q.shape
+    g = heads // k.shape[0]
+    kk, vv = k.double().repeat_interleave(g, 0), v.double().repeat_interleave(g, 0)
+    s = q.double() @ kk.transpose(1, 2) * scale  # (H, Tq, Tk)
+    if bias is not None:
+        s = s + bias.double().repeat_interleave(g, 0)[:, None, :]
+    j = torch.arange(k.shape[1])
+    seen = j[None, :] <= pos[:, None]
+    if window:
+        seen &= j[None, :] > pos[:, None] - window
+    s = s.masked_fill(~seen[None], float("-inf"))
+    return (torch.softmax(s, -1) @ vv).transpose(0, 1).reshape(tq, heads * d)
+
+
+def _rows(kind: str, tk: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "start":
+        return torch.arange(min(20, tk))
+    if kind == "middle":
+        return torch.arange(tk // 3, tk // 3 + min(45, tk // 3))
+    if kind == "end":
+        return torch.arange(max(0, tk - 33), tk)
+    if kind == "one":
+        return torch.tensor([tk - 1])
+    count = max(1, tk // 7)
+    return torch.cat([torch.randperm(tk - 10, generator=gen)[:count].sort().values, torch.arange(tk - 10, tk)])
+
+
+def _run(q, pos, k, v, bias, scale, window):
+    out = torch.full((pos.numel(), q.shape[0] * q.shape[2]), float("nan"), dtype=q.dtype)
+    assert native_blend_attention(q[:, pos], pos, k, v, bias, scale, window, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hkv,g,d,tk,window", [
+    (3, 3, 64, 700, None),  # SmolLM2
+    (1, 4, 256, 1300, 512),  # Gemma 3 270M, a sliding layer
+    (1, 4, 256, 300, None),  # Gemma 3 270M, a global layer
+    (8, 4, 128, 600, None),  # Llama 3 8B
+    (2, 5, 48, 200, None),  # a group size and head size without their own unrolled tile
+    (2, 3, 18, 130, 30),  # a head size off every vector path, a small window
+    (4, 1, 16, 65, None),  # tiny models' heads; one key past a key block
+])
+@pytest.mark.parametrize("rows", ["start", "middle", "end", "scattered", "one"])
+def test_the_kernel_equals_the_float64_reference(fresh_kernel, dtype, hkv, g, d, tk, window, rows):
+    q, k, v, bias = _inputs(hkv, g, d, tk, dtype, seed=tk + g + d)
+    pos = _rows(rows, tk, seed=tk)
+    scale = d ** -0.5
+    for b in (bias, None):
+        exact = _exact(q[:, pos], pos, k, v, b, scale, window)
+        out = _run(q, pos, k, v, b, scale, window)
+        # float32: the order of the sums; bfloat16: the output's own rounding (half an ulp)
+        bound = 2e-5 if dtype == torch.float32 else 2 ** -8 * (1 + exact.abs().max().item())
+        assert (out.double() - exact).abs().max() < bound
+
+
+@pytest.mark.parametrize("tk", [63, 64, 65, 511, 512, 513, 1025])
+def test_key_block_and_range_edges(fresh_kernel, tk):
+    """Every row over keys that end on, before and after a key block (64) and a range cut (512)."""
+    q, k, v, bias = _inputs(3, 3, 64, tk, torch.float32, seed=tk)
+    for pos in (torch.arange(tk), torch.arange(tk - 3, tk), torch.tensor([0, tk // 2, tk - 1])):
+        out = _run(q, pos, k, v, bias, 0.125, None)
+        assert (out.double() - _exact(q[:, pos], pos, k, v, bias, 0.125, None)).abs().max() < 2e-5
+
+
+def test_never_less_accurate_than_the_torch_path(fresh_kernel):
+    """bfloat16 K/V, blend's shape (scattered rows and the query's last rows over every key, a
+    bias): the kernel's error against float64 is at most the torch path's (masked groups)."""
+    tk = 1500
+    q, k, v, bias = _inputs(3, 3, 64, tk, torch.bfloat16, seed=5)
+    pos = _rows("scattered", tk, seed=6)
+    exact = _exact(q[:, pos], pos, k, v, bias, 0.125, None)
+    ours = _run(q, pos, k, v, bias, 0.125, None)
+    plan = build_plan("groups", pos, tk, 1, torch.device("cpu"))
+    torch_out = biased_attention(q[:, pos], k, v, bias, 0.125, plan, causal_float_masks(plan, q.dtype))
+    ours_err, torch_err = (ours.double() - exact).abs(), (torch_out.double() - exact).abs()
+    assert ours_err.max() <= torch_err.max() and ours_err.mean() <= torch_err.mean()
+    window = window_plan(pos, tk, 512, torch.device("cpu"))
+    exact = _exact(q[:, pos], pos, k, v, bias, 0.125, 512)
+    ours = _run(q, pos, k, v, bias, 0.125, 512)
+    torch_out = biased_attention(q[:, pos], k, v, bias, 0.125, window, causal_float_masks(window, q.dtype))
+    assert (ours.double() - exact).abs().mean() <= (torch_out.double() - exact).abs().mean()
+
+
+def test_large_score_gaps_and_biases_stay_finite(fresh_kernel):
+    q, k, v, bias = _inputs(2, 3, 64, 300, torch.float32, seed=3)
+    q = q * 40  # scores hundreds apart: the running maximum moves between key blocks
+    bias[:, 100:200] = -1e4
+    pos = torch.arange(150, 300, 3)
+    out = _run(q, pos, k, v, bias, 0.125, None)
+    assert torch.isfinite(out).all()
+    assert (out.double() - _exact(q[:, pos], pos, k, v, bias, 0.125, None)).abs().max() < 1e-4
+
+
+def test_declined_shapes_write_nothing_and_the_runner_takes_torch(fresh_kernel):
+    q, k, v, bias = _inputs(2, 3, 64, 100, torch.float32, seed=4)
+    pos = torch.arange(50, 100)
+    out = torch.full((50, 6 * 64), 7.0)
+    half = q.half()
+    assert not native_blend_attention(half[:, pos], pos, k.half(), v.half(), None, 0.125, None, out.half())
+    assert not native_blend_attention(q[:, pos], pos, k, v.to(torch.bfloat16), None, 0.125, None, out)  # mixed
+    assert not native_blend_attention(q[:, pos], pos, k.transpose(1, 2).contiguous().transpose(1, 2), v, None,
+                                      0.125, None, out)  # keys not row-contiguous
+    assert not native_blend_attention(q[:, pos], pos.int(), k, v, None, 0.125, None, out)  # positions not int64
+    assert not native_blend_attention(q[:, pos], pos.flip(0), k, v, None, 0.125, None, out)  # not sorted
+    assert not native_blend_attention(q[:, pos], pos + 60, k, v, None, 0.125, None, out)  # past the keys
+    assert not native_blend_attention(q[:, pos], pos, k, v, bias[:, :50], 0.125, None, out)  # bias of other keys
+    assert (out == 7.0).all()
+    runner = Runner(tiny_model("llama"))
+    assert runner.native_blend
+    q16 = torch.randn(runner.num_heads, 100, runner.head_dim).half()
+    k16 = torch.randn(runner.kv_heads, 100, runner.head_dim).half()
+    with torch.inference_mode():
+        got = runner.attend(q16[:, pos], pos, k16, k16)  # float16: declined, torch's strategies answer
+    assert runner.strategies["native"] == 0
+    assert (got.double() - _exact(q16[:, pos], pos, k16, k16, None, runner.scaling, None)).abs().max() < 5e-3
+
+
+def test_the_switch_turns_the_kernel_off(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("KVBLEND_DECODE_KERNEL", "torch")
+    _clear()
+    assert blend_kernel() is None and native.blend_kernel_name() == "torch"
+    assert not Runner(tiny_model("llama")).native_blend
+    q, k, v, _ = _inputs(2, 3, 64, 40, torch.float32, seed=2)
+    assert not native_blend_attention(q[:, :4], torch.arange(4), k, v, None, 0.1, None, torch.empty(4, 384))
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_the_avx2_and_plain_builds_equal_the_float64_reference(fresh_kernel, monkeypatch, tmp_path, march):
+    """The AVX2 path (CPUs without AVX-512) and the plain C one, built here for -march=haswell / x86-64."""
+    if platform.machine() != "x86_64" or (march == "haswell" and not {"avx2", "fma"} <= cpu_flags()):
+        pytest.skip("needs an x86-64 CPU (with AVX2 and FMA for haswell)")
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "COMPILE_FLAGS", ("-O3", f"-march={march}", "-fPIC", "-fopenmp"))
+    assert blend_kernel() is not None
+    for dtype in (torch.float32, torch.bfloat16):
+        for i, (hkv, g, d, tk, window) in enumerate([(3, 3, 64, 600, None), (1, 4, 256, 900, 512),
+                                                     (2, 5, 40, 150, None), (2, 3, 18, 90, 20)]):
+            q, k, v, bias = _inputs(hkv, g, d, tk, dtype, seed=300 + i)
+            pos = _rows("scattered", tk, seed=i)
+            exact = _exact(q[:, pos], pos, k, v, bias, d ** -0.5, window)
+            out = _run(q, pos, k, v, bias, d ** -0.5, window)
+            bound = 2e-5 if dtype == torch.float32 else 2 ** -8 * (1 + exact.abs().max().item())
+            assert (out.double() - exact).abs().max() < bound
+
+
+# ------------------------------------------------------------- blend end to end
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_blend_through_the_kernel_equals_blend_through_torch(fresh_kernel, arch):
+    """float32: every mode's first-token log-probs within 1e-4 and the same greedy tokens, the
+    kernel on and off (a hybrid model's windows too)."""
+    from tests.test_engine import DOCS, QUESTION, make_engine
+
+    with make_engine(arch, stale_bias=True) as engine:
+        assert engine.runner.native_blend
+        engine.ingest(DOCS)
+        runs = {}
+        for native_on in (True, False):
+            engine.runner.native_blend = native_on
+            engine.runner.strategies.clear()
+            runs[native_on] = [engine.generate(QUESTION, DOCS, mode=mode, recompute_ratio=r, max_new_tokens=6)
+                               for mode, r in (("blend", 0.05), ("blend", 0.15), ("blend", 0.5), ("reuse", 0.0),
+                                               ("prefix", 0.0))]
+            used = engine.runner.strategies["native"]
+            assert used > 0 if native_on else used == 0
+    for ours, theirs in zip(runs[True], runs[False], strict=True):
+        assert (ours.first_token_logprobs - theirs.first_token_logprobs).abs().max() < 1e-4
+        assert ours.token_ids == theirs.token_ids
+
+
+# ------------------------------------------------------------- a damaged cache
+def _built(home) -> tuple[os.PathLike, os.PathLike]:
+    lib = native._library_path(native._compiler(), native._torch_libgomp(), native.BLEND)
+    return lib, native._digest_path(lib)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "directory", "fifo", "no-record", "forged-record"])
+@pytest.mark.parametrize("mode", ["auto", "native"])
+def test_a_damaged_library_is_set_aside_and_rebuilt_never_loaded(fresh_kernel, monkeypatch, tmp_path, damage, mode):
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    monkeypatch.setenv("KVBLEND_DECODE_KERNEL", mode)
+    assert blend_kernel() is not None
+    lib, record = _built(tmp_path)
+    good = lib.read_bytes()
+    _clear()
+    lib.unlink()
+    if damage == "truncated":  # loading half a library would be a bus error
+        lib.write_bytes(good[: len(good) // 2])
+    elif damage == "directory":
+        lib.mkdir()
+    elif damage == "fifo":  # reading it would block
+        os.mkfifo(lib)
+    elif damage == "no-record":
+        lib.write_bytes(good)
+        record.unlink()
+    else:  # a record that does not match the bytes
+        lib.write_bytes(good[:-8] + b"\0" * 8)
+    assert blend_kernel() is not None  # rebuilt, not loaded
+    assert lib.is_file() and native.check_library(lib) is None
+    q, k, v, bias = _inputs(2, 3, 64, 80, torch.float32, seed=9)
+    pos = torch.arange(40, 80)
+    assert (_run(q, pos, k, v, bias, 0.125, None).double()
+            - _exact(q[:, pos], pos, k, v, bias, 0.125, None)).abs().max() < 2e-5
+
+
+def test_a_killed_build_s_directory_is_removed_by_the_next_build(fresh_kernel, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    kernels = tmp_path / "kernels"
+    left = kernels / ".build-killed"
+    left.mkdir(parents=True)
+    (left / "kernel.o").write_bytes(b"half an object")
+    old = native.time.time() - 2 * native.STALE_BUILD_S
+    os.utime(left, (old, old))
+    recent = kernels / ".build-running"  # another process's build in progress: left alone
+    recent.mkdir()
+    assert blend_kernel() is not None
+    assert not left.exists() and recent.exists()
+    assert not [p for p in kernels.iterdir() if ".bad-" in p.name]
