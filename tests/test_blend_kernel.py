@@ -279,3 +279,38 @@ def test_a_killed_build_s_directory_is_removed_by_the_next_build(fresh_kernel, m
     assert blend_kernel() is not None
     assert not left.exists() and recent.exists()
     assert not [p for p in kernels.iterdir() if ".bad-" in p.name]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_stale_shift_pass_equals_the_rotated_offset(fresh_kernel, dtype):
+    """native_shift_rows: k[:, rows] += R(rows) dk, v[:, rows] += dv, the other rows untouched;
+    float32 as torch's gathers and scatters compute it, bfloat16 rounded once (closer to float64)."""
+    from blend.model.native import native_shift_rows
+    from blend.recompute.stale import _at_positions
+
+    runner = Runner(tiny_model("llama"))
+    gen = torch.Generator().manual_seed(11)
+    hkv, t, d = runner.kv_heads, 90, runner.head_dim
+    k = torch.randn(hkv, t + 5, d, generator=gen).to(dtype)[:, :t]
+    v = torch.randn(hkv, t + 5, d, generator=gen).to(dtype)[:, :t]
+    rows = torch.tensor([3, 4, 17, 40, 41, 42, 88])
+    dk, dv = torch.randn(hkv, d, generator=gen) * 0.1, torch.randn(hkv, d, generator=gen) * 0.1
+    cos, sin = runner.rotation(rows)
+    exact_k, exact_v = k.double().clone(), v.double().clone()
+    exact_k[:, rows] += _at_positions(dk[:, None].double(), cos.double(), sin.double())
+    exact_v[:, rows] += dv[:, None].double()
+    ours_k, ours_v = k.clone(), v.clone()
+    assert native_shift_rows(ours_k, ours_v, rows, dk, dv, cos, sin)
+    theirs_k, theirs_v = k.clone(), v.clone()
+    theirs_k[:, rows] += _at_positions(dk[:, None], cos, sin).to(dtype)
+    theirs_v[:, rows] += dv[:, None].to(dtype)
+    others = torch.ones(t, dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(ours_k[:, others], k[:, others]) and torch.equal(ours_v[:, others], v[:, others])
+    if dtype == torch.float32:
+        assert (ours_k - theirs_k).abs().max() < 1e-6 and torch.equal(ours_v, theirs_v)
+    else:
+        for ours, theirs, exact in ((ours_k, theirs_k, exact_k), (ours_v, theirs_v, exact_v)):
+            assert (ours.double() - exact).abs().sum() <= (theirs.double() - exact).abs().sum()
+            assert (ours.double() - exact).abs().max() <= 2 ** -8 * (1 + exact.abs().max())
+    assert not native_shift_rows(k, v, torch.tensor([t]), dk, dv, *runner.rotation(torch.tensor([t])))  # past T

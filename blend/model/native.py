@@ -73,16 +73,18 @@ class KernelSpec:
 
     title: str  # in messages: "the decode kernel"
     source: Path
-    symbol: str
-    argtypes: tuple[type, ...]
+    functions: tuple[tuple[str, tuple[type, ...]], ...]  # exported name, argument types (each returns int)
 
 
-DECODE = KernelSpec("decode kernel", KERNEL_DIR / "decode_attention.c", "kvb_decode_attention_batch",
-                    (*[_INT] * 5, _PTR))
-BLEND = KernelSpec("blend attention kernel", KERNEL_DIR / "blend_attention.c", "kvb_blend_attention",
-                   (_INT, _INT, _INT, _INT, _INT, _LONG, ctypes.c_float, _INT, _PTR,  # kind..pos
-                    _PTR, _LONG, _LONG, _PTR, _LONG, _LONG, _PTR, _LONG, _LONG,  # q, k, v and their strides
-                    _PTR, _LONG, _PTR, _LONG))  # bias, out
+DECODE = KernelSpec("decode kernel", KERNEL_DIR / "decode_attention.c",
+                    (("kvb_decode_attention_batch", (*[_INT] * 5, _PTR)),))
+BLEND = KernelSpec("blend attention kernel", KERNEL_DIR / "blend_attention.c", (
+    ("kvb_blend_attention", (_INT, _INT, _INT, _INT, _INT, _LONG, ctypes.c_float, _INT, _PTR,  # kind..pos
+                             _PTR, _LONG, _LONG, _PTR, _LONG, _LONG, _PTR, _LONG, _LONG,  # q, k, v, strides
+                             _PTR, _LONG, _PTR, _LONG)),  # bias, out
+    ("kvb_shift_rows", (_INT, _INT, _INT, _LONG, _PTR, _PTR, _LONG, _LONG, _PTR, _LONG, _LONG,  # ..k, v
+                        _PTR, _PTR, _PTR, _PTR)),  # dk, dv, cos, sin
+))
 SOURCE = DECODE.source
 
 
@@ -264,7 +266,7 @@ def _load(spec: KernelSpec = DECODE) -> ctypes.CDLL:
                 raise NativeBuildError(f"the {spec.title} just built at {target} is {problem}")
         try:
             lib = ctypes.CDLL(str(target))
-            fn = getattr(lib, spec.symbol)
+            fns = [(getattr(lib, name), argtypes) for name, argtypes in spec.functions]
             break
         except (OSError, AttributeError) as err:
             if attempt:
@@ -273,8 +275,9 @@ def _load(spec: KernelSpec = DECODE) -> ctypes.CDLL:
     if set(libgomp_paths()) - before:
         raise NativeBuildError(f"{target} brought a second OpenMP runtime; delete it and rebuild, or set "
                                "KVBLEND_DECODE_KERNEL=torch")
-    fn.restype = ctypes.c_int
-    fn.argtypes = list(spec.argtypes)
+    for fn, argtypes in fns:
+        fn.restype = ctypes.c_int
+        fn.argtypes = list(argtypes)
     return lib
 
 
@@ -402,3 +405,29 @@ def native_blend_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor
         bias.data_ptr() if bias is not None else None, bias.stride(0) if bias is not None else 0,
         out.data_ptr(), out.stride(0))
     return done == 0
+
+
+def native_shift_rows(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """k[:, rows] += R(rows) dk and v[:, rows] += dv in place, rounded once (the stale rows'
+    K/V offset): k, v (Hkv, T, D) float32 or bfloat16, rows contiguous; rows (R,) int64 host
+    positions < T; dk, dv (Hkv, D) float32; cos, sin (R, D) float32, the rows' rotations.
+    False (nothing changed) where the kernel does not apply."""
+    lib = blend_kernel()
+    kind = KINDS.get(k.dtype)
+    if lib is None or kind is None or v.dtype != k.dtype or k.dim() != 3 or v.shape != k.shape:
+        return False
+    hkv, t, d = k.shape
+    n = rows.numel()
+    tensors = (k, v, rows, dk, dv, cos, sin)
+    if (any(x.device.type != "cpu" for x in tensors) or k.stride(2) != 1 or v.stride(2) != 1 or d % 2
+            or d > MAX_HEAD_DIM or rows.dtype != torch.int64 or not rows.is_contiguous()
+            or any(x.dtype != torch.float32 or not x.is_contiguous() for x in (dk, dv, cos, sin))
+            or tuple(dk.shape) != (hkv, d) or tuple(dv.shape) != (hkv, d)
+            or tuple(cos.shape) != (n, d) or tuple(sin.shape) != (n, d)):
+        return False
+    if n and (int(rows.min()) < 0 or int(rows.max()) >= t):
+        return False
+    return lib.kvb_shift_rows(kind, hkv, d, n, rows.data_ptr(), k.data_ptr(), k.stride(0), k.stride(1),
+                              v.data_ptr(), v.stride(0), v.stride(1), dk.data_ptr(), dv.data_ptr(),
+                              cos.data_ptr(), sin.data_ptr()) == 0

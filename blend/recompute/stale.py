@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from blend.model.cache import KVCache
+from blend.model.native import native_shift_rows
 from blend.model.runner import Runner, apply_rope
 from blend.recompute.plan import _EMPTY
 from blend.recompute.selector import stale_key_bias
@@ -95,8 +96,11 @@ class StaleKeys:
             self._rotation[kind] = runner.rotation(self.rows, layer)
         st_cos, st_sin = self._rotation[kind]  # (T, D) of the T stale rows
         keys, values, st = cache.k[layer], cache.v[layer], self.rows_dev
-        keys[:, st] += _at_positions(dk, st_cos, st_sin).to(keys.dtype)
-        values[:, st] += dv.to(values.dtype)
+        # on a CPU one native pass over the stale rows (their K/V rounded once); elsewhere gathers and scatters
+        if not (runner.native_blend and native_shift_rows(keys, values, self.rows, dk[:, 0].contiguous(),
+                                                           dv[:, 0].contiguous(), st_cos, st_sin)):
+            keys[:, st] += _at_positions(dk, st_cos, st_sin).to(keys.dtype)
+            values[:, st] += dv.to(values.dtype)
         return loaded_k + _at_positions(dk, cos, sin).to(loaded_k.dtype)
 
     def skip(self) -> None:

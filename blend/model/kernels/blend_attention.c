@@ -692,3 +692,38 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     free(items), free(pool), free(block_of), free(starts);
     return 0;
 }
+
+/* The stale rows' K/V offset (blend/recompute/stale.py, `stale_shift`): for each row r,
+ *   k[h, rows[r]] += R(rows[r]) dk[h],   v[h, rows[r]] += dv[h]
+ * with R(p) the row's RoPE rotation given as cos, sin (n, d) float32 (rotate-half layout:
+ * [x1 c - x2 s, x2 c + x1 s]), dk, dv (hkv, d) float32; K/V float32 or bfloat16 (rounded
+ * once, after the sum), rows contiguous. One pass over the rows, shared by the threads. */
+int kvb_shift_rows(int kind, int hkv, int d, long n, const int64_t *rows, void *k, long k_head, long k_row, void *v,
+                   long v_head, long v_row, const float *dk, const float *dv, const float *cos, const float *sin) {
+    if ((kind != BKIND_F32 && kind != BKIND_BF16) || hkv < 1 || d < 2 || d % 2 || d > BLEND_MAX_D || n < 0) return -1;
+    const int half = d / 2, es = kind == BKIND_F32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (n * hkv * d >= 65536)
+    for (long r = 0; r < n; r++) {
+        const float *c = cos + r * d, *s = sin + r * d;
+        for (int h = 0; h < hkv; h++) {
+            const float *a = dk + (long)h * d, *b = dv + (long)h * d;
+            float add[BLEND_MAX_D];
+            for (int x = 0; x < half; x++) {
+                add[x] = a[x] * c[x] - a[x + half] * s[x];
+                add[x + half] = a[x + half] * c[x + half] + a[x] * s[x + half];
+            }
+            char *kr = (char *)k + (h * k_head + rows[r] * k_row) * es;
+            char *vr = (char *)v + (h * v_head + rows[r] * v_row) * es;
+            if (kind == BKIND_F32) {
+                float *kf = (float *)(void *)kr, *vf = (float *)(void *)vr;
+                for (int x = 0; x < d; x++) kf[x] += add[x];
+                for (int x = 0; x < d; x++) vf[x] += b[x];
+            } else {
+                uint16_t *kb = (uint16_t *)(void *)kr, *vb = (uint16_t *)(void *)vr;
+                for (int x = 0; x < d; x++) kb[x] = f32_to_b16(b16_to_f32(kb[x]) + add[x]);
+                for (int x = 0; x < d; x++) vb[x] = f32_to_b16(b16_to_f32(vb[x]) + b[x]);
+            }
+        }
+    }
+    return 0;
+}
