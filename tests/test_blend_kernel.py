@@ -314,3 +314,24 @@ def test_the_stale_shift_pass_equals_the_rotated_offset(fresh_kernel, dtype):
             assert (ours.double() - exact).abs().sum() <= (theirs.double() - exact).abs().sum()
             assert (ours.double() - exact).abs().max() <= 2 ** -8 * (1 + exact.abs().max())
     assert not native_shift_rows(k, v, torch.tensor([t]), dk, dv, *runner.rotation(torch.tensor([t])))  # past T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 40])
+def test_column_sums_equal_the_query_pass_probabilities(fresh_kernel, dtype, window):
+    """The query pass's shape (the last rows over every key): the kernel's column sums equal
+    query_probs summed over the rows and heads of each KV head, and its output their product
+    with the values."""
+    from blend.recompute.selector import query_probs
+
+    hkv, g, d, tk, nq = 3, 3, 64, 700, 90  # 90 rows x 3 heads: two row blocks per head
+    q, k, v, _ = _inputs(hkv, g, d, tk, dtype, seed=21)
+    pos = torch.arange(tk - nq, tk)
+    out = torch.full((nq, hkv * g * d), float("nan"), dtype=dtype)
+    sums = torch.full((hkv, tk), float("nan"))
+    assert native_blend_attention(q[:, pos], pos, k, v, None, 0.125, window, out, sums)
+    probs = query_probs(q[:, pos].double(), k.double(), 0.125, tk - nq, window)  # (Hkv, g*Q, Tk)
+    assert (sums.double() - probs.sum(1)).abs().max() < 1e-5 * nq * g
+    exact = _exact(q[:, pos], pos, k, v, None, 0.125, window)
+    bound = 2e-5 if dtype == torch.float32 else 2 ** -8 * (1 + exact.abs().max().item())
+    assert (out.double() - exact).abs().max() < bound

@@ -81,7 +81,7 @@ DECODE = KernelSpec("decode kernel", KERNEL_DIR / "decode_attention.c",
 BLEND = KernelSpec("blend attention kernel", KERNEL_DIR / "blend_attention.c", (
     ("kvb_blend_attention", (_INT, _INT, _INT, _INT, _INT, _LONG, ctypes.c_float, _INT, _PTR,  # kind..pos
                              _PTR, _LONG, _LONG, _PTR, _LONG, _LONG, _PTR, _LONG, _LONG,  # q, k, v, strides
-                             _PTR, _LONG, _PTR, _LONG)),  # bias, out
+                             _PTR, _LONG, _PTR, _LONG, _PTR)),  # bias, out, column sums
     ("kvb_shift_rows", (_INT, _INT, _INT, _LONG, _PTR, _PTR, _LONG, _LONG, _PTR, _LONG, _LONG,  # ..k, v
                         _PTR, _PTR, _PTR, _PTR)),  # dk, dv, cos, sin
 ))
@@ -368,7 +368,8 @@ def blend_kernel_name() -> str:
 
 
 def native_blend_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           bias: torch.Tensor | None, scale: float, window: int | None, out: torch.Tensor) -> bool:
+                           bias: torch.Tensor | None, scale: float, window: int | None, out: torch.Tensor,
+                           colsum: torch.Tensor | None = None) -> bool:
     """Exact attention of query rows at sorted positions by the native kernel, into `out`;
     False (nothing written) where it does not apply: no kernel, not a CPU, a dtype or
     layout it does not read.
@@ -377,7 +378,9 @@ def native_blend_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor
     Tk, D) hold positions 0..Tk-1, all three float32 or all bfloat16, rows contiguous (any
     head and row strides); bias (Hkv, Tk) float32 or None: added to every score of key j
     under KV head h (after `scale`); window: a query at p sees keys p - window + 1 .. p
-    (None: 0 .. p). out (Tq, H*D) in q's dtype, rows contiguous.
+    (None: 0 .. p). out (Tq, H*D) in q's dtype, rows contiguous. colsum (Hkv, Tk) float32,
+    contiguous, or None: filled with each key's attention probabilities summed over the query
+    rows and the query heads of its KV head.
     """
     lib = blend_kernel()
     if lib is None:
@@ -398,12 +401,15 @@ def native_blend_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.stride(1) != 1
                              or tuple(bias.shape) != (hkv, tk)):
         return False
+    if colsum is not None and (colsum.dtype != torch.float32 or colsum.device.type != "cpu"
+                               or not colsum.is_contiguous() or tuple(colsum.shape) != (hkv, tk)):
+        return False
     done = lib.kvb_blend_attention(
         kind, hkv, heads // hkv, d, tq, tk, scale, window or 0, q_pos.data_ptr(),
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
         v.data_ptr(), v.stride(0), v.stride(1),
         bias.data_ptr() if bias is not None else None, bias.stride(0) if bias is not None else 0,
-        out.data_ptr(), out.stride(0))
+        out.data_ptr(), out.stride(0), colsum.data_ptr() if colsum is not None else None)
     return done == 0
 
 

@@ -426,6 +426,22 @@ class Runner:
         self.strategies["native"] += 1
         return out
 
+    def attend_with_sums(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         window: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`attend` (no bias) that also sums each key's attention probability over the query
+        rows and the query heads of its KV head: (Tq, H*D) and (Hkv, Tk) float32. The native
+        kernel only (a CPU): None where it does not run (the caller computes the probabilities)."""
+        if not self.native_blend:
+            return None
+        tq, tk = q.shape[1], k.shape[1]
+        pos = q_pos if q_pos.dtype == torch.int64 and q_pos.is_contiguous() else q_pos.long().contiguous()
+        out = torch.empty((tq, q.shape[0] * q.shape[2]), dtype=q.dtype)
+        sums = torch.empty((k.shape[0], tk), dtype=torch.float32)
+        if not native_blend_attention(q, pos, k, v, None, self.scaling, window, out, sums):
+            return None
+        self.strategies["native"] += 1
+        return out, sums
+
     def _attend_biased(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        bias: torch.Tensor) -> torch.Tensor:
         """`attend` with a per-key logit bias: one call with a broadcast mask for a single

@@ -172,12 +172,19 @@ def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
         q, k, v = runner.qkv(layer, h, cos, sin)  # (H, F+Q, D), (Hkv, F+Q, D) x2
         cache.write(layer, rows_dev, k, v, n)
         keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]
-        probs = query_probs(q[:, nf:], keys, runner.scaling, q_start, runner.windows[layer])  # (Hkv, g*Q, N)
-        fused.add(layer, probs, values)
+        # a CPU's native kernel: the query rows' output and each key's summed probability in one call
+        both = runner.attend_with_sums(q[:, nf:], plan.query_rows, keys, values, runner.windows[layer])
+        if both is not None:
+            out, sums = both  # (Q, H*D), (Hkv, N)
+            fused.add_sums(layer, sums, values)
+        else:
+            probs = query_probs(q[:, nf:], keys, runner.scaling, q_start, runner.windows[layer])  # (Hkv, g*Q, N)
+            fused.add(layer, probs, values)
         if layer < plan.query_layers - 1:
-            heads, tq, d = q[:, nf:].shape
-            out = (probs.to(values.dtype) @ values).reshape(heads, tq, d)  # (H, Q, D)
-            out = out.transpose(0, 1).reshape(tq, -1)  # (Q, H*D)
+            if both is None:
+                heads, tq, d = q[:, nf:].shape
+                out = (probs.to(values.dtype) @ values).reshape(heads, tq, d)  # (H, Q, D)
+                out = out.transpose(0, 1).reshape(tq, -1)  # (Q, H*D)
             if nf:
                 out = torch.cat([runner.attend(q[:, :nf], fresh, keys[:, :nf], values[:, :nf],
                                                window=runner.windows[layer]), out])

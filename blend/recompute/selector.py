@@ -257,6 +257,20 @@ class QueryAttention:
         self.total = score if self.total is None else self.total + score
         self.layers += 1
 
+    def add_sums(self, layer: int, sums: torch.Tensor, v: torch.Tensor) -> None:
+        """`add` from each key's probabilities already summed over the query rows and the
+        query heads of its KV head: sums (Hkv, N) float32 (the native kernel's column sums;
+        the same scores as `add`'s mean, which the normalisation makes equal)."""
+        if layer < self.first_layer:
+            return
+        a = sums[:, : self.n_context]  # (Hkv, C)
+        if self.value_weighted:
+            a = a * v[:, : self.n_context].float().norm(dim=-1)
+        score = a.sum(dim=0)  # (C,)
+        score = score / score.sum().clamp_min(1e-12)
+        self.total = score if self.total is None else self.total + score
+        self.layers += 1
+
     def scores(self) -> torch.Tensor:
         """(C,) fused scores of context positions 0..C-1 (uniform when no layer was added)."""
         if self.total is None:

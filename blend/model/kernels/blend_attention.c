@@ -7,7 +7,9 @@
  * A row at position p sees the keys lo(p) .. p, lo(p) = 0, or max(0, p - window + 1) in a
  * sliding-window layer. q (hkv*g, tq, d), k, v (hkv, tk, d), all float32 or all bfloat16,
  * rows contiguous (any head and row strides); bias (hkv, tk) float32 or NULL; out
- * (tq, hkv*g*d) in q's dtype, rows contiguous.
+ * (tq, hkv*g*d) in q's dtype, rows contiguous. With `colsum` (hkv, tk) float32, also each
+ * key's attention probabilities summed over the query vectors of its KV head (the query
+ * pass's scores: blend/recompute/layers.py), in two passes over the keys (the sums first).
  *
  * Flash attention, cut the way this shape needs: the rows of a KV head come in row blocks
  * (at most MAX_M query vectors: the g query heads of up to MAX_M / g rows, all scored
@@ -362,17 +364,43 @@ static void load_queries(const call_t *C, int h, int r0, int r1, void *qbuf) {
 
 /* One work item: rows r0..r1-1 of head h over keys k0..k1-1. Leaves per query vector the
  * running maximum mx[m], sum l[m] and unnormalised weighted values o[m][d]. */
-static void run_item(const call_t *C, const item_t *it, float *mx, float *l, float *o) {
-    const int g = C->g, d = C->d, h = it->h;
-    const int nm = (it->r1 - it->r0) * g;
-    _Alignas(64) float s[MAX_M * BK];
+/* Passes of run_item: FLASH (one pass, online softmax), or for column sums STATS (the final
+ * maximum and sum of each query vector, no values) then NORMALISED (probabilities divided by
+ * their sum: the values' weighted sum is the output, and each key's probabilities are added
+ * to its column sum). */
+enum { FLASH = 0, STATS = 1, NORMALISED = 2 };
+
+static void run_pass(const call_t *C, const item_t *it, const void *qbuf, int pass, float *mx, float *l, float *o,
+                     float *colsum);
+
+/* One work item: rows r0..r1-1 of head h over keys k0..k1-1. Leaves per query vector the
+ * running maximum mx[m], sum l[m] and unnormalised weighted values o[m][d]; with `colsum`
+ * (tpad floats, indexed by packed key), o normalised (l = 1) and the column sums added. */
+static void run_item(const call_t *C, const item_t *it, float *mx, float *l, float *o, float *colsum) {
     _Alignas(64) float qbuf[MAX_M * BLEND_MAX_D]; /* float32, or bfloat16 in its first half */
-    load_queries(C, h, it->r0, it->r1, qbuf);
+    load_queries(C, it->h, it->r0, it->r1, qbuf);
+    const int nm = (it->r1 - it->r0) * C->g;
     for (int m = 0; m < nm; m++) {
         mx[m] = -INFINITY;
         l[m] = 0.0f;
     }
-    memset(o, 0, (size_t)nm * d * sizeof(float));
+    memset(o, 0, (size_t)nm * C->d * sizeof(float));
+    if (!colsum) {
+        run_pass(C, it, qbuf, FLASH, mx, l, o, NULL);
+        return;
+    }
+    run_pass(C, it, qbuf, STATS, mx, l, o, NULL);
+    for (int m = 0; m < nm; m++) l[m] = l[m] > 0.0f ? 1.0f / l[m] : 0.0f; /* now the inverse sums */
+    run_pass(C, it, qbuf, NORMALISED, mx, l, o, colsum);
+    for (int m = 0; m < nm; m++) l[m] = 1.0f;
+}
+
+static void run_pass(const call_t *C, const item_t *it, const void *qbuf_, int pass, float *mx, float *l, float *o,
+                     float *colsum) {
+    const float *qbuf = (const float *)qbuf_;
+    const int g = C->g, d = C->d, h = it->h;
+    const int nm = (it->r1 - it->r0) * g;
+    _Alignas(64) float s[MAX_M * BK];
     const long first = C->pos[it->r0], last = C->pos[it->r1 - 1];
     const long lo_last = lo_of(C, last);
     const char *kp = (const char *)C->kpack + (long)h * C->tpad * d * (C->pairs ? 2 : 4);
@@ -459,16 +487,29 @@ static void run_item(const call_t *C, const item_t *it, float *mx, float *l, flo
                 total += sr[j];
             }
 #endif
+            if (pass == NORMALISED) { /* mnew is the final maximum; l holds the inverse sums */
+                const float inv = l[m];
+                float *cs = colsum + pj;
+#pragma omp simd
+                for (int j = 0; j < BK; j++) {
+                    sr[j] *= inv;
+                    cs[j] += sr[j];
+                }
+                continue;
+            }
             if (mnew > mx[m] && mx[m] != -INFINITY) {
                 const float corr = exp_le0(mx[m] - mnew);
-                float *om = o + (long)m * d;
-#pragma omp simd
-                for (int x = 0; x < d; x++) om[x] *= corr;
                 l[m] *= corr;
+                if (pass == FLASH) {
+                    float *om = o + (long)m * d;
+#pragma omp simd
+                    for (int x = 0; x < d; x++) om[x] *= corr;
+                }
             }
             mx[m] = mnew;
             l[m] += total;
         }
+        if (pass == STATS) continue;
         /* o += p . v */
         for (int m0 = 0; m0 < nm; m0 += QT_MAX) {
             const int qt = nm - m0 < QT_MAX ? nm - m0 : QT_MAX;
@@ -550,7 +591,7 @@ static void pack_keys(const call_t *C, int h, const char *k, long k_head, long k
 int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float scale, int window,
                         const int64_t *pos, const void *q, long q_head, long q_row, const void *k, long k_head,
                         long k_row, const void *v, long v_head, long v_row, const float *bias, long bias_head,
-                        void *out, long out_row) {
+                        void *out, long out_row, float *colsum) {
     if ((kind != BKIND_F32 && kind != BKIND_BF16) || hkv < 1 || g < 1 || g > MAX_M || d < 2 || d % 2 ||
         d > BLEND_MAX_D || tq < 1 || tk < 1 || window < 0)
         return -1;
@@ -583,7 +624,7 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
 #endif
     const long want = 4L * threads;
     long cuts = 1;
-    if ((long)hkv * nblocks < want) cuts = (want + (long)hkv * nblocks - 1) / ((long)hkv * nblocks);
+    if (!colsum && (long)hkv * nblocks < want) cuts = (want + (long)hkv * nblocks - 1) / ((long)hkv * nblocks);
     long nitems = 0, nparts = 0;
     for (int b = 0; b < nblocks; b++) {
         const long span = pos[starts[b + 1] - 1] + 1 - lo_of(&C, pos[starts[b]]);
@@ -598,7 +639,8 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     const size_t vbytes = vwiden ? (size_t)hkv * C.tpad * d * 4 : 0;
     const size_t bbytes = bias ? (size_t)hkv * C.tpad * 4 : 0;
     const size_t pbytes = (size_t)nparts * MAX_M * (d + 2) * 4;
-    char *pool = malloc(kbytes + vbytes + bbytes + pbytes + 64);
+    const size_t cbytes = colsum ? (size_t)nitems * C.tpad * 4 : 0; /* each item's column sums */
+    char *pool = malloc(kbytes + vbytes + bbytes + pbytes + cbytes + 64);
     long *block_of = malloc((size_t)(nitems + 1) * sizeof(long)); /* first item of each (head, block) */
     if (!items || !pool || !block_of) {
         free(items), free(pool), free(block_of), free(starts);
@@ -608,6 +650,8 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     float *vwide = vwiden ? (float *)(void *)(pool + kbytes) : NULL;
     C.bpack = bias ? (float *)(void *)(pool + kbytes + vbytes) : NULL;
     float *parts = (float *)(void *)(pool + kbytes + vbytes + bbytes);
+    float *sums = colsum ? (float *)(void *)(pool + kbytes + vbytes + bbytes + pbytes) : NULL;
+    if (sums) memset(sums, 0, cbytes);
     if (vwiden) {
         C.vbase = vwide, C.v_head = C.tpad * d, C.v_row = d;
     } else { /* float32 values read where they are; packed index 0 is key kmin */
@@ -650,11 +694,11 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
         for (long i = 0; i < n; i++) {
             const item_t *it = &items[i];
             if (it->part < 0) {
-                run_item(&C, it, mx, l, o);
+                run_item(&C, it, mx, l, o, sums ? sums + i * C.tpad : NULL);
                 write_rows(&C, it->h, it->r0, it->r1, l, o);
             } else {
                 float *p = parts + it->part * MAX_M * (d + 2);
-                run_item(&C, it, p, p + MAX_M, p + 2 * MAX_M);
+                run_item(&C, it, p, p + MAX_M, p + 2 * MAX_M, NULL);
             }
         }
         free(o);
@@ -687,6 +731,15 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
                 memcpy(first + 2 * MAX_M + (long)m * d, acc, (size_t)d * sizeof(float));
             }
             write_rows(&C, it->h, it->r0, it->r1, first + MAX_M, first + 2 * MAX_M);
+        }
+    }
+    if (colsum) { /* each head's column sums over its row blocks, at the keys' own indices */
+        memset(colsum, 0, (size_t)hkv * tk * sizeof(float));
+        for (long i = 0; i < n; i++) {
+            float *dst = colsum + (long)items[i].h * tk + C.kmin;
+            const float *src = sums + i * C.tpad;
+            const long upto = C.tpad < tk - C.kmin ? C.tpad : tk - C.kmin;
+            for (long j = 0; j < upto; j++) dst[j] += src[j];
         }
     }
     free(items), free(pool), free(block_of), free(starts);
