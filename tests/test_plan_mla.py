@@ -249,12 +249,15 @@ def test_plan_inputs_refuse_both_shapes():
                         link_gibps=1, mla=MLAShape(0, 64)))
 
 
-def test_store_stats_gives_no_bytes_for_an_mla_model():
+def test_store_stats_gives_no_bytes_for_an_mla_model(tmp_path):
+    """Not the K/V bytes of its 128 heads (the codecs cannot hold an MLA cache; the engine never runs one)."""
     from blend.cli.store import bytes_per_token
     from blend.config import EngineConfig
 
-    config = EngineConfig.from_mapping({"model": "deepseek-v3", "store": {"tiers": [{"kind": "cpu"}]}})
-    assert set(bytes_per_token(config).values()) == {None}
+    v3 = _model_dir(tmp_path / "v3", {**KIMI_CONFIG, "model_type": "deepseek_v3", "num_attention_heads": 128})
+    for model in (str(v3), "deepseek-v3"):
+        config = EngineConfig.from_mapping({"model": model, "store": {"tiers": [{"kind": "cpu"}]}})
+        assert set(bytes_per_token(config).values()) == {None}
 
 
 def test_readme_mla_rows_are_the_codec_sizes():

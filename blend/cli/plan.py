@@ -16,8 +16,8 @@ from blend.planning import planner
 from blend.planning.planner import (
     DEFAULT_KV_DTYPE_BYTES,
     DEFAULT_MIN_RATIO,
-    PROFILE_TOKENS,
     MLA_AND_MHA,
+    PROFILE_TOKENS,
     MLAShape,
     ModelKVShape,
     PlanInputs,
