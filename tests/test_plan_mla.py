@@ -275,3 +275,18 @@ def test_readme_mla_rows_are_the_codec_sizes():
         assert cells[3] == " / ".join(f"{round(20 * 2**30 / b):,}" for b in block)
     assert CODECS["none"].mla_layer_nbytes(512, 512, 64, "float16") == 512 * 576 * 2
     assert CODECS["int8"].mla_layer_nbytes(512, 512, 64, "float16") == 512 * 512 + 512 * 2 + 512 * 64 + 4 * 64 * 4
+
+
+def test_mla_shapes_are_the_published_models():
+    """Built on the meta device (nothing allocated), each shape has its published size: DeepSeek-V2-Lite
+    15.7B parameters, V2 236B, V3 671B (without its multi-token-prediction layer), Kimi-K2 1.03T."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from blend.model.loading import random_config
+
+    for name, billions in (("deepseek-v2-lite", 15.7), ("deepseek-v2", 235.7), ("deepseek-v3", 671.0),
+                           ("kimi-k2", 1026.4)):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(random_config(name))
+        assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.05), name
