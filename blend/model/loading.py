@@ -283,7 +283,8 @@ def check_supported(config) -> ModelDims:
     arch = getattr(config, "model_type", None)
     rank = getattr(config, "kv_lora_rank", None)
     if rank is not None:
-        raise ValueError(MLA_UNSUPPORTED.format(arch=arch, rank=rank) + MLA_PLAN_HINT)
+        raise ValueError(MLA_UNSUPPORTED.format(arch=arch, rank=rank) + f" (supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)})" + MLA_PLAN_HINT)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
