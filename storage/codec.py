@@ -93,6 +93,17 @@ class Codec:
         k, v = self.part_nbytes(kv_heads, num_tokens, head_dim, kv_dtype)
         return k + v
 
+    def mla_layer_nbytes(self, num_tokens: int, latent_dim: int, rope_head_dim: int, kv_dtype: str) -> int:
+        """Bytes one MLA layer of `num_tokens` (a latent of `latent_dim` and a RoPE key of
+        `rope_head_dim` elements per token) would take in this codec's scale layout. Sizing only:
+        `encode_layer` takes K and V per head, not an MLA cache. The RoPE key is counted as one key
+        head of `rope_head_dim` channels (per channel in groups of tokens, like every key), the latent
+        as one value head of `latent_dim` channels (per token: int8 one scale, int4 groups of 64
+        channels; DeepSeek's own FP8 latent cache also scales per token)."""
+        rope_key, _ = self.part_nbytes(1, num_tokens, rope_head_dim, kv_dtype)
+        _, latent = self.part_nbytes(1, num_tokens, latent_dim, kv_dtype)
+        return rope_key + latent
+
     def supports(self, head_dim: int) -> bool:
         """Whether layers of this head_dim can be encoded (int4 packs two codes a byte: an even head_dim)."""
         return self.raw or self.bits == 8 or head_dim % 2 == 0

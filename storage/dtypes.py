@@ -42,3 +42,10 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: str | i
     `dtype` is a dtype name or a number of bytes per element."""
     size = dtype if isinstance(dtype, int) and not isinstance(dtype, bool) else dtype_bytes(dtype)
     return 2 * layers * kv_heads * head_dim * size
+
+
+def mla_bytes_per_token(layers: int, latent_dim: int, rope_head_dim: int, dtype: str | int) -> int:
+    """An MLA cache (DeepSeek-V2/V3) for one token: per layer one latent of `latent_dim` (kv_lora_rank)
+    elements and one RoPE key of `rope_head_dim` elements, shared by every head: layers * (R + D) * bytes."""
+    size = dtype if isinstance(dtype, int) and not isinstance(dtype, bool) else dtype_bytes(dtype)
+    return layers * (latent_dim + rope_head_dim) * size

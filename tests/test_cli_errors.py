@@ -112,6 +112,15 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
     ("budget-below-one-entry", ASK, cfg("model: '{model}'\ndevice: cpu\nstore:\n  tiers:\n    - {kind: cpu, budget: 1KiB}\n"),
      {}),
     ("device-cuda-on-cpu", ASK, engine(device="cuda"), {}),
+    ("model-mla-alias", ASK, cfg("model: deepseek-v3\n" + CPU_STORE), {}),  # a shape without weights, and MLA
+    ("model-mla-random", ASK, cfg("model: 'random:kimi-k2'\n" + CPU_STORE), {}),
+    ("model-mla-local", ASK, {"c.yaml": "model: '{tmp}/m'\n" + CPU_STORE,
+                              "m/config.json": '{"model_type": "kimi_k2", "kv_lora_rank": 512}'}, {}),
+    ("plan-mla-and-mha", ["plan", "--tokens", "8", "--layers", "61", "--kv-lora-rank", "512", "--rope-head-dim", "64",
+                          "--kv-heads", "8", "--link-gibps", "1", "--prefill-tokens-per-s", "1"], {}, {}),
+    ("plan-mla-no-rate", ["plan", "--model", "deepseek-v3", "--tokens", "8", "--link-gibps", "1"], {}, {}),
+    ("plan-tp-uneven", ["plan", "--tokens", "8", "--layers", "2", "--kv-heads", "8", "--head-dim", "8", "--tp", "3",
+                        "--link-gibps", "1", "--prefill-tokens-per-s", "1"], {}, {}),
     # ---- the environment
     ("env-device", STATS, cfg(CPU_STORE), {"KVBLEND_DEVICE": "banana"}),
     ("env-dtype", STATS, cfg(CPU_STORE), {"KVBLEND_DTYPE": "fp8"}),
@@ -269,7 +278,8 @@ def test_settings_checked_against_the_model_name_the_file_too(case, key, tmp_pat
 
 
 SUBPROCESS_CASES = ["yaml-syntax", "engine-list", "ask-ratio-1.5", "bench-load-size-negative", "ask-doc-missing",
-                    "ask-doc-not-utf8", "model-config-json-corrupt", "redis-required-down", "no-command"]
+                    "ask-doc-not-utf8", "model-config-json-corrupt", "redis-required-down", "no-command",
+                    "model-mla-alias", "plan-mla-no-rate"]
 
 
 @pytest.mark.parametrize("case", SUBPROCESS_CASES)

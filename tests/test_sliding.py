@@ -189,7 +189,7 @@ def test_sliding_window_configs_are_accepted_with_their_layer_types():
 def test_unsupported_attention_variants_are_refused_clearly():
     from transformers import DeepseekV3Config, LlamaConfig
 
-    with pytest.raises(ValueError, match="unsupported architecture 'deepseek_v3'.*supported: .*gemma3_text"):
+    with pytest.raises(ValueError, match="'deepseek_v3' uses MLA.*does not run.*supported: .*gemma3_text"):
         check_supported(DeepseekV3Config())  # MLA
     chunked = LlamaConfig()
     chunked.attention_chunk_size = 8192

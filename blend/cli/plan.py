@@ -16,7 +16,9 @@ from blend.planning import planner
 from blend.planning.planner import (
     DEFAULT_KV_DTYPE_BYTES,
     DEFAULT_MIN_RATIO,
+    MLA_AND_MHA,
     PROFILE_TOKENS,
+    MLAShape,
     ModelKVShape,
     PlanInputs,
     PlanResult,
@@ -93,15 +95,24 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
             "CacheBlend recompute ratio."
         ),
     )
-    shape = p.add_argument_group("KV shape (--model, or --layers/--kv-heads/--head-dim)")
-    shape.add_argument("--model", help="alias or local model; dims are read from its config")
+    shape = p.add_argument_group(
+        "KV shape (--model, or --layers/--kv-heads/--head-dim, or --layers/--kv-lora-rank/--rope-head-dim for MLA)")
+    shape.add_argument("--model", help="alias, shape (deepseek-v2-lite, deepseek-v2, deepseek-v3, kimi-k2, "
+                                       "random:<shape>) or local model; dims are read from its config")
     shape.add_argument("--layers", type=_positive_int, help="number of transformer layers L")
     shape.add_argument("--kv-heads", type=_positive_int, help="number of KV heads H")
     shape.add_argument("--head-dim", type=_positive_int, help="head dimension D")
+    shape.add_argument("--kv-lora-rank", type=_positive_int,
+                       help="MLA: elements of the latent each layer caches per token (kv_lora_rank R)")
+    shape.add_argument("--rope-head-dim", type=_positive_int,
+                       help="MLA: elements of the decoupled RoPE key each layer caches per token (qk_rope_head_dim)")
     shape.add_argument(
         "--dtype-bytes", type=_dtype_bytes, default=DEFAULT_KV_DTYPE_BYTES,
         help="bytes per stored KV element: 1, 2 or 4, or float16/bfloat16/float32 (default 2)",
     )
+    shape.add_argument("--tp", type=_positive_int, default=1,
+                       help="tensor-parallel ranks: bytes per rank, and stored when every rank writes vs one copy "
+                            "(MHA/GQA heads split across ranks; every rank holds the whole MLA latent)")
     p.add_argument("--tokens", type=_positive_int, required=True, help="context tokens N to load")
     path = p.add_argument_group("transfer path (at least one stage)")
     path.add_argument("--read-mibps", type=_positive_float, help="storage read bandwidth, MiB/s")
@@ -124,15 +135,27 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def _inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     """Resolve the KV shape, validate the path, and get the prefill rate (may measure)."""
     dims = (args.layers, args.kv_heads, args.head_dim)
+    mla_dims = (args.kv_lora_rank, args.rope_head_dim)
+    if any(d is not None for d in mla_dims) and any(d is not None for d in dims[1:]):
+        raise ValueError(MLA_AND_MHA)
     transfer_stages(args.read_mibps, args.read_iops, args.io_block, args.link_gibps)  # before any model loads
     if args.prefill_tokens_per_s is None and args.model is None:
         raise ValueError("pass --prefill-tokens-per-s, or --model to measure the prefill rate")
     if args.model is not None:
-        if any(d is not None for d in dims):
-            raise ValueError("pass either --model or --layers/--kv-heads/--head-dim, not both")
+        if any(d is not None for d in (*dims, *mla_dims)):
+            raise ValueError("pass either --model or --layers/--kv-heads/--head-dim (MLA: --layers/--kv-lora-rank/"
+                             "--rope-head-dim), not both")
         shape = planner.model_kv_shape(args.model)
+        if args.prefill_tokens_per_s is None and shape.unsupported is not None:
+            raise ValueError(f"{args.model} cannot be run here to measure its prefill rate ({shape.unsupported}); "
+                             "pass --prefill-tokens-per-s")
+    elif any(d is not None for d in mla_dims):
+        if args.layers is None or any(d is None for d in mla_dims):
+            raise ValueError("an MLA cache needs all of --layers, --kv-lora-rank and --rope-head-dim")
+        shape = ModelKVShape(args.layers, None, None, mla=MLAShape(*mla_dims))
     elif any(d is None for d in dims):
-        raise ValueError("pass --model NAME, or all of --layers, --kv-heads and --head-dim")
+        raise ValueError("pass --model NAME, or all of --layers, --kv-heads and --head-dim (MLA: --layers, "
+                         "--kv-lora-rank and --rope-head-dim)")
     else:
         shape = ModelKVShape(*dims)
     rate, source = args.prefill_tokens_per_s, "given"
@@ -145,16 +168,30 @@ def _inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         dtype_bytes=args.dtype_bytes, tokens=args.tokens, prefill_tokens_per_s=rate,
         read_mibps=args.read_mibps, read_iops=args.read_iops, io_block_bytes=args.io_block,
         link_gibps=args.link_gibps, min_ratio=args.min_ratio, prefill_source=source,
-        layer_types=shape.layer_types, window=shape.window,
+        layer_types=shape.layer_types, window=shape.window, mla=shape.mla, tp=args.tp,
     )
 
 
 def format_plan(result: PlanResult) -> list[str]:
     """Human-readable lines for `result`."""
-    lines = [
+    lines = []
+    if result.attention == "mla":
+        lines.append(f"attention          : MLA, per layer and token a latent of {result.latent_dim} and a RoPE key "
+                     f"of {result.rope_head_dim} elements, shared by all heads")
+    lines += [
         f"KV per token       : {result.kv_bytes_per_token} B ({fmt_bytes(result.kv_bytes_per_token)})",
         f"payload            : {result.payload_bytes} B ({fmt_bytes(result.payload_bytes)}) for {result.tokens} tokens",
     ]
+    mha = result.mha_equivalent_bytes_per_token
+    if result.attention == "mla":
+        lines.append(f"MHA formula        : {mha} B ({fmt_bytes(mha)}) per token over the model's heads, "
+                     f"{mha / result.kv_bytes_per_token:.1f}x the MLA bytes" if mha is not None else
+                     "MHA formula        : unknown (pass --model for the heads' dims)")
+    if result.tp > 1:
+        held = "the whole latent" if result.attention == "mla" else "its share of the KV heads"
+        lines.append(f"tensor parallel    : {result.tp} ranks, each holds {held}: {fmt_bytes(result.bytes_per_rank)}; "
+                     f"stored {fmt_bytes(result.stored_bytes_every_rank)} when every rank writes, "
+                     f"{fmt_bytes(result.stored_bytes_single_copy)} as one copy")
     if "sliding" in result.layers_by_type:
         share = result.payload_bytes / result.uniform_payload_bytes
         lines += [

@@ -30,7 +30,7 @@ def _open_store(args: argparse.Namespace, config: Any = None) -> Any:
 def bytes_per_token(config: Any) -> dict[str, float | None]:
     """Per tier of an engine config, the bytes of KV one token takes there: the model's KV shape
     (read from its config, no weights), the tier's codec, full blocks of `chunk_tokens`. None per
-    tier when the model's config cannot be read."""
+    tier when the model's config cannot be read, or is an MLA model's (which the engine cannot run)."""
     from storage.codec import codec_named
     from storage.config import tier_display_name
 
@@ -39,6 +39,8 @@ def bytes_per_token(config: Any) -> dict[str, float | None]:
 
         shape = model_kv_shape(config.model)
     except Exception:  # noqa: BLE001 - an unreadable model config leaves the column empty, never fails stats
+        return {tier_display_name(t): None for t in config.store.tiers}
+    if shape.mla is not None:  # an MLA model never runs here: no tier holds its entries
         return {tier_display_name(t): None for t in config.store.tiers}
     tokens = config.engine.chunk_tokens
     return {tier_display_name(t): codec_named(t.codec).layer_nbytes(shape.kv_heads, tokens, shape.head_dim,

@@ -8,7 +8,9 @@ package itself (it imports `llm`).
 
 `random:<shape>` names (see `RANDOM_SHAPES`) build a published architecture with random
 weights directly on the target device, for benchmarks without downloading weights; they
-use the shipped model's tokenizer.
+use the shipped model's tokenizer. The MLA shapes (deepseek-v2-lite, deepseek-v2,
+deepseek-v3, kimi-k2) are also aliases without the prefix: shapes for `kvblend plan`,
+which no loader runs (`check_supported` refuses MLA).
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the attention of each layer, as transformers' config.layer_types names it -> ours
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+# a config with kv_lora_rank caches one latent per layer and token instead of K and V per head
+MLA_UNSUPPORTED = "{arch!r} uses MLA (multi-head latent attention, kv_lora_rank {rank}), which the layerwise runner does not run"
+MLA_PLAN_HINT = "; `kvblend plan --model NAME --prefill-tokens-per-s RATE` sizes its cache"
 
 
 @dataclass(frozen=True)
@@ -269,12 +274,17 @@ def _layer_types(config, arch: str, max_positions: int) -> tuple[tuple[str, ...]
 def check_supported(config) -> ModelDims:
     """Validate that the runner implements this architecture exactly; return its dims.
 
-    Raises ValueError naming what is unsupported and what is supported: another
-    architecture (e.g. MLA models such as deepseek_v3), a RoPE variant whose rotations
+    Raises ValueError naming what is unsupported and what is supported: MLA (a config with
+    kv_lora_rank: DeepSeek-V2/V3, Kimi-K2; `kvblend plan` sizes their caches), another
+    architecture, a RoPE variant whose rotations
     do not compose, partial rotary, attention variants other than full and sliding-window
     (chunked attention, attention-logit soft-capping, bidirectional attention).
     """
     arch = getattr(config, "model_type", None)
+    rank = getattr(config, "kv_lora_rank", None)
+    if rank is not None:
+        raise ValueError(MLA_UNSUPPORTED.format(arch=arch, rank=rank) + f" (supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)})" + MLA_PLAN_HINT)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -509,17 +519,34 @@ def _local_model(name_or_path: str) -> tuple[str, str, str | None]:
 
 
 def model_config(name_or_path: str):
-    """The transformers config of an alias, a local model or a `random:<shape>` name, without
-    reading weights (a chunked alias: its converted copy, converted once if needed)."""
+    """The transformers config of an alias, a local model, a `random:<shape>` name or a shape
+    alias (`is_shape_alias`), without reading weights (a chunked alias: its converted copy,
+    converted once if needed)."""
     from transformers import AutoConfig
 
     if name_or_path.startswith(RANDOM_PREFIX):
         return random_config(name_or_path[len(RANDOM_PREFIX):])
+    if is_shape_alias(name_or_path):
+        return random_config(name_or_path)
     shipped = ALIASES.get(name_or_path)
     if shipped is not None and shipped.parts:
         return AutoConfig.from_pretrained(_local_model(name_or_path)[0])
     directory, gguf_file = resolve_model(name_or_path)
     return AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+
+
+def local_config_json(name_or_path: str) -> dict | None:
+    """A local model directory's config.json as written (read as JSON, not through transformers:
+    a model type transformers does not know, such as Kimi-K2's kimi_k2, still reads), or None for
+    an alias, a shape, a GGUF file or a file that is not a JSON object."""
+    if name_or_path in ALIASES or name_or_path.startswith(RANDOM_PREFIX) or is_shape_alias(name_or_path):
+        return None
+    path = Path(name_or_path).expanduser() / "config.json"
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def in_own_thread(fn: Callable[[], T], name: str = "kvblend-setup") -> T:
@@ -564,6 +591,13 @@ def _load_model(name_or_path: str, *, device: str | None, dtype: str | torch.dty
 
     if name_or_path.startswith(RANDOM_PREFIX):
         return load_random_model(name_or_path[len(RANDOM_PREFIX):], device=device, dtype=dtype)
+    if is_shape_alias(name_or_path):
+        check_supported(random_config(name_or_path))  # an MLA shape: the reason it cannot run
+        raise ValueError(f"{name_or_path!r} is a shape without weights (for `kvblend plan`); use "
+                         f"{RANDOM_PREFIX}{name_or_path} to run it with random weights")
+    mla = mla_config(local_config_json(name_or_path) or {})
+    if mla is not None:  # before hashing hundreds of GB of weights, and whatever its model_type
+        raise ValueError(MLA_UNSUPPORTED.format(arch=mla.get("model_type"), rank=mla.get("kv_lora_rank")) + MLA_PLAN_HINT)
     target = resolve_device(device)  # fail before reading weights
     directory, source, weights_digest = _local_model(name_or_path)
     config = AutoConfig.from_pretrained(directory)
@@ -605,10 +639,34 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "
 @dataclass(frozen=True)
 class RandomShape:
     """A published architecture to build with random weights: transformers model_type and
-    the kwargs of its config class."""
+    the kwargs of its config class. `alias`: also a model name without the `random:` prefix,
+    a shape with no weights that `kvblend plan --model NAME` sizes (loading it is an error)."""
 
     arch: str
     config: Mapping[str, object]
+    alias: bool = False
+
+
+def _mla_shape(layers: int, hidden: int, heads: int, vocab: int, dense: int, moe: int, experts: int, shared: int,
+               per_token: int, first_dense: int, q_lora_rank: int | None, max_positions: int,
+               rope: Mapping[str, object]) -> dict[str, object]:
+    """The config of a DeepSeek-V2/V3-style model (MLA attention, MoE MLP): every MLA model here
+    caches a 512-element latent and a 64-element RoPE key per layer and token, and its heads
+    have 128 + 64 key and 128 value dims."""
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=dense, moe_intermediate_size=moe,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                kv_lora_rank=512, q_lora_rank=q_lora_rank, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                v_head_dim=128, n_routed_experts=experts, n_shared_experts=shared, num_experts_per_tok=per_token,
+                first_k_dense_replace=first_dense, max_position_embeddings=max_positions, rms_norm_eps=1e-6,
+                rope_parameters=dict(rope), tie_word_embeddings=False)
+
+
+# YaRN from 4k to 160k positions (DeepSeek-V2 / V2-Lite and V3 differ in mscale only)
+_DEEPSEEK_V2_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096}
+_DEEPSEEK_V3_ROPE = {**_DEEPSEEK_V2_ROPE, "mscale": 1.0, "mscale_all_dim": 1.0}
+_KIMI_K2_ROPE = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                 "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
 
 
 RANDOM_SHAPES: dict[str, RandomShape] = {
@@ -644,7 +702,35 @@ RANDOM_SHAPES: dict[str, RandomShape] = {
         num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=4096,
         tie_word_embeddings=False)),
+    # MLA shapes (aliases: no weights; the runner refuses MLA, so `kvblend plan` only), from the published configs
+    "deepseek-v2-lite": RandomShape("deepseek_v2", _mla_shape(
+        layers=27, hidden=2048, heads=16, vocab=102400, dense=10944, moe=1408, experts=64, shared=2, per_token=6,
+        first_dense=1, q_lora_rank=None, max_positions=163840, rope=_DEEPSEEK_V2_ROPE), alias=True),
+    "deepseek-v2": RandomShape("deepseek_v2", _mla_shape(
+        layers=60, hidden=5120, heads=128, vocab=102400, dense=12288, moe=1536, experts=160, shared=2, per_token=6,
+        first_dense=1, q_lora_rank=1536, max_positions=163840, rope=_DEEPSEEK_V2_ROPE), alias=True),
+    "deepseek-v3": RandomShape("deepseek_v3", _mla_shape(
+        layers=61, hidden=7168, heads=128, vocab=129280, dense=18432, moe=2048, experts=256, shared=1, per_token=8,
+        first_dense=3, q_lora_rank=1536, max_positions=163840, rope=_DEEPSEEK_V3_ROPE), alias=True),
+    "kimi-k2": RandomShape("deepseek_v3", _mla_shape(  # model_type kimi_k2 (remote code): DeepSeek-V3's layers
+        layers=61, hidden=7168, heads=64, vocab=163840, dense=18432, moe=2048, experts=384, shared=1, per_token=8,
+        first_dense=1, q_lora_rank=1536, max_positions=131072, rope=_KIMI_K2_ROPE), alias=True),
 }
+
+
+def is_shape_alias(name: str) -> bool:
+    """Whether `name` is a shape alias: a RANDOM_SHAPES entry named without `random:` (no weights)."""
+    spec = RANDOM_SHAPES.get(name)
+    return spec is not None and spec.alias
+
+
+def mla_config(config: Mapping[str, object]) -> Mapping[str, object] | None:
+    """The part of a config.json mapping that describes MLA attention (the mapping itself, or its
+    text_config), or None when it has no kv_lora_rank."""
+    for part in (config, config.get("text_config")):
+        if isinstance(part, Mapping) and part.get("kv_lora_rank") is not None:
+            return part
+    return None
 
 
 def random_config(shape: str):

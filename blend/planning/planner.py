@@ -8,6 +8,16 @@ recompute ratio: loading layer i+1 overlaps recomputing a fraction r of the toke
 layer i, so the load is hidden when r * T_prefill >= T_load, giving
 r = max(r_min, T_load / T_prefill), capped at 1.0.
 
+KV accounting by attention kind (`attention` in the result): "mha" (MHA and GQA: K and V per KV
+head, 2 * L * n * h * d * b), "hybrid" (some layers keep a sliding window of tokens only) and "mla"
+(multi-head latent attention, DeepSeek-V2/V3, Kimi-K2: per layer and token one latent of R =
+kv_lora_rank elements and one RoPE key of D = qk_rope_head_dim elements, shared by every head:
+L * n * (R + D) * b). `mha_equivalent_bytes` is what the MHA formula gives for the model's heads, so
+the difference shows. Under tensor parallelism over N ranks (`tp`) MHA/GQA KV heads split across the
+ranks (h / N each when N divides h; when h divides N each rank holds one head, every head on N / h
+ranks: vLLM's rule; other N are refused), while every rank holds the whole MLA latent: a store that
+every rank writes to keeps N copies of it.
+
 Units: MiB/s = 2**20 bytes/s, GiB/s = 2**30 bytes/s; sizes accept "16KiB", "4096", "1MiB".
 
 CLI: `kvblend plan ...` (see `register_plan`); with `--json` the last stdout line is one
@@ -26,10 +36,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from storage.dtypes import kv_bytes_per_token
+from storage.dtypes import kv_bytes_per_token, mla_bytes_per_token
 from storage.units import GIB, MIB, format_bytes
 
-__all__ = ["GIB", "MIB", "kv_bytes_per_token"]
+__all__ = ["GIB", "MIB", "kv_bytes_per_token", "mla_bytes_per_token"]
 DEFAULT_MIN_RATIO = 0.15
 DEFAULT_KV_DTYPE_BYTES = 2  # KV stored as fp16/bf16
 PROFILE_TOKENS = 512
@@ -46,16 +56,37 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class MLAShape:
+    """What an MLA layer caches per token: a latent of `latent_dim` (kv_lora_rank) elements and a RoPE
+    key of `rope_head_dim` (qk_rope_head_dim) elements, shared by every head. The heads' own dims
+    (`heads`, `qk_nope_head_dim`, `v_head_dim`; None when not known) only price the MHA equivalent:
+    keys of qk_nope + qk_rope dims and values of v_head_dim dims per head."""
+
+    latent_dim: int
+    rope_head_dim: int
+    heads: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+    def mha_bytes_per_token(self, layers: int, dtype_bytes: int) -> int | None:
+        """L * h * (k_dim + v_dim) * b: the K and V the MHA formula would count (None without the heads' dims)."""
+        if self.heads is None or self.qk_nope_head_dim is None or self.v_head_dim is None:
+            return None
+        return layers * self.heads * (self.qk_nope_head_dim + self.rope_head_dim + self.v_head_dim) * dtype_bytes
+
+
+@dataclass(frozen=True)
 class PlanInputs:
     """Everything `plan` needs; all rates are per second, sizes in bytes.
 
-    At least one transfer stage is required: `read_mibps` and/or `read_iops` (with
-    `io_block_bytes`) for storage, `link_gibps` for the link.
+    The KV shape is `kv_heads` and `head_dim` (MHA / GQA, sliding layers by `layer_types`), or
+    `mla` with both of them None. At least one transfer stage is required: `read_mibps` and/or
+    `read_iops` (with `io_block_bytes`) for storage, `link_gibps` for the link.
     """
 
     layers: int
-    kv_heads: int
-    head_dim: int
+    kv_heads: int | None
+    head_dim: int | None
     dtype_bytes: int
     tokens: int
     prefill_tokens_per_s: float
@@ -68,6 +99,8 @@ class PlanInputs:
     # per layer "full" or "sliding" (empty: every layer full); a sliding layer keeps the last `window` tokens
     layer_types: tuple[str, ...] = ()
     window: int | None = None
+    mla: MLAShape | None = None
+    tp: int = 1  # tensor-parallel ranks
 
 
 def kept_token_layers(layers: int, layer_types: Sequence[str], window: int | None, tokens: int) -> int:
@@ -101,6 +134,22 @@ class PlanResult:
     layers_by_type: dict[str, int] = field(default_factory=dict)
     window: int | None = None
     uniform_payload_bytes: int = 0
+    # the attention kind ("mha": MHA / GQA, "hybrid": some sliding layers, "mla"); an MLA layer's latent
+    # and RoPE key dims (None for the others); `bytes_per_token` = `kv_bytes_per_token`
+    attention: str = "mha"
+    latent_dim: int | None = None
+    rope_head_dim: int | None = None
+    bytes_per_token: int = 0
+    # the MHA formula 2 * L * n * h * d * b over the model's heads for the `tokens` (an MLA model: keys of
+    # qk_nope + qk_rope dims and values of v_head_dim dims per head; None when its heads are not known)
+    mha_equivalent_bytes: int | None = None
+    mha_equivalent_bytes_per_token: int | None = None
+    # tensor parallelism over `tp` ranks, for the payload: what each rank holds, what a store keeps when
+    # every rank writes what it holds, and when every byte is written once (MLA: one rank writes)
+    tp: int = 1
+    bytes_per_rank: int = 0
+    stored_bytes_every_rank: int = 0
+    stored_bytes_single_copy: int = 0
 
     def to_dict(self) -> dict:
         """A JSON-ready dict; `stages` becomes a list of {name, bytes_per_s, limited_by}."""
@@ -164,6 +213,26 @@ def recommended_ratio(t_load_s: float, t_prefill_s: float, min_ratio: float = DE
     return min(1.0, max(min_ratio, t_load_s / t_prefill_s))
 
 
+MLA_AND_MHA = ("--kv-lora-rank/--rope-head-dim (MLA: one latent per layer shared by all heads) and "
+               "--kv-heads/--head-dim (MHA/GQA: K and V per head) describe different caches; pass one pair, not both")
+
+
+def heads_per_rank(kv_heads: int, tp: int) -> int:
+    """KV heads each of `tp` tensor-parallel ranks holds (vLLM's rule): kv_heads / tp when tp divides
+    them, one (each head on tp / kv_heads ranks) when kv_heads divides tp; ValueError otherwise."""
+    if kv_heads % tp == 0:
+        return kv_heads // tp
+    if tp % kv_heads == 0:
+        return 1
+    raise ValueError(f"--tp {tp} does not split {kv_heads} KV heads evenly: pass a --tp that divides {kv_heads} "
+                     f"or a multiple of it")
+
+
+def _check_positive_int(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+
+
 def plan(inputs: PlanInputs) -> PlanResult:
     """Compute the transfer budget for `inputs`. Pure: no I/O.
 
@@ -171,16 +240,17 @@ def plan(inputs: PlanInputs) -> PlanResult:
     then be hidden behind recomputing `recommended_ratio` of the tokens), else "recompute"
     with the ratio capped at 1.0. The payload is what the sequence must keep to go on
     decoding: a sliding layer's last min(tokens, window) tokens, every token of a full
-    layer. Raises ValueError for invalid inputs.
+    layer; an MLA layer's latent and RoPE key per token. The load is timed for the whole
+    payload through the path whatever `tp` is. Raises ValueError for invalid inputs.
     """
-    for value, what in (
-        (inputs.layers, "layers (--layers)"),
-        (inputs.kv_heads, "kv heads (--kv-heads)"),
-        (inputs.head_dim, "head dim (--head-dim)"),
-        (inputs.tokens, "tokens (--tokens)"),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    mla = inputs.mla
+    if mla is not None and (inputs.kv_heads is not None or inputs.head_dim is not None):
+        raise ValueError(MLA_AND_MHA)
+    dims = ((mla.latent_dim, "latent dim (--kv-lora-rank)"), (mla.rope_head_dim, "RoPE head dim (--rope-head-dim)")
+            ) if mla is not None else ((inputs.kv_heads, "kv heads (--kv-heads)"), (inputs.head_dim, "head dim (--head-dim)"))
+    for value, what in ((inputs.layers, "layers (--layers)"), *dims, (inputs.tokens, "tokens (--tokens)"),
+                        (inputs.tp, "tensor-parallel ranks (--tp)")):
+        _check_positive_int(value, what)
     if inputs.dtype_bytes not in (1, 2, 4):
         raise ValueError(f"dtype bytes (--dtype-bytes) must be 1, 2 or 4, got {inputs.dtype_bytes!r}")
     _check_positive(inputs.prefill_tokens_per_s, "prefill rate (--prefill-tokens-per-s)")
@@ -192,11 +262,24 @@ def plan(inputs: PlanInputs) -> PlanResult:
             "full", "sliding"} or ("sliding" in inputs.layer_types and not (inputs.window or 0) > 0)):
         raise ValueError(f"layer types must be {inputs.layers} of full / sliding, with a window > 0 for sliding ones; "
                          f"got {inputs.layer_types!r} and window {inputs.window!r}")
-    per_token = kv_bytes_per_token(inputs.layers, inputs.kv_heads, inputs.head_dim, inputs.dtype_bytes)
-    uniform = per_token * inputs.tokens
-    per_layer_token = kv_bytes_per_token(1, inputs.kv_heads, inputs.head_dim, inputs.dtype_bytes)
-    payload = per_layer_token * kept_token_layers(inputs.layers, inputs.layer_types, inputs.window, inputs.tokens)
+    if mla is not None and "sliding" in inputs.layer_types:
+        raise ValueError("an MLA model's layers are all full attention here; drop the sliding layer types")
     types = inputs.layer_types or ("full",) * inputs.layers
+    kept = kept_token_layers(inputs.layers, inputs.layer_types, inputs.window, inputs.tokens)
+    if mla is not None:
+        attention = "mla"
+        per_layer_token = mla_bytes_per_token(1, mla.latent_dim, mla.rope_head_dim, inputs.dtype_bytes)
+        mha_per_token = mla.mha_bytes_per_token(inputs.layers, inputs.dtype_bytes)
+        rank_share = (1, 1)  # every rank holds the whole latent
+    else:
+        attention = "hybrid" if "sliding" in types else "mha"
+        per_layer_token = kv_bytes_per_token(1, inputs.kv_heads, inputs.head_dim, inputs.dtype_bytes)
+        mha_per_token = per_layer_token * inputs.layers
+        rank_share = (heads_per_rank(inputs.kv_heads, inputs.tp), inputs.kv_heads)
+    per_token = per_layer_token * inputs.layers
+    uniform = per_token * inputs.tokens
+    payload = per_layer_token * kept
+    per_rank = payload * rank_share[0] // rank_share[1]  # exact: payload is a multiple of the KV heads
     t_load = payload / bottleneck.bytes_per_s
     t_prefill = inputs.tokens / inputs.prefill_tokens_per_s
     return PlanResult(
@@ -216,36 +299,81 @@ def plan(inputs: PlanInputs) -> PlanResult:
         layers_by_type={t: types.count(t) for t in ("full", "sliding") if t in types},
         window=inputs.window if "sliding" in types else None,
         uniform_payload_bytes=uniform,
+        attention=attention,
+        latent_dim=mla.latent_dim if mla is not None else None,
+        rope_head_dim=mla.rope_head_dim if mla is not None else None,
+        bytes_per_token=per_token,
+        mha_equivalent_bytes=None if mha_per_token is None else mha_per_token * inputs.tokens,
+        mha_equivalent_bytes_per_token=mha_per_token,
+        tp=inputs.tp,
+        bytes_per_rank=per_rank,
+        stored_bytes_every_rank=per_rank * inputs.tp,
+        stored_bytes_single_copy=payload,
     )
 
 
 @dataclass(frozen=True)
 class ModelKVShape:
-    """KV-relevant dims read from a model config (no weights loaded)."""
+    """KV-relevant dims read from a model config (no weights loaded): KV heads and head dim, or
+    `mla` (both None then). `unsupported`: why the runner cannot run the model (None: it can)."""
 
     layers: int
-    kv_heads: int
-    head_dim: int
+    kv_heads: int | None
+    head_dim: int | None
     layer_types: tuple[str, ...] = ()  # per layer full / sliding (empty: all full)
     window: int | None = None
+    mla: MLAShape | None = None
+    unsupported: str | None = None
+
+
+def mla_kv_shape(config: Any, source: str) -> ModelKVShape | None:
+    """The MLA shape of a config (a mapping, e.g. a config.json, or a transformers config), or None
+    when it has no kv_lora_rank. ValueError naming the field when a dim is not a positive integer."""
+    from blend.model.loading import MLA_UNSUPPORTED, mla_config
+
+    body = mla_config(config if isinstance(config, dict) else config.to_dict())
+    if body is None:
+        return None
+    dims: dict[str, int | None] = {}
+    for name in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim", "num_attention_heads",
+                 "qk_nope_head_dim", "v_head_dim"):
+        value = body.get(name)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if not ok and name in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim"):
+            raise ValueError(f"{source}: MLA config field {name} must be a positive integer, got {value!r}")
+        dims[name] = value if ok else None  # a head dim that is missing only leaves the MHA equivalent unknown
+    mla = MLAShape(dims["kv_lora_rank"], dims["qk_rope_head_dim"], dims["num_attention_heads"],
+                   dims["qk_nope_head_dim"], dims["v_head_dim"])
+    reason = MLA_UNSUPPORTED.format(arch=body.get("model_type"), rank=mla.latent_dim)
+    return ModelKVShape(dims["num_hidden_layers"], None, None, mla=mla, unsupported=reason)
 
 
 def model_kv_shape(model_name: str) -> ModelKVShape:
-    """Read layers, KV heads and head dim from the config of an alias or local model.
+    """Read layers, KV heads and head dim (an MLA model: its latent and RoPE key dims) from the
+    config of an alias, a shape or a local model.
 
-    Reads only the config (for GGUF, the metadata), not the weights.
+    Reads only the config (for GGUF, the metadata), not the weights. A local directory whose
+    config.json has kv_lora_rank is read as MLA from the JSON itself (transformers need not know
+    its model type).
     """
-    from blend.model.loading import check_supported, model_config
+    from blend.model.loading import check_supported, local_config_json, model_config
 
+    raw = local_config_json(model_name)
+    shape = mla_kv_shape(raw, f"{model_name}/config.json") if raw is not None else None
+    if shape is not None:
+        return shape
     config = model_config(model_name)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    shape = mla_kv_shape(config, model_name)
+    if shape is not None:
+        return shape
     heads = int(config.num_attention_heads)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     try:  # layer types of a model the runner supports; another model's KV is counted uniformly
         dims = check_supported(config)
-    except ValueError:
-        return ModelKVShape(int(config.num_hidden_layers), int(kv_heads), int(head_dim))
+    except ValueError as err:
+        return ModelKVShape(int(config.num_hidden_layers), int(kv_heads), int(head_dim), unsupported=str(err))
     return ModelKVShape(int(config.num_hidden_layers), int(kv_heads), int(head_dim), dims.layer_types, dims.window)
 
 
