@@ -43,9 +43,11 @@ from redis.cluster import RedisCluster
 from blend.config import EngineConfig
 from blend.engine.engine import BlendEngine
 from storage import checksum as _checksum
+from storage.codec import codes_nbytes
 from storage.disk import DiskTier
 from storage.dtypes import dtype_name
 from storage.entry import FORMAT_VERSION, EntryHeader, KVEntry, tensor_bytes
+from storage.entry import layer_checksum as entry_layer_checksum
 from storage.serialization import MAGIC, encode_header, header_size
 from tests.models import smollm2_tokenizer, tiny_model
 
@@ -703,3 +705,52 @@ def test_fault_sweep_redis(tmp_path, redis_url):
 @pytest.mark.redis
 def test_fault_sweep_redis_cluster(tmp_path, redis_cluster_urls):
     sweep(ALL_FAULTS, ("redis-cluster",), tmp_path, cluster_urls=redis_cluster_urls)
+
+
+# ------------------------------------------------------- values that are not finite
+def _nan_scales(entry: KVEntry) -> KVEntry:
+    """An int8 entry whose every scale and minimum is NaN, its checksums recomputed (what a writer
+    without the store's secret can plant): the codes are intact, the decoded KV all NaN."""
+    h = entry.header
+    assert h.codec.name == "int8"
+    at = codes_nbytes(h.kv_heads * h.num_tokens * h.head_dim, h.codec.bits)
+    layers = []
+    for kp, vp in entry.layers:
+        kp, vp = kp.clone(), vp.clone()
+        kp[at:].view(torch.float16).fill_(float("nan"))
+        vp[at:].view(torch.float16).fill_(float("nan"))
+        layers.append((kp, vp))
+    sums = tuple(entry_layer_checksum(h.codec, k, v, h.checksum) for k, v in layers)
+    return KVEntry(dataclasses.replace(h, layer_checksums=sums, tag=""), layers)
+
+
+NAN_REQUESTS = {
+    "greedy blend": dict(mode="blend", recompute_ratio=0.05, max_new_tokens=3),
+    "greedy reuse": dict(mode="reuse", max_new_tokens=3),
+    "sampled blend": dict(mode="blend", recompute_ratio=0.05, max_new_tokens=3, temperature=0.8, seed=1),
+}
+
+
+@pytest.mark.parametrize("name", list(NAN_REQUESTS))
+def test_entries_that_decode_to_nan_are_a_miss_computed_instead(tmp_path, name):
+    """int8 entries with NaN scales behind valid checksums (no secret): a request answers as a
+    clean recompute does (finite log-probs, the same tokens), in time; the entry is rewritten."""
+    args = NAN_REQUESTS[name]
+    with make_engine([{"kind": "cpu", "budget": "64MiB"}]) as clean:
+        want = clean.generate(QUESTION, DOCS, **args)
+    with make_engine([{"kind": "disk", "path": str(tmp_path / "cache"), "budget": "256MiB",
+                       "codec": "int8"}]) as engine:
+        engine.ingest(DOCS)
+        tier = engine.store.tiers[0]
+        for key in tier.keys():
+            tier.put(key, _nan_scales(tier.get(key)))
+        got, err = bounded(lambda: engine.generate(QUESTION, DOCS, **args))
+        assert err is None, err
+        assert torch.isfinite(got.first_token_logprobs).all() and got.text
+        assert torch.equal(got.first_token_logprobs, want.first_token_logprobs) and got.token_ids == want.token_ids
+        assert got.stats.loaded_tokens > 0  # the request met the planted entries
+        assert got.stats.load.recomputed_segments > 0 and tier.stats()["corrupt"] > 0
+        engine.store.flush()
+        again, err = bounded(lambda: engine.generate(QUESTION, DOCS, **args))  # the rewritten entries: hits
+        assert err is None, err
+        assert again.stats.load.recomputed_segments == 0 and torch.isfinite(again.first_token_logprobs).all()
