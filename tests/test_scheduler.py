@@ -386,3 +386,29 @@ def _raised(fn) -> BaseException | None:
     except BaseException as err:  # noqa: BLE001 - the test inspects it
         return err
     return None
+
+
+def test_cancelling_an_async_generate_while_it_is_submitted_cancels_the_request(lm):
+    """The task is cancelled while its request is laid out and queued off the event loop (the loop
+    lives on, as a server's does, so its sink still takes events): the request is cancelled all the same (it leaves at the scheduler's next step), it does not
+    decode unobserved to its end."""
+    with make_engine(lm) as engine:
+        engine.ingest(DOCS)
+
+        async def main() -> None:
+            facade = AsyncBlendEngine(engine)
+            task = asyncio.create_task(facade.generate(QUESTIONS[0], DOCS, max_new_tokens=200))
+            await asyncio.sleep(0)  # the task runs up to its submission (in the loop's executor)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 60  # the loop lives on (a server's would): its sink still works
+            metrics = engine.scheduler.metrics
+            while engine.scheduler.depth() or metrics.finished + metrics.cancelled + metrics.failed < 2:
+                assert time.monotonic() < deadline, "the cancelled request still runs"
+                await asyncio.sleep(0.005)
+
+        asyncio.run(main())
+        metrics = engine.scheduler.metrics
+        assert metrics.cancelled == 1 and metrics.finished == 1  # the ingest; the request did not finish
+        assert metrics.generated_tokens <= 2  # it left at the next step
