@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from blend.cli.common import (
@@ -60,10 +61,12 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from blend.prompt.document import Document
+    from blend.prompt.document import Document, check_document_id
 
     config = _config(args)
-    docs = [Document(text, id=path) for path, text in zip(args.files, _documents(args, args.files, config), strict=True)]
+    # named by file name: a path's '/' cannot be part of a document id (blend.prompt.document.ID_RULE)
+    ids = [check_document_id(Path(path).name, "document file name") for path in args.files]
+    docs = [Document(text, id=i) for i, text in zip(ids, _documents(args, args.files, config), strict=True)]
     with _engine(args, config) as engine:
         ingested = engine.ingest(docs)
         overflow = _budget_overflow(engine.store.stats())
