@@ -144,6 +144,8 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
     ("ingest-longer-than-positions", INGEST + ["{tmp}/long.txt"], {**engine(), "long.txt": NUMBERS}, {}),
     ("ingest-larger-than-positions", INGEST + ["{tmp}/a.txt", "{tmp}/big.txt"],
      {**engine(), "a.txt": "a short one", "big.txt": OVER_SIZE}, {}),
+    ("ingest-file-name-not-an-id", INGEST + ["{tmp}/line\nbreak.txt"], {**cfg(CPU_STORE), "line\nbreak.txt": "a"},
+     {}),
     ("ask-doc-larger-than-positions", ASK + ["--doc", "{tmp}/big.txt"], {**engine(), "big.txt": OVER_SIZE}, {}),
     ("chat-session-path", ["chat", "--config", "{tmp}/c.yaml", "--session", "../x", "--message", "hi"], engine(), {}),
     ("chat-max-new-tokens", ["chat", "--session", "s", "--max-new-tokens", "-1"], {}, {}),
