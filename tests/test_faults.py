@@ -543,7 +543,7 @@ def _replayed_from_other_namespace(ctx: Ctx) -> None:
     with BlendEngine(ctx.engine.config.with_overrides(store=config), model=_model()) as other:
         other.ingest(DOCS)
         for key in ctx.keys:
-            other_key = "other-" + key.split("-")[-1] if "-" in key else "other-" + key
+            other_key = f"{other.store.namespace}-{key.split('-')[-1]}"  # the same content, its namespace
             assert other.store.tiers[0].contains(other_key)
             ctx_entry = other.store.tiers[0].get(other_key)
             assert ctx_entry is not None
@@ -754,3 +754,35 @@ def test_entries_that_decode_to_nan_are_a_miss_computed_instead(tmp_path, name):
         again, err = bounded(lambda: engine.generate(QUESTION, DOCS, **args))  # the rewritten entries: hits
         assert err is None, err
         assert again.stats.load.recomputed_segments == 0 and torch.isfinite(again.first_token_logprobs).all()
+
+
+# ----------------------------------------------------------- one store, two secrets
+def test_engines_with_different_secrets_on_one_store_each_hit_their_own_entries(tmp_path):
+    """Two engines with different secrets (and one without) share one disk directory: each keeps
+    its entries in its own namespace (a digest of its secret, never the secret), so after all
+    of them wrote, each request of each engine hits its own entries: none is rejected as
+    unauthenticated, recomputed and overwritten under the other's keys."""
+    disk = {"kind": "disk", "path": str(tmp_path / "cache"), "budget": "256MiB", "codec": "none"}
+    secrets = [SECRET, "another secret, as long as the first one", None]
+    engines = [make_engine([disk], secret=s) for s in secrets]
+    try:
+        for engine in engines:
+            engine.ingest(DOCS)
+        for engine in engines:
+            engine.store.flush()
+        for _ in range(2):
+            for engine in reversed(engines):
+                result = engine.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=2)
+                assert result.stats.documents.hits == len(DOCS) and result.stats.documents.misses == 0
+                assert result.stats.system.misses == 0 and result.stats.load.recomputed_segments == 0
+        namespaces = [engine.store.namespace for engine in engines]
+        assert len(set(namespaces)) == 3 and namespaces[2] == ""
+        assert not any(s in n for s in secrets[:2] for n in namespaces)  # a digest, not the secret
+        for engine in engines:
+            stats = engine.store.stats()["disk"]
+            assert stats["unauthenticated"] == 0 and stats["mismatches"] == 0
+        keys = [set(engine.store.tiers[0].keys()) for engine in engines]
+        assert keys[0] and not keys[0] & keys[1] and not keys[0] & keys[2] and not keys[1] & keys[2]
+    finally:
+        for engine in engines:
+            engine.close()

@@ -126,7 +126,7 @@ class BlendEngine:
         self.eos = eos_ids(self.lm)
         maker = EntryMaker(self.runner, self.fingerprint, self.kv_dtype)
         stall_s = cfg.load_stall_s or None  # LayerLoader's longest wait for one layer (0: none)
-        namespace = config.store.namespace
+        namespace = self.store.namespace  # the configured one, with the secret's digest when there is one
         self.document_kv = DocumentCache(self.store, maker, namespace=namespace, chunk_context=cfg.chunk_context,
                                          block_tokens=cfg.chunk_tokens, stall_s=stall_s)
         self.prefix_cache = PrefixCache(self.store, maker, namespace=namespace, block_tokens=cfg.chunk_tokens,
