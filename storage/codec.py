@@ -297,9 +297,11 @@ def finite(codec: Codec, kpart: torch.Tensor, vpart: torch.Tensor, shape: tuple[
     limit = torch.finfo(torch_dtype(kv_dtype)).max
     for part, zero in ((kpart, codec.key_zero), (vpart, codec.value_zero)):
         groups = part[at:].view(torch.float16)  # scales, then as many minimums when asymmetric
-        s, m = groups.tensor_split(2) if zero else (groups, groups[:0])
+        if groups.numel() == 0:
+            continue
+        largest = groups.view(2 if zero else 1, -1).abs().amax(dim=1).tolist()  # per row; NaN comes through
         top = (1 << codec.bits) - 1 if zero else 1 << (codec.bits - 1)  # the largest |code| a scale multiplies
-        if not _largest(s) * top + _largest(m) <= limit:  # NaN compares False
+        if not largest[0] * top + (largest[1] if zero else 0.0) <= limit:  # NaN compares False
             return False
     return True
 
