@@ -734,7 +734,8 @@ NAN_REQUESTS = {
 @pytest.mark.parametrize("name", list(NAN_REQUESTS))
 def test_entries_that_decode_to_nan_are_a_miss_computed_instead(tmp_path, name):
     """int8 entries with NaN scales behind valid checksums (no secret): a request answers as a
-    clean recompute does (finite log-probs, the same tokens), in time; the entry is rewritten."""
+    clean recompute does (finite log-probs within 1e-4, the same tokens), in time; the entry is
+    rewritten."""
     args = NAN_REQUESTS[name]
     with make_engine([{"kind": "cpu", "budget": "64MiB"}]) as clean:
         want = clean.generate(QUESTION, DOCS, **args)
@@ -747,7 +748,9 @@ def test_entries_that_decode_to_nan_are_a_miss_computed_instead(tmp_path, name):
         got, err = bounded(lambda: engine.generate(QUESTION, DOCS, **args))
         assert err is None, err
         assert torch.isfinite(got.first_token_logprobs).all() and got.text
-        assert torch.equal(got.first_token_logprobs, want.first_token_logprobs) and got.token_ids == want.token_ids
+        # the loader recomputes a document alone, a cold request packs its documents: equal within rounding
+        assert (got.first_token_logprobs - want.first_token_logprobs).abs().max() <= 1e-4
+        assert got.token_ids == want.token_ids
         assert got.stats.loaded_tokens > 0  # the request met the planted entries
         assert got.stats.load.recomputed_segments > 0 and tier.stats()["corrupt"] > 0
         engine.store.flush()
