@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from storage.dtypes import dtype_bytes
+from storage.dtypes import dtype_bytes, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -290,6 +290,41 @@ def _apply(out: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None, bits: int
         out.sub_(1 << (bits - 1)).mul_(s)
     else:
         out.mul_(s).add_(m.to(dtype))
+
+
+def finite(codec: Codec, kpart: torch.Tensor, vpart: torch.Tensor, shape: tuple[int, int, int],
+           kv_dtype: str) -> bool:
+    """Whether one stored layer decodes to finite values in `kv_dtype` (a layer that does not is as
+    unusable as one whose checksum fails: NaN keys make every logit NaN). `none`: K and V (each
+    `shape`, (H, T, D), in `kv_dtype`) hold no NaN or infinity (one min / max pass). Encoded: every
+    scale and minimum is finite and the largest code times the largest scale plus the largest minimum
+    fits the dtype; only the scales are read (~1/32 of an int8 layer). Pure: no side effects."""
+    import torch
+
+    if codec.raw:
+        return all(_largest(t) < math.inf for t in (kpart, vpart))
+    h, t, d = shape
+    at = codes_nbytes(h * t * d, codec.bits)
+    limit = torch.finfo(torch_dtype(kv_dtype)).max
+    for part, zero in ((kpart, codec.key_zero), (vpart, codec.value_zero)):
+        groups = part[at:].view(torch.float16)  # scales, then as many minimums when asymmetric
+        if groups.numel() == 0:
+            continue
+        largest = groups.view(2 if zero else 1, -1).abs().amax(dim=1).tolist()  # per row; NaN comes through
+        top = (1 << codec.bits) - 1 if zero else 1 << (codec.bits - 1)  # the largest |code| a scale multiplies
+        if not largest[0] * top + (largest[1] if zero else 0.0) <= limit:  # NaN compares False
+            return False
+    return True
+
+
+def _largest(x: torch.Tensor) -> float:
+    """The largest magnitude in `x` (0.0 when empty); NaN or infinity when `x` holds one."""
+    import torch
+
+    if x.numel() == 0:
+        return 0.0
+    lo, hi = (float(y) for y in torch.aminmax(x.reshape(-1)))  # NaN comes out of both, an infinity out of one
+    return math.nan if math.isnan(lo) else max(-lo, hi, 0.0)
 
 
 def decode_into(codec: Codec, kpart: torch.Tensor, vpart: torch.Tensor, k_out: torch.Tensor,

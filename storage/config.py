@@ -37,7 +37,7 @@ from pydantic import (
 
 from storage.codec import CODEC_NAMES
 from storage.dtypes import DTYPE_NAMES
-from storage.keys import check_namespace
+from storage.keys import check_namespace, store_namespace
 from storage.units import GIB, format_bytes, parse_bytes  # noqa: F401 - re-exported for config users
 
 T = TypeVar("T")
@@ -243,6 +243,13 @@ class StoreConfig:
         """Build from the YAML `store:` mapping; each tier is chosen by its `kind`. Relative
         disk paths are resolved against `base_dir` (the config file's directory) if given."""
         return from_mapping(cls, data, where, base_dir)
+
+    @property
+    def key_namespace(self) -> str:
+        """The namespace the store's keys and tiers use: `namespace`, followed by a digest of the
+        secret when there is one (storage.keys.store_namespace): one secret's entries are invisible
+        to an engine with another secret, or none."""
+        return store_namespace(self.namespace, self.secret)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for JSON, with the secret redacted."""

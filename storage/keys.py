@@ -11,12 +11,14 @@ block [16, 32) of 16-token blocks and block [0, 32) of 32-token blocks end alike
 different rows. The two use different domain tags, so they
 never collide (nor with the independent-chunk keys, `c<hex>`, of the retired chunk
 layout, which are never looked up). Keys are short ASCII strings (`[namespace-]d<hex>` /
-`p<hex>`), safe as file names and Redis keys.
+`p<hex>`), safe as file names and Redis keys. A store with a secret keeps its entries in a
+namespace of its own (`store_namespace`: the configured one with a digest of the secret after it).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from collections.abc import Sequence
 
@@ -27,12 +29,17 @@ import numpy as np
 LAYOUT_VERSION: int = 1
 
 _DIGEST_HEX = 40  # 160 bits; a hit additionally verifies the stored tokens digest
-_NAMESPACE_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{0,63})?$")
+_SECRET_HEX = 16  # the secret's digest in a signed store's namespace (see store_namespace)
+_NAMESPACE_RE = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{0,63})?$")  # a configured namespace
+# a store's namespace: a configured one, with `.k<hex>` after it when the store has a secret
+_STORE_NAMESPACE_RE = re.compile(rf"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{{0,{63 + 2 + _SECRET_HEX}}})?$")
 # what a tier accepts as an entry key (every key made here matches): a safe file name and Redis key part
 ENTRY_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
 # the shape of every key made here, `[namespace-]<kind><hex>`: a name of this shape is the
 # store's own; any other name is the store's only if its content says so (storage.disk)
-ENGINE_KEY_RE = re.compile(rf"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{{0,63}}-)?[a-z][0-9a-f]{{{_DIGEST_HEX}}}$")
+ENGINE_KEY_RE = re.compile(
+    rf"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{{0,{63 + 2 + _SECRET_HEX}}}-)?[a-z][0-9a-f]{{{_DIGEST_HEX}}}$")
+_SECRET_NAMESPACE_TAG = b"kvblend/secret-namespace/v1\x00"
 _PREFIX_TAG = b"kvblend/prefix\x00"
 _DOCUMENT_TAG = b"kvblend/document\x00"
 _PARKED_TAG = b"kvblend/parked\x00"
@@ -67,8 +74,23 @@ def check_namespace(namespace: str) -> str:
     return namespace
 
 
-def _with_namespace(namespace: str, kind: str, digest: str) -> str:
+def store_namespace(namespace: str, secret: str | None) -> str:
+    """The namespace a store's keys and tiers use (its tiers' directories and key prefixes): the
+    configured `namespace` without a secret; with one, `namespace` + ".k" + 16 hex digits of
+    HMAC-SHA256(secret, a domain tag) (`k<hex>` for the default namespace). Engines with
+    different secrets on one tier then never see, overwrite or clear each other's entries (each
+    would only reject the other's, recompute and overwrite them under the same content keys), nor
+    do engines without a secret; the secret itself is never part of a name. Pure."""
     check_namespace(namespace)
+    if secret is None:
+        return namespace
+    digest = hmac.new(secret.encode(), _SECRET_NAMESPACE_TAG, hashlib.sha256).hexdigest()[:_SECRET_HEX]
+    return f"{namespace}.k{digest}" if namespace else f"k{digest}"
+
+
+def _with_namespace(namespace: str, kind: str, digest: str) -> str:
+    if not isinstance(namespace, str) or not _STORE_NAMESPACE_RE.match(namespace):
+        check_namespace(namespace)  # the configured rule's message
     return f"{namespace}-{kind}{digest}" if namespace else f"{kind}{digest}"
 
 

@@ -141,7 +141,10 @@ def layer_to_bytes(k: torch.Tensor, v: torch.Tensor) -> bytes:
 
 
 def verify_layer(data: Any, header: EntryHeader, layer: int) -> None:
-    """Check length and checksum of one layer's bytes. Raises CorruptEntry; no side effects."""
+    """Check length and checksum of one layer's bytes, and that they decode to finite values
+    (storage.codec.finite: a layer of NaN behind a valid checksum, which anyone who can write to
+    an unsigned store can plant, is as corrupt as a damaged one). Raises CorruptEntry; no side
+    effects."""
     if not 0 <= layer < header.num_layers:
         raise IndexError(f"layer {layer} out of range: entry has {header.num_layers} layers")
     n = memoryview(data).nbytes
@@ -154,6 +157,19 @@ def verify_layer(data: Any, header: EntryHeader, layer: int) -> None:
         raise CorruptEntry(str(e)) from None
     if got != header.layer_checksums[layer]:
         raise CorruptEntry(f"layer {layer}: checksum mismatch ({header.checksum})")
+    k, v = layer_views(_uint8_view(data), header)
+    if not _codec.finite(header.codec, k, v, header.shape, header.kv_dtype):
+        raise CorruptEntry(f"layer {layer}: decodes to values that are not finite (NaN or infinity)")
+
+
+def _uint8_view(data: Any) -> torch.Tensor:
+    """A flat uint8 tensor over any buffer, without a copy (read-only buffers are only read here)."""
+    if isinstance(data, np.ndarray) and data.flags.writeable:
+        return torch.from_numpy(data.reshape(-1).view(np.uint8))
+    mv = memoryview(data).cast("B")
+    if mv.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return _alias_readonly(mv) if mv.readonly else torch.frombuffer(mv, dtype=torch.uint8)
 
 
 _frombuffer_lock = threading.Lock()

@@ -157,7 +157,7 @@ class TieredStore:
         tiers: list[Tier] = []
         try:
             for tier_config in config.tiers:
-                tiers.append(build_tier(tier_config, config.namespace))
+                tiers.append(build_tier(tier_config, config.key_namespace))
         except BaseException:
             for tier in tiers:
                 tier.close()
@@ -166,7 +166,7 @@ class TieredStore:
             tiers,
             write_queue=config.write_queue,
             promote=config.promote,
-            namespace=config.namespace,
+            namespace=config.key_namespace,
             kv_dtype=config.kv_dtype,
             secret=config.secret,
         )

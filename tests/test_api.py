@@ -323,6 +323,19 @@ def test_bad_queries_ingests_and_messages(lm, tmp_path):
         assert list(engine.store.keys()) == []
 
 
+@pytest.mark.parametrize("bad", [".", "..", "a/b", "/", "line\nbreak", "tab\there", "nul\x00", "del\x7f",
+                                 "c1\x85", "\ud800", "x" * 257, " ", ""])
+def test_a_document_id_that_cannot_round_trip_through_a_url_path_is_refused_naming_the_rule(bad):
+    with pytest.raises(ValueError, match=r"Document\.id .*a document id is 1 to 256 characters without '/', "
+                                         r"control characters or unpaired surrogates, and is not '\.' or '\.\.'"):
+        Document("text", id=bad)
+
+
+def test_document_ids_within_the_rule_are_taken_as_they_are():
+    for good in ["doc-7", "a b", "sha256:0f", "?#%&=+", "Ünïcödé ✓", "...", ".a", "x" * 256, "\U0001f600"]:
+        assert Document("text", id=good).id == good
+
+
 def test_a_closed_engine_says_so_before_any_work(lm):
     engine = make_engine(lm)
     early = engine.generate_stream(QUESTION, DOCS)  # created before close, started after it

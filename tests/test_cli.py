@@ -54,7 +54,9 @@ def test_ingest_ask_and_store(config_file, capsys):
     cfg = str(config_file / "c.yaml")
     docs = [str(config_file / "a.txt"), str(config_file / "b.txt")]
     assert main(["ingest", "--config", cfg, *docs, "--json"]) == 0
-    chunks = last_json(capsys)["chunks"]
+    ingested = last_json(capsys)
+    chunks = ingested["chunks"]
+    assert [d["id"] for d in ingested["documents"]] == ["a.txt", "b.txt"]  # file names: ids hold no '/'
     assert len(chunks) >= 2
     answers = {}
     for mode in ("full", "reuse", "prefix", "blend"):

@@ -33,6 +33,10 @@ def engine(extra: str = "", device: str = "cpu") -> dict[str, str | bytes]:
 
 
 STATS = ["store", "stats", "--config", "{tmp}/c.yaml"]
+INGEST = ["ingest", "--config", "{tmp}/c.yaml"]
+# more tokens than the tiny model's 2,048 positions (about one a character) in few characters
+NUMBERS = " ".join(str(i * 7919 % 100000) for i in range(700))
+OVER_SIZE = "x " * 300_000  # 600 kB: over 2,048 positions x 256 bytes
 ASK = ["ask", "--config", "{tmp}/c.yaml", "--question", "q"]
 BAD_UTF8 = b"caf\xe9 \xff\xfe\n"
 
@@ -146,6 +150,12 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
     ("ingest-missing", ["ingest", "--config", "{tmp}/c.yaml", "{tmp}/none.txt"], engine(), {}),
     ("ingest-not-utf8", ["ingest", "--config", "{tmp}/c.yaml", "{tmp}/bad.txt"], {**engine(), "bad.txt": BAD_UTF8}, {}),
     ("ingest-no-files", ["ingest"], {}, {}),
+    ("ingest-longer-than-positions", INGEST + ["{tmp}/long.txt"], {**engine(), "long.txt": NUMBERS}, {}),
+    ("ingest-larger-than-positions", INGEST + ["{tmp}/a.txt", "{tmp}/big.txt"],
+     {**engine(), "a.txt": "a short one", "big.txt": OVER_SIZE}, {}),
+    ("ingest-file-name-not-an-id", INGEST + ["{tmp}/line\nbreak.txt"], {**cfg(CPU_STORE), "line\nbreak.txt": "a"},
+     {}),
+    ("ask-doc-larger-than-positions", ASK + ["--doc", "{tmp}/big.txt"], {**engine(), "big.txt": OVER_SIZE}, {}),
     ("chat-session-path", ["chat", "--config", "{tmp}/c.yaml", "--session", "../x", "--message", "hi"], engine(), {}),
     ("chat-max-new-tokens", ["chat", "--session", "s", "--max-new-tokens", "-1"], {}, {}),
     ("demo-ratio", ["demo", "--ratio", "2"], {}, {}),
@@ -322,3 +332,18 @@ def test_a_command_started_with_stdout_closed_finishes_quietly(tmp_path):
                            "--json"], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, timeout=300,
                           preexec_fn=lambda: os.close(1))
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_a_huge_document_file_is_refused_on_its_size_before_it_is_read(tmp_path, monkeypatch, capsys, model_dir):
+    """A 1 GiB file (sparse: nothing on disk) given to ingest or ask is refused from its size and the
+    model's positions, with one line, before it is read (reading it whole took 23 s) or the model loads."""
+    prepare(tmp_path, model_dir, engine(), {}, monkeypatch)
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)
+    for argv in (["ingest", "--config", str(tmp_path / "c.yaml"), str(big)],
+                 ["ask", "--config", str(tmp_path / "c.yaml"), "--question", "q", "--doc", str(big)]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert not out and err.count("\n") == 1
+        assert f"document '{big}' is 1GiB: more text than the model's 2048 positions can hold" in err, err

@@ -22,7 +22,7 @@ from storage import codec as codecs
 from storage.codec import CODECS, KEYS_PRE_ROPE, KEYS_ROTATED, decode_into, encode_layer, rotate
 from storage.config import CpuTierConfig, DiskTierConfig, StoreConfig
 from storage.disk import DiskTier, file_layout
-from storage.entry import Expected, KVEntry, decode_layer
+from storage.entry import Expected, KVEntry, decode_layer, layer_checksum
 from storage.keys import document_block_key
 from storage.memory import CpuTier
 from storage.serialization import decode_header, encode_header
@@ -194,6 +194,65 @@ def test_a_header_whose_keys_claim_another_rotation_fails_its_layer_checksums(tm
         assert located is not None and located.header.codec.keys == KEYS_ROTATED
         assert store.get_layer(located, 0) is None  # the layer does not verify under the edited codec
         assert store.stats()["disk"]["corrupt"] == 1
+
+
+def _with_layer_values(entry: KVEntry, change) -> KVEntry:
+    """`entry` with `change(k, v)` applied to copies of every stored layer (K and V, or the encoded
+    K part and V part), its checksums recomputed: a self-consistent entry, as an unsigned writer makes."""
+    layers = []
+    for k, v in entry.layers:
+        k, v = k.clone(), v.clone()
+        change(k, v)
+        layers.append((k, v))
+    sums = tuple(layer_checksum(entry.header.codec, k, v, entry.header.checksum) for k, v in layers)
+    return KVEntry(dataclasses.replace(entry.header, layer_checksums=sums), layers)
+
+
+def _scales(part: torch.Tensor, header) -> torch.Tensor:
+    """The float16 scales (and minimums) of an encoded part, as a view to write into."""
+    h, t, d = header.shape
+    return part[codecs.codes_nbytes(h * t * d, header.codec.bits):].view(torch.float16)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_finite_accepts_every_encoded_or_raw_layer_of_real_values(dtype):
+    shape = dataclasses.replace(SMALL, kv_dtype=dtype)
+    _, _, entry = keyed(shape=shape)
+    for name in ("none", "int8", "int4"):
+        coded = entry.encode(CODECS[name]) if name != "none" else entry
+        for k, v in coded.layers:
+            assert codecs.finite(coded.header.codec, k, v, coded.header.shape, dtype)
+
+
+@pytest.mark.parametrize("name", ["none", "int8", "int4"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 60000.0])
+def test_a_layer_that_decodes_to_non_finite_values_is_corrupt_behind_a_valid_checksum(tmp_path, name, bad):
+    """NaN or an infinity in K or V (none) or in a scale or minimum (int8, int4; or a scale so large
+    that a code decodes past float16's range): the tier reads it as a corrupt entry (deleted,
+    counted, a miss), as it would a checksum failure."""
+    key, tokens, entry = keyed()  # float16
+    coded = entry.encode(CODECS[name]) if name != "none" else entry
+    h = coded.header
+
+    def plant(k: torch.Tensor, v: torch.Tensor) -> None:
+        if name == "none":
+            v.view(-1)[5] = bad
+        else:
+            _scales(k, h)[-1] = bad  # the last minimum of the keys
+            _scales(v, h)[0] = bad  # the first scale of the values
+    if name == "none" and bad == 60000.0:
+        pytest.skip("60000 is a finite float16 value")
+    forged = _with_layer_values(coded, plant)
+    assert not codecs.finite(h.codec, *forged.layers[1], h.shape, "float16")
+    assert codecs.finite(h.codec, *coded.layers[1], h.shape, "float16")
+    tier = DiskTier(DiskTierConfig(path=str(tmp_path / "disk"), codec=name))
+    try:
+        tier.put(key, forged)
+        assert tier.get_header(key) == forged.header  # the header is valid
+        assert tier.get_layer(key, 1, forged.header) is None
+        assert tier.stats()["corrupt"] == 1 and not tier.contains(key)
+    finally:
+        tier.close()
 
 
 def _edit_header(tier: DiskTier, key: str, change) -> None:

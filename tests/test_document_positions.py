@@ -1,7 +1,8 @@
-"""`max_document_tokens` is capped to the model's positions: a document longer than a model of
-2,048 positions can hold is split into parts that fit after the system part, and stored
-whole by the engine, `kvblend ingest` and the server alike; what cannot fit is refused
-before anything is written."""
+"""`max_document_tokens` is capped to the model's positions, and a document that cannot fit a
+model of 2,048 positions together with the prompt's fixed part is refused at ingest (no request
+could use it) by the engine, `kvblend ingest` (exit 2) and the server (400) alike, before anything
+is written. (Until issue 42 it was split into parts that fit and stored, then refused by every
+request that named it.)"""
 
 from __future__ import annotations
 
@@ -30,20 +31,19 @@ def make_engine(tmp_path: Path, **overrides) -> BlendEngine:
     return BlendEngine(cfg, model=lm)
 
 
-def test_a_document_longer_than_the_positions_is_split_to_fit(tmp_path):
+def test_a_document_longer_than_the_positions_is_refused_at_ingest_writing_nothing(tmp_path):
     with make_engine(tmp_path) as engine:  # max_document_tokens 4096 > 2048 positions
+        assert engine.prompts.max_document_tokens == 2048
         prompt = engine.build_prompt("q", [LONG])
-        head = prompt.prefix.end
         assert sum(len(s.token_ids) for s in prompt.documents) > 2048
-        assert all(len(s.token_ids) <= 2048 - head for s in prompt.documents) and len(prompt.documents) >= 3
-        [doc] = engine.ingest([LONG])
-        assert doc.stored and len(doc.keys) >= 6
-        assert len(kv_files(tmp_path)) == len(doc.keys) + 1  # and the system part's block
-        again = engine.ingest([LONG])[0]
-        assert again.cached and again.keys == doc.keys
-        with pytest.raises(ValueError, match="positions"):  # a question over it cannot fit: refused, nothing new written
+        with pytest.raises(ValueError, match=r"documents\[0\]: .*cannot fit the model's 2048 positions"):
+            engine.ingest([LONG])
+        with pytest.raises(ValueError, match="positions"):  # nor can a question over it
             engine.generate("What did the ledger record?", [LONG], mode="blend")
-        assert len(kv_files(tmp_path)) == len(doc.keys) + 1
+        fits = LONG[: len(LONG) // 6]
+        [doc] = engine.ingest([fits])
+        assert doc.stored and len(doc.keys) >= 2  # one that fits is taken, in blocks
+        assert len(kv_files(tmp_path)) == len(doc.keys) + 1  # and the system part's block: nothing of LONG
     with make_engine(tmp_path, max_document_tokens=300) as engine:  # a smaller setting stays in force
         assert max(len(s.token_ids) for s in engine.build_prompt("q", [LONG]).documents) == 300
 
@@ -55,7 +55,7 @@ def test_a_system_part_that_fills_the_positions_is_refused_before_writing(tmp_pa
     assert kv_files(tmp_path) == []
 
 
-def test_cli_ingest_and_the_server_store_a_long_document_whole(tmp_path, capsys):
+def test_cli_ingest_and_the_server_refuse_a_long_document_writing_nothing(tmp_path, capsys):
     lm = tiny_model("llama", tokenizer=smollm2_tokenizer())
     lm.model.save_pretrained(tmp_path / "model")
     smollm2_tokenizer().save_pretrained(tmp_path / "model")
@@ -72,10 +72,12 @@ store:
   tiers:
     - {{kind: disk, path: {tmp_path / name}, budget: 1GiB}}
 """)
-    assert main(["ingest", "--config", str(tmp_path / "cli.yaml"), str(tmp_path / "long.txt")]) == 0
-    assert "ingested 1 document(s) as" in capsys.readouterr().out
-    written = len(kv_files(tmp_path / "cli"))
-    assert written >= 6
+    capsys.readouterr()  # the model's saving
+    assert main(["ingest", "--config", str(tmp_path / "cli.yaml"), str(tmp_path / "long.txt")]) == 2
+    out, err = capsys.readouterr()
+    assert not out.strip() and err.count("\n") == 1, err
+    assert "long.txt" in err and "cannot fit the model's 2048 positions" in err
+    assert kv_files(tmp_path / "cli") == []
 
     from fastapi.testclient import TestClient
 
@@ -84,5 +86,6 @@ store:
     with BlendEngine.from_config(tmp_path / "server.yaml") as engine:
         with TestClient(create_app(engine, ServerSettings("tiny", warmup=False))) as client:
             reply = client.post("/v1/documents", json={"documents": [{"text": LONG}]})
-    assert reply.status_code == 200, reply.text
-    assert len(reply.json()["data"][0]["keys"]) + 1 == len(kv_files(tmp_path / "server")) == written
+    assert reply.status_code == 400, reply.text
+    assert "cannot fit the model's 2048 positions" in reply.json()["error"]["message"]
+    assert kv_files(tmp_path / "server") == []

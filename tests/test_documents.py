@@ -8,6 +8,7 @@ import pytest
 from blend.config import EngineConfig
 from blend.engine.engine import BlendEngine
 from blend.prompt.builder import PromptBuilder
+from blend.prompt.document import Document
 from blend.stats import LookupTally
 from storage.entry import KVEntry
 from storage.keys import _key
@@ -125,6 +126,33 @@ def test_long_document_is_split_by_max_document_tokens():
         PromptBuilder(tok, "Answer.", "Q: {question}", max_document_tokens=0)
     with pytest.raises(ValueError, match="max_document_tokens"):
         EngineConfig().with_overrides(max_document_tokens=0)
+
+
+def too_long_for(positions: int) -> str:
+    """A table of numbers (about a token per character): more tokens than `positions` in fewer
+    characters than the text check samples (8 per position), so only its tokens tell."""
+    return " ".join(str(i * 7919 % 100000) for i in range(positions // 3))
+
+
+def test_a_document_longer_than_the_models_positions_is_refused_at_ingest_writing_nothing():
+    """The tiny model has 2,048 positions: a document that cannot fit them with the prompt's fixed
+    part could never be used by a request, so the ingest refuses it (naming it) before any work,
+    and writes nothing, not even the documents beside it; max_document_tokens is capped to the
+    positions."""
+    with make_engine(chunk_tokens=16, max_document_tokens=4096) as engine:
+        positions = engine.runner.max_positions
+        assert positions == 2048 and engine.prompts.max_document_tokens == positions
+        long = too_long_for(positions)
+        assert len(engine.prompts.document_ids(long)) > positions
+        with pytest.raises(ValueError, match=r"documents\[1\] \('long.txt'\) is \d+ tokens: .* cannot fit the "
+                                             r"model's 2048 positions, so no request could use it"):
+            engine.ingest([DOCS[0], Document(long, id="long.txt")])
+        assert engine.scheduler.metrics.prefill_steps == 0 and not list(engine.store.tiers[0].keys())
+        with pytest.raises(ValueError, match=r"documents\[0\]: the prompt's text .* cannot fit"):
+            engine.ingest([long * 200])  # refused on its characters, before it is tokenized
+        fits = " ".join(long.split()[: positions // 16])
+        assert engine.ingest([fits])[0].stored  # one that fits is taken
+        assert engine.generate(QUESTION, [fits], mode="reuse", max_new_tokens=2).stats.documents.hits == 1
 
 
 def test_split_document_parts_are_cached_separately():

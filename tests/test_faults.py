@@ -43,9 +43,11 @@ from redis.cluster import RedisCluster
 from blend.config import EngineConfig
 from blend.engine.engine import BlendEngine
 from storage import checksum as _checksum
+from storage.codec import codes_nbytes
 from storage.disk import DiskTier
 from storage.dtypes import dtype_name
 from storage.entry import FORMAT_VERSION, EntryHeader, KVEntry, tensor_bytes
+from storage.entry import layer_checksum as entry_layer_checksum
 from storage.serialization import MAGIC, encode_header, header_size
 from tests.models import smollm2_tokenizer, tiny_model
 
@@ -541,7 +543,7 @@ def _replayed_from_other_namespace(ctx: Ctx) -> None:
     with BlendEngine(ctx.engine.config.with_overrides(store=config), model=_model()) as other:
         other.ingest(DOCS)
         for key in ctx.keys:
-            other_key = "other-" + key.split("-")[-1] if "-" in key else "other-" + key
+            other_key = f"{other.store.namespace}-{key.split('-')[-1]}"  # the same content, its namespace
             assert other.store.tiers[0].contains(other_key)
             ctx_entry = other.store.tiers[0].get(other_key)
             assert ctx_entry is not None
@@ -703,3 +705,87 @@ def test_fault_sweep_redis(tmp_path, redis_url):
 @pytest.mark.redis
 def test_fault_sweep_redis_cluster(tmp_path, redis_cluster_urls):
     sweep(ALL_FAULTS, ("redis-cluster",), tmp_path, cluster_urls=redis_cluster_urls)
+
+
+# ------------------------------------------------------- values that are not finite
+def _nan_scales(entry: KVEntry) -> KVEntry:
+    """An int8 entry whose every scale and minimum is NaN, its checksums recomputed (what a writer
+    without the store's secret can plant): the codes are intact, the decoded KV all NaN."""
+    h = entry.header
+    assert h.codec.name == "int8"
+    at = codes_nbytes(h.kv_heads * h.num_tokens * h.head_dim, h.codec.bits)
+    layers = []
+    for kp, vp in entry.layers:
+        kp, vp = kp.clone(), vp.clone()
+        kp[at:].view(torch.float16).fill_(float("nan"))
+        vp[at:].view(torch.float16).fill_(float("nan"))
+        layers.append((kp, vp))
+    sums = tuple(entry_layer_checksum(h.codec, k, v, h.checksum) for k, v in layers)
+    return KVEntry(dataclasses.replace(h, layer_checksums=sums, tag=""), layers)
+
+
+NAN_REQUESTS = {
+    "greedy blend": dict(mode="blend", recompute_ratio=0.05, max_new_tokens=3),
+    "greedy reuse": dict(mode="reuse", max_new_tokens=3),
+    "sampled blend": dict(mode="blend", recompute_ratio=0.05, max_new_tokens=3, temperature=0.8, seed=1),
+}
+
+
+@pytest.mark.parametrize("name", list(NAN_REQUESTS))
+def test_entries_that_decode_to_nan_are_a_miss_computed_instead(tmp_path, name):
+    """int8 entries with NaN scales behind valid checksums (no secret): a request answers as a
+    clean recompute does (finite log-probs within 1e-4, the same tokens), in time; the entry is
+    rewritten."""
+    args = NAN_REQUESTS[name]
+    with make_engine([{"kind": "cpu", "budget": "64MiB"}]) as clean:
+        want = clean.generate(QUESTION, DOCS, **args)
+    with make_engine([{"kind": "disk", "path": str(tmp_path / "cache"), "budget": "256MiB",
+                       "codec": "int8"}]) as engine:
+        engine.ingest(DOCS)
+        tier = engine.store.tiers[0]
+        for key in tier.keys():
+            tier.put(key, _nan_scales(tier.get(key)))
+        got, err = bounded(lambda: engine.generate(QUESTION, DOCS, **args))
+        assert err is None, err
+        assert torch.isfinite(got.first_token_logprobs).all() and got.text
+        # the loader recomputes a document alone, a cold request packs its documents: equal within rounding
+        assert (got.first_token_logprobs - want.first_token_logprobs).abs().max() <= 1e-4
+        assert got.token_ids == want.token_ids
+        assert got.stats.loaded_tokens > 0  # the request met the planted entries
+        assert got.stats.load.recomputed_segments > 0 and tier.stats()["corrupt"] > 0
+        engine.store.flush()
+        again, err = bounded(lambda: engine.generate(QUESTION, DOCS, **args))  # the rewritten entries: hits
+        assert err is None, err
+        assert again.stats.load.recomputed_segments == 0 and torch.isfinite(again.first_token_logprobs).all()
+
+
+# ----------------------------------------------------------- one store, two secrets
+def test_engines_with_different_secrets_on_one_store_each_hit_their_own_entries(tmp_path):
+    """Two engines with different secrets (and one without) share one disk directory: each keeps
+    its entries in its own namespace (a digest of its secret, never the secret), so after all
+    of them wrote, each request of each engine hits its own entries: none is rejected as
+    unauthenticated, recomputed and overwritten under the other's keys."""
+    disk = {"kind": "disk", "path": str(tmp_path / "cache"), "budget": "256MiB", "codec": "none"}
+    secrets = [SECRET, "another secret, as long as the first one", None]
+    engines = [make_engine([disk], secret=s) for s in secrets]
+    try:
+        for engine in engines:
+            engine.ingest(DOCS)
+        for engine in engines:
+            engine.store.flush()
+        for _ in range(2):
+            for engine in reversed(engines):
+                result = engine.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=2)
+                assert result.stats.documents.hits == len(DOCS) and result.stats.documents.misses == 0
+                assert result.stats.system.misses == 0 and result.stats.load.recomputed_segments == 0
+        namespaces = [engine.store.namespace for engine in engines]
+        assert len(set(namespaces)) == 3 and namespaces[2] == ""
+        assert not any(s in n for s in secrets[:2] for n in namespaces)  # a digest, not the secret
+        for engine in engines:
+            stats = engine.store.stats()["disk"]
+            assert stats["unauthenticated"] == 0 and stats["mismatches"] == 0
+        keys = [set(engine.store.tiers[0].keys()) for engine in engines]
+        assert keys[0] and not keys[0] & keys[1] and not keys[0] & keys[2] and not keys[1] & keys[2]
+    finally:
+        for engine in engines:
+            engine.close()

@@ -17,7 +17,7 @@ from blend.decode.result import GenerationResult, TextDelta
 from blend.engine.async_engine import AsyncBlendEngine
 from blend.engine.engine import BlendEngine
 from blend.engine.scheduler import Scheduler
-from blend.engine.sequence import Cancelled
+from blend.engine.sequence import Cancelled, Handle
 from tests.models import smollm2_tokenizer, tiny_model
 
 DOCS = [
@@ -325,3 +325,90 @@ def test_run_exclusive_runs_on_the_schedulers_thread_and_returns_or_raises(lm):
         engine.close()
     with pytest.raises(ValueError, match="closed"):
         engine.run_exclusive(lambda: None)
+
+
+# ------------------------------------------------------------- failure isolation
+def _poisoned(engine: BlendEngine, spec: dict, where: str):
+    """`spec` as a scheduled sequence whose prefill hands over NaN: its last logits (sampling its
+    first token fails) or its cache's K (its first decode step's logits are NaN, sampling fails)."""
+    args = {k: v for k, v in spec.items() if k not in ("query", "documents", "logprobs")}
+    seq = engine._sequence(engine.request(spec["query"], spec["documents"], **args), Handle())
+    make = seq.make_prefill
+
+    def steps():
+        pre = yield from make()
+        (pre.logits if where == "logits" else pre.cache.k[0]).fill_(float("nan"))
+        return pre
+
+    seq.make_prefill = steps
+    return seq
+
+
+@pytest.mark.parametrize("where", ["logits", "cache"])
+def test_a_failing_sequence_fails_alone_and_its_caller_is_told(lm, where):
+    """A sampled sequence whose logits turn NaN (after its prefill, or at a decode step while others
+    decode with it) ends with the error at its caller, in time; the requests beside it finish with
+    the output they get alone, and the engine goes on serving."""
+    specs = requests(3, max_new_tokens=16)
+    bad_spec = {"query": QUESTIONS[3], "documents": DOCS[:2], "mode": "reuse", "max_new_tokens": 16,
+                "temperature": 0.8, "seed": 1}
+    with make_engine(lm) as engine:
+        engine.ingest(DOCS)
+        expected = [alone(engine, s) for s in specs]
+        got: list = []
+        others = threading.Thread(target=lambda: got.extend(engine.generate_many(specs)), daemon=True)
+        others.start()
+        deadline = time.monotonic() + 60
+        while engine.scheduler.running < 1:  # the others are decoding
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        bad = _poisoned(engine, bad_spec, where)
+        engine.scheduler.submit(bad)
+        failed: list[BaseException] = []
+        waiter = threading.Thread(target=lambda: failed.append(_raised(bad.handle.result)), daemon=True)
+        waiter.start()
+        waiter.join(60)
+        assert not waiter.is_alive(), "the failing request's caller waits forever"
+        assert isinstance(failed[0], RuntimeError) and "probability" in str(failed[0])
+        others.join(120)
+        assert not others.is_alive()
+        assert engine.scheduler.metrics.failed == 1
+        assert engine.scheduler.running == 0 and engine.scheduler.active_kv_bytes() == 0
+        after = alone(engine, specs[0])  # still serving
+    for a, b in zip(expected, got, strict=True):
+        assert_same(a, b)
+    assert_same(expected[0], after)
+
+
+def _raised(fn) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as err:  # noqa: BLE001 - the test inspects it
+        return err
+    return None
+
+
+def test_cancelling_an_async_generate_while_it_is_submitted_cancels_the_request(lm):
+    """The task is cancelled while its request is laid out and queued off the event loop (the loop
+    lives on, as a server's does, so its sink still takes events): the request is cancelled all the same (it leaves at the scheduler's next step), it does not
+    decode unobserved to its end."""
+    with make_engine(lm) as engine:
+        engine.ingest(DOCS)
+
+        async def main() -> None:
+            facade = AsyncBlendEngine(engine)
+            task = asyncio.create_task(facade.generate(QUESTIONS[0], DOCS, max_new_tokens=200))
+            await asyncio.sleep(0)  # the task runs up to its submission (in the loop's executor)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 60  # the loop lives on (a server's would): its sink still works
+            metrics = engine.scheduler.metrics
+            while engine.scheduler.depth() or metrics.finished + metrics.cancelled + metrics.failed < 2:
+                assert time.monotonic() < deadline, "the cancelled request still runs"
+                await asyncio.sleep(0.005)
+
+        asyncio.run(main())
+        metrics = engine.scheduler.metrics
+        assert metrics.cancelled == 1 and metrics.finished == 1  # the ingest; the request did not finish
+        assert metrics.generated_tokens <= 2  # it left at the next step

@@ -421,6 +421,9 @@ MALFORMED = [
     ("documents", {"documents": []}, 422),
     ("documents", {"documents": "text"}, 422),
     ("documents", {"documents": [{"text": 5}]}, 422),
+    # more tokens than the model's 32768 positions (about one a character), in too few characters
+    # for the text check: refused from its tokens at ingest, nothing computed
+    ("documents", {"documents": [{"text": " ".join(str(i * 7919 % 100000) for i in range(7000))}]}, 400),
 ]
 
 
@@ -657,3 +660,34 @@ def test_a_required_tier_that_goes_away_is_503_with_the_fix(setup, redis_server,
     finally:
         redis_server.start()
         server.stop()
+
+
+def raw_status(url: str, method: str, path: str) -> int:
+    """The status of `method path` sent byte for byte (an HTTP client would normalise '.' and '..')."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode("ascii"))
+        head = sock.recv(64).decode("ascii", "replace")
+    return int(head.split()[1])
+
+
+def test_document_ids_round_trip_through_the_url_path_or_are_refused_at_ingest(server):
+    """Ids that a URL path cannot carry back ('.', '..', a '/', a control character, over 256
+    characters) are refused at ingest with 400 naming the rule; a delete of an id never seen is
+    404 whatever its path; an id with URL-special characters is deleted through its encoding."""
+    from urllib.parse import quote
+
+    for bad in [".", "..", "a/b", "line\nbreak", "x" * 257]:
+        reply = httpx.post(server.url + "/v1/documents", json={"documents": [{"id": bad, "text": "Some text."}]},
+                           timeout=120)
+        assert reply.status_code == 400, (bad, reply.text)
+        assert "a document id is 1 to 256 characters without '/'" in reply.json()["error"]["message"]
+    for path in ["/v1/documents/.", "/v1/documents/..", "/v1/documents/%2e%2e", "/v1/documents/%2E",
+                 "/v1/documents/a%0Ab", "/v1/documents/a%2Fb", "/v1/documents/", "/v1/documents/never-seen"]:
+        assert raw_status(server.url, "DELETE", path) == 404, path
+    odd = "a b?#%&é:"
+    stored = httpx.post(server.url + "/v1/documents", json={"documents": [{"id": odd, "text": "Odd ids work."}]},
+                        timeout=120)
+    assert stored.status_code == 200 and stored.json()["data"][0]["id"] == odd
+    assert raw_status(server.url, "DELETE", "/v1/documents/" + quote(odd, safe="")) == 200
+    assert raw_status(server.url, "DELETE", "/v1/documents/" + quote(odd, safe="")) == 404

@@ -107,8 +107,11 @@ def test_store_with_a_secret_seals_writes_and_refuses_untagged_entries(tmp_path)
         assert located.tier_name == "disk" and store.get(located) is not None
         store.flush()
         assert store.tiers[0].get_header(key) == stored
-    with cpu_disk(tmp_path) as plain:  # without a secret, tags are not required
-        assert plain.lookup(key, expect(tokens)) is not None
+        sealed = store.tiers[1].get(key)
+    with cpu_disk(tmp_path) as plain:
+        assert plain.lookup(key, expect(tokens)) is None  # the signed store's entries live in its own namespace
+        plain.tiers[1].put(key, sealed)
+        assert plain.lookup(key, expect(tokens)) is not None  # without a secret, tags are not required
     with pytest.raises(ValueError, match="secret: must be at least 16 characters"):
         cpu_disk(tmp_path, secret="")
 
@@ -256,19 +259,28 @@ def test_background_failure_of_required_tier_surfaces_on_flush(tmp_path, monkeyp
     store.close()
 
 
-def test_engines_with_different_secrets_do_not_delete_each_others_entries(tmp_path):
-    """Fault sweep: an entry that fails authentication is a miss, counted, and stays where it is."""
+def test_engines_with_different_secrets_do_not_see_or_delete_each_others_entries(tmp_path):
+    """Each secret has its own namespace (a digest of it): another secret's store does not see the
+    entry at all (a plain miss, nothing to reject, nothing overwritten); an entry that fails
+    authentication in a store's own namespace is a miss, counted, and stays where it is."""
     key, tokens, entry = keyed()
     mine = StoreConfig(secret="first-secret-0123456789", tiers=(DiskTierConfig(path=str(tmp_path / "d")),))
     theirs = dataclasses.replace(mine, secret="other-secret-0123456789")
+    assert mine.key_namespace != theirs.key_namespace and "secret" not in mine.key_namespace
     with TieredStore.from_config(mine) as a:
         a.put(key, entry, sync=True)
     with TieredStore.from_config(theirs) as b:
-        assert b.lookup(key, expect(tokens)) is None
+        assert b.lookup(key, expect(tokens)) is None and not b.tiers[0].contains(key)
         stats = b.stats()["disk"]
-        assert stats["unauthenticated"] == 1 and stats["lookup_misses"] == 1 and b.tiers[0].contains(key)
+        assert stats["unauthenticated"] == 0 and stats["lookup_misses"] == 1
+        b.put(key, entry, sync=True)  # its own copy, beside the other's
     with TieredStore.from_config(mine) as a:
-        assert a.lookup(key, expect(tokens)) is not None  # still there for its owner
+        located = a.lookup(key, expect(tokens))  # still there for its owner, its own
+        assert located is not None and verify(located.header, key, "first-secret-0123456789")
+        key2, tokens2, entry2 = keyed(seed=1)
+        a.tiers[0].put(key2, entry2)  # unsigned, in its namespace: planted
+        assert a.lookup(key2, expect(tokens2)) is None
+        assert a.stats()["disk"]["unauthenticated"] == 1 and a.tiers[0].contains(key2)
 
 
 @pytest.mark.parametrize("kinds, secret, warned", [

@@ -76,6 +76,16 @@ def arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
+def document_positions(path: str | None, config: Any) -> int | None:
+    """The positions of `config`'s model, from its config file (no weights), for checks on document
+    files before the model loads; a model that cannot be found fails here as its load would."""
+    from blend.config import naming_config
+    from blend.model.loading import model_positions
+
+    with naming_config(path):
+        return model_positions(config.model)
+
+
 def open_engine(path: str | None, config: Any) -> Any:
     """A BlendEngine on `config`, loaded (and checked) from `path` beforehand, so that bad
     files fail before torch is imported; a setting found wrong only once the model or store
@@ -146,14 +156,36 @@ POSITIVE_FLOAT = arg_type(positive_float)
 RATIO = arg_type(parse_ratio)
 
 
-def read_documents(paths: list[str]) -> list[str]:
-    """The text of each file (UTF-8); ValueError/FileNotFoundError naming the file otherwise."""
-    docs = []
+# no token covers this many bytes of text: a file larger than the model's positions times this
+# cannot fit them (a cheap check on its size before it is read; the exact one counts its tokens)
+MAX_BYTES_PER_POSITION = 256
+
+
+def check_document_files(paths: list[str]) -> None:
+    """FileNotFoundError naming the first path that is not an existing file (nothing is read)."""
     for p in paths:
         path = Path(p)
         if not path.is_file():
             problem = "is not a file" if path.exists() else "not found"
             raise FileNotFoundError(f"document {p!r} {problem}; pass existing text files")
+
+
+def read_documents(paths: list[str], max_positions: int | None = None) -> list[str]:
+    """The text of each file (UTF-8); ValueError/FileNotFoundError naming the file otherwise.
+    With `max_positions` (the model's), a file over max_positions x MAX_BYTES_PER_POSITION bytes
+    is refused on its size, before any file is read."""
+    check_document_files(paths)
+    for p in paths:
+        path = Path(p)
+        if max_positions is not None and (size := path.stat().st_size) > max_positions * MAX_BYTES_PER_POSITION:
+            from storage.units import format_bytes
+
+            raise ValueError(f"document {p!r} is {format_bytes(size)}: more text than the model's {max_positions} "
+                             f"positions can hold (at most {format_bytes(max_positions * MAX_BYTES_PER_POSITION)} "
+                             "at this size); split it into smaller documents")
+    docs = []
+    for p in paths:
+        path = Path(p)
         try:
             docs.append(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError as err:

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from blend.cli.common import (
     POSITIVE_INT,
     RATIO,
+    check_document_files,
     config_arg,
+    document_positions,
     emit_json,
     human,
     json_arg,
@@ -22,18 +25,30 @@ from blend.cli.common import (
 from blend.modes import MODES
 
 
-def _engine(args: argparse.Namespace, **overrides: Any):
-    """The engine of `args.config` with the non-None overrides; the config is validated
-    before torch and the model are loaded."""
+def _config(args: argparse.Namespace, **overrides: Any) -> Any:
+    """The config of `args.config` with the non-None overrides, validated before torch and the
+    model are loaded."""
     from blend.config import load_config
 
-    config = load_config(args.config, **{k: v for k, v in overrides.items() if v is not None})
-    return open_engine(args.config, config)
+    return load_config(args.config, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _engine(args: argparse.Namespace, config: Any = None) -> Any:
+    return open_engine(args.config, config if config is not None else _config(args))
+
+
+def _documents(args: argparse.Namespace, paths: list[str], config: Any) -> list[str]:
+    """The document files' text, each refused on its size first when it cannot fit the model."""
+    if not paths:
+        return []
+    check_document_files(paths)  # a missing file is named before the model's config is looked up
+    return read_documents(paths, document_positions(args.config, config))
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    docs = read_documents(args.doc or [])
-    with _engine(args) as engine:
+    config = _config(args)
+    docs = _documents(args, args.doc or [], config)
+    with _engine(args, config) as engine:
         result = engine.generate(args.question, docs, mode=args.mode, recompute_ratio=args.ratio,
                                  max_new_tokens=args.max_new_tokens)
     if args.json:
@@ -46,10 +61,13 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from blend.prompt.document import Document
+    from blend.prompt.document import Document, check_document_id
 
-    docs = [Document(text, id=path) for path, text in zip(args.files, read_documents(args.files), strict=True)]
-    with _engine(args) as engine:
+    config = _config(args)
+    # named by file name: a path's '/' cannot be part of a document id (blend.prompt.document.ID_RULE)
+    ids = [check_document_id(Path(path).name, "document file name") for path in args.files]
+    docs = [Document(text, id=i) for i, text in zip(ids, _documents(args, args.files, config), strict=True)]
+    with _engine(args, config) as engine:
         ingested = engine.ingest(docs)
         overflow = _budget_overflow(engine.store.stats())
     keys = [k for doc in ingested for k in doc.keys]

@@ -7,14 +7,15 @@ its events on the event loop; many awaited at once decode together in one batch.
         async for item in engine.generate_stream("When did it open?", docs):
             ...  # TextDelta, then the GenerationResult
 
-Cancelling the awaiting task (asyncio.CancelledError) cancels the request: it leaves the
-decode batch at the scheduler's next step. The prompt is laid out off the event loop.
+Cancelling the awaiting task (asyncio.CancelledError) cancels the request at any moment, even
+while it is being submitted: it leaves the decode batch (or the queue) at the scheduler's next step. The prompt is laid out off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,23 @@ class AsyncBlendEngine:
         def sink(event: Any) -> None:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        handle = await loop.run_in_executor(None, start, sink)
+        submitted: list[Handle] = []
+        abandoned = threading.Event()
+
+        def submit() -> Handle:
+            handle = start(sink)
+            submitted.append(handle)
+            if abandoned.is_set():  # the caller was cancelled while this ran: nobody will await it
+                handle.cancel()
+            return handle
+
+        try:
+            handle = await loop.run_in_executor(None, submit)
+        except asyncio.CancelledError:  # the submission goes on in its thread: its request is cancelled
+            abandoned.set()  # by submit() when it ends, or here when it already has
+            for handle in submitted:
+                handle.cancel()
+            raise
         done = False
         try:
             while True:

@@ -126,7 +126,7 @@ class BlendEngine:
         self.eos = eos_ids(self.lm)
         maker = EntryMaker(self.runner, self.fingerprint, self.kv_dtype)
         stall_s = cfg.load_stall_s or None  # LayerLoader's longest wait for one layer (0: none)
-        namespace = config.store.namespace
+        namespace = self.store.namespace  # the configured one, with the secret's digest when there is one
         self.document_kv = DocumentCache(self.store, maker, namespace=namespace, chunk_context=cfg.chunk_context,
                                          block_tokens=cfg.chunk_tokens, stall_s=stall_s)
         self.prefix_cache = PrefixCache(self.store, maker, namespace=namespace, block_tokens=cfg.chunk_tokens,
@@ -195,6 +195,8 @@ class BlendEngine:
         `stop` (e.g. a server job's deadline) is asked before each forward pass (one long
         document, or several short ones packed); when it answers True the call raises
         `IngestStopped`; what was computed so far stays stored (and known by id).
+        A document that cannot fit the model's positions with the prompt's fixed part (no
+        request could use it) is refused with ValueError before anything is computed or written.
         """
         handle = self.submit_ingest(documents, sync=sync, stop=stop)
         finished = _last(handle.events())
@@ -213,7 +215,17 @@ class BlendEngine:
         if stop is not None and not callable(stop):
             raise TypeError(f"stop must be a callable returning a bool, got {type(stop).__name__}")
         docs = check_documents(documents)
+        names = [f"documents[{i}]" + (f" ({d.id!r})" if isinstance(d, Document) and d.id is not None else "")
+                 for i, d in enumerate(docs) if render_document(d)]
+        fix = "split it into shorter documents"
+        kept = [d for d in docs if render_document(d)]
+        for name, doc in zip(names, kept, strict=True):  # before tokenizing megabytes
+            try:
+                self.prompts.check_text_fits("ingest", [doc], self.runner.max_positions, fix)
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
         prompt = self.prompts.build("ingest", docs)
+        self.prompts.check_documents_fit(prompt, names)  # one no request could use: refused, nothing written
         handle = Handle(sink, deadline)
 
         def stopped() -> bool:

@@ -16,7 +16,10 @@ that are decoding. Each step of its loop does one of two things:
 Running sequences are never starved: between two decode steps at most
 `prefills_between_decodes` prefill steps run (1 by default). A cancelled or timed-out item
 leaves at the next step (a waiting one is dropped, a running one frees its slot); one that
-ends (end of sequence, a stop string, max tokens) frees its slot at once.
+ends (end of sequence, a stop string, max tokens) frees its slot at once. A failure of one
+item (its prefill raised, or sampling from its logits did: e.g. logits that are not finite)
+ends that item with the error, its caller told; the others go on. Only a failure of the loop
+itself (the batched model call: e.g. out of memory) fails every item.
 
 Memory: a sequence's cache is allocated for its prompt and the first `DECODE_RESERVE` new
 tokens and grows as it decodes. When growing would take the running set's KV past
@@ -34,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -271,12 +275,19 @@ class Scheduler:
         if isinstance(item, Task):
             self._end(item, value=value)
             return
-        seq = item
+        try:
+            self._join(item, value)
+        except Exception as err:  # noqa: BLE001 - this sequence fails alone: its caller gets the error
+            self._fail(item, err)
+
+    def _join(self, seq: Sequence, value: Any) -> None:
+        """A sequence whose prefill ended: its first token sampled and emitted, then it joins the
+        running set (or ends)."""
         if seq.generation.tokens:  # resumed after a preemption: it continues with its pending token
             seq.status = Status.RUNNING
             self._running.append(seq)
             return
-        pre = value
+        pre = value  # blend.decode.generation.Prefilled
         pre.cache.compact_()  # sliding-window layers: rings of their window from here on (memory bounded)
         seq.cache, seq.stats, seq.prompt_ids = pre.cache, pre.stats, pre.token_ids
         seq.ttft_s = time.monotonic() - (seq.started or time.monotonic())
@@ -309,9 +320,12 @@ class Scheduler:
         for b, seq in enumerate(batch):
             seq.decode_steps += 1
             seq.batch_total += size
-            self._emit_token(seq, logits[b])
-            if seq.generation.done:
-                self._end(seq)
+            try:
+                self._emit_token(seq, logits[b])
+                if seq.generation.done:
+                    self._end(seq)
+            except Exception as err:  # noqa: BLE001 - this sequence fails alone; the batch goes on
+                self._fail(seq, err)
 
     def _make_room(self) -> None:
         """Give every running sequence room for one more position; preempt the newest
@@ -437,6 +451,16 @@ class Scheduler:
             return
         self.metrics.finished += 1
         seq.handle.emit(Finished(value=result, queued_s=queued_s, run_s=run_s))
+
+    def _fail(self, seq: Sequence, err: Exception) -> None:
+        """One sequence failed outside the batched model call (e.g. sampling from logits that are not
+        finite): it ends with the error, its slot and memory freed; the others go on."""
+        log.warning("sequence %d failed: %s", seq.id, err, exc_info=True)
+        if seq.handle.finished:  # it had ended and its caller was told
+            if seq in self._running:
+                self._running.remove(seq)
+            return
+        self._end(seq, error=err)
 
     def _fail_all(self, err: BaseException) -> None:
         """The loop itself failed (e.g. out of memory in a decode step): every item is told."""

@@ -70,6 +70,11 @@ class Handle:
         self._cancelled.set()
 
     @property
+    def finished(self) -> bool:
+        """Whether the `Finished` event was handed over (nothing more reaches the caller)."""
+        return self._finished
+
+    @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 

@@ -549,6 +549,34 @@ def local_config_json(name_or_path: str) -> dict | None:
     return body if isinstance(body, dict) else None
 
 
+def model_positions(name_or_path: str) -> int | None:
+    """The model's positions (`max_position_embeddings`) read from its config.json, without
+    importing transformers or reading weights (an alias or a GGUF file: its converted copy, converted
+    once if needed, as a load would); None when the config does not say. For cheap checks before the
+    model loads (e.g. a document file's size); the loaded model's `ModelDims.max_positions` is the
+    authority. ValueError for an unknown model, as `resolve_model`."""
+    if name_or_path.startswith(RANDOM_PREFIX):
+        shape = RANDOM_SHAPES.get(name_or_path[len(RANDOM_PREFIX):])
+        value = dict(shape.config).get("max_position_embeddings") if shape is not None else None
+        return value if isinstance(value, int) else None
+    shipped = ALIASES.get(name_or_path)
+    if shipped is not None and shipped.parts:
+        directory = _local_model(name_or_path)[0]
+    else:
+        directory, gguf_file = resolve_model(name_or_path)
+        if gguf_file is not None:
+            directory = _local_model(name_or_path)[0]
+    try:
+        body = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    for scope in (body, body.get("text_config")) if isinstance(body, dict) else ():
+        value = scope.get("max_position_embeddings") if isinstance(scope, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def in_own_thread(fn: Callable[[], T], name: str = "kvblend-setup") -> T:
     """Run `fn()` in a thread that ends with it and return its value (its exception is raised
     here). Torch's parallel work leaves an OpenMP pool on the thread that ran it (libgomp keeps

@@ -8,7 +8,9 @@ Each document is one `document` segment: its KV is computed as one sequence (lat
 tokens see earlier ones) and stored block by block (blend.documents). A document longer
 than `max_document_tokens` - capped to what fits the model's positions after the fixed
 system part - is split on token boundaries into consecutive documents of that many
-tokens (the last one shorter); each part is computed on its own.
+tokens (the last one shorter); each part is computed on its own. `max_document_tokens` is
+capped to the model's positions, and a document that cannot fit them with the fixed parts
+(`check_documents_fit`) is refused at ingest: no request could use it.
 """
 
 from __future__ import annotations
@@ -138,7 +140,8 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.query_template = query_template
-        self.max_document_tokens = max_document_tokens
+        # a part longer than the model's positions could never be computed: capped to them
+        self.max_document_tokens = min(max_document_tokens, max_positions or max_document_tokens)
         self.max_positions = max_positions  # the model's: a document part must fit them after the fixed part
 
     @functools.cached_property
@@ -224,6 +227,24 @@ class PromptBuilder:
         if len(ids) > n:
             log.debug("document of %d tokens split into parts of %d (max_document_tokens)", len(ids), n)
         return [tuple(ids[i : i + n]) for i in range(0, len(ids), n)]
+
+    def check_documents_fit(self, prompt: Prompt, names: Sequence[str]) -> None:
+        """Refuse a document that no request could use: its tokens with the prompt's fixed part
+        (the tokens before the documents and after them) exceed the model's positions. `prompt`
+        holds the documents (e.g. an ingest's); `names[i]` names its i-th non-empty document in
+        the error. Nothing when the model's positions are unknown."""
+        if self.max_positions is None:
+            return
+        fixed = len(prompt.prefix.token_ids) + len(prompt.query.token_ids)
+        tokens = [0] * len(names)
+        for seg in prompt.documents:
+            tokens[seg.doc_index] += len(seg.token_ids)
+        for name, n in zip(names, tokens, strict=True):
+            if fixed + n > self.max_positions:
+                raise ValueError(f"{name} is {n} tokens: with the prompt's fixed part ({fixed} tokens: system prompt "
+                                 f"and template) it cannot fit the model's {self.max_positions} positions, so no "
+                                 f"request could use it; split it into documents of at most "
+                                 f"{max(self.max_positions - fixed, 0)} tokens")
 
     def clean_documents(self, documents: list[str]) -> list[str]:
         """Drop empty documents with a warning."""

@@ -16,6 +16,8 @@ passage always gives the same tokens and hits the same cache entries:
   every request that should reuse a titled ingest).
 - `id` is a handle (for `delete_document`, for the server's DELETE and to warn when a
   request's version of a document differs from the ingested one); it is never rendered.
+  It must round-trip through a URL path (`ID_RULE`: 1 to 256 characters, no '/', no control
+  characters, not '.' or '..'); `Document` refuses any other with ValueError.
   Without one the id is the content digest of the rendered text (`document_id`).
 - Text is data, never structure: a lone surrogate becomes U+FFFD (the only change made
   to any character sequence), so every `str` can be tokenized.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+import unicodedata
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import KW_ONLY, dataclass
 
@@ -50,8 +53,32 @@ class Document:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"Document.{name} must be a str or None, got {type(value).__name__}")
-        if self.id is not None and not self.id.strip():
-            raise ValueError("Document.id is empty; leave it out (None) to use the content digest")
+        if self.id is not None:
+            check_document_id(self.id, "Document.id")
+
+
+MAX_ID_CHARS = 256
+ID_RULE = (f"a document id is 1 to {MAX_ID_CHARS} characters without '/', control characters or unpaired "
+           "surrogates, and is not '.' or '..' (it must round-trip through a URL path: DELETE /v1/documents/{id})")
+
+
+def check_document_id(value: str, what: str = "document id") -> str:
+    """`value` when it is a valid document id (`ID_RULE`); ValueError naming the rule otherwise."""
+    if not value.strip():
+        raise ValueError(f"{what} is empty; leave it out (None) to use the content digest; {ID_RULE}")
+    problem = None
+    if len(value) > MAX_ID_CHARS:
+        problem = f"is {len(value)} characters long"
+    elif "/" in value:
+        problem = "holds a '/'"
+    elif value in (".", ".."):
+        problem = "is a path's dot segment"
+    elif any(unicodedata.category(c) in ("Cc", "Cs") for c in value):
+        problem = "holds a control character or an unpaired surrogate"
+    if problem is not None:
+        shown = repr(value[:40] + ("..." if len(value) > 40 else "")).encode("ascii", "backslashreplace").decode()
+        raise ValueError(f"{what} {shown} {problem}: {ID_RULE}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from blend.engine.engine import BlendEngine
 from blend.engine.request import GenerationRequest
 from blend.engine.scheduler import QueueFull
 from blend.engine.sequence import Handle
-from blend.prompt.document import check_documents, render_document
+from blend.prompt.document import check_document_id, check_documents, render_document
 from blend.server import schemas
 from blend.server.jobs import Finished, Job
 from blend.server.metrics import CONTENT_TYPE, Metrics
@@ -406,6 +406,11 @@ def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
     @app.delete("/v1/documents/{doc_id:path}")
     async def delete_document(doc_id: str) -> Response:
         """No model work: the store is asked directly (off the event loop)."""
+        try:
+            check_document_id(doc_id)
+        except ValueError as err:  # an id that breaks the rule was never ingested
+            metrics().request("documents", "delete", 404)
+            raise ApiError(404, f"document {doc_id!r} is not known to this server: {err}", "not_found") from None
         status = 500
         try:
             keys = await asyncio.get_running_loop().run_in_executor(None, engine.delete_document, doc_id)
