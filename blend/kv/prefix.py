@@ -142,6 +142,22 @@ class EntryMaker:
         return KVEntry.from_tensors(layers, fingerprint=self.fingerprint, token_ids=list(token_ids),
                                     pos_start=pos_start, kv_dtype=self.kv_dtype, rope=self.rope())
 
+    def harvest(self, cache: KVCache, token_ids: Sequence[int], slot: int, pos_start: int) -> KVEntry:
+        """Slots slot..slot+len(token_ids)-1 of a prompt's cache (slot = position: keys rotated at
+        their prompt positions) as an entry whose keys are rotated at `pos_start`, the position
+        the segment's standalone entry has: each layer's keys turned back by pos_start - slot in
+        float32 (`Runner.rotate_into`), rounded once into the storage dtype. Its K/V are the
+        tokens' K/V in that prompt's context (a full prefill's), not computed standalone."""
+        end, delta = slot + len(token_ids), pos_start - slot
+        layers = []
+        for i in range(self.runner.num_layers):
+            k = cache.k[i][:, slot:end]
+            turned = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+            self.runner.rotate_into(turned, k, delta, i)
+            layers.append((turned, cache.v[i][:, slot:end]))
+        return KVEntry.from_tensors(layers, fingerprint=self.fingerprint, token_ids=list(token_ids),
+                                    pos_start=pos_start, kv_dtype=self.kv_dtype, rope=self.rope())
+
     def rope(self, layers: Sequence[int] | None = None) -> tuple[torch.Tensor, ...]:
         """The RoPE frequencies of each of `layers` (default: every layer), for an entry's `rope`."""
         r = self.runner
