@@ -23,9 +23,12 @@ argument is checked before any work (`blend.engine.request`).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,6 +45,7 @@ from blend.engine.scheduler import DECODE_RESERVE, Scheduler, SchedulerConfig
 from blend.engine.sequence import Finished, Handle, Task, unwrap
 from blend.engine.sequence import Sequence as ScheduledSequence
 from blend.kv.documents import Block, DocumentCache, IngestStopped
+from blend.kv.loader import join_abandoned
 from blend.kv.offload import KVParking
 from blend.kv.prefix import EntryMaker, PrefixCache
 from blend.model.cache import KVCache
@@ -61,12 +65,43 @@ from blend.prompt.document import (
 )
 from blend.session.manager import SessionManager, Turn
 from storage.dtypes import dtype_bytes, dtype_name
-from storage.stack import TieredStore
+from storage.stack import EXIT_FLUSH_S, TieredStore
 from storage.tier import StoreUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ACTIVE_KV_SHARE = 0.25  # max_active_kv auto: this share of the memory free when the engine starts
+# at interpreter exit, an engine not closed is closed: its requests cancelled, then at most this
+# long for the scheduler's step under way (and loader threads given up by stalled requests)
+EXIT_STOP_S = 30.0
+
+# Engines still open, closed at interpreter exit in the order their threads need (below). Held
+# weakly: the hook never keeps an engine alive. Without it the scheduler's daemon thread could
+# still be ending a step (freeing tensors, in torch's C++ code) while the interpreter finalises;
+# Python then ends that thread with a forced unwind that cannot cross torch's noexcept frames,
+# and the process aborts: "terminate called without an active exception", exit 134.
+_OPEN_ENGINES: weakref.WeakSet[BlendEngine] = weakref.WeakSet()
+_EXIT_HOOK = threading.Lock()
+_exit_hook_registered = False
+
+
+def _close_engines_at_exit() -> None:
+    for engine in list(_OPEN_ENGINES):
+        try:
+            engine._close(stop_s=EXIT_STOP_S, flush_s=EXIT_FLUSH_S)
+        except Exception as err:  # noqa: BLE001 - the exit goes on
+            log.warning("closing the engine at exit: %s", err)
+
+
+def _register_exit_hook(engine: BlendEngine) -> None:
+    """Remember `engine` for the exit hook (registered once, after the first store's: atexit runs
+    hooks last-registered first, so engines are closed before the stores left open)."""
+    global _exit_hook_registered
+    with _EXIT_HOOK:
+        _OPEN_ENGINES.add(engine)
+        if not _exit_hook_registered:
+            atexit.register(_close_engines_at_exit)
+            _exit_hook_registered = True
 
 
 class _TurnEnd:
@@ -148,6 +183,7 @@ class BlendEngine:
             prefills_between_decodes=cfg.prefills_between_decodes)
         self.scheduler = Scheduler(self.runner, parking, scheduling, kv_bytes_per_token=self.kv_bytes_per_token)
         self.documents = DocumentIndex()
+        _register_exit_hook(self)
 
     @classmethod
     def from_config(cls, path: str | Path | None = None, **overrides: Any) -> BlendEngine:
@@ -162,12 +198,29 @@ class BlendEngine:
 
     def close(self) -> None:
         """Let queued and running requests finish, flush pending cache writes and close the
-        tiers; later calls raise ValueError."""
+        tiers; later calls raise ValueError.
+
+        An engine still open when the interpreter exits is closed by an exit hook, so a script
+        may end without calling this: its queued and running requests are cancelled, the
+        scheduler's step under way ends (at most `EXIT_STOP_S`), queued writes are flushed
+        (at most `storage.stack.EXIT_FLUSH_S`, the rest dropped with a warning), and the
+        process exits normally."""
+        self._close()
+
+    def _close(self, *, stop_s: float | None = None, flush_s: float | None = None) -> None:
+        """Stop in order: the scheduler (with `stop_s`: its items cancelled, its thread awaited
+        that long), loader threads given up by stalled requests, then the store (its flush
+        bounded by `flush_s`)."""
         if self._closed:
             return
         self._closed = True
-        self.scheduler.stop()
-        self.store.close()
+        _OPEN_ENGINES.discard(self)
+        exiting = stop_s is not None
+        if not self.scheduler.stop(stop_s, cancel=exiting):
+            log.warning("the engine's scheduler is still in a step after %.0f s; closing the store beside it", stop_s)
+        if exiting:
+            join_abandoned(stop_s)
+        self.store.close(timeout=flush_s)
 
     def _check_open(self) -> None:
         if self._closed:
