@@ -12,7 +12,10 @@ vanished meanwhile. A request that still finds a layer missing recomputes the se
 hands it to `repair`, which rewrites the entry once. `put` writes to every tier through a
 bounded background writer: encoded in each tier's codec (`storage.codec`; once per codec,
 an entry already encoded is written as it is; `exact` puts and promotions are written as
-they are), then sealed when the store has a secret.
+they are), then sealed when the store has a secret. The codec follows the entry's kind,
+read from its key (`storage.keys.key_kind`): a document's block in the tier's `codec`, a
+prefix block (prefix mode, chat sessions: KV users expect back exactly) in its
+`exact_codec` (`none` by default).
 Reads return what the tier holds (an encoded entry's K and V parts: the reader decodes, on
 its device; `storage.entry.decode_layer`). A hit in
 a lower tier is promoted: the layers the request reads are collected and, once all are
@@ -39,6 +42,7 @@ import torch
 from storage.codec import NONE, Codec, codec_named
 from storage.config import SHARED_KINDS, StoreConfig, TierConfig
 from storage.entry import EntryHeader, Expected, KVEntry
+from storage.keys import key_kind
 from storage.openmp import single_threaded
 from storage.serialization import layer_views
 from storage.signature import seal, verify
@@ -61,8 +65,14 @@ def build_tier(config: TierConfig, namespace: str = "") -> Tier:
 
 
 def tier_codec(tier: Tier) -> Codec:
-    """The codec a tier writes in (its config's `codec`; `none` for a tier without one)."""
+    """The codec a tier writes document entries in (its config's `codec`; `none` for a tier without one)."""
     return codec_named(getattr(getattr(tier, "config", None), "codec", "none"))
+
+
+def tier_exact_codec(tier: Tier) -> Codec:
+    """The codec a tier writes exact entries in: prefix blocks and chat sessions (its config's
+    `exact_codec`; `none` for a tier without one)."""
+    return codec_named(getattr(getattr(tier, "config", None), "exact_codec", "none"))
 
 
 @dataclass
@@ -179,7 +189,8 @@ class TieredStore:
         if secret is not None and not secret:
             raise ValueError("store secret is empty; set a long random string or leave it unset")
         self.tiers: list[Tier] = list(tiers)
-        self.codecs: list[Codec] = [tier_codec(t) for t in self.tiers]
+        self.codecs: list[Codec] = [tier_codec(t) for t in self.tiers]  # document entries
+        self.exact_codecs: list[Codec] = [tier_exact_codec(t) for t in self.tiers]  # prefix blocks, sessions
         self.namespace = namespace
         self._secret = secret
         self.kv_dtype = kv_dtype
@@ -416,7 +427,8 @@ class TieredStore:
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, entry: KVEntry, *, sync: bool = False, exact: bool = False) -> None:
-        """Write `entry` under `key` to every tier, encoded in each tier's codec.
+        """Write `entry` under `key` to every tier, encoded in each tier's codec: `exact_codec`
+        for a prefix block's key (`storage.keys.key_kind`), `codec` for any other.
 
         sync=False (default) queues the write for the background writer and returns;
         it blocks while the queue (write_queue jobs) is full. Do not modify `entry`
@@ -436,10 +448,11 @@ class TieredStore:
         self._queue.put(job)
 
     def _write(self, key: str, entry: KVEntry, exact: bool = False) -> None:
-        """Put `entry` into every tier, encoded in the tier's codec (once per codec; not when
-        `exact`) and sealed."""
+        """Put `entry` into every tier, encoded in the tier's codec for the key's kind (once per
+        codec; not when `exact`) and sealed."""
         ready: dict[Codec, KVEntry] = {}
-        for tier, codec in zip(self.tiers, self.codecs, strict=True):
+        codecs = self.exact_codecs if key_kind(key) == "prefix" else self.codecs
+        for tier, codec in zip(self.tiers, codecs, strict=True):
             codec = NONE if exact else codec
             if codec not in ready:
                 ready[codec] = self._seal(key, entry.encode(codec))
@@ -586,6 +599,7 @@ class TieredStore:
             with self._lock:
                 counts = dict(self._counts[tier.name])
             extra = {k: counts.get(k, 0) for k in LOOKUP_COUNTERS}
-            out[tier.name] = ({"kind": getattr(tier.config, "kind", tier.name), "codec": tier_codec(tier).name}
+            out[tier.name] = ({"kind": getattr(tier.config, "kind", tier.name), "codec": tier_codec(tier).name,
+                               "exact_codec": tier_exact_codec(tier).name}
                               | tier.stats() | extra)
         return out

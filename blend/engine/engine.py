@@ -164,11 +164,17 @@ class BlendEngine:
         namespace = self.store.namespace  # the configured one, with the secret's digest when there is one
         self.document_kv = DocumentCache(self.store, maker, namespace=namespace, chunk_context=cfg.chunk_context,
                                          block_tokens=cfg.chunk_tokens, stall_s=stall_s)
-        self.prefix_cache = PrefixCache(self.store, maker, namespace=namespace, block_tokens=cfg.chunk_tokens,
+        # prefix blocks (prefix mode, chat sessions) are exact: the compute dtype, each tier's
+        # `exact_codec` (none by default), so loading them equals computing them
+        exact = EntryMaker(self.runner, self.fingerprint, dtype_name(self.runner.dtype))
+        self.prefix_cache = PrefixCache(self.store, exact, namespace=namespace, block_tokens=cfg.chunk_tokens,
                                         prefetch_depth=cfg.prefetch_depth, stall_s=stall_s)
-        # load-or-compute split: the model's live cost model, fed by every request (blend.planning.split)
+        # load-or-compute split (blend.planning.split): `auto` decides with a cost model calibrated
+        # once and then fixed (the same request, the same split, whatever the load), `adaptive` with
+        # the live estimates every request feeds
         self.splitter = Splitter(PrefillCosts.for_model(self.lm.model), LoadCosts(self.runner.device.type),
-                                 {t.name: getattr(t.config, "kind", t.name) for t in self.store.tiers}, mode=cfg.split)
+                                 {t.name: getattr(t.config, "kind", t.name) for t in self.store.tiers}, mode=cfg.split,
+                                 runner=self.runner)
         self.sessions = SessionManager(cfg, self.prefix_cache, self.prompts, self.eos)
         self.prefiller = Prefiller(cfg, self.runner, self.store, self.document_kv, self.prefix_cache, self.splitter,
                                    self.sessions, self.lm.tokenizer, stall_s)
@@ -545,11 +551,14 @@ class BlendEngine:
     def warmup(self) -> float:
         """Run one short request through prefill and decoding so that the first real
         request's TTFT does not pay one-time costs (kernel selection, allocator, chat
-        template). Full mode: nothing is read from or written to the store. Returns the
-        seconds it took."""
+        template) and, under `engine.split: auto`, so that the split's cost model is calibrated
+        (blend.planning.split). Full mode: nothing is read from or written to the store.
+        Returns the seconds it took."""
         t0 = time.perf_counter()
         words = " ".join(["warm-up"] * max(1, min(self.config.engine.chunk_tokens, 256) // 3))
         self.generate("warm-up", [words], mode="full", max_new_tokens=2)
+        if self.splitter.needs_calibration:
+            self.run_exclusive(self.splitter.cost_model, "calibrate the split's cost model")
         return time.perf_counter() - t0
 
     def run_exclusive(self, fn: Callable[[], T], name: str = "exclusive") -> T:
