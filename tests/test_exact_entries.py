@@ -10,6 +10,7 @@ import torch
 
 from blend.config import EngineConfig, load_config
 from blend.engine.engine import BlendEngine
+from blend.model.projections import projection_layout
 from storage.config import DiskTierConfig
 from storage.keys import key_kind
 from tests.models import smollm2_tokenizer, tiny_model
@@ -95,3 +96,31 @@ def test_exact_codec_is_a_tier_setting_the_writer_applies_to_prefix_blocks_only(
     config.write_text(f"store:\n  tiers:\n    - kind: disk\n      path: {tmp_path}\n      exact_codec: int9\n")
     with pytest.raises(ValueError, match=r"store\.tiers\[0\]\.exact_codec: must be one of 'none', 'int8' or 'int4'"):
         load_config(config)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(projection_layout(torch.device("cpu"), torch.bfloat16) != "packed",
+                    reason="this CPU or torch build has no oneDNN bfloat16 kernels")
+def test_prefix_mode_gives_the_same_numbers_whether_its_blocks_were_found_or_computed():
+    """In bfloat16 one pass over more rows changes the numbers (SmolLM2: first-token log-probs
+    0.2-0.4 apart between one prefill and the same tokens in two passes): a prefix request computes
+    the blocks a later one will load in a pass of their own, so the tail is computed alike and the
+    answer does not depend on what the store held (it did by 0.4 under load, issue 42)."""
+    cfg = EngineConfig(dtype="bfloat16").with_overrides(store={"tiers": [{"kind": "cpu", "budget": "256MiB"}]},
+                                                        max_new_tokens=4, split="off")
+    docs = [d * 2 for d in DOCS]  # 775 tokens: one 512-token block, then the tail
+    with BlendEngine(cfg, model=smollm2_bfloat16()) as engine:
+        assert engine.runner.dtype == torch.bfloat16 and len(engine.build_prompt(QUESTION, docs)) == 775
+        computed = engine.generate(QUESTION, docs, mode="prefix")  # all computed, the block stored
+        engine.store.flush()
+        loaded = engine.generate(QUESTION, docs, mode="prefix")  # the block loaded (0.39 apart before)
+    assert computed.stats.loaded_tokens == 0 and loaded.stats.loaded_tokens > loaded.stats.context_tokens // 2
+    assert torch.equal(computed.first_token_logprobs, loaded.first_token_logprobs), float(
+        (computed.first_token_logprobs - loaded.first_token_logprobs).abs().max())
+    assert computed.token_ids == loaded.token_ids
+
+
+def smollm2_bfloat16():
+    from blend.model.loading import load_model
+
+    return load_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16")

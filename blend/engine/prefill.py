@@ -226,7 +226,9 @@ class Prefiller:
         cache = self.runner.new_cache(capacity)
         # the load-or-compute split (blend.split) may compute the chain's first blocks instead
         split = self.splitter.plan_prefix(len(ids), chain, self.runner.num_layers)
-        logits, load = self.prefixes.prefill(ids, chain, cache, computed=split.computed_tokens)
+        # the tail computed apart from the blocks a later request will load: the same numbers either way
+        logits, load = self.prefixes.prefill(ids, chain, cache, computed=split.computed_tokens,
+                                             boundary=self.prefixes.aligned_end(limit))
         end = max((pl.start + pl.length for pl in chain), default=0)
         loaded = end - split.computed_tokens
         stored = self.prefixes.store_blocks(ids, cache, skip_below=chain_len)
