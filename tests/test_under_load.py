@@ -34,7 +34,9 @@ REQUESTS = [dict(query=f"How many tons did harbour {r} ship?", documents=passage
 def make_engine(tmp_path, split: str | None = None) -> BlendEngine:
     """The default config's engine settings and tiers (a cpu tier in `none`, a disk tier in its
     default codec), on a tiny float32 model with small blocks."""
-    lm = tiny_model("llama", tokenizer=smollm2_tokenizer())
+    # wide enough that computing a row costs more than loading its KV at the tiers' prices (the
+    # tiniest model is launch-bound: the split would compute every request whole)
+    lm = tiny_model("llama", tokenizer=smollm2_tokenizer(), hidden_size=256, intermediate_size=512)
     tiers = [{"kind": "cpu", "budget": "64MiB"}, {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB"}]
     overrides = {} if split is None else {"split": split}
     cfg = EngineConfig().with_overrides(store={"tiers": tiers}, chunk_tokens=32, sessions_dir=str(tmp_path / "s"),
