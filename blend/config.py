@@ -237,9 +237,11 @@ class BlendConfig:
     # what each document is computed after: system (the fixed instruction part) | none (standalone);
     # system won on MuSiQue dev (docs/EVAL.md)
     chunk_context: Literal[CHUNK_CONTEXTS] = "system"  # type: ignore[valid-type]
-    # load-or-compute split (blend.split): auto computes a prefix instead of loading it when loads
-    # would take longer than compute; off always loads every cached segment
-    split: Annotated[Literal["auto", "off"], BeforeValidator(_yaml_switch("auto"))] = "auto"
+    # load-or-compute split (blend.planning.split): compute a prefix instead of loading it when loads
+    # would take longer than compute. auto: decided with a cost model calibrated once and then fixed
+    # (deterministic: the same request, the same answer, whatever the load); adaptive: with live
+    # estimates (a tier that turns slow is seen; the answer may change with the load); off: load all
+    split: Annotated[Literal["auto", "adaptive", "off"], BeforeValidator(_yaml_switch("auto"))] = "auto"
     max_new_tokens: PositiveInt = 32
     temperature: NonNegativeFloat = 0.0
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0

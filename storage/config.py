@@ -128,7 +128,8 @@ class CpuTierConfig:
     TIER: ClassVar[str] = "storage.memory:CpuTier"
     kind: Literal["cpu"] = "cpu"
     budget: Bytes = 2 * GIB
-    codec: CodecName = "none"  # how entries are held: none | int8 | int4 (storage.codec)
+    codec: CodecName = "none"  # how document entries are held: none | int8 | int4 (storage.codec)
+    exact_codec: CodecName = "none"  # how exact entries (prefix blocks, chat sessions) are held
     name: TierName = ""  # display/stats name; defaults to the kind
 
 
@@ -145,7 +146,9 @@ class DiskTierConfig:
     kind: Literal["disk"] = "disk"
     path: LocalPath
     budget: Bytes = 20 * GIB
-    codec: CodecName = "int8"  # none | int8 | int4 (storage.codec): ~1.9x / ~3.5x more entries in the budget
+    codec: CodecName = "int8"  # documents: none | int8 | int4 (storage.codec): ~1.9x / ~3.5x more entries in the budget
+    # prefix blocks and chat sessions: none keeps them exact (prefix mode and chat resume equal computing them)
+    exact_codec: CodecName = "none"
     fsync: Literal["always", "never"] = "never"
     required: StrictBool = False  # true: failed writes raise StoreUnavailable instead of being counted
     name: TierName = ""
@@ -156,7 +159,8 @@ class _RedisOptions:
     """What the Redis and Redis Cluster tiers share: key prefix, expiry, timeouts, pool, backoff."""
 
     key_prefix: StrictStr = "kvblend:"
-    codec: CodecName = "int8"  # none | int8 | int4 (storage.codec): fewer bytes over the network and in memory
+    codec: CodecName = "int8"  # documents: none | int8 | int4 (storage.codec): fewer bytes over the network and in memory
+    exact_codec: CodecName = "none"  # prefix blocks and chat sessions: none keeps them exact
     ttl_s: PositiveFloat | None = None  # expire entries after this many seconds; None: never
     required: StrictBool = False  # true: an unreachable server raises StoreUnavailable
     socket_timeout_s: PositiveFloat = 2.0

@@ -40,9 +40,20 @@ ENTRY_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")
 ENGINE_KEY_RE = re.compile(
     rf"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{{0,{63 + 2 + _SECRET_HEX}}}-)?[a-z][0-9a-f]{{{_DIGEST_HEX}}}$")
 _SECRET_NAMESPACE_TAG = b"kvblend/secret-namespace/v1\x00"
+# what each key kind names (`[namespace-]<kind><hex>`): a document's block, an exact prefix block
+# (prefix mode, chat sessions), a preempted sequence's parked block
+KEY_KINDS: dict[str, str] = {"d": "document", "p": "prefix", "s": "parked"}
 _PREFIX_TAG = b"kvblend/prefix\x00"
 _DOCUMENT_TAG = b"kvblend/document\x00"
 _PARKED_TAG = b"kvblend/parked\x00"
+
+
+def key_kind(key: str) -> str | None:
+    """What an engine key names (`KEY_KINDS`: document, prefix, parked); None for a name not made
+    here. The store picks each tier's codec by it (storage.stack)."""
+    if not isinstance(key, str) or not ENGINE_KEY_RE.match(key):
+        return None
+    return KEY_KINDS.get(key.rsplit("-", 1)[-1][0])  # a namespace never holds "-"
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:

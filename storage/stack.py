@@ -12,7 +12,10 @@ vanished meanwhile. A request that still finds a layer missing recomputes the se
 hands it to `repair`, which rewrites the entry once. `put` writes to every tier through a
 bounded background writer: encoded in each tier's codec (`storage.codec`; once per codec,
 an entry already encoded is written as it is; `exact` puts and promotions are written as
-they are), then sealed when the store has a secret.
+they are), then sealed when the store has a secret. The codec follows the entry's kind,
+read from its key (`storage.keys.key_kind`): a document's block in the tier's `codec`, a
+prefix block (prefix mode, chat sessions: KV users expect back exactly) in its
+`exact_codec` (`none` by default).
 Reads return what the tier holds (an encoded entry's K and V parts: the reader decodes, on
 its device; `storage.entry.decode_layer`). A hit in
 a lower tier is promoted: the layers the request reads are collected and, once all are
@@ -24,10 +27,12 @@ reach another namespace's entries.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +42,7 @@ import torch
 from storage.codec import NONE, Codec, codec_named
 from storage.config import SHARED_KINDS, StoreConfig, TierConfig
 from storage.entry import EntryHeader, Expected, KVEntry
+from storage.keys import key_kind
 from storage.openmp import single_threaded
 from storage.serialization import layer_views
 from storage.signature import seal, verify
@@ -45,9 +51,9 @@ from storage.tier import Layer, StoreUnavailable, Tier, tier_class
 log = logging.getLogger("kvblend.storage")
 
 MAX_PENDING_PROMOTIONS = 16
-# a lookup of a key whose write is still queued waits this long for it before it misses
-# (a miss means the caller computes the document again and writes it a second time)
-QUEUED_WRITE_WAIT_S = 1.0
+# at interpreter exit, queued writes are flushed for at most this long; what is still queued
+# then is dropped (with a warning): a process never hangs at exit on a store that stopped answering
+EXIT_FLUSH_S = 30.0
 LOOKUP_COUNTERS = ("lookup_hits", "lookup_misses", "mismatches", "unauthenticated", "repairs", "promotions",
                    "promotions_dropped")
 
@@ -59,8 +65,14 @@ def build_tier(config: TierConfig, namespace: str = "") -> Tier:
 
 
 def tier_codec(tier: Tier) -> Codec:
-    """The codec a tier writes in (its config's `codec`; `none` for a tier without one)."""
+    """The codec a tier writes document entries in (its config's `codec`; `none` for a tier without one)."""
     return codec_named(getattr(getattr(tier, "config", None), "codec", "none"))
+
+
+def tier_exact_codec(tier: Tier) -> Codec:
+    """The codec a tier writes exact entries in: prefix blocks and chat sessions (its config's
+    `exact_codec`; `none` for a tier without one)."""
+    return codec_named(getattr(getattr(tier, "config", None), "exact_codec", "none"))
 
 
 @dataclass
@@ -95,6 +107,56 @@ class _Promotion:
 _STOP = object()
 
 
+class _Put:
+    """One queued `put`: its write, and the event a lookup of its key waits on (set once it
+    is written, failed or dropped)."""
+
+    def __init__(self, store: TieredStore, key: str, entry: KVEntry, exact: bool):
+        self.store, self.key, self.entry, self.exact = store, key, entry, exact
+        self.done = threading.Event()
+
+    def __call__(self) -> None:
+        try:
+            self.store._write(self.key, self.entry, self.exact)
+        finally:
+            self.drop()
+
+    def drop(self) -> None:
+        """Done with (written, or dropped unwritten): a lookup waiting for it goes on to the tiers."""
+        self.done.set()
+        store = self.store
+        with store._lock:
+            if store._queued.get(self.key) is self:
+                del store._queued[self.key]
+
+
+# Every open store is closed at interpreter exit, after the engines (blend.engine.engine,
+# whose hook is registered later and so runs first): its queued writes are flushed within
+# EXIT_FLUSH_S and its writer thread ended while the interpreter is intact. A daemon thread
+# still running torch work when the interpreter finalises is ended inside torch's C++ code,
+# and the process aborts ("terminate called without an active exception", exit 134).
+_OPEN_STORES: weakref.WeakSet[TieredStore] = weakref.WeakSet()
+_EXIT_HOOK = threading.Lock()
+_exit_hook_registered = False
+
+
+def _close_stores_at_exit() -> None:
+    for store in list(_OPEN_STORES):
+        try:
+            store.close(timeout=EXIT_FLUSH_S)
+        except Exception as err:  # noqa: BLE001 - the exit goes on; the next process sees what was written
+            log.warning("closing the KV store at exit: %s", err)
+
+
+def _register_exit_hook(store: TieredStore) -> None:
+    global _exit_hook_registered
+    with _EXIT_HOOK:
+        _OPEN_STORES.add(store)
+        if not _exit_hook_registered:
+            atexit.register(_close_stores_at_exit)
+            _exit_hook_registered = True
+
+
 def _read_into(tier: Tier, located: Located, layer: int, out: torch.Tensor) -> bool:
     """One tier's read of a layer into `out`, through its `read_layer_into` where it has one."""
     reader = getattr(tier, "read_layer_into", None)
@@ -127,7 +189,8 @@ class TieredStore:
         if secret is not None and not secret:
             raise ValueError("store secret is empty; set a long random string or leave it unset")
         self.tiers: list[Tier] = list(tiers)
-        self.codecs: list[Codec] = [tier_codec(t) for t in self.tiers]
+        self.codecs: list[Codec] = [tier_codec(t) for t in self.tiers]  # document entries
+        self.exact_codecs: list[Codec] = [tier_exact_codec(t) for t in self.tiers]  # prefix blocks, sessions
         self.namespace = namespace
         self._secret = secret
         self.kv_dtype = kv_dtype
@@ -137,7 +200,7 @@ class TieredStore:
         self._writer_lock = threading.Lock()
         self._error: BaseException | None = None
         self._pending: OrderedDict[str, _Promotion] = OrderedDict()
-        self._queued: dict[str, threading.Event] = {}  # keys of puts not yet written, set when done
+        self._queued: dict[str, _Put] = {}  # the last queued put of each key not yet written
         self._lock = threading.Lock()
         self._counts: dict[str, Counter] = {t.name: Counter() for t in self.tiers}
         self._closed = False
@@ -147,6 +210,7 @@ class TieredStore:
                         "entries with valid checksums, and this engine serves them as KV; set store.secret "
                         "(KVBLEND_STORE_SECRET, the same on every engine sharing it) to accept only entries "
                         "sealed with it", ", ".join(shared), "s are" if len(shared) > 1 else " is")
+        _register_exit_hook(self)
 
     @classmethod
     def from_config(cls, config: StoreConfig, *, min_entry_bytes: int | None = None) -> TieredStore:
@@ -195,12 +259,16 @@ class TieredStore:
         `unauthenticated`) and deleted from that tier (the recompute rewrites it). A hit
         below the top tier registers a promotion. With `budget`, each tier's time is
         charged to it (see LookupBudget). A key whose put still waits in the write-behind
-        queue is waited for (up to QUEUED_WRITE_WAIT_S) before the tiers are asked.
+        queue is waited for until the writer is done with it (written, failed, or dropped at
+        close) before the tiers are asked: never a timeout, so whether it hits does not
+        depend on how busy the machine is (a miss would compute the document again, and a
+        request's numbers would depend on the load). The wait is bounded by the writes queued
+        ahead of it (`write_queue`), as a `put` into a full queue is.
         """
         with self._lock:
             queued = self._queued.get(key)
         if queued is not None:
-            queued.wait(QUEUED_WRITE_WAIT_S)
+            queued.done.wait()
         for i, tier in enumerate(self.tiers):
             t0 = time.monotonic()
             header = tier.get_header(key)
@@ -359,7 +427,8 @@ class TieredStore:
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, entry: KVEntry, *, sync: bool = False, exact: bool = False) -> None:
-        """Write `entry` under `key` to every tier, encoded in each tier's codec.
+        """Write `entry` under `key` to every tier, encoded in each tier's codec: `exact_codec`
+        for a prefix block's key (`storage.keys.key_kind`), `codec` for any other.
 
         sync=False (default) queues the write for the background writer and returns;
         it blocks while the queue (write_queue jobs) is full. Do not modify `entry`
@@ -373,26 +442,17 @@ class TieredStore:
             self._write(key, entry, exact)
             return
         self._ensure_writer()
-        done = threading.Event()
+        job = _Put(self, key, entry, exact)
         with self._lock:
-            self._queued[key] = done
-
-        def job() -> None:
-            try:
-                self._write(key, entry, exact)
-            finally:
-                done.set()
-                with self._lock:
-                    if self._queued.get(key) is done:
-                        del self._queued[key]
-
+            self._queued[key] = job
         self._queue.put(job)
 
     def _write(self, key: str, entry: KVEntry, exact: bool = False) -> None:
-        """Put `entry` into every tier, encoded in the tier's codec (once per codec; not when
-        `exact`) and sealed."""
+        """Put `entry` into every tier, encoded in the tier's codec for the key's kind (once per
+        codec; not when `exact`) and sealed."""
         ready: dict[Codec, KVEntry] = {}
-        for tier, codec in zip(self.tiers, self.codecs, strict=True):
+        codecs = self.exact_codecs if key_kind(key) == "prefix" else self.codecs
+        for tier, codec in zip(self.tiers, codecs, strict=True):
             codec = NONE if exact else codec
             if codec not in ready:
                 ready[codec] = self._seal(key, entry.encode(codec))
@@ -446,19 +506,59 @@ class TieredStore:
             self._queue.join()
         self._raise_background_error()
 
-    def close(self) -> None:
-        """Flush, stop the writer thread and close every tier. Idempotent."""
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, stop the writer thread and close every tier. Idempotent.
+
+        `timeout` (seconds; None: as long as it takes) bounds the flush and the writer's end:
+        the writes still queued then are dropped unwritten, with a warning (at interpreter
+        exit: EXIT_FLUSH_S)."""
         if self._closed:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self.flush()
+            if deadline is None:
+                self.flush()
+            else:
+                self._flush_until(deadline)
         finally:
             self._closed = True
             if self._writer is not None:
                 self._queue.put(_STOP)
-                self._writer.join()
+                self._writer.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if self._writer.is_alive():
+                    log.warning("the KV store's writer is still in a tier's write after %.0f s; leaving it", timeout)
             for tier in self.tiers:
                 tier.close()
+            _OPEN_STORES.discard(self)
+
+    def _flush_until(self, deadline: float) -> None:
+        """`flush`, but waiting for the writer only until `deadline`: what is still queued then is
+        dropped (its lookups released) and counted in a warning."""
+        with self._lock:
+            pending = list(self._pending.values())
+            self._pending.clear()
+        for promotion in pending:
+            self._submit_promotion(promotion)
+        if self._writer is None:
+            return
+        done = self._queue.all_tasks_done  # the queue's own condition, notified by task_done
+        with done:
+            while self._queue.unfinished_tasks and (left := deadline - time.monotonic()) > 0:
+                done.wait(left)
+        dropped = 0
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, _Put):
+                job.drop()
+            dropped += job is not _STOP
+            self._queue.task_done()
+        if dropped:
+            log.warning("the KV store could not write %d queued entr%s in time (a slow or unreachable tier); "
+                        "dropped: they are computed again when next needed", dropped, "y" if dropped == 1 else "ies")
+        self._raise_background_error()
 
     # ------------------------------------------------------------- management
     def suspend(self, names: Sequence[str], reason: str) -> None:
@@ -499,6 +599,7 @@ class TieredStore:
             with self._lock:
                 counts = dict(self._counts[tier.name])
             extra = {k: counts.get(k, 0) for k in LOOKUP_COUNTERS}
-            out[tier.name] = ({"kind": getattr(tier.config, "kind", tier.name), "codec": tier_codec(tier).name}
+            out[tier.name] = ({"kind": getattr(tier.config, "kind", tier.name), "codec": tier_codec(tier).name,
+                               "exact_codec": tier_exact_codec(tier).name}
                               | tier.stats() | extra)
         return out

@@ -54,7 +54,7 @@ def error_of(tmp_path: Path, text: str) -> str:
     ("store:\n  tiers:\n    - {kind: cpu}\n    - {kind: disk, path: d, budget: 0}\n",
      "store.tiers[1].budget: must be > 0, got 0"),
     ("store:\n  tiers:\n    - {kind: cpu, budgte: 1GiB}\n",
-     "store.tiers[0]: unknown key 'budgte'; did you mean 'budget'? valid keys are: budget, codec, kind, name"),
+     "store.tiers[0]: unknown key 'budgte'; did you mean 'budget'? valid keys are: budget, codec, exact_codec, kind, name"),
     ("store:\n  tiers:\n    - {kind: s3}\n", "store.tiers[0]: unknown kind 's3'; valid kinds are: cpu, disk, redis, redis-cluster"),
     ("store:\n  tiers:\n    - {budget: 1GiB}\n", "store.tiers[0]: missing `kind`; valid kinds are: cpu, disk"),
     ("store:\n  tiers:\n    - {kind: disk}\n", "store.tiers[0]: missing required key 'path'"),
@@ -301,4 +301,5 @@ def test_shipped_configs_load(monkeypatch):
 def test_a_bare_yaml_off_switches_the_split_off(tmp_path):
     assert load_config(write(tmp_path, "engine:\n  split: off\n")).engine.split == "off"  # YAML: off -> False
     assert load_config(write(tmp_path, "engine:\n  split: on\n")).engine.split == "auto"
-    assert "engine.split: must be one of 'auto' or 'off'" in error_of(tmp_path, "engine:\n  split: maybe\n")
+    assert load_config(write(tmp_path, "engine:\n  split: adaptive\n")).engine.split == "adaptive"
+    assert "engine.split: must be one of 'auto', 'adaptive' or 'off'" in error_of(tmp_path, "engine:\n  split: maybe\n")

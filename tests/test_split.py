@@ -108,13 +108,13 @@ def proportional_compute(engine: BlendEngine, full_s: float, n: int) -> None:
     """Pin the engine's compute estimate to the measured full prefill, proportional to rows (a
     tiny model's per-layer overhead is noise on a busy machine; the plan is then deterministic)."""
     per_row = full_s / (engine.runner.num_layers * n)
-    engine.splitter.prefill.layer_cost = lambda: (0.0, per_row)
+    engine.splitter.prefill.layer_cost = lambda: LayerCost([(1.0, per_row)])
 
 
 @pytest.mark.parametrize(("ratio", "selection"), [(0.0, "query"), (0.3, "hybrid"), (0.3, "query")])
 def test_slow_tier_takes_the_split_and_answers_like_the_unsplit_path(ratio, selection, one_thread):
     slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
-    with make_engine(slow, "auto", selection) as engine, make_engine(slow, "off", selection) as unsplit_engine:
+    with make_engine(slow, "adaptive", selection) as engine, make_engine(slow, "off", selection) as unsplit_engine:
         store_exact_entries(engine)
         for _ in range(2):  # warm-up
             full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=4)
@@ -152,7 +152,7 @@ def test_slow_tier_takes_the_split_and_answers_like_the_unsplit_path(ratio, sele
 
 def test_prefix_mode_computes_the_first_blocks_while_the_rest_loads(one_thread):
     slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
-    with make_engine(slow, "auto") as engine, make_engine(slow, "off") as unsplit_engine:
+    with make_engine(slow, "adaptive") as engine, make_engine(slow, "off") as unsplit_engine:
         for _ in range(2):
             full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=4)
         proportional_compute(engine, full.ttft_s, full.stats.context_tokens + full.stats.query_tokens)
@@ -276,7 +276,7 @@ def test_after_full_prefills_only_a_fast_tier_blend_still_loads(one_thread):
     """A process whose cost model has seen only full prefills (demo, eval) must not take the
     query pass + recompute for more than a full prefill: it loads."""
     slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))  # not slowed
-    with make_engine(slow, "auto", "query") as engine:
+    with make_engine(slow, "adaptive", "query") as engine:
         store_exact_entries(engine)
         for _ in range(3):
             engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=1)
@@ -338,7 +338,7 @@ def test_loading_predicted_slower_than_full_prefill_computes_even_for_a_small_ga
         loads = LoadCosts("cpu")
         read_s = (0.3 * 1.03 ** step) * layers * 1e-3
         loads.observe({"cpu": nbytes}, {"cpu": read_s}, 1e-6 * read_s)  # placement: negligible
-        splitter = Splitter(prefill, loads, {"cpu": "cpu"})
+        splitter = Splitter(prefill, loads, {"cpu": "cpu"}, mode="adaptive")
         report = splitter.plan(prompt, placements, 0.0, cfg.selection, layers).report
         unsplit, full = report.predicted_unsplit_s, report.predicted_full_s
         if full < unsplit < full / (1 - MIN_GAIN):
@@ -364,7 +364,7 @@ def test_a_query_driven_blend_is_observed_as_its_two_phases():
                          selection=SelectionReport((0,), (18,), 18, selection_s=0.4, query_pass=True,
                                                    pass_rows=(10,) * 4, layer_rows=(28,) * 4))
     prefill = PrefillCosts()
-    Splitter(prefill, LoadCosts("cpu"), {"cpu": "cpu"}).observe(stats, 4)
+    Splitter(prefill, LoadCosts("cpu"), {"cpu": "cpu"}, mode="adaptive").observe(stats, 4)
     cost = prefill.layer_cost()
     assert cost(10) == pytest.approx((0.4 - 0.1) / 4)  # the query pass: 10 rows per layer
     assert cost(28) == pytest.approx((0.9 - 0.3) / 4)  # the recompute: 18 + 10 rows per layer
@@ -416,7 +416,7 @@ def test_placement_rate_counts_the_computed_entries_it_placed(one_thread):
     loads = LoadCosts("cpu")
     loads.observe({"cpu": 1 << 20}, {"cpu": 1e-3}, place_s=0.1, other_bytes=50 << 20)
     assert loads.place_seconds(51 << 20) == pytest.approx(0.1)
-    engine = make_engine(SlowTier(CpuTier(CpuTierConfig(budget=64 << 20))), split="auto")
+    engine = make_engine(SlowTier(CpuTier(CpuTierConfig(budget=64 << 20))), split="adaptive")
     try:
         cold = engine.generate(QUESTION, DOCS[:3], mode="blend", recompute_ratio=0.3, max_new_tokens=1).stats
         assert cold.documents.misses == 3 and cold.load.computed_bytes > 0

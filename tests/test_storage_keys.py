@@ -167,7 +167,7 @@ def test_from_tensors_copies_and_converts():
 def test_store_config_from_yaml_and_errors(tmp_path):
     cfg = StoreConfig.from_mapping(load_yaml("configs/default.yaml")["store"])
     assert [t.kind for t in cfg.tiers] == ["cpu", "disk"] and cfg.tiers[0].budget == 2 * 1024**3
-    with pytest.raises(ValueError, match="valid keys are: budget, codec, kind, name"):
+    with pytest.raises(ValueError, match="valid keys are: budget, codec, exact_codec, kind, name"):
         StoreConfig.from_mapping({"tiers": [{"kind": "cpu", "budgte": "1GiB"}]})
     with pytest.raises(ValueError, match="valid keys are: .*kv_dtype"):
         StoreConfig.from_mapping({"kvdtype": "float16"})

@@ -91,7 +91,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         down = " DOWN" if s.get("down") else ""
         per_token = f"{s['bytes_per_token'] / 1024:.1f} KiB/token" if s["bytes_per_token"] else "? KiB/token"
         kinds = "".join(f"  {k} {v / 2**20:.1f} MiB" for k, v in s.get("bytes_by_kind", {}).items())
-        print(f"{name:<14} {s['kind']:<14} {s['codec']:<5} {per_token:>15}  entries {s['entries']:>7}  used "
+        print(f"{name:<14} {s['kind']:<14} {s['codec']:<5} exact {s.get('exact_codec', 'none'):<5} {per_token:>15}  "
+              f"entries {s['entries']:>7}  used "
               f"{s['bytes_used'] / 2**20:>10.1f} MiB  corrupt {s['corrupt']}  errors {s['errors']}{down}{kinds}")
     return 0
 

@@ -23,9 +23,12 @@ argument is checked before any work (`blend.engine.request`).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,6 +45,7 @@ from blend.engine.scheduler import DECODE_RESERVE, Scheduler, SchedulerConfig
 from blend.engine.sequence import Finished, Handle, Task, unwrap
 from blend.engine.sequence import Sequence as ScheduledSequence
 from blend.kv.documents import Block, DocumentCache, IngestStopped
+from blend.kv.loader import join_abandoned
 from blend.kv.offload import KVParking
 from blend.kv.prefix import EntryMaker, PrefixCache
 from blend.model.cache import KVCache
@@ -61,12 +65,43 @@ from blend.prompt.document import (
 )
 from blend.session.manager import SessionManager, Turn
 from storage.dtypes import dtype_bytes, dtype_name
-from storage.stack import TieredStore
+from storage.stack import EXIT_FLUSH_S, TieredStore
 from storage.tier import StoreUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ACTIVE_KV_SHARE = 0.25  # max_active_kv auto: this share of the memory free when the engine starts
+# at interpreter exit, an engine not closed is closed: its requests cancelled, then at most this
+# long for the scheduler's step under way (and loader threads given up by stalled requests)
+EXIT_STOP_S = 30.0
+
+# Engines still open, closed at interpreter exit in the order their threads need (below). Held
+# weakly: the hook never keeps an engine alive. Without it the scheduler's daemon thread could
+# still be ending a step (freeing tensors, in torch's C++ code) while the interpreter finalises;
+# Python then ends that thread with a forced unwind that cannot cross torch's noexcept frames,
+# and the process aborts: "terminate called without an active exception", exit 134.
+_OPEN_ENGINES: weakref.WeakSet[BlendEngine] = weakref.WeakSet()
+_EXIT_HOOK = threading.Lock()
+_exit_hook_registered = False
+
+
+def _close_engines_at_exit() -> None:
+    for engine in list(_OPEN_ENGINES):
+        try:
+            engine._close(stop_s=EXIT_STOP_S, flush_s=EXIT_FLUSH_S)
+        except Exception as err:  # noqa: BLE001 - the exit goes on
+            log.warning("closing the engine at exit: %s", err)
+
+
+def _register_exit_hook(engine: BlendEngine) -> None:
+    """Remember `engine` for the exit hook (registered once, after the first store's: atexit runs
+    hooks last-registered first, so engines are closed before the stores left open)."""
+    global _exit_hook_registered
+    with _EXIT_HOOK:
+        _OPEN_ENGINES.add(engine)
+        if not _exit_hook_registered:
+            atexit.register(_close_engines_at_exit)
+            _exit_hook_registered = True
 
 
 class _TurnEnd:
@@ -129,11 +164,17 @@ class BlendEngine:
         namespace = self.store.namespace  # the configured one, with the secret's digest when there is one
         self.document_kv = DocumentCache(self.store, maker, namespace=namespace, chunk_context=cfg.chunk_context,
                                          block_tokens=cfg.chunk_tokens, stall_s=stall_s)
-        self.prefix_cache = PrefixCache(self.store, maker, namespace=namespace, block_tokens=cfg.chunk_tokens,
+        # prefix blocks (prefix mode, chat sessions) are exact: the compute dtype, each tier's
+        # `exact_codec` (none by default), so loading them equals computing them
+        exact = EntryMaker(self.runner, self.fingerprint, dtype_name(self.runner.dtype))
+        self.prefix_cache = PrefixCache(self.store, exact, namespace=namespace, block_tokens=cfg.chunk_tokens,
                                         prefetch_depth=cfg.prefetch_depth, stall_s=stall_s)
-        # load-or-compute split: the model's live cost model, fed by every request (blend.planning.split)
+        # load-or-compute split (blend.planning.split): `auto` decides with a cost model calibrated
+        # once and then fixed (the same request, the same split, whatever the load), `adaptive` with
+        # the live estimates every request feeds
         self.splitter = Splitter(PrefillCosts.for_model(self.lm.model), LoadCosts(self.runner.device.type),
-                                 {t.name: getattr(t.config, "kind", t.name) for t in self.store.tiers}, mode=cfg.split)
+                                 {t.name: getattr(t.config, "kind", t.name) for t in self.store.tiers}, mode=cfg.split,
+                                 runner=self.runner)
         self.sessions = SessionManager(cfg, self.prefix_cache, self.prompts, self.eos)
         self.prefiller = Prefiller(cfg, self.runner, self.store, self.document_kv, self.prefix_cache, self.splitter,
                                    self.sessions, self.lm.tokenizer, stall_s)
@@ -148,6 +189,7 @@ class BlendEngine:
             prefills_between_decodes=cfg.prefills_between_decodes)
         self.scheduler = Scheduler(self.runner, parking, scheduling, kv_bytes_per_token=self.kv_bytes_per_token)
         self.documents = DocumentIndex()
+        _register_exit_hook(self)
 
     @classmethod
     def from_config(cls, path: str | Path | None = None, **overrides: Any) -> BlendEngine:
@@ -162,12 +204,29 @@ class BlendEngine:
 
     def close(self) -> None:
         """Let queued and running requests finish, flush pending cache writes and close the
-        tiers; later calls raise ValueError."""
+        tiers; later calls raise ValueError.
+
+        An engine still open when the interpreter exits is closed by an exit hook, so a script
+        may end without calling this: its queued and running requests are cancelled, the
+        scheduler's step under way ends (at most `EXIT_STOP_S`), queued writes are flushed
+        (at most `storage.stack.EXIT_FLUSH_S`, the rest dropped with a warning), and the
+        process exits normally."""
+        self._close()
+
+    def _close(self, *, stop_s: float | None = None, flush_s: float | None = None) -> None:
+        """Stop in order: the scheduler (with `stop_s`: its items cancelled, its thread awaited
+        that long), loader threads given up by stalled requests, then the store (its flush
+        bounded by `flush_s`)."""
         if self._closed:
             return
         self._closed = True
-        self.scheduler.stop()
-        self.store.close()
+        _OPEN_ENGINES.discard(self)
+        exiting = stop_s is not None
+        if not self.scheduler.stop(stop_s, cancel=exiting):
+            log.warning("the engine's scheduler is still in a step after %.0f s; closing the store beside it", stop_s)
+        if exiting:
+            join_abandoned(stop_s)
+        self.store.close(timeout=flush_s)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -492,11 +551,14 @@ class BlendEngine:
     def warmup(self) -> float:
         """Run one short request through prefill and decoding so that the first real
         request's TTFT does not pay one-time costs (kernel selection, allocator, chat
-        template). Full mode: nothing is read from or written to the store. Returns the
-        seconds it took."""
+        template) and, under `engine.split: auto`, so that the split's cost model is calibrated
+        (blend.planning.split). Full mode: nothing is read from or written to the store.
+        Returns the seconds it took."""
         t0 = time.perf_counter()
         words = " ".join(["warm-up"] * max(1, min(self.config.engine.chunk_tokens, 256) // 3))
         self.generate("warm-up", [words], mode="full", max_new_tokens=2)
+        if self.splitter.needs_calibration:
+            self.run_exclusive(self.splitter.cost_model, "calibrate the split's cost model")
         return time.perf_counter() - t0
 
     def run_exclusive(self, fn: Callable[[], T], name: str = "exclusive") -> T:

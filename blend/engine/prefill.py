@@ -83,6 +83,7 @@ class Prefiller:
         if mode == "full":
             pre = yield from self._timed(lambda: self._full(prompt.token_ids, capacity, self._stats(prompt, "full")))
         elif mode == "prefix":
+            yield from self._calibrated()
             pre = yield from self._timed(lambda: self._prefix(prompt, capacity), fallback=(prompt, capacity))
         else:
             ratio = 0.0 if mode == "reuse" else work.ratio
@@ -118,8 +119,17 @@ class Prefiller:
             yield from self.documents.compute_misses(resolution)
             yield
         placements = self.documents.placements(resolution, tally)
+        yield from self._calibrated()
         return (yield from self._timed(lambda: self._blend(prompt, placements, tally, ratio, capacity, mode, selection),
                                        fallback=(prompt, capacity)))
+
+    def _calibrated(self) -> Generator[None, None, None]:
+        """Under `engine.split: auto`, the split's cost model is calibrated once, before the first
+        prefill that consults it: a step of its own (running sequences decode around it), outside
+        that prefill's timing."""
+        if self.splitter.needs_calibration:
+            self.splitter.cost_model()
+            yield
 
     def _timed(self, run, fallback: tuple | None = None) -> Generator[None, None, Prefilled]:
         """One step: `run()` timed to its logits (CUDA synchronised); a `LoadStalled` becomes a
@@ -193,7 +203,9 @@ class Prefiller:
     def _prefix(self, prompt: Prompt, capacity: int) -> Prefilled:
         """The longest exactly cached prefix: prefix blocks of this very prompt, or the
         cached segments that are exact at their position (the system part, and the first
-        document when documents are computed after it)."""
+        document when documents are computed after it) when their entries are exact too:
+        stored in the compute dtype and in no codec (else loading them would not equal
+        computing them: prefix mode is exact)."""
         ids = prompt.token_ids
         limit = len(ids) - 1  # at least the last token is computed
         tally = LookupTally(self.tier_names)
@@ -203,15 +215,20 @@ class Prefiller:
         if self.config.chunk_context == "system" and len(prompt.segments) > 2 and prompt.segments[1].kind == "document":
             exact.append(prompt.segments[1])
         exact_len = exact[-1].end if exact[-1].end <= limit else 0
-        if exact_len > chain_len:
-            chain = self.documents.resolve(prompt, [s for s in exact if s.end <= limit], tally)
+        resolved = None
+        if exact_len > chain_len and self.documents.maker.kv_dtype == self.prefixes.maker.kv_dtype:
+            resolved = self.documents.resolve(prompt, [s for s in exact if s.end <= limit], tally, raw_only=True)
+        if resolved is not None:
+            chain = resolved
         else:
             for pl in chain:
                 tally.hit_from("prefix_blocks", pl.source)
         cache = self.runner.new_cache(capacity)
         # the load-or-compute split (blend.split) may compute the chain's first blocks instead
         split = self.splitter.plan_prefix(len(ids), chain, self.runner.num_layers)
-        logits, load = self.prefixes.prefill(ids, chain, cache, computed=split.computed_tokens)
+        # the tail computed apart from the blocks a later request will load: the same numbers either way
+        logits, load = self.prefixes.prefill(ids, chain, cache, computed=split.computed_tokens,
+                                             boundary=self.prefixes.aligned_end(limit))
         end = max((pl.start + pl.length for pl in chain), default=0)
         loaded = end - split.computed_tokens
         stored = self.prefixes.store_blocks(ids, cache, skip_below=chain_len)

@@ -177,14 +177,21 @@ class Scheduler:
                 self._thread.start()
             self._cond.notify()
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Refuse new items, let the queued and running ones finish, end the thread."""
+    def stop(self, timeout: float | None = None, *, cancel: bool = False) -> bool:
+        """Refuse new items, let the queued and running ones finish (`cancel`: cancel every one:
+        each ends at the next step, as `Handle.cancel` does), end the thread. Returns whether
+        the thread has ended (False: still in a step after `timeout` seconds)."""
         with self._cond:
             self._stopping = True
             thread = self._thread
+            if cancel:
+                current = self._current
+                for item in [*self._waiting, *list(self._running), *([current] if current is not None else [])]:
+                    item.handle.cancel()
             self._cond.notify()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        return thread is None or not thread.is_alive()
 
     # -------------------------------------------------------------------- loop
     def _run(self) -> None:

@@ -188,11 +188,16 @@ class DocumentCache:
                                             rebuild.block(i)))
         return placements
 
-    def resolve(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally) -> list[Placement]:
+    def resolve(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally, *,
+                raw_only: bool = False) -> list[Placement] | None:
         """Placements of every block of `segments`, in prompt order: `lookup`, the misses
-        computed at once (`compute_misses`), then `placements`."""
+        computed at once (`compute_misses`), then `placements`. `raw_only`: None (nothing
+        computed, written or counted) when a found block is held in a codec (not exact)."""
         index = {id(seg): i for i, seg in enumerate(prompt.segments)}
         resolution = self.lookup(prompt, [index[id(seg)] for seg in segments])
+        if raw_only and any(loc is not None and not loc.header.codec.raw
+                            for looked in resolution.looked for loc in looked.found):
+            return None
         for _ in self.compute_misses(resolution):
             pass
         return self.placements(resolution, tally)

@@ -118,6 +118,23 @@ _shared_lock = threading.Lock()
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 _rings: dict[tuple[str, int | None], StagingRing] = {}
 _read_pool: ThreadPoolExecutor | None = None
+# loader threads whose request gave them up (a stalled read): they end in their own time; at
+# interpreter exit the engine waits for them (`join_abandoned`), so that none is in torch's
+# code while the interpreter finalises (blend.engine.engine)
+_abandoned: set[threading.Thread] = set()
+
+
+def join_abandoned(timeout: float) -> int:
+    """Wait up to `timeout` seconds in all for the loader threads given up by their requests;
+    returns how many are still running."""
+    deadline = time.monotonic() + timeout
+    with _shared_lock:
+        threads = list(_abandoned)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with _shared_lock:
+        _abandoned.difference_update(t for t in threads if not t.is_alive())
+        return sum(t.is_alive() for t in _abandoned)
 
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -374,6 +391,9 @@ class LayerLoader:
             t0 = time.perf_counter()
             if not event.wait(self.stall_s):
                 self._abandoned = self._stop = True
+                with _shared_lock:
+                    _abandoned.difference_update([t for t in _abandoned if not t.is_alive()])
+                    _abandoned.add(self._thread)
                 tiers = tuple(dict.fromkeys(p.source for p in self.placements if p.entry is None))
                 stalled = LoadStalled(f"layer {layer} did not arrive within {self.stall_s:g} s from "
                                       f"{', '.join(tiers)}; computing without the store", tiers)

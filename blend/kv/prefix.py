@@ -260,25 +260,42 @@ class PrefixCache:
         return queued
 
     # ----------------------------------------------------------------- prefill
-    def prefill(self, token_ids: Sequence[int], chain: list[Placement], cache: KVCache, computed: int = 0
-                ) -> tuple[torch.Tensor, LoadReport]:
+    def aligned_end(self, limit: int) -> int:
+        """Where the longest chain of full blocks that a lookup up to `limit` could find ends."""
+        return limit - limit % self.block_tokens
+
+    def prefill(self, token_ids: Sequence[int], chain: list[Placement], cache: KVCache, computed: int = 0, *,
+                boundary: int = 0) -> tuple[torch.Tensor, LoadReport]:
         """Load `chain` (an exact cached prefix) layer by layer while computing the rest.
 
         `computed` (a block boundary, from the load-or-compute split in blend.split): the
         tokens before it are computed with a plain prefill while the rest of the chain
-        loads, instead of being loaded (the whole chain: one full prefill). Returns the last position's logits (vocab,) and
-        the loader's report.
+        loads, instead of being loaded (the whole chain: a plain prefill). `boundary` (a
+        block end, `aligned_end`): the tokens from the chain's end up to it are computed in
+        a pass of their own before the rest, as a later request loads them once they are
+        stored, so that the rest is computed the same way whether the chain was found or
+        not (one pass over more rows changes the numbers at the compute dtype's precision:
+        bfloat16 log-probs by tenths). Returns the last position's logits (vocab,) and the
+        loader's report.
         """
+        ids = list(token_ids)
         p = max((pl.start + pl.length for pl in chain), default=0)
-        if chain and computed >= p:  # the whole chain computed: one full prefill, nothing loaded
-            return self.runner.prefill(torch.tensor(list(token_ids)), cache)[0], LoadReport()
-        loaded = [pl for pl in chain if pl.start >= computed]
+        whole = bool(chain) and computed >= p  # the whole chain computed: nothing loaded
+        loaded = [] if whole else [pl for pl in chain if pl.start >= computed]
+        start = computed if whole else p  # the first position computed after the loads
         with LayerLoader(self.store, self.runner, cache, loaded, range(self.runner.num_layers),
                          self.prefetch_depth, stall_s=self.stall_s) as loader:
-            if computed:
-                self.runner.prefill(torch.tensor(list(token_ids[:computed])), cache, start=0, logit_rows=())
-            logits = self.runner.prefill(torch.tensor(list(token_ids[p:])), cache, start=p,
-                                         before_layer=loader.wait)[0]
+            if computed and not whole:
+                self.runner.prefill(torch.tensor(ids[:computed]), cache, start=0, logit_rows=())
+            elif whole:
+                start = 0
+            passes = [(start, boundary), (max(start, boundary), len(ids))] if start < boundary < len(ids) else [
+                (start, len(ids))]
+            for n, (a, b) in enumerate(passes):
+                last = n == len(passes) - 1
+                out = self.runner.prefill(torch.tensor(ids[a:b]), cache, start=a, logit_rows=None if last else (),
+                                          before_layer=loader.wait if n == 0 else None)
+            logits = out[0]
         return logits, loader.report()
 
 

@@ -32,12 +32,15 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage.dtypes import kv_bytes_per_token, mla_bytes_per_token
 from storage.units import GIB, MIB, format_bytes
+
+if TYPE_CHECKING:
+    from blend.model.runner import Runner
 
 __all__ = ["GIB", "MIB", "kv_bytes_per_token", "mla_bytes_per_token"]
 DEFAULT_MIN_RATIO = 0.15
@@ -427,28 +430,40 @@ def measure_prefill_tokens_per_s(model_name: str, tokens: int = PROFILE_TOKENS) 
     return profile_prefill(model_name, tokens).tokens_per_s
 
 
-# ------------------------------------------------------------ live cost model
+# ------------------------------------------------------------------ cost models
 EMA_WEIGHT = 0.5  # weight of the newest observation in the running bandwidth estimates
 MIN_OBSERVED_BYTES = 256 << 10  # smaller loads say more about per-call overhead than bandwidth
 COMPUTE_SAMPLES = 16
-# Bandwidth assumed before a tier was ever read from (GB/s). Memory reads hand out views (a
-# copy happens in placement); disk and Redis figures are modest cold reads.
+# Bandwidth assumed before a tier was ever read from (GB/s), and the rates of the calibrated cost
+# model (engine.split: auto). Memory reads hand out views (a copy happens in placement); disk and
+# Redis figures are modest cold reads.
 PRIOR_READ_GBPS: dict[str, float] = {"cpu": 50.0, "computed": 10.0, "disk": 1.5, "redis": 1.0, "redis-cluster": 1.0}
 PRIOR_PLACE_GBPS: dict[str, float] = {"cuda": 20.0, "cpu": 4.0}
+# The calibration of a model's compute (`measure_layer_cost`): plain prefills of these many random
+# tokens, smallest first, until one takes CALIBRATION_STOP_S (a large model on a CPU stops early);
+# each size the fastest of CALIBRATION_REPEATS runs (a busy moment only ever slows a run).
+CALIBRATION_ROWS: tuple[int, ...] = (16, 64, 256, 1024, 4096)
+CALIBRATION_STOP_S = 0.25
+CALIBRATION_REPEATS = 2
 
 
 class PrefillCosts:
-    """How long the model takes to compute, kept current from the requests it serves (the
-    planner's prefill rate, live).
+    """How long the model takes to compute: seconds per layer as a function of the rows computed
+    in it (`LayerCost`). One per model (`for_model`): engines sharing a model share it.
+    Thread-safe. Two estimates, kept apart:
 
-    Seconds per layer as a function of the rows computed in it (`LayerCost`), interpolated
-    through the last `COMPUTE_SAMPLES` requests' (rows per layer, seconds per layer) points.
-    Thread-safe. One per model (`for_model`): engines sharing a model share it.
+    - `calibrated(runner)`: measured once, on the first call, by timed prefills of fixed sizes
+      (`measure_layer_cost`), then never changed: what `engine.split: auto` decides with.
+    - `layer_cost()`: the live estimate, interpolated through the last `COMPUTE_SAMPLES`
+      requests' (rows per layer, seconds per layer) points (`observe`): what
+      `engine.split: adaptive` decides with.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._calibration = threading.Lock()  # held while measuring: a second engine waits and reuses it
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=COMPUTE_SAMPLES)  # (layers, rows, seconds)
+        self._calibrated: LayerCost | None = None
 
     @classmethod
     def for_model(cls, model: Any) -> PrefillCosts:
@@ -459,6 +474,19 @@ class PrefillCosts:
                 found = _PREFILL_COSTS[model] = cls()
             return found
 
+    @property
+    def is_calibrated(self) -> bool:
+        return self._calibrated is not None
+
+    def calibrated(self, runner: Runner) -> LayerCost:
+        """The calibrated estimate: measured with `runner` (its model's) on the first call, on the
+        calling thread (the thread that owns the model: the engine's scheduler), the same
+        object on every later call."""
+        with self._calibration:
+            if self._calibrated is None:
+                self._calibrated = measure_layer_cost(runner)
+            return self._calibrated
+
     def observe(self, rows_per_layer: Sequence[int], seconds: float) -> None:
         """One request computed `rows_per_layer[l]` rows in layer l in `seconds` (not waiting for loads).
 
@@ -466,7 +494,8 @@ class PrefillCosts:
         sample instead of adding one: a faster time replaces it at once, a slower one moves
         it half way. So the first request of a process (kernel selection, allocator warm-up,
         several times slower on a GPU) or a busy moment cannot stand for the model's speed,
-        while a lasting slowdown still shows within a few requests."""
+        while a lasting slowdown still shows within a few requests. Never changes the
+        calibrated estimate."""
         if seconds <= 0 or not rows_per_layer or sum(rows_per_layer) <= 0:
             return
         layers, rows, seconds = len(rows_per_layer), int(sum(rows_per_layer)), float(seconds)
@@ -479,12 +508,50 @@ class PrefillCosts:
             self._samples.append((layers, rows, seconds))
 
     def layer_cost(self) -> LayerCost | None:
-        """Seconds per layer as a function of the rows it computes, or None before any observation."""
+        """The live estimate: seconds per layer as a function of the rows it computes, or None
+        before any observation."""
         with self._lock:
             samples = list(self._samples)
         if not samples:
             return None
         return LayerCost([(r / n, t / n) for n, r, t in samples])
+
+
+def measure_layer_cost(runner: Runner) -> LayerCost:
+    """Seconds per layer of `runner`'s model for r rows, measured now: plain prefills (the last
+    row's logits, as a request's) of CALIBRATION_ROWS random tokens (up to the model's
+    positions), after one untimed warm-up; each size the fastest of CALIBRATION_REPEATS runs,
+    synchronised on CUDA; sizes stop growing once a run takes CALIBRATION_STOP_S. Side
+    effects: runs the model (tenths of a second for SmolLM2 on 2 cores; seconds for a large
+    model on a CPU), on the calling thread."""
+    import torch
+
+    device = runner.device
+    generator = torch.Generator().manual_seed(0)
+    vocab = int(runner.lm_head.weight.shape[0])
+    sizes = sorted({min(r, runner.max_positions) for r in CALIBRATION_ROWS})
+    points: list[tuple[float, float]] = []
+
+    def once(ids: torch.Tensor) -> float:
+        cache = runner.new_cache(int(ids.numel()))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        runner.prefill(ids, cache)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        for n, rows in enumerate(sizes):
+            ids = torch.randint(0, vocab, (rows,), generator=generator).to(device)  # (rows,)
+            if n == 0:
+                once(ids)  # warm-up: kernel selection, allocator, lazy init
+            best = min(once(ids) for _ in range(CALIBRATION_REPEATS))
+            points.append((float(rows), best / runner.num_layers))
+            if best >= CALIBRATION_STOP_S:
+                break
+    return LayerCost(points)
 
 
 class LayerCost:
@@ -499,10 +566,12 @@ class LayerCost:
     of a new kernel shape, cannot make full prefills look slower than they were measured,
     and no small sample ever lowers a larger one).
     A GPU layer costs about the same for 20 rows as for 500 (launch-bound) and grows with
-    rows only past a few thousand: a single straight line fits both ends badly.
+    rows only past a few thousand: a single straight line fits both ends badly. Immutable.
     """
 
-    def __init__(self, points: list[tuple[float, float]]):
+    def __init__(self, points: Sequence[tuple[float, float]]):
+        if not points:
+            raise ValueError("a layer cost needs at least one (rows, seconds) point")
         merged: list[tuple[float, float]] = []
         for rows, seconds in sorted(points):
             if merged and rows <= merged[-1][0] * 1.0001:
@@ -514,7 +583,7 @@ class LayerCost:
         for rows, seconds in reversed(merged):
             cap = min(cap, seconds)
             capped.append((rows, cap))
-        self.points = capped[::-1]
+        self.points: tuple[tuple[float, float], ...] = tuple(capped[::-1])
 
     def __call__(self, rows: float) -> float:
         pts = self.points
@@ -526,13 +595,18 @@ class LayerCost:
         r_max, t_max = pts[-1]
         return t_max * rows / r_max
 
+    def __repr__(self) -> str:
+        return f"LayerCost({list(self.points)!r})"
+
 
 class LoadCosts:
-    """How long loads take from one tier stack into one device, kept current from the
-    requests that load: per tier, the host time its reads take (bytes / read bandwidth);
-    then placement (copies into the cache, on the device when it is a GPU). On a GPU the
-    reads, the copies and compute overlap; on a CPU the loader reads then places, and only
-    its reads overlap compute. Thread-safe. One per engine (tiers are the engine's).
+    """How long loads take from one tier stack into one device: per tier, the host time its
+    reads take (bytes / read bandwidth); then placement (copies into the cache, on the
+    device when it is a GPU). On a GPU the reads, the copies and compute overlap; on a CPU
+    the loader reads then places, and only its reads overlap compute. Thread-safe. One per
+    engine (tiers are the engine's). Live estimates (`observe`) where a tier was read,
+    the priors of its kind (PRIOR_READ_GBPS, PRIOR_PLACE_GBPS) elsewhere; `rates(live=False)`:
+    the priors only (the calibrated cost model's).
     """
 
     def __init__(self, device_type: str = "cpu"):
@@ -563,7 +637,7 @@ class LoadCosts:
                 self._place_bps = _ema_rate(self._place_bps, total / place_s)
 
     def read_seconds(self, name: str, kind: str, nbytes: int) -> float:
-        """Host time to read `nbytes` from the tier `name` (of `kind`)."""
+        """Host time to read `nbytes` from the tier `name` (of `kind`): the live estimate, else the prior."""
         with self._lock:
             bps = self._read_bps.get(name)
         if bps is None:
@@ -571,18 +645,78 @@ class LoadCosts:
         return nbytes / bps
 
     def place_seconds(self, nbytes: int) -> float:
-        """Time to move `nbytes` into the cache (device copies and placement on a GPU)."""
+        """Time to move `nbytes` into the cache (device copies and placement on a GPU): the live
+        estimate, else the prior."""
         with self._lock:
             bps = self._place_bps
         if bps is None:
             bps = PRIOR_PLACE_GBPS.get(self.device_type, 4.0) * 1e9
         return nbytes / bps
 
+    def rates(self, tier_kinds: Mapping[str, str], *, live: bool) -> tuple[dict[str, float], float]:
+        """(read bytes/s per tier name of `tier_kinds` (name -> kind), placement bytes/s): with
+        `live`, the estimates where observed and the priors elsewhere; else the priors only."""
+        with self._lock:
+            read = dict(self._read_bps) if live else {}
+            place = self._place_bps if live else None
+        reads = {name: read.get(name, PRIOR_READ_GBPS.get(kind, 1.0) * 1e9) for name, kind in tier_kinds.items()}
+        reads.setdefault("computed", read.get("computed", PRIOR_READ_GBPS["computed"] * 1e9))
+        return reads, place if place is not None else PRIOR_PLACE_GBPS.get(self.device_type, 4.0) * 1e9
+
     def snapshot(self) -> dict[str, Any]:
         """The current estimates (GB/s), for stats and benchmarks."""
         with self._lock:
             return {"read_gbps": {k: v / 1e9 for k, v in self._read_bps.items()},
                     "place_gbps": self._place_bps / 1e9 if self._place_bps else None}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The prices one load-or-compute decision is made with: immutable, read by the split
+    (blend.planning.split) and by any other planner that weighs computing against loading
+    (`Splitter.cost_model()` hands out the engine's).
+
+    `layer`: seconds one layer takes for r rows; `read_bps`: read bandwidth per tier name
+    (and "computed": an entry in memory); `place_bps`: placement into the cache; `pipelined`:
+    placement overlaps reads and compute (CUDA) rather than running on the compute threads
+    (CPU); `source`: "calibrated" (engine.split: auto, fixed for the engine's life) or "live"
+    (engine.split: adaptive, a snapshot of the running estimates).
+    """
+
+    layer: LayerCost
+    read_bps: Mapping[str, float]
+    place_bps: float
+    pipelined: bool
+    source: str
+
+    def layer_seconds(self, rows: float) -> float:
+        """One layer computing `rows` rows."""
+        return self.layer(rows)
+
+    def compute_seconds(self, rows_per_layer: Sequence[float]) -> float:
+        """A layer loop computing rows_per_layer[l] rows in layer l (nothing loaded)."""
+        return sum(self.layer(r) for r in rows_per_layer)
+
+    def prefill_seconds(self, tokens: int, num_layers: int) -> float:
+        """A plain prefill of `tokens` tokens through `num_layers` layers (e.g. a full prefill, or a
+        missed document computed after its context: its own tokens)."""
+        return num_layers * self.layer(tokens)
+
+    def read_seconds(self, tier: str, nbytes: int) -> float:
+        """Host time to read `nbytes` from the tier named `tier` (an unknown name: 1 GB/s)."""
+        return nbytes / self.read_bps.get(tier, 1e9)
+
+    def place_seconds(self, nbytes: int) -> float:
+        """Time to place `nbytes` into the cache."""
+        return nbytes / self.place_bps
+
+    def load_per_layer(self, bytes_by_tier: Mapping[str, int]) -> tuple[float, float]:
+        """For one layer's bytes per tier name: (seconds of the load beside compute, seconds of
+        placement on the compute threads). Pipelined (CUDA): max(reads, placement), 0; else
+        reads, placement."""
+        read = sum(self.read_seconds(name, nbytes) for name, nbytes in bytes_by_tier.items())
+        place = self.place_seconds(sum(bytes_by_tier.values()))
+        return (max(read, place), 0.0) if self.pipelined else (read, place)
 
 
 def _ema_rate(old: float | None, new: float) -> float:

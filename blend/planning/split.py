@@ -7,14 +7,29 @@ longer than a full prefill. Then a prefix of the prompt is computed with plain p
 that both finish together. Blend's selective recompute then applies to the loaded part
 only.
 
-The decision uses the live cost models of blend.planner (`PrefillCosts`, `LoadCosts`): seconds per layer as a function
-of the rows it computes, and per tier the time its reads and the placement take. For
-every segment boundary s the prefill is simulated layer by layer (compute of layer l
-starts when layer l-1 is done and layer l's KV is placed) and the s with the smallest
-predicted time wins; a split is taken only when it is predicted to save at least
-`MIN_GAIN` of the unsplit time, or at all when loading everything is predicted slower than
-a full prefill. The candidates include computing everything (a full prefill), so the
+The decision prices each candidate with a `CostModel` (blend.planning.planner): seconds per
+layer as a function of the rows it computes, and per tier the time its reads and the
+placement take. For every segment boundary s the prefill is simulated layer by layer
+(compute of layer l starts when layer l-1 is done and layer l's KV is placed) and the s with
+the smallest predicted time wins; a split is taken only when it is predicted to save at
+least `MIN_GAIN` of the unsplit time, or at all when loading everything is predicted slower
+than a full prefill. The candidates include computing everything (a full prefill), so the
 predicted time never exceeds a full prefill's.
+
+A split changes the numbers (a computed prefix is exact, a loaded one is not), so which cost
+model decides is a choice between reproducibility and adaptation (`engine.split`):
+
+  auto      (default) deterministic: the cost model is fixed for the engine's life. The
+            model's compute is calibrated once (`PrefillCosts.calibrated`: timed prefills of
+            fixed sizes, on the scheduler's thread, before the first request that consults
+            the split, or in `BlendEngine.warmup`), each tier's reads and the placement are
+            priced at the priors of their kind (`PRIOR_READ_GBPS`, `PRIOR_PLACE_GBPS`). A
+            decision is then a function of the request's sizes only: the same request gets
+            the same split, and the same answer, however busy the machine is later.
+  adaptive  the live estimates, fed by every request (`observe`): a tier that turns slow is
+            seen within a request or two; a busy CPU makes compute look slower: the same
+            request may be split in one run and loaded in another.
+  off       every cached segment is loaded.
 """
 
 from __future__ import annotations
@@ -24,7 +39,8 @@ from dataclasses import dataclass
 
 from blend.config import Selection
 from blend.kv.loader import Placement
-from blend.planning.planner import LoadCosts, PrefillCosts
+from blend.model.runner import Runner
+from blend.planning.planner import CostModel, LayerCost, LoadCosts, PrefillCosts
 from blend.prompt.builder import Prompt
 from blend.recompute.plan import plan_recompute
 from blend.recompute.selector import uses_check_layers
@@ -32,7 +48,7 @@ from blend.stats import RequestStats, SplitReport
 
 MIN_GAIN = 0.10  # a split must be predicted to save this share of the unsplit time (unless
 # loading everything is predicted slower than a full prefill: then any saving is taken)
-SPLIT_MODES = ("auto", "off")
+SPLIT_MODES = ("auto", "adaptive", "off")
 
 
 def worth_it(best: float, unsplit: float, full: float) -> bool:
@@ -52,7 +68,7 @@ class Split:
 
 
 def simulate(rows: Sequence[int], load_per_layer: float, load_from: int,
-             cost: Callable[[float], float] | tuple[float, float], place_in_compute: float = 0.0,
+             cost: Callable[[float], float] | LayerCost | tuple[float, float], place_in_compute: float = 0.0,
              start: float = 0.0) -> tuple[float, float, float]:
     """Predicted (prefill seconds, compute seconds, load seconds) of a layer loop.
 
@@ -80,26 +96,57 @@ def simulate(rows: Sequence[int], load_per_layer: float, load_from: int,
 
 
 class Splitter:
-    """Chooses the split of each request from the live cost model."""
+    """Chooses the split of each request (see the module docstring for `mode`)."""
 
-    def __init__(self, prefill: PrefillCosts, loads: LoadCosts, tier_kinds: dict[str, str], *, mode: str = "auto"):
+    def __init__(self, prefill: PrefillCosts, loads: LoadCosts, tier_kinds: dict[str, str], *, mode: str = "auto",
+                 runner: Runner | None = None):
         if mode not in SPLIT_MODES:
             raise ValueError(f"engine.split must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
+        if mode == "auto" and runner is None and not prefill.is_calibrated:
+            raise ValueError("engine.split auto calibrates the model's compute: pass the runner")
         self.prefill, self.loads, self.tier_kinds, self.mode = prefill, loads, dict(tier_kinds), mode
+        self.runner = runner
+        self._calibrated: CostModel | None = None
 
-    def _load_per_layer(self, placements: Sequence[Placement], num_layers: int) -> tuple[float, float]:
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether the next `cost_model()` call measures the model first (mode auto, once)."""
+        return self.mode == "auto" and self._calibrated is None
+
+    def cost_model(self) -> CostModel | None:
+        """The cost model this engine's decisions are made with, for the split and for any other
+        planner that weighs computing against loading (e.g. whether computing a request's
+        missing documents beats a full prefill):
+
+        - auto: the calibrated model, fixed for the engine's life (the same object on every
+          call; the first call measures the model's compute on the calling thread, which must
+          be the thread that owns the model: the scheduler's; `needs_calibration` says whether
+          this call would);
+        - adaptive: a snapshot of the live estimates (None before the first observed request);
+        - off: None.
+        """
+        if self.mode == "off":
+            return None
+        if self.mode == "auto":
+            if self._calibrated is None:
+                assert self.runner is not None or self.prefill.is_calibrated
+                layer = self.prefill.calibrated(self.runner)  # type: ignore[arg-type]
+                reads, place = self.loads.rates(self.tier_kinds, live=False)
+                self._calibrated = CostModel(layer, reads, place, self.loads.pipelined, "calibrated")
+            return self._calibrated
+        layer = self.prefill.layer_cost()
+        if layer is None:
+            return None
+        reads, place = self.loads.rates(self.tier_kinds, live=True)
+        return CostModel(layer, reads, place, self.loads.pipelined, "live")
+
+    @staticmethod
+    def _load_per_layer(model: CostModel, placements: Sequence[Placement]) -> tuple[float, float]:
         """(seconds per layer of the pipelined load, seconds per layer of placement on the compute threads)."""
         reads: dict[str, int] = {}
-        total = 0
         for p in placements:
-            nbytes = p.header.layer_nbytes
-            reads[p.source] = reads.get(p.source, 0) + nbytes
-            total += nbytes
-        read = sum(self.loads.read_seconds(name, self.tier_kinds.get(name, name), b) for name, b in reads.items())
-        place = self.loads.place_seconds(total)
-        if self.loads.pipelined:
-            return max(read, place), 0.0
-        return read, place
+            reads[p.source] = reads.get(p.source, 0) + p.header.layer_nbytes
+        return model.load_per_layer(reads)
 
     def plan(self, prompt: Prompt, placements: Sequence[Placement], ratio: float, selection: Selection,
              num_layers: int) -> Split:
@@ -121,9 +168,10 @@ class Splitter:
             return unsplit("off (engine.split)")
         if not ordered:
             return unsplit("nothing to load")
-        cost = self.prefill.layer_cost()
-        if cost is None:
+        model = self.cost_model()
+        if model is None:
             return unsplit("no compute estimate yet (the first requests measure it)")
+        cost = model.layer
         n = len(prompt)
         # candidates: compute nothing, or every prefix of whole segments (the last one: everything)
         candidates = [0] + [p.start + p.length for p in ordered if p.start + p.length <= prompt.query.start]
@@ -135,7 +183,7 @@ class Splitter:
         results: list[tuple[float, float, float, int]] = []
         for s in candidates:
             loaded = [p for p in ordered if p.start >= s]  # the first s tokens are computed
-            per_layer, in_compute = self._load_per_layer(loaded, num_layers) if loaded else (0.0, 0.0)
+            per_layer, in_compute = self._load_per_layer(model, loaded) if loaded else (0.0, 0.0)
             plan = plan_recompute(prompt, ratio, selection.check_layers, selection.filter_schedule, num_layers,
                                   policy=selection.policy, placements=loaded, sink_tokens=selection.sink_tokens,
                                   query_layers=selection.query_layers, query_pool=selection.query_pool, fresh=s)
@@ -180,15 +228,16 @@ class Splitter:
             return unsplit("off (engine.split)")
         if not ordered:
             return unsplit("nothing to load")
-        cost = self.prefill.layer_cost()
-        if cost is None:
+        model = self.cost_model()
+        if model is None:
             return unsplit("no compute estimate yet (the first requests measure it)")
+        cost = model.layer
         full = simulate([n] * num_layers, 0.0, num_layers, cost)[0]
         results: list[tuple[float, float, float, int]] = [(full, full, 0.0, end)]  # everything in one prefill
         for s in [0] + [p.start + p.length for p in ordered if p.start + p.length < end]:
             loaded = [p for p in ordered if p.start >= s]
             first = simulate([s] * num_layers, 0.0, num_layers, cost)[0] if s else 0.0
-            per_layer, in_compute = self._load_per_layer(loaded, num_layers) if loaded else (0.0, 0.0)
+            per_layer, in_compute = self._load_per_layer(model, loaded) if loaded else (0.0, 0.0)
             tail = [n - end] * num_layers
             total, compute, load = simulate(tail, per_layer, 0 if loaded else num_layers, cost, in_compute, first)
             results.append((total, compute + first, load, s))
@@ -206,7 +255,8 @@ class Splitter:
 
     # ---------------------------------------------------------- observations
     def observe(self, stats: RequestStats, num_layers: int) -> None:
-        """Feed one finished request (its prefill timed to the logits) into the cost model.
+        """Feed one finished request (its prefill timed to the logits) into the live estimates
+        (in every mode; only `adaptive` decides with them, `auto`'s calibrated model never changes).
 
         Requests that computed chunk misses are skipped for compute (their prefill time
         includes that work), and so are requests that read from a tier other than CPU

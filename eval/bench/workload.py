@@ -9,7 +9,8 @@ the first one comes from). Requests arrive from N clients in a closed loop (each
 request when the last one finished) or in an open loop at R requests/s (Poisson, seeded).
 
 Each (mode, codec) runs the same stream against a fresh engine over the same loaded model, with a
-fresh, empty store: the config's tiers, every tier in that codec (`codecs`; else as configured),
+fresh, empty store: the config's tiers, every tier in that codec for documents and prefix blocks alike
+(`codecs`; else as configured),
 budgets scaled to `cache_fraction` of the corpus' uncompressed KV when asked (tiers that have a
 budget: cpu, disk), disk tiers in a scratch directory beside the configured one, Redis tiers under
 a namespace of their own (cleared afterwards). Cold misses are part of the run.
@@ -412,13 +413,14 @@ def corpus_kv_bytes(engine: Any, passages: Sequence[str]) -> tuple[int, int]:
 
 
 def run_store_config(store: Any, *, codec: str | None, budget: int | None, scratch: Path, namespace: str) -> Any:
-    """The store of one run: `store`'s tiers in `codec` (when given), with `budget` (tiers that have
-    one), disk tiers in `scratch`, under `namespace` (a fresh Redis key space)."""
+    """The store of one run: `store`'s tiers in `codec` (when given: documents and exact entries,
+    prefix blocks, alike), with `budget` (tiers that have one), disk tiers in `scratch`, under
+    `namespace` (a fresh Redis key space)."""
     tiers = []
     for i, tier in enumerate(store.tiers):
         changes: dict[str, Any] = {}
         if codec is not None:
-            changes["codec"] = codec
+            changes["codec"] = changes["exact_codec"] = codec
         if budget is not None and hasattr(tier, "budget"):
             changes["budget"] = budget
         if tier.kind == "disk":
