@@ -242,6 +242,11 @@ class BlendConfig:
     # (deterministic: the same request, the same answer, whatever the load); adaptive: with live
     # estimates (a tier that turns slow is seen; the answer may change with the load); off: load all
     split: Annotated[Literal["auto", "adaptive", "off"], BeforeValidator(_yaml_switch("auto"))] = "auto"
+    # a request whose documents miss (blend.planning.misses): auto prices the plans with the split's cost
+    # model and runs the cheapest; standalone computes the missing documents on their own, then blends;
+    # harvest runs a full prefill of the whole prompt (its answer exact) and stores each missing
+    # document's KV cut out of it
+    miss_policy: Literal["auto", "standalone", "harvest"] = "auto"
     max_new_tokens: PositiveInt = 32
     temperature: NonNegativeFloat = 0.0
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0

@@ -87,6 +87,36 @@ class LoadReport:
 
 
 @dataclass(frozen=True)
+class MissReport:
+    """How a request paid for the documents it missed (blend.planning.misses).
+
+    `plan`: None when nothing missed, else standalone | harvest | mixed. `computed`: missing
+    documents computed on their own; `harvested`: stored from this request's own computation
+    (its full prefill, or the blend pass's computed prefix); `deduplicated`: lookups that found
+    their entry still queued for the store by another request's computation; `compute_s`:
+    seconds of compute on this request's path spent on its misses (their own passes, the
+    harvest's cut); `predicted`: seconds per plan priced.
+    """
+
+    plan: str | None = None
+    reason: str = ""
+    missed: int = 0
+    computed: int = 0
+    harvested: int = 0
+    deduplicated: int = 0
+    compute_s: float = 0.0
+    predicted: Mapping[str, float] = field(default_factory=dict)
+
+    def replace(self, **changes: Any) -> MissReport:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan, "reason": self.reason, "missed": self.missed, "computed": self.computed,
+                "harvested": self.harvested, "deduplicated": self.deduplicated, "compute_s": self.compute_s,
+                "predicted_s": dict(self.predicted)}
+
+
+@dataclass(frozen=True)
 class SplitReport:
     """The load-or-compute split of one request (blend.split).
 
@@ -151,6 +181,7 @@ class RequestStats:
     source: str | None = None  # chat: where the history's KV came from (device | store | computed)
     stored_blocks: int = 0  # prefix blocks queued for the store by this request
     split: SplitReport = SplitReport()
+    miss: MissReport = MissReport()  # how the documents it missed were paid for
     stalled_tiers: tuple[str, ...] = ()  # tiers given up mid-load (too slow): the request was computed whole
     # scheduling (blend.engine.scheduler)
     queued_s: float = 0.0  # submitted to the start of its prefill
@@ -205,6 +236,7 @@ class RequestStats:
             "source": self.source, "stored_blocks": self.stored_blocks,
             "load_copies": self.load.copies, "place_s": self.load.place_s,
             "read_s_by_tier": dict(self.load.read_s_by_tier), "split": self.split.to_dict(),
+            "miss_plan": self.miss.to_dict(),
             "stalled_tiers": list(self.stalled_tiers),
             "queued_s": self.queued_s, "batch_size_mean": self.batch_size_mean, "preempted": self.preempted,
             "resume_s": self.resume_s,

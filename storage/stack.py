@@ -55,7 +55,7 @@ MAX_PENDING_PROMOTIONS = 16
 # then is dropped (with a warning): a process never hangs at exit on a store that stopped answering
 EXIT_FLUSH_S = 30.0
 LOOKUP_COUNTERS = ("lookup_hits", "lookup_misses", "mismatches", "unauthenticated", "repairs", "promotions",
-                   "promotions_dropped")
+                   "promotions_dropped", "write_s")  # write_s: seconds the writer spent encoding and writing here
 
 
 def build_tier(config: TierConfig, namespace: str = "") -> Tier:
@@ -203,6 +203,7 @@ class TieredStore:
         self._queued: dict[str, _Put] = {}  # the last queued put of each key not yet written
         self._lock = threading.Lock()
         self._counts: dict[str, Counter] = {t.name: Counter() for t in self.tiers}
+        self.puts_deduplicated = 0  # puts of a key whose write was already queued (not queued again)
         self._closed = False
         shared = [t.name for t in self.tiers if getattr(getattr(t, "config", None), "kind", "") in SHARED_KINDS]
         if shared and secret is None:
@@ -241,7 +242,7 @@ class TieredStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _count(self, tier_index: int, **deltas: int) -> None:
+    def _count(self, tier_index: int, **deltas: float) -> None:
         with self._lock:
             self._counts[self.tiers[tier_index].name].update(deltas)
 
@@ -444,6 +445,9 @@ class TieredStore:
         self._ensure_writer()
         job = _Put(self, key, entry, exact)
         with self._lock:
+            if key in self._queued and not exact:  # the same content address, already on its way
+                self.puts_deduplicated += 1
+                return
             self._queued[key] = job
         self._queue.put(job)
 
@@ -452,11 +456,15 @@ class TieredStore:
         codec; not when `exact`) and sealed."""
         ready: dict[Codec, KVEntry] = {}
         codecs = self.exact_codecs if key_kind(key) == "prefix" else self.codecs
-        for tier, codec in zip(self.tiers, codecs, strict=True):
+        for i, (tier, codec) in enumerate(zip(self.tiers, codecs, strict=True)):
+            t0 = time.monotonic()
             codec = NONE if exact else codec
             if codec not in ready:
                 ready[codec] = self._seal(key, entry.encode(codec))
-            tier.put(key, ready[codec])
+            try:
+                tier.put(key, ready[codec])
+            finally:
+                self._count(i, write_s=time.monotonic() - t0)
 
     def _seal(self, key: str, entry: KVEntry) -> KVEntry:
         """`entry` with a tag for `key` when the store has a secret (sha256 checksums: ~1.4 GB/s)."""

@@ -325,7 +325,7 @@ def test_a_cold_request_computes_its_missing_documents_together(layout):
     """Documents that miss are computed in one packed pass per context (a repeated one once)
     and give the same KV as documents ingested first."""
     docs = [DOCS[0], DOCS[1], DOCS[0], DOCS[2]]
-    with make_engine(chunk_tokens=16, chunk_context=layout) as cold, \
+    with make_engine(chunk_tokens=16, chunk_context=layout, miss_policy="standalone") as cold, \
             make_engine(chunk_tokens=16, chunk_context=layout) as warm:
         maker = cold.document_kv.maker
         passes: list[int] = []

@@ -70,13 +70,14 @@ def _model():
     return tiny_model(tokenizer=smollm2_tokenizer())
 
 
-def make_engine(tiers: list[dict], *, secret: str | None = None, namespace: str = "") -> BlendEngine:
+def make_engine(tiers: list[dict], *, secret: str | None = None, namespace: str = "",
+                miss_policy: str = "auto") -> BlendEngine:
     store: dict[str, Any] = {"kv_dtype": "float32", "tiers": tiers, "namespace": namespace}
     if secret is not None:
         store["secret"] = secret
     # split off: every fault request must read the planted entries (a split that computes the
     # prompt instead would survive a fault without meeting it)
-    cfg = EngineConfig().with_overrides(store=store, chunk_tokens=CHUNK_TOKENS, split="off")
+    cfg = EngineConfig().with_overrides(store=store, chunk_tokens=CHUNK_TOKENS, split="off", miss_policy=miss_policy)
     return BlendEngine(cfg, model=_model())
 
 
@@ -737,8 +738,8 @@ def test_entries_that_decode_to_nan_are_a_miss_computed_instead(tmp_path, name):
     clean recompute does (finite log-probs within 1e-4, the same tokens), in time; the entry is
     rewritten."""
     args = NAN_REQUESTS[name]
-    with make_engine([{"kind": "cpu", "budget": "64MiB"}]) as clean:
-        want = clean.generate(QUESTION, DOCS, **args)
+    with make_engine([{"kind": "cpu", "budget": "64MiB"}], miss_policy="standalone") as clean:
+        want = clean.generate(QUESTION, DOCS, **args)  # the documents computed on their own, then blended
     with make_engine([{"kind": "disk", "path": str(tmp_path / "cache"), "budget": "256MiB",
                        "codec": "int8"}]) as engine:
         engine.ingest(DOCS)

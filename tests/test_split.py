@@ -416,7 +416,8 @@ def test_placement_rate_counts_the_computed_entries_it_placed(one_thread):
     loads = LoadCosts("cpu")
     loads.observe({"cpu": 1 << 20}, {"cpu": 1e-3}, place_s=0.1, other_bytes=50 << 20)
     assert loads.place_seconds(51 << 20) == pytest.approx(0.1)
-    engine = make_engine(SlowTier(CpuTier(CpuTierConfig(budget=64 << 20))), split="adaptive")
+    engine = make_engine(SlowTier(CpuTier(CpuTierConfig(budget=64 << 20))), split="adaptive",
+                         miss_policy="standalone")
     try:
         cold = engine.generate(QUESTION, DOCS[:3], mode="blend", recompute_ratio=0.3, max_new_tokens=1).stats
         assert cold.documents.misses == 3 and cold.load.computed_bytes > 0

@@ -19,24 +19,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from blend.config import BlendConfig, Selection
 from blend.decode.forcing import answer_nll, forced_logprobs
 from blend.decode.generation import Prefilled
-from blend.kv.documents import Block, DocumentCache
+from blend.kv.documents import Block, DocumentCache, Resolution
 from blend.kv.loader import LayerLoader, LoadStalled
 from blend.kv.prefix import PrefixCache
 from blend.model.runner import Runner
+from blend.planning.misses import HARVEST, MIXED, MissPlan, plan_misses
 from blend.planning.split import Splitter
 from blend.prompt.builder import Prompt
 from blend.recompute.layers import run_layers
 from blend.recompute.plan import plan_recompute
 from blend.recompute.stale import shift_applies
 from blend.session.manager import SessionManager, Turn, turn_stats
-from blend.stats import LookupTally, RequestStats, tally_fields
+from blend.stats import LookupTally, MissReport, RequestStats, tally_fields
 from storage.stack import TieredStore
 
 
@@ -53,6 +54,7 @@ class PromptWork:
     capacity: int  # cache positions allocated up front
     answer: str | None = None
     follow: tuple[int, ...] | None = None
+    submitted: float = field(default_factory=time.monotonic)  # when the request was made (deduplication counts)
 
 
 @dataclass
@@ -88,7 +90,7 @@ class Prefiller:
         else:
             ratio = 0.0 if mode == "reuse" else work.ratio
             selection = self.config.selection.with_policy(work.selection)
-            pre = yield from self._blend_steps(prompt, work.blocks, ratio, capacity, mode, selection)
+            pre = yield from self._blend_steps(prompt, work.blocks, ratio, capacity, mode, selection, work.submitted)
         if forced is not None and (work.answer is not None or work.follow):
             if work.answer is not None:
                 forced.answer_nll = answer_nll(self.runner, self.tokenizer, pre.cache, pre.logits, work.answer)
@@ -111,17 +113,41 @@ class Prefiller:
 
     # ------------------------------------------------------------------ stages
     def _blend_steps(self, prompt: Prompt, blocks: dict[int, list[Block]] | None, ratio: float, capacity: int,
-                     mode: str, selection: Selection) -> Generator[None, None, Prefilled]:
+                     mode: str, selection: Selection, submitted: float | None = None
+                     ) -> Generator[None, None, Prefilled]:
         tally = LookupTally(self.tier_names)
         cached = [i for i, s in enumerate(prompt.segments) if s.kind != "query"]
-        resolution = self.documents.lookup(prompt, cached, blocks)
-        if resolution.misses:  # computed as their own steps, not inside the timed prefill
-            yield from self.documents.compute_misses(resolution)
-            yield
-        placements = self.documents.placements(resolution, tally)
+        resolution = self.documents.lookup(prompt, cached, blocks, submitted)
+        report = MissReport(deduplicated=resolution.deduplicated)
+        plan = None
         yield from self._calibrated()
-        return (yield from self._timed(lambda: self._blend(prompt, placements, tally, ratio, capacity, mode, selection),
+        if resolution.misses:  # priced (blend.planning.misses), then paid as the cheapest plan runs
+            plan = plan_misses(self.config.miss_policy, self.splitter.cost_model(), prompt, resolution,
+                               self.documents, ratio, selection, self.runner.num_layers)
+            report = MissReport(plan.kind, plan.reason, resolution.misses, len(plan.standalone), len(plan.harvested),
+                                resolution.deduplicated, 0.0, dict(plan.predicted))
+            if plan.kind == HARVEST:  # one full prefill; the missing documents cut out of it
+                return (yield from self._timed(lambda: self._harvest_full(prompt, resolution, tally, ratio, capacity,
+                                                                          mode, plan, report)))
+            if plan.standalone:  # their own passes, as their own steps (not inside the timed prefill)
+                spent = yield from _spent(self.documents.compute_misses(resolution, plan.standalone))
+                report = report.replace(compute_s=spent)
+                yield
+        placements = self.documents.placements(resolution, tally, skip=plan.harvested if plan else ())
+        return (yield from self._timed(lambda: self._blend(prompt, placements, tally, ratio, capacity, mode, selection,
+                                                           resolution, plan, report),
                                        fallback=(prompt, capacity)))
+
+    def _harvest_full(self, prompt: Prompt, resolution: Resolution, tally: LookupTally, ratio: float, capacity: int,
+                      mode: str, plan: MissPlan, report: MissReport) -> Prefilled:
+        """The harvest plan: a full prefill (this request's answer exact), then every missing
+        document's KV cut out of it and queued for the store."""
+        self.documents.placements(resolution, tally, skip=plan.harvested)  # the lookups counted
+        pre = self._full(prompt.token_ids, capacity, self._stats(prompt, mode, ratio, **tally_fields(tally)))
+        t0 = time.perf_counter()
+        self.documents.harvest(resolution, plan.harvested, pre.cache)
+        pre.stats = pre.stats.replace(miss=report.replace(compute_s=time.perf_counter() - t0))
+        return pre
 
     def _calibrated(self) -> Generator[None, None, None]:
         """Under `engine.split: auto`, the split's cost model is calibrated once, before the first
@@ -180,10 +206,13 @@ class Prefiller:
         return Prefilled(logits, cache, stats, ids)
 
     def _blend(self, prompt: Prompt, placements, tally: LookupTally, ratio: float, capacity: int, mode: str,
-               sel: Selection) -> Prefilled:
+               sel: Selection, resolution: Resolution | None = None, miss: MissPlan | None = None,
+               report: MissReport | None = None) -> Prefilled:
         runner = self.runner
-        # the load-or-compute split (blend.split) may compute a prefix instead of loading it
-        split = self.splitter.plan(prompt, placements, ratio, sel, runner.num_layers)
+        # the load-or-compute split (blend.split) may compute a prefix instead of loading it; a mixed
+        # miss plan fixes that prefix (its missing documents are harvested from it below)
+        split = self.splitter.plan(prompt, placements, ratio, sel, runner.num_layers,
+                                   fresh=miss.fresh if miss is not None and miss.kind == MIXED else None)
         plan = plan_recompute(prompt, ratio, sel.check_layers, sel.filter_schedule, runner.num_layers,
                               policy=sel.policy, placements=placements, sink_tokens=sel.sink_tokens,
                               query_layers=sel.query_layers, query_pool=sel.query_pool,
@@ -195,9 +224,14 @@ class Prefiller:
             logits, chosen = run_layers(runner, cache, torch.tensor(prompt.token_ids), plan, loader,
                                         policy=sel.policy, deviation_kind=sel.deviation, stale_bias=sel.stale_bias,
                                         stale_shift=shift_applies(sel.stale_shift, sel.policy))
+        report = report or MissReport()
+        if miss is not None and miss.harvested and resolution is not None:  # exact rows of the computed prefix
+            t0 = time.perf_counter()
+            self.documents.harvest(resolution, miss.harvested, cache)
+            report = report.replace(compute_s=report.compute_s + time.perf_counter() - t0)
         stats = self._stats(prompt, mode, ratio, loaded_tokens=0 if plan.full else int(plan.ctx_rows.numel()),
                             recomputed_tokens=chosen.recomputed_tokens + split.computed_tokens, load=loader.report(),
-                            selection=chosen, split=split.report, **tally_fields(tally))
+                            selection=chosen, split=split.report, miss=report, **tally_fields(tally))
         return Prefilled(logits, cache, stats, tuple(prompt.token_ids))
 
     def _prefix(self, prompt: Prompt, capacity: int) -> Prefilled:
@@ -236,3 +270,17 @@ class Prefiller:
                             recomputed_tokens=max(0, prompt.query.start - loaded), load=load, stored_blocks=stored,
                             split=split.report, **tally_fields(tally))
         return Prefilled(logits, cache, stats, tuple(ids))
+
+
+def _spent(steps: Generator[None, None, None]) -> Generator[None, None, float]:
+    """Run `steps` as steps of the caller; returns the seconds spent inside them (not in the
+    steps of other sequences between them)."""
+    spent = 0.0
+    while True:
+        t0 = time.perf_counter()
+        try:
+            next(steps)
+        except StopIteration:
+            return spent + time.perf_counter() - t0
+        spent += time.perf_counter() - t0
+        yield

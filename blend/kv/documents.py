@@ -18,16 +18,23 @@ The system part itself is cached the same way with no context (it is exact at po
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 from blend.kv.loader import Placement
 from blend.kv.prefix import EntryMaker, pack_groups
+from blend.model.cache import KVCache
 from blend.prompt.builder import Prompt, Segment
 from blend.stats import LookupTally
+from storage.dtypes import dtype_bytes
 from storage.entry import KVEntry
 from storage.keys import document_block_key, tokens_digest
 from storage.stack import Located, LookupBudget, TieredStore
+
+COMPUTED_KEYS_KEPT = 65536  # block keys remembered as computed for a request (deduplication counts)
 
 
 class IngestStopped(RuntimeError):
@@ -65,6 +72,9 @@ class Resolution:
     """The cacheable segments of one prompt, looked up (`DocumentCache.lookup`)."""
 
     looked: list[_Looked]
+    # segments found whose entries this engine computed for another request after this one was
+    # submitted: misses served by that computation (the two requests wanted them at once)
+    deduplicated: int = 0
 
     @property
     def misses(self) -> int:
@@ -92,6 +102,10 @@ class DocumentCache:
         self.store, self.maker = store, maker
         self.namespace, self.chunk_context, self.block_tokens = namespace, chunk_context, block_tokens
         self.stall_s = stall_s  # header lookups per tier of a request (ingest: of a document); None: no limit
+        # block keys this engine computed for a request's misses, and when (time.monotonic): a later
+        # request submitted before then that finds them was served by that computation
+        self._computed_at: OrderedDict[str, float] = OrderedDict()
+        self._computed_lock = threading.Lock()
 
     def context(self, seg: Segment, prompt: Prompt) -> list[int]:
         """The token ids `seg` is computed after: the system part for a document under
@@ -128,10 +142,22 @@ class DocumentCache:
         return {i: self.blocks(list(seg.token_ids), self.context(seg, prompt))
                 for i, seg in enumerate(prompt.segments) if seg.kind != "query"}
 
-    def lookup(self, prompt: Prompt, segments: Sequence[int], blocks: dict[int, list[Block]] | None = None
-               ) -> Resolution:
+    def _computed(self, blocks: Sequence[Block]) -> None:
+        """Record that these blocks were just computed for a request (bounded: the oldest forgotten)."""
+        now = time.monotonic()
+        with self._computed_lock:
+            for b in blocks:
+                self._computed_at[b.key] = now
+                self._computed_at.move_to_end(b.key)
+            while len(self._computed_at) > COMPUTED_KEYS_KEPT:
+                self._computed_at.popitem(last=False)
+
+    def lookup(self, prompt: Prompt, segments: Sequence[int], blocks: dict[int, list[Block]] | None = None,
+               submitted: float | None = None) -> Resolution:
         """Look up every block of the segments at these indices of `prompt` (blocks: from
-        `segment_blocks`, computed if not given); nothing is computed or written."""
+        `segment_blocks`, computed if not given); nothing is computed or written. `submitted`
+        (time.monotonic() of the request's submission): found segments computed for another
+        request since then are counted as `deduplicated`."""
         blocks = blocks if blocks is not None else self.segment_blocks(prompt)
         budget = LookupBudget(self.stall_s)
         looked = []
@@ -141,15 +167,27 @@ class DocumentCache:
             seg_blocks = blocks[i]
             looked.append(_Looked(seg, _Rebuild(self, ids, context, seg_blocks),
                                   [self._find(ids, b, budget) for b in seg_blocks]))
-        return Resolution(looked)
+        shared = 0
+        if submitted is not None:
+            with self._computed_lock:
+                shared = sum(not lk.missed and any(self._computed_at.get(b.key, -1.0) > submitted
+                                                   for b in lk.rebuild.block_list) for lk in looked)
+        return Resolution(looked, shared)
 
-    def compute_misses(self, resolution: Resolution) -> Generator[None, None, None]:
-        """Compute the documents that missed, one forward pass per step (those after the same
-        context together, `EntryMaker.document_passes`; a repeated document once). Their
-        entries are kept in the resolution; `placements` queues their writes."""
+    def entry_layer_nbytes(self, tokens: int) -> int:
+        """Bytes one layer of a computed (unencoded) document entry of `tokens` tokens holds: K and V."""
+        r = self.maker.runner
+        return 2 * r.kv_heads * tokens * r.head_dim * dtype_bytes(self.maker.kv_dtype)
+
+    def compute_misses(self, resolution: Resolution, only: Sequence[int] | None = None
+                       ) -> Generator[None, None, None]:
+        """Compute the documents that missed (`only`: those at these indices of
+        `resolution.looked`), one forward pass per step (those after the same context together,
+        `EntryMaker.document_passes`; a repeated document once). Their entries are kept in the
+        resolution; `placements` queues their writes."""
         missed: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Rebuild]] = {}
-        for looked in resolution.looked:
-            if looked.missed:
+        for index, looked in enumerate(resolution.looked):
+            if looked.missed and (only is None or index in only):
                 r = looked.rebuild
                 missed.setdefault((tuple(r.context), tuple(r.ids)), []).append(r)
         for context in dict.fromkeys(c for c, _ids in missed):  # documents after the same context together
@@ -159,19 +197,44 @@ class DocumentCache:
             for rebuilds, entries in zip(group, made, strict=True):
                 for rebuild in rebuilds:
                     rebuild.seed(entries)
+                    self._computed(rebuild.block_list)
             yield
 
-    def placements(self, resolution: Resolution, tally: LookupTally) -> list[Placement]:
+    def harvest(self, resolution: Resolution, indices: Sequence[int], cache: KVCache) -> int:
+        """The missing documents at these indices of `resolution.looked` cut out of a prompt's
+        `cache` (slot = prompt position; their K/V computed exactly there: a full prefill, or the
+        computed prefix of a blend), keys turned back to their standalone position
+        (`EntryMaker.harvest`), and their blocks queued for the store. Returns how many."""
+        queued: set[str] = set()
+        for index in indices:
+            looked = resolution.looked[index]
+            seg, rebuild = looked.segment, looked.rebuild
+            entries = [self.maker.harvest(cache, rebuild.ids[b.start:b.end], seg.start + b.start, b.pos_start)
+                       for b in rebuild.block_list]
+            rebuild.seed(entries)
+            self._computed(rebuild.block_list)
+            for b, loc, entry in zip(rebuild.block_list, looked.found, entries, strict=True):
+                if loc is None and b.key not in queued:
+                    self.store.put(b.key, entry)
+                    queued.add(b.key)
+        return len(indices)
+
+    def placements(self, resolution: Resolution, tally: LookupTally, skip: Sequence[int] = ()) -> list[Placement]:
         """Placements of every looked-up block, in prompt order; counts each segment's hit or
         miss in `tally` and queues the missed blocks' writes (their entries computed by
         `compute_misses`, or now if it did not run). A block that turns out unreadable while
-        loading is rebuilt by recomputing its document (once per document)."""
+        loading is rebuilt by recomputing its document (once per document). The segments at
+        indices `skip` (missing documents this request computes in place and harvests) are
+        counted but get no placement and no write here."""
         queued: set[str] = set()
         placements: list[Placement] = []
-        for looked in resolution.looked:
+        for index, looked in enumerate(resolution.looked):
             seg, rebuild, found = looked.segment, looked.rebuild, looked.found
             kind = "system" if seg.kind == "prefix" else "documents"
             blocks = rebuild.block_list
+            if index in skip:
+                tally.miss(kind)
+                continue
             if not looked.missed:
                 tally.hit(kind, max(loc.tier_index for loc in found))
                 for i, (b, loc) in enumerate(zip(blocks, found, strict=True)):

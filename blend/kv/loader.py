@@ -112,6 +112,23 @@ class Placement:
         assert self.located is not None
         return self.located.header
 
+    @property
+    def layer_nbytes(self) -> int:
+        """Bytes one layer of its entry reads (as stored)."""
+        return self.header.layer_nbytes
+
+
+@dataclass(frozen=True)
+class PlannedLoad:
+    """A segment a plan would place but that is not there yet (a missing document, priced before
+    it is computed): what the cost models read of a `Placement`."""
+
+    start: int
+    length: int
+    pos_start: int
+    source: str  # "computed": an entry in memory
+    layer_nbytes: int
+
 
 # ------------------------------------------------------------ shared per device
 _shared_lock = threading.Lock()

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from blend.config import Selection
-from blend.kv.loader import Placement
+from blend.kv.loader import Placement, PlannedLoad
 from blend.model.runner import Runner
 from blend.planning.planner import CostModel, LayerCost, LoadCosts, PrefillCosts
 from blend.prompt.builder import Prompt
@@ -141,15 +141,15 @@ class Splitter:
         return CostModel(layer, reads, place, self.loads.pipelined, "live")
 
     @staticmethod
-    def _load_per_layer(model: CostModel, placements: Sequence[Placement]) -> tuple[float, float]:
+    def _load_per_layer(model: CostModel, placements: Sequence[Placement | PlannedLoad]) -> tuple[float, float]:
         """(seconds per layer of the pipelined load, seconds per layer of placement on the compute threads)."""
         reads: dict[str, int] = {}
         for p in placements:
-            reads[p.source] = reads.get(p.source, 0) + p.header.layer_nbytes
+            reads[p.source] = reads.get(p.source, 0) + p.layer_nbytes
         return model.load_per_layer(reads)
 
     def plan(self, prompt: Prompt, placements: Sequence[Placement], ratio: float, selection: Selection,
-             num_layers: int) -> Split:
+             num_layers: int, fresh: int | None = None) -> Split:
         """The split of a blend (ratio 0: reuse) of `prompt` whose cached segments are `placements`.
 
         Every candidate is priced by the rows the recompute plan of that split computes per
@@ -164,6 +164,10 @@ class Splitter:
             loaded = sum(p.length for p in ordered)
             return Split(0, tuple(ordered), SplitReport(False, reason, 0, loaded, **predicted))
 
+        if fresh:  # decided by the miss plan (blend.planning.misses): its missing documents harvested from it
+            loaded = tuple(p for p in ordered if p.start >= fresh)
+            return Split(fresh, loaded, SplitReport(True, f"the miss plan computes the first {fresh} tokens", fresh,
+                                                    sum(p.length for p in loaded)))
         if self.mode == "off":
             return unsplit("off (engine.split)")
         if not ordered:
@@ -180,22 +184,7 @@ class Splitter:
             # of the rest: the phases do not overlap, so only loading everything or computing
             # everything (a full prefill) is offered
             candidates = [candidates[0], candidates[-1]]
-        results: list[tuple[float, float, float, int]] = []
-        for s in candidates:
-            loaded = [p for p in ordered if p.start >= s]  # the first s tokens are computed
-            per_layer, in_compute = self._load_per_layer(model, loaded) if loaded else (0.0, 0.0)
-            plan = plan_recompute(prompt, ratio, selection.check_layers, selection.filter_schedule, num_layers,
-                                  policy=selection.policy, placements=loaded, sink_tokens=selection.sink_tokens,
-                                  query_layers=selection.query_layers, query_pool=selection.query_pool, fresh=s)
-            rows = plan.layer_rows(num_layers)
-            if plan.query_pass:
-                passed = plan.pass_rows()
-                total, compute, load = simulate(passed, per_layer, 0, cost, in_compute)
-                rest = simulate(rows, per_layer, len(passed), cost, in_compute, start=total)
-                total, compute, load = rest[0], compute + rest[1], load + rest[2]
-            else:
-                total, compute, load = simulate(rows, per_layer, plan.load_from, cost, in_compute)
-            results.append((total, compute, load, s))
+        results = [(*self.price(model, prompt, ordered, ratio, selection, num_layers, s), s) for s in candidates]
         full = simulate([n] * num_layers, 0.0, num_layers, cost)[0]
         base = results[0]
         best = min(results, key=lambda r: (r[0], r[3]))
@@ -213,6 +202,27 @@ class Splitter:
         report = SplitReport(True, reason, s, tokens, predicted_s=total, predicted_load_s=load,
                              predicted_compute_s=compute, **predicted)
         return Split(s, loaded, report)
+
+    @staticmethod
+    def price(model: CostModel, prompt: Prompt, loads: Sequence[Placement | PlannedLoad], ratio: float,
+              selection: Selection, num_layers: int, fresh: int = 0) -> tuple[float, float, float]:
+        """Predicted (prefill, compute, load) seconds of a blend (ratio 0: reuse) of `prompt` that
+        computes positions [0, fresh) in every layer and places the `loads` after them, priced by
+        the rows its own recompute plan computes per layer (`RecomputePlan.layer_rows`). A query
+        pass (selection `query`) computes the fresh and query rows while its layers load, and only
+        then are the selected rows recomputed from layer 0: the two phases add up."""
+        loaded = [p for p in loads if p.start >= fresh]  # the first `fresh` tokens are computed
+        per_layer, in_compute = Splitter._load_per_layer(model, loaded) if loaded else (0.0, 0.0)
+        plan = plan_recompute(prompt, ratio, selection.check_layers, selection.filter_schedule, num_layers,
+                              policy=selection.policy, placements=loaded, sink_tokens=selection.sink_tokens,
+                              query_layers=selection.query_layers, query_pool=selection.query_pool, fresh=fresh)
+        rows = plan.layer_rows(num_layers)
+        if plan.query_pass:
+            passed = plan.pass_rows()
+            total, compute, load = simulate(passed, per_layer, 0, model.layer, in_compute)
+            rest = simulate(rows, per_layer, len(passed), model.layer, in_compute, start=total)
+            return rest[0], compute + rest[1], load + rest[2]
+        return simulate(rows, per_layer, plan.load_from, model.layer, in_compute)
 
     def plan_prefix(self, n: int, chain: Sequence[Placement], num_layers: int) -> Split:
         """The split of a prefix-mode prefill of n tokens whose exact cached prefix is `chain`:

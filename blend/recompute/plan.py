@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blend.kv.loader import Placement
+from blend.kv.loader import Placement, PlannedLoad
 from blend.prompt.builder import Prompt
 from blend.recompute.selector import schedule_counts, uses_check_layers
 
@@ -82,7 +82,7 @@ def _rows(segments: Sequence[tuple[int, int]]) -> torch.Tensor:
 
 
 def plan_recompute(prompt: Prompt, ratio: float, check_layers: tuple[int, ...], schedule: tuple[float, ...],
-                   num_layers: int, *, policy: str = "deviation", placements: Sequence[Placement] = (),
+                   num_layers: int, *, policy: str = "deviation", placements: Sequence[Placement | PlannedLoad] = (),
                    sink_tokens: int = 0, query_layers: int = 0, query_pool: float = 1.0,
                    fresh: int = 0) -> RecomputePlan:
     """Plan blend at `ratio` (0: reuse) with selection `policy`.

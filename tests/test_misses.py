@@ -1,0 +1,210 @@
+"""Misses priced, not paid blindly (blend.planning.misses): a request whose documents all miss
+takes the full-prefill plan and harvests them; the plans as priced; a mixed plan harvests from
+its computed prefix; harvested entries round-trip every codec and are hit by later requests in
+another order; concurrent requests missing one document compute it once; a write already
+queued is not queued again."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from blend.config import EngineConfig, QuerySelection
+from blend.engine.engine import BlendEngine
+from blend.planning import misses
+from blend.planning.misses import HARVEST, MIXED, STANDALONE, MissPlan, plan_misses
+from storage.config import CpuTierConfig
+from storage.memory import CpuTier
+from storage.stack import TieredStore
+from tests.models import smollm2_tokenizer, tiny_model
+from tests.test_engine import DOCS, QUESTION
+
+MORE = [
+    "The harbour of Lenwick froze over in the winter of 1902, stranding eleven ships for a month. " * 2,
+    "Lenwick's mayor at the time, Oskar Brandt, organised sledges to bring coal across the ice.",
+]
+_MODEL: list[Any] = []
+
+
+def _model():
+    if not _MODEL:
+        _MODEL.append(tiny_model("llama", tokenizer=smollm2_tokenizer()))
+    return _MODEL[0]
+
+
+def make_engine(tiers: list[dict] | None = None, *, store: TieredStore | None = None, **knobs: Any) -> BlendEngine:
+    tiers = tiers or [{"kind": "cpu", "budget": "64MiB"}]
+    knobs.setdefault("split", "off")  # priced by rows: a tiny model's calibration would be noise
+    cfg = EngineConfig().with_overrides(store={"kv_dtype": "float32", "tiers": tiers}, chunk_tokens=24, **knobs)
+    return BlendEngine(cfg, model=_model(), store=store)
+
+
+def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+# ---------------------------------------------------------------- harvest
+@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
+def test_a_request_whose_documents_all_miss_is_a_full_prefill_that_stores_them(tmp_path, codec):
+    docs = DOCS + MORE
+    tiers = [{"kind": "disk", "path": str(tmp_path / "disk"), "budget": "256MiB", "codec": codec}]
+    with make_engine(tiers) as engine:
+        cold = engine.generate(QUESTION, docs, mode="blend", recompute_ratio=0.15, max_new_tokens=4)
+        full = engine.generate(QUESTION, docs, mode="full", max_new_tokens=4)
+        miss = cold.stats.miss
+        assert miss.plan == HARVEST and miss.harvested == miss.missed == len(docs) + 1  # the system part too
+        assert miss.predicted[HARVEST] < miss.predicted[STANDALONE]
+        assert maxdiff(cold.first_token_logprobs, full.first_token_logprobs) < 1e-5  # exact: a full prefill
+        assert cold.token_ids == full.token_ids and cold.stats.loaded_tokens == 0
+        assert cold.stats.to_dict()["miss_plan"]["plan"] == HARVEST
+        engine.store.flush()
+        shuffled = [docs[i] for i in (3, 0, 4, 2, 1)]
+        warm = engine.generate(QUESTION, shuffled, mode="blend", recompute_ratio=0.15, max_new_tokens=4)
+        assert warm.stats.documents.misses == 0 and warm.stats.documents.hits == len(docs)
+        assert warm.stats.miss.plan is None and warm.stats.loaded_tokens > 0
+        assert torch.isfinite(warm.first_token_logprobs).all()
+        if codec == "none":  # the entries as stored come back bit for bit: the same blend twice
+            again = engine.generate(QUESTION, shuffled, mode="blend", recompute_ratio=0.15, max_new_tokens=4)
+            assert torch.equal(again.first_token_logprobs, warm.first_token_logprobs)
+
+
+def test_a_harvested_entry_is_the_standalone_entry_when_its_context_is_the_same():
+    """One document after the system part: the full prefill computes it exactly as its standalone
+    entry does, so the harvested entry (keys turned back to the standalone position) equals the
+    ingested one (float32)."""
+    with make_engine(miss_policy="harvest") as harvesting, make_engine() as ingesting:
+        prompt = harvesting.build_prompt(QUESTION, [DOCS[0]])
+        harvesting.generate(QUESTION, [DOCS[0]], mode="blend", max_new_tokens=1)
+        ingesting.ingest([DOCS[0]])
+        harvesting.store.flush()
+        for key in ingesting.document_kv.keys(prompt.documents[0], prompt):
+            ours, theirs = harvesting.store.tiers[0].get(key), ingesting.store.tiers[0].get(key)
+            assert ours is not None and theirs is not None and ours.header.pos_start == theirs.header.pos_start
+            for (k1, v1), (k2, v2) in zip(ours.layers, theirs.layers, strict=True):
+                assert maxdiff(k1, k2) < 1e-5 and maxdiff(v1, v2) < 1e-5
+
+
+def test_one_missing_document_among_hits_is_computed_on_its_own_and_the_policy_is_obeyed():
+    docs = DOCS + MORE
+    with make_engine() as engine:
+        engine.ingest(docs[:4])
+        one = engine.generate(QUESTION, docs, mode="blend", recompute_ratio=0.15, max_new_tokens=2)
+        assert one.stats.miss.plan == STANDALONE and one.stats.miss.computed == 1 and one.stats.miss.compute_s > 0
+    with make_engine(miss_policy="harvest") as engine:
+        engine.ingest(docs[:4])
+        forced = engine.generate(QUESTION, docs, mode="blend", recompute_ratio=0.15, max_new_tokens=2)
+        assert forced.stats.miss.plan == HARVEST and forced.stats.miss.harvested == 1
+    with make_engine(miss_policy="standalone") as engine:
+        forced = engine.generate(QUESTION, docs, mode="blend", recompute_ratio=0.15, max_new_tokens=2)
+        assert forced.stats.miss.plan == STANDALONE and forced.stats.miss.computed == len(docs) + 1
+
+
+def test_a_mixed_plan_harvests_its_computed_prefix_and_computes_the_rest(monkeypatch):
+    """The first two documents missing, the rest cached: computed in every layer as the blend's
+    prefix and cut out of it; the last missing one on its own. Every entry is then a hit."""
+    docs = DOCS + MORE
+    with make_engine() as engine:
+        engine.ingest([docs[2], docs[3]])
+        prompt = engine.build_prompt(QUESTION, docs)
+        real = misses.plan_misses
+
+        def mixed(policy, model, prompt, resolution, documents, ratio, selection, num_layers) -> MissPlan:
+            looked = resolution.looked
+            missed = [i for i, lk in enumerate(looked) if lk.missed]
+            assert [looked[i].segment.kind for i in missed] == ["document"] * 3  # the system part was ingested
+            real(policy, model, prompt, resolution, documents, ratio, selection, num_layers)  # prices without error
+            return MissPlan(MIXED, looked[2].segment.end, (missed[-1],), tuple(missed[:-1]), "forced by the test")
+
+        monkeypatch.setattr("blend.engine.prefill.plan_misses", mixed)
+        got = engine.generate(QUESTION, docs, mode="blend", recompute_ratio=0.15, max_new_tokens=2)
+        assert got.stats.miss.plan == MIXED and got.stats.miss.harvested == 2 and got.stats.miss.computed == 1
+        assert got.stats.split.computed_tokens == prompt.documents[1].end
+        monkeypatch.setattr("blend.engine.prefill.plan_misses", real)
+        engine.store.flush()
+        warm = engine.generate(QUESTION, docs, mode="blend", recompute_ratio=0.15, max_new_tokens=2)
+        assert warm.stats.documents.misses == 0 and warm.stats.system.misses == 0
+
+
+def test_plans_are_priced_by_the_cost_model():
+    """By rows (no cost model): every document missing is dearer on its own than one full
+    prefill; one missing among hits is cheaper; the result does not change between calls."""
+    with make_engine() as engine:
+        docs = DOCS + MORE
+        prompt = engine.build_prompt(QUESTION, docs)
+        cached = [i for i, s in enumerate(prompt.segments) if s.kind != "query"]
+        sel = QuerySelection()
+        cold = engine.document_kv.lookup(prompt, cached)
+        plans = [plan_misses("auto", None, prompt, cold, engine.document_kv, 0.15, sel, engine.runner.num_layers)
+                 for _ in range(2)]
+        assert plans[0] == plans[1] and plans[0].kind == HARVEST and plans[0].fresh == len(prompt)
+        engine.ingest(docs[:4])
+        engine.store.flush()
+        warm = engine.document_kv.lookup(prompt, cached)
+        plan = plan_misses("auto", None, prompt, warm, engine.document_kv, 0.15, sel, engine.runner.num_layers)
+        assert plan.kind == STANDALONE and len(plan.standalone) == 1 and plan.fresh == 0
+        with pytest.raises(ValueError, match="miss_policy must be one of auto, standalone, harvest"):
+            plan_misses("fast", None, prompt, warm, engine.document_kv, 0.15, sel, engine.runner.num_layers)
+
+
+def test_the_config_checks_the_policy():
+    with pytest.raises(ValueError, match="miss_policy"):
+        EngineConfig().with_overrides(miss_policy="sometimes")
+
+
+# ------------------------------------------------------------------ one computation
+class SlowWrites:
+    """A tier whose puts take `seconds` (a writer still busy when the next request looks up)."""
+
+    def __init__(self, inner: Any, seconds: float):
+        self.inner, self.seconds, self.puts = inner, seconds, 0
+        self.name, self.config = inner.name, inner.config
+
+    def put(self, key: str, entry: Any) -> None:
+        self.puts += 1
+        time.sleep(self.seconds)
+        self.inner.put(key, entry)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_concurrent_requests_missing_one_document_compute_it_once():
+    docs = DOCS + MORE[:1]
+    alone = []
+    for i in range(4):
+        with make_engine() as engine:
+            engine.ingest(DOCS)
+            alone.append(engine.generate(f"{QUESTION} ({i})", docs, mode="blend", recompute_ratio=0.15,
+                                         max_new_tokens=3))
+    slow = SlowWrites(CpuTier(CpuTierConfig(budget=64 << 20)), 0.3)
+    with make_engine(store=TieredStore([slow], kv_dtype="float32")) as engine:
+        engine.ingest(DOCS)
+        engine.store.flush()
+        got = engine.generate_many([{"query": f"{QUESTION} ({i})", "documents": docs, "mode": "blend",
+                                     "recompute_ratio": 0.15, "max_new_tokens": 3} for i in range(4)])
+        engine.store.flush()
+    assert sum(r.stats.miss.computed for r in got) == 1  # one computation ...
+    assert sum(r.stats.miss.deduplicated for r in got) == 3  # ... the others waited for its write
+    for ours, theirs in zip(got, alone, strict=True):
+        assert maxdiff(ours.first_token_logprobs, theirs.first_token_logprobs) < 1e-5
+        assert ours.token_ids == theirs.token_ids
+
+
+def test_a_write_already_queued_is_not_queued_again():
+    slow = SlowWrites(CpuTier(CpuTierConfig(budget=64 << 20)), 0.2)
+    store = TieredStore([slow], kv_dtype="float32")
+    try:
+        from eval.bench.load import ChunkShape, random_entry
+
+        _, entry = random_entry(ChunkShape(layers=2, kv_heads=2, head_dim=8, tokens=4, kv_dtype="float32"), seed=1)
+        store.put("d-first", entry)  # the writer is busy with this one ...
+        store.put("d-key", entry)
+        store.put("d-key", entry)  # ... while this key is still queued: not queued again
+        store.flush()
+        assert store.puts_deduplicated == 1 and slow.puts == 2
+        assert store.stats()[slow.name]["write_s"] > 0
+    finally:
+        store.close()
