@@ -20,6 +20,7 @@ from eval.bench.workload import (
     poisson_arrivals,
     request_stream,
     run_workload,
+    write_report,
 )
 from eval.loaders import Example
 
@@ -207,3 +208,26 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert main(["bench", "workload", "--dataset", _dataset(tmp_path), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_a_second_pass_on_the_same_store_hits_more_and_reports_how_misses_were_paid(tmp_path, tiny):
+    settings = _settings(tmp_path, codecs=("none",), clients=1, passes=2, fidelity_every=0)
+    summary = run_workload(settings, _config(tmp_path), lm=tiny, log_line=lambda _: None)
+    rows = {(r["mode"], r["pass"]): r for r in summary["results"]}
+    assert set(rows) == {("full", 1), ("full", 2), ("blend", 1), ("blend", 2)}  # full prefill's row per pass too
+    cold, warm = rows[("blend", 1)], rows[("blend", 2)]
+    assert warm["hit_rate"] > cold["hit_rate"] and warm["misses"] < cold["misses"]
+    for row in (cold, warm):
+        for key in ("miss_compute_s", "harvested", "deduplicated", "background_s", "write_s", "bytes_written",
+                    "miss_plans"):
+            assert key in row, key
+        assert row["background_s"] == 0.0 and row["completed"] == 14
+    assert sum(cold["miss_plans"].values()) > 0 and cold["miss_compute_s"] >= 0.0
+    assert cold["harvested"] + sum(v for k, v in cold["miss_plans"].items() if k != "harvest") > 0
+    assert sum(cold["write_s"].values()) > 0 and cold["bytes_written"]["cpu"] > 0
+    # the second pass's store counters are its own: it writes only what it missed
+    assert warm["bytes_written"]["cpu"] < cold["bytes_written"]["cpu"]
+    assert warm["tiers"]["cpu"]["puts"] < cold["tiers"]["cpu"]["puts"]
+    out = tmp_path / "report"
+    write_report(summary, out)
+    assert "| 2 | blend |" in (out / "workload.md").read_text()

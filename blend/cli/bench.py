@@ -253,7 +253,7 @@ def _workload_settings(args: argparse.Namespace) -> Any:
         docs_per_request=args.docs_per_request, clients=args.clients if args.rate is None else None,
         rate=args.rate, seed=args.seed, cache_fraction=args.cache_fraction, fidelity_every=args.fidelity_every,
         ratio=args.ratio, max_new_tokens=args.max_new_tokens, split=args.split, limit=args.limit,
-        field_map=args.field_map)
+        field_map=args.field_map, passes=args.passes)
 
 
 def cmd_workload(args: argparse.Namespace) -> int:
@@ -317,6 +317,8 @@ def _register_workload(sub: Any) -> None:
     p.add_argument("--rate", type=POSITIVE_FLOAT, default=None, metavar="R",
                    help="open loop: Poisson arrivals at R requests per second (seeded)")
     p.add_argument("--requests", type=POSITIVE_INT, default=40, help="requests in the stream (default 40)")
+    p.add_argument("--passes", type=POSITIVE_INT, default=1, metavar="N",
+                   help="run the stream N times on the same store: pass 1 cold, later passes warm (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the stream and its arrivals (default 0)")
     p.add_argument("--modes", default="full,blend", help="modes, comma-separated (default full,blend)")
     p.add_argument("--codecs", default=None, metavar="C,...",

@@ -24,6 +24,16 @@ scheduler's waiting queue) and the store's write-behind queue at each arrival an
 answered with full prefill before the stream starts (full prefill reads nothing from the store:
 the same answer whenever it runs), giving a first-token KL(full || mode) sample.
 
+With `passes` > 1 each (mode, codec) runs the stream that many times on the same engine and
+store: pass 1 starts cold, later passes find what the earlier ones stored (and evicted). Every
+results row names its `pass`; its store counters are that pass's own (differences of the store's
+counters), its hit rate and latencies those of that pass's requests. Blend rows also give how the
+misses were paid (blend.planning.misses): `miss_compute_s` (compute spent on misses on the
+requests' own paths), `harvested` (documents stored from the requests' own prefills), `miss_plans`
+(requests per plan), `deduplicated` (misses served by another request's computation), and
+`background_s` (background recompute: kvblend runs none, so 0.0), beside `write_s` (seconds the
+store's writer spent encoding and writing, per tier) and `bytes_written`.
+
 `EngineGate` counts the requests submitted and can also hold them to one at a time in arrival order
 (`SERIALIZE = True`: the engine as it was before its scheduler, for a comparison).
 """
@@ -176,6 +186,10 @@ class RequestRecord:
     misses_by_tier: dict[str, int]
     kl: float | None = None
     error: str | None = None
+    miss_plan: str | None = None  # how its misses were paid (None: none missed)
+    miss_compute_s: float = 0.0
+    harvested: int = 0
+    deduplicated: int = 0
 
     @property
     def ttft_s(self) -> float:
@@ -246,8 +260,11 @@ def run_stream(engine: Any, stream: Sequence[WorkloadRequest], *, mode: str, rat
             if references and req.index in references and mode != "full":
                 sampled[req.index] = result.first_token_logprobs
             start = entered + float(getattr(result.stats, "queued_s", 0.0))  # its first prefill step
+            miss = result.stats.miss
             record = RequestRecord(req.index, arrival, start, end, result.ttft_s, seg.hits, seg.misses,
-                                   dict(result.stats.hits_by_tier), dict(result.stats.misses_by_tier))
+                                   dict(result.stats.hits_by_tier), dict(result.stats.misses_by_tier),
+                                   miss_plan=miss.plan, miss_compute_s=miss.compute_s, harvested=miss.harvested,
+                                   deduplicated=miss.deduplicated)
         sample(end)
         with lock:
             trace.records.append(record)
@@ -317,24 +334,46 @@ def hit_rate_series(records: Sequence[RequestRecord], window: int) -> list[float
     return out
 
 
+# store counters that add up over a run (a pass's own are differences); the others are levels
+STORE_COUNTERS = ("lookup_hits", "lookup_misses", "bytes_read", "bytes_written", "puts", "evictions", "corrupt",
+                  "errors", "write_s")
+
+
+def store_delta(after: dict[str, dict], before: dict[str, dict] | None) -> dict[str, dict]:
+    """Per tier, `after`'s counters less `before`'s (levels such as entries and bytes as they are)."""
+    if before is None:
+        return after
+    out = {}
+    for name, s in after.items():
+        prior = before.get(name, {})
+        out[name] = {k: (v - (prior.get(k) or 0) if k in STORE_COUNTERS and isinstance(v, (int, float)) else v)
+                     for k, v in s.items()}
+    return out
+
+
 def summarize_run(trace: RunTrace, *, mode: str, codec: str, ratio: float | None, store: dict[str, dict],
-                  io_block_bytes: dict[str, int], kv_block_tokens: int, window: int) -> dict[str, Any]:
-    """One row of `results`: the run's counters (from its requests and its store) and latencies."""
+                  io_block_bytes: dict[str, int], kv_block_tokens: int, window: int, pass_: int = 1) -> dict[str, Any]:
+    """One row of `results`: the run's (or one pass's) counters (from its requests and its store)
+    and latencies."""
     done = [r for r in trace.records if r.error is None]
     hits, misses = sum(r.hits for r in done), sum(r.misses for r in done)
     ttfts, e2es = [r.ttft_s for r in done], [r.e2e_s for r in done]
     kls = [r.kl for r in done if r.kl is not None]
     series = hit_rate_series(done, window)
     tiers = {name: {k: s.get(k) for k in ("kind", "codec", "lookup_hits", "lookup_misses", "bytes_read",
-                                           "bytes_written", "puts", "evictions", "entries", "bytes_used", "budget",
-                                           "corrupt", "errors")}
+                                           "bytes_written", "write_s", "puts", "evictions", "entries", "bytes_used",
+                                           "budget", "corrupt", "errors")}
              for name, s in store.items()}
     for name, s in tiers.items():
         s["entry_bytes_mean"] = round(s["bytes_used"] / s["entries"]) if s.get("entries") else None
         s["io_block_bytes"] = io_block_bytes.get(name)
     first = next((x for x in series if x is not None), None)
+    plans: dict[str, int] = {}
+    for r in done:
+        if r.miss_plan is not None:
+            plans[r.miss_plan] = plans.get(r.miss_plan, 0) + 1
     return {
-        "mode": mode, "codec": codec, "ratio": ratio if mode == "blend" else None,
+        "pass": pass_, "mode": mode, "codec": codec, "ratio": ratio if mode == "blend" else None,
         "requests": len(trace.records), "completed": len(done), "errors": [r.error for r in trace.records if r.error],
         "lookups": hits + misses, "hits": hits, "misses": misses, "misses_computed": misses,
         "hit_rate": hits / (hits + misses) if hits + misses else None,
@@ -344,6 +383,9 @@ def summarize_run(trace: RunTrace, *, mode: str, codec: str, ratio: float | None
         "tiers": tiers,
         "bytes_read": {n: s["bytes_read"] for n, s in tiers.items()},
         "bytes_written": {n: s["bytes_written"] for n, s in tiers.items()},
+        "write_s": {n: round(s["write_s"] or 0.0, 4) for n, s in tiers.items()},
+        "miss_compute_s": sum(r.miss_compute_s for r in done), "harvested": sum(r.harvested for r in done),
+        "deduplicated": sum(r.deduplicated for r in done), "miss_plans": plans, "background_s": 0.0,
         "evictions": sum(s["evictions"] or 0 for s in tiers.values()),
         "write_queue_max": max((d for _, d in trace.write_queue), default=0),
         "queue_depth_max": max((d for _, d in trace.queue_depth), default=0),
@@ -394,6 +436,7 @@ class WorkloadSettings:
     split: str | None = None
     limit: int | None = None
     field_map: dict[str, str] | None = None
+    passes: int = 1  # the stream run this many times on the same store (pass 1 cold)
 
 
 def corpus_kv_bytes(engine: Any, passages: Sequence[str]) -> tuple[int, int]:
@@ -494,23 +537,30 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
                 engine = BlendEngine(config.with_overrides(store=store_cfg), model=lm)
                 try:
                     engine.warmup()  # full mode: nothing read from or written to the store
-                    trace = run_stream(engine, stream, mode=mode, ratio=settings.ratio,
-                                       max_new_tokens=settings.max_new_tokens, clients=settings.clients,
-                                       references=references)
-                    name = codec or "+".join(t.codec for t in store_cfg.tiers)
-                    row = summarize_run(trace, mode=mode, codec=name, ratio=settings.ratio
-                                        if settings.ratio is not None else config.engine.recompute_ratio,
-                                        store=engine.store.stats(), io_block_bytes=io_blocks(engine),
-                                        kv_block_tokens=config.engine.chunk_tokens,
-                                        window=max(5, len(stream) // 10))
+                    before = None
+                    for pass_ in range(1, settings.passes + 1):
+                        trace = run_stream(engine, stream, mode=mode, ratio=settings.ratio,
+                                           max_new_tokens=settings.max_new_tokens, clients=settings.clients,
+                                           references=references)
+                        name = codec or "+".join(t.codec for t in store_cfg.tiers)
+                        after = engine.store.stats()
+                        row = summarize_run(trace, mode=mode, codec=name, ratio=settings.ratio
+                                            if settings.ratio is not None else config.engine.recompute_ratio,
+                                            store=store_delta(after, before), io_block_bytes=io_blocks(engine),
+                                            kv_block_tokens=config.engine.chunk_tokens,
+                                            window=max(5, len(stream) // 10), pass_=pass_)
+                        before = after
+                        rows.append(row)
+                        log_line(f"{mode:>6} {row['codec']:<10} pass {pass_} hit rate {_fmt(row['hit_rate'])}  TTFT "
+                                 f"mean {_fmt(row['ttft_mean_s'], 's')} p50 {_fmt(row['ttft_p50_s'], 's')} p99 "
+                                 f"{_fmt(row['ttft_p99_s'], 's')}  e2e p50 {_fmt(row['e2e_p50_s'], 's')}  "
+                                 f"{_fmt(row['requests_per_s'])} req/s  evictions {row['evictions']}  KL "
+                                 f"{_fmt(row['kl_mean'])}" + (f"  misses: {row['miss_plans']}, harvested "
+                                                              f"{row['harvested']}, compute "
+                                                              f"{row['miss_compute_s']:.2f} s" if mode != "full" else ""))
                     engine.store.clear()
                 finally:
                     engine.close()
-                rows.append(row)
-                log_line(f"{mode:>6} {row['codec']:<10} hit rate {_fmt(row['hit_rate'])}  TTFT mean "
-                         f"{_fmt(row['ttft_mean_s'], 's')} p50 {_fmt(row['ttft_p50_s'], 's')} p99 "
-                         f"{_fmt(row['ttft_p99_s'], 's')}  e2e p50 {_fmt(row['e2e_p50_s'], 's')}  "
-                         f"{_fmt(row['requests_per_s'])} req/s  evictions {row['evictions']}  KL {_fmt(row['kl_mean'])}")
         summary = {
             "dataset": settings.dataset, "settings": dataclasses.asdict(settings),
             "arrivals": "closed" if settings.rate is None else "open",
@@ -553,19 +603,21 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     lines = [f"{summary['dataset']}: {summary['corpus_passages']} passages ({summary['corpus_kv_bytes'] / 2**20:.1f} MiB "
              f"of KV uncompressed), {summary['settings']['requests']} requests, {summary['arrivals']} loop, tier "
              f"budget {summary['tier_budget']}", "",
-             "| mode | codec | hit rate | first / last window | evictions | TTFT mean s | p50 | p99 | e2e p50 | p99 "
-             "| req/s | KL |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| pass | mode | codec | hit rate | first / last window | evictions | TTFT mean s | p50 | p99 | e2e p50 "
+             "| p99 | req/s | KL | harvested | miss compute s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['codec']} | {_fmt(r['hit_rate'])} | {_fmt(r['hit_rate_first_window'])} / "
+        lines.append(f"| {r.get('pass', 1)} | {r['mode']} | {r['codec']} | {_fmt(r['hit_rate'])} | "
+                     f"{_fmt(r['hit_rate_first_window'])} / "
                      f"{_fmt(r['hit_rate_last_window'])} | {r['evictions']} | {_fmt(r['ttft_mean_s'])} | "
                      f"{_fmt(r['ttft_p50_s'])} | {_fmt(r['ttft_p99_s'])} | {_fmt(r['e2e_p50_s'])} | "
-                     f"{_fmt(r['e2e_p99_s'])} | {_fmt(r['requests_per_s'])} | {_fmt(r['kl_mean'])} |")
+                     f"{_fmt(r['e2e_p99_s'])} | {_fmt(r['requests_per_s'])} | {_fmt(r['kl_mean'])} | "
+                     f"{r.get('harvested', 0)} | {_fmt(r.get('miss_compute_s'))} |")
     write_file(out / WORKLOAD_MD, "\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
         series = r["hit_rate_series"]
         ax.plot(range(1, len(series) + 1), [math.nan if x is None else x for x in series],
-                label=f"{r['mode']} {r['codec']}")
+                label=_label(r, rows))
     ax.set_xlabel("request")
     ax.set_ylabel(f"hit rate (last {rows[0]['hit_rate_window'] if rows else 0} requests)")
     ax.set_ylim(-0.02, 1.02)
@@ -577,10 +629,16 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     for r in rows:
         values = sorted(r["ttft_samples_s"])
         ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
-                label=f"{r['mode']} {r['codec']}")
+                label=_label(r, rows))
     ax.set_xlabel("TTFT s (waiting included)")
     ax.set_ylabel("fraction of requests")
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, out / TTFT_CDF_PLOT, dpi=120)
     plt.close(fig)
+
+
+def _label(row: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
+    """A plot label: mode and codec, and the pass when the run has several."""
+    several = any(r.get("pass", 1) > 1 for r in rows)
+    return f"{row['mode']} {row['codec']}" + (f" pass {row.get('pass', 1)}" if several else "")
