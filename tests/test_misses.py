@@ -208,3 +208,20 @@ def test_a_write_already_queued_is_not_queued_again():
         assert store.stats()[slow.name]["write_s"] > 0
     finally:
         store.close()
+
+
+def test_rows_over_a_long_context_are_priced_by_their_attention_pairs():
+    """LayerCost.with_pairs: a plain prefill's own pairs cost nothing more; every pair past them
+    costs pair_s (past the largest point, rows over its length are what it included); the
+    calibration measures pair_s."""
+    from blend.model.runner import Runner
+    from blend.planning.planner import LayerCost, measure_layer_cost
+
+    cost = LayerCost([(100.0, 1.0), (400.0, 4.0)], pair_s=1e-3)
+    assert cost.with_pairs(100, 100 * 101 / 2) == pytest.approx(1.0)
+    assert cost.with_pairs(100, 100 * 101 / 2 + 500) == pytest.approx(1.5)
+    assert cost.with_pairs(800, 800 * 401 / 2) == pytest.approx(8.0)  # the largest point's length: included
+    assert cost.with_pairs(800, 800 * 801 / 2) == pytest.approx(8.0 + 1e-3 * 800 * 400)
+    assert LayerCost([(100.0, 1.0)]).with_pairs(100, 1e9) == 1.0  # no pair price (live estimates)
+    calibrated = measure_layer_cost(Runner(_model()))
+    assert calibrated.pair_s > 0 and calibrated.points

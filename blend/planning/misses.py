@@ -87,7 +87,9 @@ def plan_misses(policy: str, model: CostModel | None, prompt: Prompt, resolution
         total = 0.0
         for context, lengths in by_context.items():
             for group in pack_groups(lengths, context):
-                total += num_layers * layer(sum(lengths[j] for j in group))
+                rows = sum(lengths[j] for j in group)
+                pairs = sum(lengths[j] * (context + (lengths[j] + 1) / 2) for j in group)  # context and itself
+                total += num_layers * layer.with_pairs(rows, pairs)
         return total
 
     def loads(fresh: int) -> list[PlannedLoad]:
@@ -108,7 +110,7 @@ def plan_misses(policy: str, model: CostModel | None, prompt: Prompt, resolution
         return Splitter.price(priced, prompt, loads(fresh), ratio, selection, num_layers, fresh)[0]
 
     predicted = {STANDALONE: own_passes(missed) + blend(0),
-                 HARVEST: simulate([n] * num_layers, 0.0, num_layers, layer)[0]}
+                 HARVEST: simulate([n] * num_layers, 0.0, num_layers, layer, pairs=[n * (n + 1) / 2] * num_layers)[0]}
     best_mixed: tuple[float, int] | None = None
     for k, lk in enumerate(looked[:-1]):  # a computed prefix up to the end of segment k (not all of them)
         inside = [i for i in missed if i <= k]

@@ -551,7 +551,21 @@ def measure_layer_cost(runner: Runner) -> LayerCost:
             points.append((float(rows), best / runner.num_layers))
             if best >= CALIBRATION_STOP_S:
                 break
-    return LayerCost(points)
+        # attention alone at the largest size: its price per (query, key) pair
+        n = int(points[-1][0])
+        q = torch.randn(runner.num_heads, n, runner.head_dim, generator=generator).to(device, runner.dtype)
+        k = torch.randn(runner.kv_heads, n, runner.head_dim, generator=generator).to(device, runner.dtype)
+        positions = torch.arange(n)
+        runner.attend(q, positions, k, k)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(CALIBRATION_REPEATS):
+            runner.attend(q, positions, k, k)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        pair_s = (time.perf_counter() - t0) / CALIBRATION_REPEATS / (n * (n + 1) / 2)
+    return LayerCost(points, pair_s)
 
 
 class LayerCost:
@@ -569,9 +583,13 @@ class LayerCost:
     rows only past a few thousand: a single straight line fits both ends badly. Immutable.
     """
 
-    def __init__(self, points: Sequence[tuple[float, float]]):
+    def __init__(self, points: Sequence[tuple[float, float]], pair_s: float = 0.0):
         if not points:
             raise ValueError("a layer cost needs at least one (rows, seconds) point")
+        # seconds per (query, key) pair of attention past the pairs a point's plain prefill had:
+        # rows attending over a longer context (a blend's rows over the whole prompt, a prefill
+        # longer than the largest point) cost more than a prefill of as many rows
+        self.pair_s = max(0.0, float(pair_s))
         merged: list[tuple[float, float]] = []
         for rows, seconds in sorted(points):
             if merged and rows <= merged[-1][0] * 1.0001:
@@ -584,6 +602,15 @@ class LayerCost:
             cap = min(cap, seconds)
             capped.append((rows, cap))
         self.points: tuple[tuple[float, float], ...] = tuple(capped[::-1])
+
+    def with_pairs(self, rows: float, pairs: float) -> float:
+        """One layer computing `rows` rows that attend over `pairs` (query, key) pairs in all: the
+        rows' cost plus `pair_s` for every pair past those a plain prefill of `rows` rows (as the
+        points were measured; past the largest point, `rows` rows over its length) includes."""
+        if rows <= 0:
+            return 0.0
+        included = rows * (min(rows, self.points[-1][0]) + 1) / 2
+        return self(rows) + self.pair_s * max(0.0, pairs - included)
 
     def __call__(self, rows: float) -> float:
         pts = self.points

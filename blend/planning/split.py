@@ -69,13 +69,15 @@ class Split:
 
 def simulate(rows: Sequence[int], load_per_layer: float, load_from: int,
              cost: Callable[[float], float] | LayerCost | tuple[float, float], place_in_compute: float = 0.0,
-             start: float = 0.0) -> tuple[float, float, float]:
+             start: float = 0.0, pairs: Sequence[float] | None = None) -> tuple[float, float, float]:
     """Predicted (prefill seconds, compute seconds, load seconds) of a layer loop.
 
     Layer l computes `rows[l]` rows in cost(rows) seconds (a (c0, c1) pair: c0 + c1 x rows), after layer l-1 and after its
     KV is loaded (layers >= load_from each take `load_per_layer`, back to back from time
     0); the loop itself starts at `start` (after other compute). `place_in_compute` is
     per-layer placement work that runs on the compute threads (CPU) rather than beside them.
+    `pairs` (with a LayerCost): the (query, key) pairs layer l's rows attend over
+    (`LayerCost.with_pairs`: rows over a long context cost more than a prefill of as many rows).
     """
     if isinstance(cost, tuple):
         c0, c1 = cost
@@ -85,7 +87,7 @@ def simulate(rows: Sequence[int], load_per_layer: float, load_from: int,
 
     done, loaded, compute = start, 0.0, 0.0
     for layer, r in enumerate(rows):
-        t = cost(r)
+        t = cost.with_pairs(r, pairs[layer]) if pairs is not None and isinstance(cost, LayerCost) else cost(r)
         if layer >= load_from:
             loaded += load_per_layer
             t += place_in_compute
@@ -185,7 +187,7 @@ class Splitter:
             # everything (a full prefill) is offered
             candidates = [candidates[0], candidates[-1]]
         results = [(*self.price(model, prompt, ordered, ratio, selection, num_layers, s), s) for s in candidates]
-        full = simulate([n] * num_layers, 0.0, num_layers, cost)[0]
+        full = simulate([n] * num_layers, 0.0, num_layers, cost, pairs=[n * (n + 1) / 2] * num_layers)[0]
         base = results[0]
         best = min(results, key=lambda r: (r[0], r[3]))
         predicted = dict(predicted_unsplit_s=base[0], predicted_full_s=full)
@@ -217,12 +219,25 @@ class Splitter:
                               policy=selection.policy, placements=loaded, sink_tokens=selection.sink_tokens,
                               query_layers=selection.query_layers, query_pool=selection.query_pool, fresh=fresh)
         rows = plan.layer_rows(num_layers)
+        n = len(prompt)
+        # the (query, key) pairs of each layer: the query rows and the split's prefix by position,
+        # the selected rows at the candidates' mean position (which of them is not known yet)
+        query_pairs = float((plan.query_rows + 1).sum())
+        fresh = plan.fresh_rows.numel()
+        fresh_pairs = fresh * (fresh + 1) / 2
+        mean_cand = float(plan.cand_rows.float().mean()) + 1 if plan.cand_rows.numel() else 0.0
+        nq = plan.query_rows.numel()
+        if plan.full:
+            pairs = [n * (n + 1) / 2] * len(rows)
+        else:
+            pairs = [query_pairs + max(0, r - nq) * mean_cand for r in rows]
         if plan.query_pass:
             passed = plan.pass_rows()
-            total, compute, load = simulate(passed, per_layer, 0, model.layer, in_compute)
-            rest = simulate(rows, per_layer, len(passed), model.layer, in_compute, start=total)
+            total, compute, load = simulate(passed, per_layer, 0, model.layer, in_compute,
+                                            pairs=[fresh_pairs + query_pairs] * len(passed))
+            rest = simulate(rows, per_layer, len(passed), model.layer, in_compute, start=total, pairs=pairs)
             return rest[0], compute + rest[1], load + rest[2]
-        return simulate(rows, per_layer, plan.load_from, model.layer, in_compute)
+        return simulate(rows, per_layer, plan.load_from, model.layer, in_compute, pairs=pairs)
 
     def plan_prefix(self, n: int, chain: Sequence[Placement], num_layers: int) -> Split:
         """The split of a prefix-mode prefill of n tokens whose exact cached prefix is `chain`:
