@@ -221,7 +221,7 @@ def test_rows_over_a_long_context_are_priced_by_their_attention_pairs():
     assert cost.with_pairs(100, 100 * 101 / 2) == pytest.approx(1.0)
     assert cost.with_pairs(100, 100 * 101 / 2 + 500) == pytest.approx(1.5)
     assert cost.with_pairs(800, 800 * 401 / 2) == pytest.approx(8.0)  # the largest point's length: included
-    assert cost.with_pairs(800, 800 * 801 / 2) == pytest.approx(8.0 + 1e-3 * 800 * 400)
+    assert cost.with_pairs(800, 800 * 801 / 2) == pytest.approx(8.0 + 1e-3 * 800 * 400 / 2)
     assert LayerCost([(100.0, 1.0)]).with_pairs(100, 1e9) == 1.0  # no pair price (live estimates)
     calibrated = measure_layer_cost(Runner(_model()))
     assert calibrated.pair_s > 0 and calibrated.points
