@@ -247,6 +247,9 @@ class BlendConfig:
     # harvest runs a full prefill of the whole prompt (its answer exact) and stores each missing
     # document's KV cut out of it
     miss_policy: Literal["auto", "standalone", "harvest"] = "auto"
+    # harvested documents (their K/V computed after other documents: they blend worse, docs/EVAL.md) are
+    # recomputed on their own while the scheduler is idle, one forward pass per step; false keeps them
+    recompute_harvested: StrictBool = True
     max_new_tokens: PositiveInt = 32
     temperature: NonNegativeFloat = 0.0
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0

@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     examples = load_examples(args.dataset, limit=args.limit, passages=args.passages)
     lm = load_model(config.model, device=config.device, dtype=config.dtype)
     store = dataclasses.replace(config.store, tiers=(config.store.tiers[0],))  # memory only: no scratch on disk
-    engines = {policy: BlendEngine(config.with_overrides(store=store, miss_policy=policy), model=lm)
+    # (harvested entries kept as they are: the engine would otherwise recompute them on their own when idle)
+    engines = {policy: BlendEngine(config.with_overrides(store=store, miss_policy=policy, recompute_harvested=False),
+                                   model=lm)
                for policy in ("standalone", "harvest")}
     kl: dict[tuple[str, float], list[float]] = {(p, r): [] for p in engines for r in ratios}
     try:

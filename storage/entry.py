@@ -72,6 +72,9 @@ class EntryHeader:
     checksum: str = _checksum.DEFAULT_ALGORITHM
     tag: str = ""  # HMAC-SHA256 (hex) by a store with a secret, see storage.signature; "" unsigned
     codec: Codec = NONE  # how the layers are encoded (storage.codec); kv_dtype is what they decode to
+    # how the K/V were computed: "" for the tokens alone (after their context), "harvested" when cut out
+    # of a request's own prefill (after other documents: blend.planning.misses)
+    origin: str = ""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -211,6 +214,7 @@ class KVEntry:
         pos_start: int,
         kv_dtype: str,
         rope: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        origin: str = "",
     ) -> KVEntry:
         """Build an entry from per-layer (K, V) tensors shaped (kv_heads, num_tokens, head_dim).
 
@@ -257,6 +261,7 @@ class KVEntry:
             tokens_digest=_tokens_digest(token_ids),
             layer_checksums=tuple(sums),
             layer_nbytes=2 * out[0][0].numel() * out[0][0].element_size(),
+            origin=origin,
         )
         if rope is not None:
             per_layer = [rope] * len(out) if isinstance(rope, torch.Tensor) else list(rope)

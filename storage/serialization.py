@@ -32,9 +32,10 @@ PRELUDE_SIZE = _PRELUDE.size  # 16
 MAX_HEADER_BYTES = 64 << 10  # ~3000 layers of checksums; tiers never read more for a header
 MAX_LAYER_BYTES = 1 << 30
 _FIELDS = {f.name: f for f in dataclasses.fields(EntryHeader)}
-_OPTIONAL = {"tag", "codec"}  # absent in unsigned entries / `none` entries (and in entries written before either)
+_OPTIONAL = {"tag", "codec", "origin"}  # absent in unsigned / `none` / standalone entries (and in older ones)
+ORIGINS = ("", "harvested")
 _INTS = ("format_version", "num_layers", "kv_heads", "num_tokens", "head_dim", "pos_start", "layer_nbytes")
-_STRS = ("fingerprint", "kv_dtype", "tokens_digest", "checksum", "tag")
+_STRS = ("fingerprint", "kv_dtype", "tokens_digest", "checksum", "tag", "origin")
 
 
 def encode_header(header: EntryHeader) -> bytes:
@@ -43,6 +44,8 @@ def encode_header(header: EntryHeader) -> bytes:
     body["layer_checksums"] = list(header.layer_checksums)
     if not header.tag:
         del body["tag"]
+    if not header.origin:
+        del body["origin"]  # a standalone entry's header is what it always was
     if header.codec.raw:
         del body["codec"]  # a `none` entry's header is byte for byte what it was before codecs
     else:
@@ -108,6 +111,8 @@ def _check_types(body: dict[str, Any]) -> None:
 def _check_header(h: EntryHeader) -> None:
     if h.kv_dtype not in TORCH_DTYPES:
         raise CorruptEntry(f"header kv_dtype {h.kv_dtype!r} unknown")
+    if h.origin not in ORIGINS:
+        raise CorruptEntry(f"header origin {h.origin!r} unknown")
     # a codec this build does not know is left to Expected (a mismatch: counted, never decoded)
     if h.layer_nbytes == 0 or (_codec.known(h.codec) and h.codec.supports(h.head_dim) and h.layer_nbytes
                                != h.codec.layer_nbytes(h.kv_heads, h.num_tokens, h.head_dim, h.kv_dtype)):

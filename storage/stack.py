@@ -445,8 +445,9 @@ class TieredStore:
         self._ensure_writer()
         job = _Put(self, key, entry, exact)
         with self._lock:
-            if key in self._queued and not exact:  # the same content address, already on its way
-                self.puts_deduplicated += 1
+            queued = self._queued.get(key)
+            if queued is not None and not exact and queued.entry.header.origin == entry.header.origin:
+                self.puts_deduplicated += 1  # the same content address, computed alike, already on its way
                 return
             self._queued[key] = job
         self._queue.put(job)

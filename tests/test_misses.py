@@ -225,3 +225,53 @@ def test_rows_over_a_long_context_are_priced_by_their_attention_pairs():
     assert LayerCost([(100.0, 1.0)]).with_pairs(100, 1e9) == 1.0  # no pair price (live estimates)
     calibrated = measure_layer_cost(Runner(_model()))
     assert calibrated.pair_s > 0 and calibrated.points
+
+
+# ------------------------------------------------------------ harvested entries
+def test_harvested_entries_say_so_and_are_recomputed_on_their_own_when_idle():
+    """A harvested entry's header says `origin: harvested`; once the scheduler has nothing else to
+    do it recomputes the document alone and stores the standalone entry in its place (counted);
+    with recompute_harvested false the harvested entries stay."""
+    docs = DOCS + MORE[:1]
+    with make_engine(miss_policy="harvest") as engine, make_engine() as ingesting:
+        prompt = engine.build_prompt(QUESTION, docs)
+        engine.generate(QUESTION, docs, mode="blend", max_new_tokens=1)
+        deadline = time.monotonic() + 30
+        counts = engine.document_kv.background
+        steps = engine.scheduler.metrics
+        while (steps.background_steps < counts.queued or counts.queued == 0) and time.monotonic() < deadline:
+            time.sleep(0.05)  # (the last step may still be computing after it left the queue)
+        engine.store.flush()
+        assert counts.queued == counts.done == len(docs) + 1 and counts.dropped == 0
+        assert engine.scheduler.metrics.background_steps == counts.done and engine.scheduler.metrics.background_s > 0
+        ingesting.ingest(docs)
+        ingesting.store.flush()
+        for seg in prompt.documents:
+            for key in engine.document_kv.keys(seg, prompt):
+                ours, theirs = engine.store.tiers[0].get(key), ingesting.store.tiers[0].get(key)
+                assert ours.header.origin == "" and theirs.header.origin == ""
+                for (k1, v1), (k2, v2) in zip(ours.layers, theirs.layers, strict=True):
+                    assert maxdiff(k1, k2) < 1e-5 and maxdiff(v1, v2) < 1e-5
+    with make_engine(miss_policy="harvest", recompute_harvested=False) as engine:
+        engine.generate(QUESTION, docs, mode="blend", max_new_tokens=1)
+        time.sleep(0.3)
+        engine.store.flush()
+        prompt = engine.build_prompt(QUESTION, docs)
+        key = engine.document_kv.keys(prompt.documents[1], prompt)[0]
+        assert engine.store.tiers[0].get(key).header.origin == "harvested"
+        assert engine.scheduler.metrics.background_steps == 0 and engine.document_kv.background_pending()
+
+
+def test_the_origin_round_trips_and_an_unknown_one_is_corrupt():
+    import dataclasses
+
+    from eval.bench.load import ChunkShape, random_entry
+    from storage.entry import CorruptEntry
+    from storage.serialization import decode_header, encode_header
+
+    _, entry = random_entry(ChunkShape(layers=2, kv_heads=2, head_dim=8, tokens=4, kv_dtype="float32"), seed=1)
+    assert b"origin" not in encode_header(entry.header)  # a standalone header as it always was
+    harvested = dataclasses.replace(entry.header, origin="harvested")
+    assert decode_header(encode_header(harvested)).origin == "harvested"
+    with pytest.raises(CorruptEntry, match="origin"):
+        decode_header(encode_header(dataclasses.replace(entry.header, origin="forged")))

@@ -187,7 +187,9 @@ class BlendEngine:
             max_active_kv=(max(int(free_memory(device) * ACTIVE_KV_SHARE), 1) if cfg.max_active_kv == "auto"
                            else cfg.max_active_kv),
             prefills_between_decodes=cfg.prefills_between_decodes)
-        self.scheduler = Scheduler(self.runner, parking, scheduling, kv_bytes_per_token=self.kv_bytes_per_token)
+        # idle time (no request waiting, no sequence decoding) recomputes harvested documents standalone
+        self.scheduler = Scheduler(self.runner, parking, scheduling, kv_bytes_per_token=self.kv_bytes_per_token,
+                                   background=self.document_kv if cfg.recompute_harvested else None)
         self.documents = DocumentIndex()
         _register_exit_hook(self)
 

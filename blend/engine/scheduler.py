@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -92,6 +92,8 @@ class SchedulerMetrics:
     peak_active_kv: int = 0  # the most KV bytes the running set held at once
     prefill_s: float = 0.0  # time in prefill steps (requests' prefills, missed documents, tasks, resumes)
     decode_s: float = 0.0  # time in decode steps (the batched step, sampling and emitting included)
+    background_steps: int = 0  # background steps run while idle (a harvested document recomputed standalone)
+    background_s: float = 0.0
     _recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096), repr=False)
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
@@ -105,13 +107,22 @@ class SchedulerMetrics:
         return sum(size * n for size, n in self.batch_sizes.items()) / steps if steps else 0.0
 
 
+class Background(Protocol):
+    """Work the scheduler runs only when idle, one bounded step at a time, on its own thread."""
+
+    def background_pending(self) -> bool: ...
+
+    def background_step(self) -> None: ...
+
+
 class Scheduler:
     """Owns the model through `runner`; runs submitted `Sequence`s and `Task`s (see the module
     docstring). Thread-safe: `submit`, `stop` and the properties may be called from any thread."""
 
     def __init__(self, runner: Runner, parking: KVParking, config: SchedulerConfig, *,
-                 kv_bytes_per_token: int, name: str = "kvblend-scheduler"):
+                 kv_bytes_per_token: int, name: str = "kvblend-scheduler", background: Background | None = None):
         self.runner, self.parking, self.config = runner, parking, config
+        self._background = background  # lowest priority: one bounded step when nothing else would run
         self.kv_bytes_per_token = kv_bytes_per_token  # compute dtype, every layer
         self.metrics = SchedulerMetrics()
         self._name = name
@@ -199,11 +210,21 @@ class Scheduler:
             while True:
                 with self._cond:
                     while not (self._waiting or self._running or self._current) and not self._stopping:
+                        if self._background is not None and self._background.background_pending():
+                            break
                         self._cond.wait()
-                    if self._stopping and not (self._waiting or self._running or self._current):
+                    idle = not (self._waiting or self._running or self._current)
+                    if self._stopping and idle:
                         return
                 try:
-                    self._step()
+                    if idle:  # no request waits, no sequence decodes: background work, one bounded step
+                        t0 = time.perf_counter()
+                        assert self._background is not None
+                        self._background.background_step()
+                        self.metrics.background_s += time.perf_counter() - t0
+                        self.metrics.background_steps += 1
+                    else:
+                        self._step()
                 except BaseException as err:  # noqa: BLE001 - every caller is told, then the thread ends
                     self._fail_all(err)
                     if not isinstance(err, Exception):

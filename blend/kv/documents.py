@@ -35,6 +35,17 @@ from storage.keys import document_block_key, tokens_digest
 from storage.stack import Located, LookupBudget, TieredStore
 
 COMPUTED_KEYS_KEPT = 65536  # block keys remembered as computed for a request (deduplication counts)
+BACKGROUND_DOCUMENTS = 256  # harvested documents waiting for their standalone recompute, at most
+
+
+@dataclass
+class BackgroundCounts:
+    """The standalone recompute of harvested documents (DocumentCache.background_step)."""
+
+    queued: int = 0  # documents queued (a harvested document not already waiting)
+    done: int = 0  # recomputed and queued for the store
+    dropped: int = 0  # the oldest waiting ones dropped when more than BACKGROUND_DOCUMENTS waited
+    seconds: float = 0.0
 
 
 class IngestStopped(RuntimeError):
@@ -106,6 +117,9 @@ class DocumentCache:
         # request submitted before then that finds them was served by that computation
         self._computed_at: OrderedDict[str, float] = OrderedDict()
         self._computed_lock = threading.Lock()
+        # harvested documents to recompute on their own when the scheduler is idle: (context, ids) -> blocks
+        self._background: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], list[Block]] = OrderedDict()
+        self.background = BackgroundCounts()
 
     def context(self, seg: Segment, prompt: Prompt) -> list[int]:
         """The token ids `seg` is computed after: the system part for a document under
@@ -213,11 +227,42 @@ class DocumentCache:
                        for b in rebuild.block_list]
             rebuild.seed(entries)
             self._computed(rebuild.block_list)
+            self._queue_standalone(rebuild)
             for b, loc, entry in zip(rebuild.block_list, looked.found, entries, strict=True):
                 if loc is None and b.key not in queued:
                     self.store.put(b.key, entry)
                     queued.add(b.key)
         return len(indices)
+
+    # ------------------------------------------------------ background recompute
+    def _queue_standalone(self, rebuild: _Rebuild) -> None:
+        """A harvested document (K/V computed after other documents) is recomputed on its own later,
+        when the scheduler is idle: harvested entries blend measurably worse (docs/EVAL.md)."""
+        key = (tuple(rebuild.context), tuple(rebuild.ids))
+        if key in self._background:
+            return
+        self._background[key] = rebuild.block_list
+        self.background.queued += 1
+        while len(self._background) > BACKGROUND_DOCUMENTS:
+            self._background.popitem(last=False)
+            self.background.dropped += 1
+
+    def background_pending(self) -> bool:
+        """Whether a harvested document waits for its standalone recompute."""
+        return bool(self._background)
+
+    def background_step(self) -> None:
+        """Recompute the oldest waiting harvested document on its own (one forward pass) and queue
+        its standalone entries for the store, replacing the harvested ones. Scheduler thread only."""
+        if not self._background:
+            return
+        t0 = time.perf_counter()
+        (context, ids), blocks = self._background.popitem(last=False)
+        entries = self.compute(list(ids), list(context), blocks)
+        for b, entry in zip(blocks, entries, strict=True):
+            self.store.put(b.key, entry)
+        self.background.done += 1
+        self.background.seconds += time.perf_counter() - t0
 
     def placements(self, resolution: Resolution, tally: LookupTally, skip: Sequence[int] = ()) -> list[Placement]:
         """Placements of every looked-up block, in prompt order; counts each segment's hit or

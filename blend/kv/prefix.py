@@ -147,7 +147,8 @@ class EntryMaker:
         their prompt positions) as an entry whose keys are rotated at `pos_start`, the position
         the segment's standalone entry has: each layer's keys turned back by pos_start - slot in
         float32 (`Runner.rotate_into`), rounded once into the storage dtype. Its K/V are the
-        tokens' K/V in that prompt's context (a full prefill's), not computed standalone."""
+        tokens' K/V in that prompt's context (a full prefill's), not computed standalone: its
+        header says so (`origin: harvested`)."""
         end, delta = slot + len(token_ids), pos_start - slot
         layers = []
         for i in range(self.runner.num_layers):
@@ -156,7 +157,7 @@ class EntryMaker:
             self.runner.rotate_into(turned, k, delta, i)
             layers.append((turned, cache.v[i][:, slot:end]))
         return KVEntry.from_tensors(layers, fingerprint=self.fingerprint, token_ids=list(token_ids),
-                                    pos_start=pos_start, kv_dtype=self.kv_dtype, rope=self.rope())
+                                    pos_start=pos_start, kv_dtype=self.kv_dtype, rope=self.rope(), origin="harvested")
 
     def rope(self, layers: Sequence[int] | None = None) -> tuple[torch.Tensor, ...]:
         """The RoPE frequencies of each of `layers` (default: every layer), for an entry's `rope`."""
