@@ -109,11 +109,13 @@ def tiny():
     return load_model("random:tiny", device="cpu")
 
 
-def _config(tmp_path, budget: str = "64MiB") -> EngineConfig:
+def _config(tmp_path, budget: str = "64MiB", recompute_harvested: bool = False) -> EngineConfig:
+    """(Harvested documents kept as they are unless asked: their recompute in idle moments would make
+    the counters depend on the timing between requests.)"""
     return EngineConfig(model="random:tiny").with_overrides(
         store={"kv_dtype": "float16", "tiers": [{"kind": "cpu", "budget": budget},
                                                 {"kind": "disk", "path": str(tmp_path / "disk"), "budget": "64MiB"}]},
-        chunk_tokens=16, split="off", sessions_dir=str(tmp_path / "sessions"))
+        chunk_tokens=16, split="off", sessions_dir=str(tmp_path / "sessions"), recompute_harvested=recompute_harvested)
 
 
 def _dataset(tmp_path) -> str:
@@ -212,7 +214,7 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys, args, message):
 
 def test_a_second_pass_on_the_same_store_hits_more_and_reports_how_misses_were_paid(tmp_path, tiny):
     settings = _settings(tmp_path, codecs=("none",), clients=1, passes=2, fidelity_every=0)
-    summary = run_workload(settings, _config(tmp_path), lm=tiny, log_line=lambda _: None)
+    summary = run_workload(settings, _config(tmp_path, recompute_harvested=True), lm=tiny, log_line=lambda _: None)
     rows = {(r["mode"], r["pass"]): r for r in summary["results"]}
     assert set(rows) == {("full", 1), ("full", 2), ("blend", 1), ("blend", 2)}  # full prefill's row per pass too
     cold, warm = rows[("blend", 1)], rows[("blend", 2)]
@@ -221,7 +223,7 @@ def test_a_second_pass_on_the_same_store_hits_more_and_reports_how_misses_were_p
         for key in ("miss_compute_s", "harvested", "deduplicated", "background_s", "write_s", "bytes_written",
                     "miss_plans"):
             assert key in row, key
-        assert row["background_s"] == 0.0 and row["completed"] == 14
+        assert row["background_s"] >= 0.0 and row["background_steps"] >= 0 and row["completed"] == 14
     assert sum(cold["miss_plans"].values()) > 0 and cold["miss_compute_s"] >= 0.0
     assert cold["harvested"] + sum(v for k, v in cold["miss_plans"].items() if k != "harvest") > 0
     assert sum(cold["write_s"].values()) > 0 and cold["bytes_written"]["cpu"] > 0

@@ -107,6 +107,9 @@ class SchedulerMetrics:
         return sum(size * n for size, n in self.batch_sizes.items()) / steps if steps else 0.0
 
 
+BACKGROUND_GRACE_S = 0.25  # idle this long before a background step starts
+
+
 class Background(Protocol):
     """Work the scheduler runs only when idle, one bounded step at a time, on its own thread."""
 
@@ -210,9 +213,11 @@ class Scheduler:
             while True:
                 with self._cond:
                     while not (self._waiting or self._running or self._current) and not self._stopping:
-                        if self._background is not None and self._background.background_pending():
+                        pending = self._background is not None and self._background.background_pending()
+                        # background work only after BACKGROUND_GRACE_S of idleness (a closed-loop client's
+                        # next request, sent as the last one ends, finds the model free)
+                        if not self._cond.wait(BACKGROUND_GRACE_S if pending else None) and pending:
                             break
-                        self._cond.wait()
                     idle = not (self._waiting or self._running or self._current)
                     if self._stopping and idle:
                         return

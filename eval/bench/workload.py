@@ -31,8 +31,9 @@ counters), its hit rate and latencies those of that pass's requests. Blend rows 
 misses were paid (blend.planning.misses): `miss_compute_s` (compute spent on misses on the
 requests' own paths), `harvested` (documents stored from the requests' own prefills), `miss_plans`
 (requests per plan), `deduplicated` (misses served by another request's computation), and
-`background_s` (background recompute: kvblend runs none, so 0.0), beside `write_s` (seconds the
-store's writer spent encoding and writing, per tier) and `bytes_written`.
+`background_s` (the scheduler's idle-time recompute of harvested documents during that pass,
+`background_steps` of them), beside `write_s` (seconds the store's writer spent encoding and
+writing, per tier) and `bytes_written`.
 
 `EngineGate` counts the requests submitted and can also hold them to one at a time in arrival order
 (`SERIALIZE = True`: the engine as it was before its scheduler, for a comparison).
@@ -352,7 +353,8 @@ def store_delta(after: dict[str, dict], before: dict[str, dict] | None) -> dict[
 
 
 def summarize_run(trace: RunTrace, *, mode: str, codec: str, ratio: float | None, store: dict[str, dict],
-                  io_block_bytes: dict[str, int], kv_block_tokens: int, window: int, pass_: int = 1) -> dict[str, Any]:
+                  io_block_bytes: dict[str, int], kv_block_tokens: int, window: int, pass_: int = 1,
+                  background: tuple[int, float] = (0, 0.0)) -> dict[str, Any]:
     """One row of `results`: the run's (or one pass's) counters (from its requests and its store)
     and latencies."""
     done = [r for r in trace.records if r.error is None]
@@ -385,7 +387,7 @@ def summarize_run(trace: RunTrace, *, mode: str, codec: str, ratio: float | None
         "bytes_written": {n: s["bytes_written"] for n, s in tiers.items()},
         "write_s": {n: round(s["write_s"] or 0.0, 4) for n, s in tiers.items()},
         "miss_compute_s": sum(r.miss_compute_s for r in done), "harvested": sum(r.harvested for r in done),
-        "deduplicated": sum(r.deduplicated for r in done), "miss_plans": plans, "background_s": 0.0,
+        "deduplicated": sum(r.deduplicated for r in done), "miss_plans": plans, "background_steps": background[0], "background_s": background[1],
         "evictions": sum(s["evictions"] or 0 for s in tiers.values()),
         "write_queue_max": max((d for _, d in trace.write_queue), default=0),
         "queue_depth_max": max((d for _, d in trace.queue_depth), default=0),
@@ -538,6 +540,8 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
                 try:
                     engine.warmup()  # full mode: nothing read from or written to the store
                     before = None
+                    metrics = engine.scheduler.metrics
+                    idle_before = (metrics.background_steps, metrics.background_s)
                     for pass_ in range(1, settings.passes + 1):
                         trace = run_stream(engine, stream, mode=mode, ratio=settings.ratio,
                                            max_new_tokens=settings.max_new_tokens, clients=settings.clients,
@@ -548,8 +552,10 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
                                             if settings.ratio is not None else config.engine.recompute_ratio,
                                             store=store_delta(after, before), io_block_bytes=io_blocks(engine),
                                             kv_block_tokens=config.engine.chunk_tokens,
-                                            window=max(5, len(stream) // 10), pass_=pass_)
-                        before = after
+                                            window=max(5, len(stream) // 10), pass_=pass_,
+                                            background=(metrics.background_steps - idle_before[0],
+                                                        metrics.background_s - idle_before[1]))
+                        before, idle_before = after, (metrics.background_steps, metrics.background_s)
                         rows.append(row)
                         log_line(f"{mode:>6} {row['codec']:<10} pass {pass_} hit rate {_fmt(row['hit_rate'])}  TTFT "
                                  f"mean {_fmt(row['ttft_mean_s'], 's')} p50 {_fmt(row['ttft_p50_s'], 's')} p99 "
