@@ -8,6 +8,7 @@ import argparse
 import pytest
 import torch
 
+from blend.model import native
 from eval.bench.ttft import (
     blend_rows_per_layer,
     blend_work,
@@ -81,6 +82,7 @@ def test_bench_ttft_reports_both_bounds_on_a_tiny_model(tmp_path):
     rows = {r["ratio"]: r for r in summary["results"]}
     assert set(rows) == {0.0, 0.3, 1.0}
     assert summary["attention_layer_ms"] > 0
+    assert summary["blend_attention"] == ("native" if native.blend_kernel() is not None else "torch")
     assert rows[1.0]["ideal_speedup"] == pytest.approx(1.0) and rows[1.0]["bound_speedup"] == pytest.approx(1.0)
     assert {r["split_taken"] for r in rows.values()} == {0}
     assert rows[0.0]["recomputed_tokens"] == 0 < rows[0.3]["recomputed_tokens"] < rows[1.0]["recomputed_tokens"]

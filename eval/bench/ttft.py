@@ -347,6 +347,9 @@ def _measure(args: argparse.Namespace, config: Any, lm: Any, engines: dict[str, 
         "dtype": str(lm.dtype).removeprefix("torch."), "split": config.engine.split,
         "device": str(lm.device), "device_name": _device_name(lm.device), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        # which attention blend's rows ran on (a CPU: the native kernel, or torch's where it is off)
+        "blend_attention": "native" if any(getattr(e.runner, "native_blend", False) for e in engines.values())
+        else "torch",
         "full_layer_ms": [round(t * 1000, 2) for t in layer_s], "attention_layer_ms": round(attn * 1000, 2),
         "results": results,
     }
