@@ -335,3 +335,39 @@ def test_column_sums_equal_the_query_pass_probabilities(fresh_kernel, dtype, win
     exact = _exact(q[:, pos], pos, k, v, None, 0.125, window)
     bound = 2e-5 if dtype == torch.float32 else 2 ** -8 * (1 + exact.abs().max().item())
     assert (out.double() - exact).abs().max() < bound
+
+
+# --------------------------------------------------------------- CUDA: FlexAttention
+@pytest.mark.parametrize("window", [None, 40])
+def test_flex_attention_with_bias_and_positions_equals_the_float64_reference(window):
+    """The CUDA path's function, run eagerly on the CPU: a per-(KV head, key) bias as a score
+    modification, the rows' positions (and window) as a block mask."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    import warnings
+
+    from blend.model.attention import flex_biased_attention, flex_block_mask
+
+    q, k, v, bias = _inputs(3, 3, 16, 300, torch.float32, seed=31)
+    pos = _rows("scattered", 300, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not fused
+        mask = flex_block_mask(pos, 300, window, torch.device("cpu"))
+        for b in (bias, None):
+            out = flex_biased_attention(q[:, pos].contiguous(), k, v, b, 0.25, mask)
+            assert (out.double() - _exact(q[:, pos], pos, k, v, b, 0.25, window)).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU runs the native kernel)")
+def test_cuda_biased_and_windowed_rows_go_through_flex_attention():
+    from blend.model.loading import wrap_model
+
+    runner = Runner(wrap_model(tiny_model("llama").model.to("cuda"), None))
+    assert runner.device.type == "cuda" and runner.use_flex
+    q, k, v, bias = (t.cuda() for t in _inputs(runner.kv_heads, runner.num_heads // runner.kv_heads,
+                                                runner.head_dim, 400, torch.float32, seed=32))
+    pos = _rows("scattered", 400, seed=4)
+    with torch.inference_mode():
+        out = runner.attend(q[:, pos.cuda()], pos, k, v, bias=bias)
+    assert runner.strategies["flex"] == 1
+    exact = _exact(q[:, pos.cuda()].cpu(), pos, k.cpu(), v.cpu(), bias.cpu(), runner.scaling, None)
+    assert (out.double().cpu() - exact).abs().max() < 1e-4

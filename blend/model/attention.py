@@ -40,6 +40,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -346,6 +347,58 @@ def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
                     for h in range(hkv)]
         outs.append(torch.cat(per_head, dim=0))  # (H, Tg, D)
     return torch.cat(outs, dim=1).transpose(0, 1).reshape(tq, -1)  # (Tq, H*D)
+
+
+_FLEX: dict[str, Callable] = {}  # per device type: flex_attention, compiled on CUDA (eager elsewhere: tests)
+
+
+def flex_function(device: torch.device) -> Callable | None:
+    """PyTorch's FlexAttention for `device` (compiled with dynamic shapes on CUDA, where it fuses
+    the score and mask functions into one kernel; eager elsewhere), or None where this torch has none."""
+    kind = device.type
+    if kind not in _FLEX:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+        except ImportError:  # pragma: no cover - older torch
+            return None
+        _FLEX[kind] = torch.compile(flex_attention, dynamic=True) if kind == "cuda" else flex_attention
+    return _FLEX[kind]
+
+
+def flex_block_mask(q_pos: torch.Tensor, tk: int, window: int | None, device: torch.device) -> Any:
+    """The block mask of query rows at positions q_pos (Tq,) over tk keys: a row at p sees keys
+    p - window + 1 .. p (0 .. p without a window); blocks no row sees are skipped by the kernel."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    pos = q_pos.to(device)
+
+    def visible(b, h, qi, ki):
+        seen = pos[qi] >= ki
+        return seen & (pos[qi] - ki < window) if window is not None else seen
+
+    return create_block_mask(visible, None, None, int(q_pos.numel()), tk, device=device)
+
+
+def flex_biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                          scale: float, block_mask: Any) -> torch.Tensor:
+    """Attention of q (H, Tq, D) over k, v (Hkv, Tk, D) through FlexAttention: `block_mask` from
+    `flex_block_mask` (positions, window), the bias (Hkv, Tk) float added to every score of key j
+    under its KV head (a score modification, never a materialised mask). Returns (Tq, H*D)."""
+    fn = flex_function(q.device)
+    if fn is None:
+        raise RuntimeError("this torch has no FlexAttention")
+    heads, tq, d = q.shape
+    g = heads // k.shape[0]
+    score_mod = None
+    if bias is not None:
+        b = bias.to(torch.float32)
+
+        def score_mod(score, batch, h, qi, ki):
+            return score + b[h // g, ki].to(score.dtype)
+
+    out = fn(q[None], k[None], v[None], score_mod=score_mod, block_mask=block_mask, scale=scale,
+             enable_gqa=g > 1)[0]  # (H, Tq, D)
+    return out.transpose(0, 1).reshape(tq, heads * d)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -25,8 +25,10 @@ modules, run in the model's order.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,9 @@ from blend.model.attention import (
     cuda_event_timer,
     decode_attention,
     flash_attn_func,
+    flex_biased_attention,
+    flex_block_mask,
+    flex_function,
     is_tail,
     needs_window,
     rule_strategy,
@@ -60,6 +65,8 @@ from blend.model.native import (
     native_decode_attention_batch,
 )
 from blend.model.projections import Projections, projections_for
+
+log = logging.getLogger(__name__)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -155,6 +162,10 @@ class Runner:
         # CPU: the native kernels, built (once per machine) or loaded now, not inside the first request;
         # `native_blend`: query rows other than a plain causal block go through the blend kernel
         self.native_blend = False
+        # CUDA: rows with a bias or a window through FlexAttention (one fused kernel; the masked SDPA groups
+        # are the fallback, taken for good after a failure)
+        self.use_flex = self.device.type == "cuda" and flex_function(self.device) is not None
+        self._flex_masks: dict[int | None, tuple[torch.Tensor, int, Any]] = {}
         if self.device.type == "cpu":
             decode_kernel()
             self.native_blend = blend_kernel() is not None and self.dtype in (torch.float32, torch.bfloat16)
@@ -389,6 +400,10 @@ class Runner:
             out = self._attend_native(q, q_pos, k, v, bias, window)
             if out is not None:
                 return out
+        if self.use_flex and plan is None and (bias is not None or window is not None):
+            out = self._attend_flex(q, q_pos, k, v, bias, window)
+            if out is not None:
+                return out
         if window is not None:
             pos = q_pos.cpu() if q_pos.device.type != "cpu" else q_pos
             if needs_window(pos, window):
@@ -424,6 +439,26 @@ class Runner:
         if not native_blend_attention(q, pos, k, v, bias, self.scaling, window, out):
             return None
         self.strategies["native"] += 1
+        return out
+
+    def _attend_flex(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     bias: torch.Tensor | None, window: int | None) -> torch.Tensor | None:
+        """`attend` through FlexAttention (CUDA): the block mask built once per row set, key count and
+        window; None after a failure (logged once; the torch strategies run from then on)."""
+        tk = k.shape[1]
+        hit = self._flex_masks.get(window)
+        try:
+            if hit is None or hit[0] is not q_pos or hit[1] != tk:
+                pos = q_pos.cpu() if q_pos.device.type != "cpu" else q_pos
+                hit = (q_pos, tk, flex_block_mask(pos, tk, window, self.device))  # keeps q_pos alive
+                self._flex_masks[window] = hit
+            out = flex_biased_attention(q, k, v, bias, self.scaling, hit[2])
+        except Exception as err:  # noqa: BLE001 - a kernel this GPU or torch cannot build: the fallback
+            log.warning("FlexAttention failed (%s: %s); biased and windowed attention use masked SDPA from now on",
+                        type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+            self.use_flex = False
+            return None
+        self.strategies["flex"] += 1
         return out
 
     def attend_with_sums(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
