@@ -127,7 +127,8 @@ def _library_path(cc: str, libgomp: str, spec: KernelSpec = DECODE) -> Path:
     except (OSError, subprocess.SubprocessError) as err:
         raise NativeBuildError(f"the C compiler {cc} does not run: {err}") from None
     key = hashlib.sha256()
-    for part in (spec.source.read_bytes(), cc.encode(), version.encode(), " ".join(COMPILE_FLAGS).encode(),
+    headers = [h.read_bytes() for h in sorted(KERNEL_DIR.glob("*.h"))]  # kernel_math.h, shared by the sources
+    for part in (spec.source.read_bytes(), *headers, cc.encode(), version.encode(), " ".join(COMPILE_FLAGS).encode(),
                  libgomp.encode(), " ".join(sorted(cpu_flags())).encode(), platform.machine().encode()):
         key.update(part)
         key.update(b"\0")

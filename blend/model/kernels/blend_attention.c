@@ -36,6 +36,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernel_math.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -48,39 +50,6 @@
 enum { BKIND_F32 = 0, BKIND_BF16 = 1 };
 
 #define AI inline __attribute__((always_inline))
-
-static inline float b16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-static inline uint16_t f32_to_b16(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u);
-    c.u += 0x7fffu + ((c.u >> 16) & 1u);
-    return (uint16_t)(c.u >> 16);
-}
-
-/* e^x for x <= 0, vectorizable (the decode kernel's: x = n ln2 + r, degree-7 polynomial,
- * 2^n in the exponent bits; below -87 it flushes to ~1e-38). */
-static inline float exp_le0(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float fn = (float)(int)(x * 1.44269504088896341f - 0.5f);
-    float r = x - fn * 0.693359375f - fn * -2.12194440e-4f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { uint32_t u; float f; } s;
-    s.u = (uint32_t)((int)fn + 127) << 23;
-    return p * s.f;
-}
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -160,24 +129,6 @@ static AI void pv_f32(const float *p, int qt, int d, const float *v, long vrow, 
     int c0 = 0;
     for (; c0 + 64 <= d; c0 += 64) pv_cols(p, qt, d, v + c0, vrow, j0, n, o + c0, 4);
     for (; c0 < d; c0 += 16) pv_cols(p, qt, d, v + c0, vrow, j0, n, o + c0, 1);
-}
-
-/* e^x for x <= 0 on 16 lanes (exp_le0's reduction and polynomial, 2^n by scalef) */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, fn);
 }
 
 /* One query vector's scores of a key block into probabilities: sr[j] * scale + bias[j] for
@@ -357,7 +308,7 @@ static void load_queries(const call_t *C, int h, int r0, int r1, void *qbuf) {
                 memcpy((float *)qbuf + m * d, src, (size_t)d * 4);
             } else {
                 float *dst = (float *)qbuf + m * d;
-                for (int x = 0; x < d; x++) dst[x] = b16_to_f32(((const uint16_t *)src)[x]);
+                for (int x = 0; x < d; x++) dst[x] = bf16_to_f32(((const uint16_t *)src)[x]);
             }
         }
 }
@@ -482,7 +433,7 @@ static void run_pass(const call_t *C, const item_t *it, const void *qbuf_, int p
             float total = 0.0f;
 #pragma omp simd reduction(+ : total)
             for (int j = 0; j < BK; j++) {
-                const float e = exp_le0(sr[j] - mnew);
+                const float e = exp_nonpositive(sr[j] - mnew);
                 sr[j] = sr[j] == -INFINITY ? 0.0f : e;
                 total += sr[j];
             }
@@ -498,7 +449,7 @@ static void run_pass(const call_t *C, const item_t *it, const void *qbuf_, int p
                 continue;
             }
             if (mnew > mx[m] && mx[m] != -INFINITY) {
-                const float corr = exp_le0(mx[m] - mnew);
+                const float corr = exp_nonpositive(mx[m] - mnew);
                 l[m] *= corr;
                 if (pass == FLASH) {
                     float *om = o + (long)m * d;
@@ -549,7 +500,7 @@ static void write_rows(const call_t *C, int h, int r0, int r1, const float *l, c
                 for (int x = 0; x < d; x++) dst[x] = om[x] * inv;
             } else {
                 uint16_t *dst = (uint16_t *)(void *)C->out + at;
-                for (int x = 0; x < d; x++) dst[x] = f32_to_b16(om[x] * inv);
+                for (int x = 0; x < d; x++) dst[x] = f32_to_bf16(om[x] * inv);
             }
         }
 }
@@ -575,12 +526,12 @@ static void pack_keys(const call_t *C, int h, const char *k, long k_head, long k
             for (int x = 0; x < d; x++)
                 kt[x * C->tpad + pj] = !real ? 0.0f
                     : C->kind == BKIND_F32 ? ((const float *)(const void *)kr)[x]
-                    : b16_to_f32(((const uint16_t *)(const void *)kr)[x]);
+                    : bf16_to_f32(((const uint16_t *)(const void *)kr)[x]);
         }
         if (vwide) {
             float *vr = vwide + h * C->v_head + pj * C->v_row;
             const uint16_t *src = (const uint16_t *)(const void *)(v + (h * v_head + j * v_row) * es);
-            for (int x = 0; x < d; x++) vr[x] = real ? b16_to_f32(src[x]) : 0.0f;
+            for (int x = 0; x < d; x++) vr[x] = real ? bf16_to_f32(src[x]) : 0.0f;
         }
         if (bpack) bpack[(long)h * C->tpad + pj] = real && bias ? bias[h * bias_head + j] : 0.0f;
     }
@@ -722,7 +673,7 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
                 for (long i = i0; i < i1; i++) {
                     const float *p = parts + items[i].part * MAX_M * (d + 2);
                     if (p[m] == -INFINITY) continue;
-                    const float w = exp_le0(p[m] - top);
+                    const float w = exp_nonpositive(p[m] - top);
                     total += w * p[MAX_M + m];
                     const float *om = p + 2 * MAX_M + (long)m * d;
                     for (int x = 0; x < d; x++) acc[x] += w * om[x];
@@ -773,8 +724,8 @@ int kvb_shift_rows(int kind, int hkv, int d, long n, const int64_t *rows, void *
                 for (int x = 0; x < d; x++) vf[x] += b[x];
             } else {
                 uint16_t *kb = (uint16_t *)(void *)kr, *vb = (uint16_t *)(void *)vr;
-                for (int x = 0; x < d; x++) kb[x] = f32_to_b16(b16_to_f32(kb[x]) + add[x]);
-                for (int x = 0; x < d; x++) vb[x] = f32_to_b16(b16_to_f32(vb[x]) + b[x]);
+                for (int x = 0; x < d; x++) kb[x] = f32_to_bf16(bf16_to_f32(kb[x]) + add[x]);
+                for (int x = 0; x < d; x++) vb[x] = f32_to_bf16(bf16_to_f32(vb[x]) + b[x]);
             }
         }
     }
