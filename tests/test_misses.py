@@ -275,3 +275,27 @@ def test_the_origin_round_trips_and_an_unknown_one_is_corrupt():
     assert decode_header(encode_header(harvested)).origin == "harvested"
     with pytest.raises(CorruptEntry, match="origin"):
         decode_header(encode_header(dataclasses.replace(entry.header, origin="forged")))
+
+
+def test_a_failing_background_step_fails_no_request():
+    class Broken:
+        def __init__(self):
+            self.calls = 0
+
+        def background_pending(self) -> bool:
+            return self.calls < 2
+
+        def background_step(self) -> None:
+            self.calls += 1
+            raise OSError("the store went away")
+
+    with make_engine() as engine:
+        broken = Broken()
+        engine.scheduler._background = broken  # the engine's own is the DocumentCache
+        engine.generate(QUESTION, DOCS, mode="blend", max_new_tokens=1)  # starts the scheduler's thread
+        deadline = time.monotonic() + 10
+        while broken.calls < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert broken.calls == 2
+        got = engine.generate(QUESTION, DOCS, mode="blend", max_new_tokens=2)
+        assert got.token_ids and engine.scheduler.metrics.failed == 0

@@ -223,17 +223,25 @@ class Scheduler:
                         return
                 try:
                     if idle:  # no request waits, no sequence decodes: background work, one bounded step
-                        t0 = time.perf_counter()
-                        assert self._background is not None
-                        self._background.background_step()
-                        self.metrics.background_s += time.perf_counter() - t0
-                        self.metrics.background_steps += 1
+                        self._background_once()
                     else:
                         self._step()
                 except BaseException as err:  # noqa: BLE001 - every caller is told, then the thread ends
                     self._fail_all(err)
                     if not isinstance(err, Exception):
                         raise
+
+    def _background_once(self) -> None:
+        """One background step; its failure (a store gone, say) is logged and is nobody's request's."""
+        assert self._background is not None
+        t0 = time.perf_counter()
+        try:
+            self._background.background_step()
+        except Exception as err:  # noqa: BLE001 - the work is optional: the entry stays as it was
+            log.warning("background step failed (%s: %s); the harvested entry stays",
+                        type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
+        self.metrics.background_s += time.perf_counter() - t0
+        self.metrics.background_steps += 1
 
     def _step(self) -> None:
         self._reap()
