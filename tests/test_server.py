@@ -582,6 +582,8 @@ def test_bench_serve_against_the_running_server(server, setup, tmp_path):
         assert level["prefill_busy_s"] > 0 and level["decode_busy_s"] > 0 and level["decode_ms_per_step"] > 0
         assert level["prefill_busy_s"] + level["decode_busy_s"] <= level["wall_s"]  # one scheduler thread
         assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"] and level["requests_per_s"] > 0
+        assert "itl_p50_s" in level and "itl_p99_s" in level  # None when no stream had two content chunks
+        assert level["itl_p50_s"] is None or 0 <= level["itl_p50_s"] <= level["itl_p99_s"]
     write_report(summary, tmp_path)
     assert json.loads((tmp_path / "serve.json").read_text())["levels"] and (tmp_path / "serve.png").stat().st_size
     verdict = compare_ttft(1.0, [0.9, 1.0, 2.0])
@@ -691,3 +693,15 @@ def test_document_ids_round_trip_through_the_url_path_or_are_refused_at_ingest(s
     assert stored.status_code == 200 and stored.json()["data"][0]["id"] == odd
     assert raw_status(server.url, "DELETE", "/v1/documents/" + quote(odd, safe="")) == 200
     assert raw_status(server.url, "DELETE", "/v1/documents/" + quote(odd, safe="")) == 404
+
+
+def test_inter_token_latency_is_the_gaps_between_a_stream_s_chunks():
+    from eval.bench.serve import Level, Sample
+
+    level = Level(clients=2, samples=[Sample(True, ttft_s=0.5, e2e_s=1.0, tokens=3, gaps_s=[0.1, 0.3]),
+                                      Sample(True, ttft_s=0.4, e2e_s=0.9, tokens=2, gaps_s=[0.2]),
+                                      Sample(False, error="HTTP 503", gaps_s=[9.0])], wall_s=2.0)
+    summary = level.summary()
+    assert summary["itl_p50_s"] == 0.2 and summary["itl_p99_s"] == 0.298  # numpy percentiles, the failed one left out
+    assert Level(clients=1, samples=[Sample(True, ttft_s=0.1, e2e_s=0.1, tokens=1)], wall_s=1.0).summary()[
+        "itl_p50_s"] is None

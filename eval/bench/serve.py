@@ -77,6 +77,7 @@ class Sample:
     hits: int = 0
     misses: int = 0
     error: str = ""
+    gaps_s: list[float] = field(default_factory=list)  # between the stream's consecutive content chunks
 
 
 @dataclass
@@ -110,6 +111,9 @@ class Level:
             "server_ttft_p50_s": _pct([s.server_ttft_s for s in ok], 50),
             "queue_p50_s": _pct([s.queue_s for s in ok], 50), "e2e_p50_s": _pct([s.e2e_s for s in ok], 50),
             "e2e_p99_s": _pct([s.e2e_s for s in ok], 99),
+            # inter-token latency as a client sees it: gaps between a stream's consecutive content chunks
+            "itl_p50_s": _pct([g for s in ok for g in s.gaps_s], 50),
+            "itl_p99_s": _pct([g for s in ok for g in s.gaps_s], 99),
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
         }
 
@@ -196,6 +200,7 @@ def send(http: httpx.Client, url: str, req: BenchRequest, max_tokens: int, kvble
     t0 = time.perf_counter()
     ttft = None
     stats: dict[str, Any] = {}
+    arrivals: list[float] = []  # when each content chunk arrived
     try:
         with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
@@ -208,6 +213,8 @@ def send(http: httpx.Client, url: str, req: BenchRequest, max_tokens: int, kvble
                 if "error" in chunk:
                     return Sample(False, error=chunk["error"].get("type", "error"))
                 choice = chunk["choices"][0] if chunk.get("choices") else {}
+                if choice.get("delta", {}).get("content"):
+                    arrivals.append(time.perf_counter())
                 if ttft is None and (choice.get("delta", {}).get("content") or choice.get("finish_reason")):
                     ttft = time.perf_counter() - t0
                 if "kvblend" in chunk:
@@ -219,7 +226,8 @@ def send(http: httpx.Client, url: str, req: BenchRequest, max_tokens: int, kvble
         return Sample(False, error="no final chunk")
     return Sample(True, ttft_s=ttft if ttft is not None else e2e, e2e_s=e2e, tokens=int(stats["new_tokens"]),
                   server_ttft_s=float(stats["ttft_s"]), queue_s=float(stats["queue_s"]),
-                  hits=int(stats["documents"]["hits"]), misses=int(stats["documents"]["misses"]))
+                  hits=int(stats["documents"]["hits"]), misses=int(stats["documents"]["misses"]),
+                  gaps_s=[b - a for a, b in zip(arrivals, arrivals[1:], strict=False)])
 
 
 def scheduler_counters(http: httpx.Client, base: str) -> dict[str, float]:
