@@ -27,12 +27,10 @@ reach another namespace's entries.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import threading
 import time
-import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +40,7 @@ import torch
 from storage.codec import NONE, Codec, codec_named
 from storage.config import SHARED_KINDS, StoreConfig, TierConfig
 from storage.entry import EntryHeader, Expected, KVEntry
+from storage.exit_hooks import ClosedAtExit
 from storage.keys import key_kind
 from storage.openmp import single_threaded
 from storage.serialization import layer_views
@@ -130,31 +129,9 @@ class _Put:
                 del store._queued[self.key]
 
 
-# Every open store is closed at interpreter exit, after the engines (blend.engine.engine,
-# whose hook is registered later and so runs first): its queued writes are flushed within
-# EXIT_FLUSH_S and its writer thread ended while the interpreter is intact. A daemon thread
-# still running torch work when the interpreter finalises is ended inside torch's C++ code,
-# and the process aborts ("terminate called without an active exception", exit 134).
-_OPEN_STORES: weakref.WeakSet[TieredStore] = weakref.WeakSet()
-_EXIT_HOOK = threading.Lock()
-_exit_hook_registered = False
-
-
-def _close_stores_at_exit() -> None:
-    for store in list(_OPEN_STORES):
-        try:
-            store.close(timeout=EXIT_FLUSH_S)
-        except Exception as err:  # noqa: BLE001 - the exit goes on; the next process sees what was written
-            log.warning("closing the KV store at exit: %s", err)
-
-
-def _register_exit_hook(store: TieredStore) -> None:
-    global _exit_hook_registered
-    with _EXIT_HOOK:
-        _OPEN_STORES.add(store)
-        if not _exit_hook_registered:
-            atexit.register(_close_stores_at_exit)
-            _exit_hook_registered = True
+# every open store is closed at interpreter exit (storage.exit_hooks), its queued writes flushed
+# within EXIT_FLUSH_S, after the engines (blend.engine.engine, whose registry is filled later)
+_OPEN_STORES: ClosedAtExit[TieredStore] = ClosedAtExit("KV store", lambda store: store.close(timeout=EXIT_FLUSH_S))
 
 
 def _read_into(tier: Tier, located: Located, layer: int, out: torch.Tensor) -> bool:
@@ -211,7 +188,7 @@ class TieredStore:
                         "entries with valid checksums, and this engine serves them as KV; set store.secret "
                         "(KVBLEND_STORE_SECRET, the same on every engine sharing it) to accept only entries "
                         "sealed with it", ", ".join(shared), "s are" if len(shared) > 1 else " is")
-        _register_exit_hook(self)
+        _OPEN_STORES.add(self)
 
     @classmethod
     def from_config(cls, config: StoreConfig, *, min_entry_bytes: int | None = None) -> TieredStore:

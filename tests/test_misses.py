@@ -6,6 +6,8 @@ queued is not queued again."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -193,19 +195,36 @@ def test_concurrent_requests_missing_one_document_compute_it_once():
         assert ours.token_ids == theirs.token_ids
 
 
+class HeldWrites(SlowWrites):
+    """A tier whose first put waits until `release` is set: the writer is busy while the test queues."""
+
+    def __init__(self, inner: Any):
+        super().__init__(inner, 0.0)
+        self.release = threading.Event()
+
+    def put(self, key: str, entry: Any) -> None:
+        if self.puts == 0:
+            assert self.release.wait(10)
+        super().put(key, entry)
+
+
 def test_a_write_already_queued_is_not_queued_again():
-    slow = SlowWrites(CpuTier(CpuTierConfig(budget=64 << 20)), 0.2)
-    store = TieredStore([slow], kv_dtype="float32")
+    held = HeldWrites(CpuTier(CpuTierConfig(budget=64 << 20)))
+    store = TieredStore([held], kv_dtype="float32")
     try:
         from eval.bench.load import ChunkShape, random_entry
 
         _, entry = random_entry(ChunkShape(layers=2, kv_heads=2, head_dim=8, tokens=4, kv_dtype="float32"), seed=1)
-        store.put("d-first", entry)  # the writer is busy with this one ...
+        store.put("d-first", entry)  # the writer holds this one ...
         store.put("d-key", entry)
         store.put("d-key", entry)  # ... while this key is still queued: not queued again
+        harvested = dataclasses.replace(entry, header=dataclasses.replace(entry.header, origin="harvested"))
+        store.put("d-key", harvested)  # computed otherwise: queued (the later one wins)
+        held.release.set()
         store.flush()
-        assert store.puts_deduplicated == 1 and slow.puts == 2
-        assert store.stats()[slow.name]["write_s"] > 0
+        assert store.puts_deduplicated == 1 and held.puts == 3
+        assert held.get("d-key").header.origin == "harvested"
+        assert store.stats()[held.name]["write_s"] > 0
     finally:
         store.close()
 

@@ -23,12 +23,9 @@ argument is checked before any work (`blend.engine.request`).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import threading
 import time
-import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -65,6 +62,7 @@ from blend.prompt.document import (
 )
 from blend.session.manager import SessionManager, Turn
 from storage.dtypes import dtype_bytes, dtype_name
+from storage.exit_hooks import ClosedAtExit
 from storage.stack import EXIT_FLUSH_S, TieredStore
 from storage.tier import StoreUnavailable
 
@@ -75,33 +73,11 @@ ACTIVE_KV_SHARE = 0.25  # max_active_kv auto: this share of the memory free when
 # long for the scheduler's step under way (and loader threads given up by stalled requests)
 EXIT_STOP_S = 30.0
 
-# Engines still open, closed at interpreter exit in the order their threads need (below). Held
-# weakly: the hook never keeps an engine alive. Without it the scheduler's daemon thread could
-# still be ending a step (freeing tensors, in torch's C++ code) while the interpreter finalises;
-# Python then ends that thread with a forced unwind that cannot cross torch's noexcept frames,
-# and the process aborts: "terminate called without an active exception", exit 134.
-_OPEN_ENGINES: weakref.WeakSet[BlendEngine] = weakref.WeakSet()
-_EXIT_HOOK = threading.Lock()
-_exit_hook_registered = False
-
-
-def _close_engines_at_exit() -> None:
-    for engine in list(_OPEN_ENGINES):
-        try:
-            engine._close(stop_s=EXIT_STOP_S, flush_s=EXIT_FLUSH_S)
-        except Exception as err:  # noqa: BLE001 - the exit goes on
-            log.warning("closing the engine at exit: %s", err)
-
-
-def _register_exit_hook(engine: BlendEngine) -> None:
-    """Remember `engine` for the exit hook (registered once, after the first store's: atexit runs
-    hooks last-registered first, so engines are closed before the stores left open)."""
-    global _exit_hook_registered
-    with _EXIT_HOOK:
-        _OPEN_ENGINES.add(engine)
-        if not _exit_hook_registered:
-            atexit.register(_close_engines_at_exit)
-            _exit_hook_registered = True
+# engines still open are closed at interpreter exit (storage.exit_hooks) in the order their threads
+# need: requests cancelled, the scheduler's step under way ended, loaders given up by stalled
+# requests awaited, then the store flushed; filled after the first store's registry, so it runs first
+_OPEN_ENGINES: ClosedAtExit[BlendEngine] = ClosedAtExit(
+    "engine", lambda engine: engine._close(stop_s=EXIT_STOP_S, flush_s=EXIT_FLUSH_S))
 
 
 class _TurnEnd:
@@ -191,7 +167,7 @@ class BlendEngine:
         self.scheduler = Scheduler(self.runner, parking, scheduling, kv_bytes_per_token=self.kv_bytes_per_token,
                                    background=self.document_kv if cfg.recompute_harvested else None)
         self.documents = DocumentIndex()
-        _register_exit_hook(self)
+        _OPEN_ENGINES.add(self)
 
     @classmethod
     def from_config(cls, path: str | Path | None = None, **overrides: Any) -> BlendEngine:

@@ -228,11 +228,15 @@ class DocumentCache:
             rebuild.seed(entries)
             self._computed(rebuild.block_list)
             self._queue_standalone(rebuild)
-            for b, loc, entry in zip(rebuild.block_list, looked.found, entries, strict=True):
-                if loc is None and b.key not in queued:
-                    self.store.put(b.key, entry)
-                    queued.add(b.key)
+            self._write_missed(looked, entries, queued)
         return len(indices)
+
+    def _write_missed(self, looked: _Looked, entries: Sequence[KVEntry], queued: set[str]) -> None:
+        """Queue the writes of a missed segment's blocks that no tier holds (each key once per request)."""
+        for b, loc, entry in zip(looked.rebuild.block_list, looked.found, entries, strict=True):
+            if loc is None and b.key not in queued:
+                self.store.put(b.key, entry)
+                queued.add(b.key)
 
     # ------------------------------------------------------ background recompute
     def _queue_standalone(self, rebuild: _Rebuild) -> None:
@@ -288,11 +292,9 @@ class DocumentCache:
                 continue
             tally.miss(kind)
             entries = rebuild.entries()
-            for i, (b, loc) in enumerate(zip(blocks, found, strict=True)):
-                if loc is None and b.key not in queued:
-                    self.store.put(b.key, entries[i])
-                    queued.add(b.key)
-                placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, None, entries[i],
+            self._write_missed(looked, entries, queued)
+            for i, (b, entry) in enumerate(zip(blocks, entries, strict=True)):
+                placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, None, entry,
                                             rebuild.block(i)))
         return placements
 

@@ -432,11 +432,18 @@ class Runner:
         (every row from 0, no bias, no window that hides a key: torch's fused causal kernel is
         that shape's own). None where the kernel declines (the torch strategies run)."""
         tq, tk = q.shape[1], k.shape[1]
-        pos = q_pos if q_pos.dtype == torch.int64 and q_pos.is_contiguous() else q_pos.long().contiguous()
-        if bias is None and tq == tk and int(pos[0]) == 0 and int(pos[-1]) == tk - 1 and not needs_window(pos, window):
+        if (bias is None and tq == tk and int(q_pos[0]) == 0 and int(q_pos[-1]) == tk - 1
+                and not needs_window(q_pos, window)):
             return None
-        out = torch.empty((tq, q.shape[0] * q.shape[2]), dtype=q.dtype)
-        if not native_blend_attention(q, pos, k, v, bias, self.scaling, window, out):
+        return self._native(q, q_pos, k, v, bias, window, None)
+
+    def _native(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                bias: torch.Tensor | None, window: int | None, sums: torch.Tensor | None) -> torch.Tensor | None:
+        """One call of the native blend kernel into a new (Tq, H*D) output (and `sums`, when given);
+        None where it declines."""
+        pos = q_pos if q_pos.dtype == torch.int64 and q_pos.is_contiguous() else q_pos.long().contiguous()
+        out = torch.empty((q.shape[1], q.shape[0] * q.shape[2]), dtype=q.dtype)
+        if not native_blend_attention(q, pos, k, v, bias, self.scaling, window, out, sums):
             return None
         self.strategies["native"] += 1
         return out
@@ -468,14 +475,9 @@ class Runner:
         kernel only (a CPU): None where it does not run (the caller computes the probabilities)."""
         if not self.native_blend:
             return None
-        tq, tk = q.shape[1], k.shape[1]
-        pos = q_pos if q_pos.dtype == torch.int64 and q_pos.is_contiguous() else q_pos.long().contiguous()
-        out = torch.empty((tq, q.shape[0] * q.shape[2]), dtype=q.dtype)
-        sums = torch.empty((k.shape[0], tk), dtype=torch.float32)
-        if not native_blend_attention(q, pos, k, v, None, self.scaling, window, out, sums):
-            return None
-        self.strategies["native"] += 1
-        return out, sums
+        sums = torch.empty((k.shape[0], k.shape[1]), dtype=torch.float32)
+        out = self._native(q, q_pos, k, v, None, window, sums)
+        return None if out is None else (out, sums)
 
     def _attend_biased(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        bias: torch.Tensor) -> torch.Tensor:

@@ -81,11 +81,12 @@ def plan_misses(policy: str, model: CostModel | None, prompt: Prompt, resolution
 
     def own_passes(indices: Sequence[int]) -> float:
         """The missing documents at `indices` computed on their own: grouped by context, packed."""
-        by_context: dict[int, list[int]] = {}
+        by_context: dict[tuple[int, ...], list[int]] = {}
         for i in indices:
-            by_context.setdefault(len(looked[i].rebuild.context), []).append(len(looked[i].rebuild.ids))
+            by_context.setdefault(tuple(looked[i].rebuild.context), []).append(len(looked[i].rebuild.ids))
         total = 0.0
-        for context, lengths in by_context.items():
+        for context_ids, lengths in by_context.items():
+            context = len(context_ids)
             for group in pack_groups(lengths, context):
                 rows = sum(lengths[j] for j in group)
                 pairs = sum(lengths[j] * (context + (lengths[j] + 1) / 2) for j in group)  # context and itself

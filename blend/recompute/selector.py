@@ -247,20 +247,13 @@ class QueryAttention:
 
     def add(self, layer: int, probs: torch.Tensor, v: torch.Tensor) -> None:
         """probs (Hkv, g*Q, N) from `query_probs`; v (Hkv, N, D) the layer's values."""
-        if layer < self.first_layer:
-            return
-        a = probs[:, :, : self.n_context]  # (Hkv, g*Q, C)
-        if self.value_weighted:
-            a = a * v[:, : self.n_context].float().norm(dim=-1)[:, None, :]
-        score = a.mean(dim=(0, 1))  # (C,)
-        score = score / score.sum().clamp_min(1e-12)
-        self.total = score if self.total is None else self.total + score
-        self.layers += 1
+        if layer >= self.first_layer:
+            self.add_sums(layer, probs[:, :, : self.n_context].sum(dim=1), v)  # (Hkv, C)
 
     def add_sums(self, layer: int, sums: torch.Tensor, v: torch.Tensor) -> None:
-        """`add` from each key's probabilities already summed over the query rows and the
-        query heads of its KV head: sums (Hkv, N) float32 (the native kernel's column sums;
-        the same scores as `add`'s mean, which the normalisation makes equal)."""
+        """`add` from each key's probabilities already summed over the query rows and the query
+        heads of its KV head: sums (Hkv, N or more) float32 (the native kernel's column sums).
+        The mean over heads and rows, normalised to sum 1, is the same as their sum normalised."""
         if layer < self.first_layer:
             return
         a = sums[:, : self.n_context]  # (Hkv, C)
