@@ -266,6 +266,9 @@ class BlendConfig:
     max_active_kv: Annotated[int | Literal["auto"], PlainValidator(_auto_bytes)] = "auto"
     # prefill steps (a document miss's forward pass, a request's prefill) run between two decode steps
     prefills_between_decodes: PositiveInt = 1
+    # a prefill's computed rows run in chunks of at most this many per scheduler step, every running
+    # sequence's decode row alongside (blend.engine.scheduler); blend passes split by layers instead
+    prefill_chunk_tokens: PositiveInt = 256
 
     def check_model_layers(self, num_layers: int) -> None:
         """ValueError if a check layer is beyond a model of `num_layers` layers."""
@@ -406,6 +409,16 @@ def _whole(text: str, var: str) -> int | str:
         raise ValueError(f"{var}: expected a whole number >= 1 or auto, got {text!r}") from None
 
 
+def _positive(text: str, var: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{var}: expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def _setter(key: str, var: str) -> Callable[[EngineConfig, str], EngineConfig]:
     return lambda config, value: _override(config, {key: value}, var)
 
@@ -418,6 +431,8 @@ ENV_OVERRIDES: dict[str, Callable[[EngineConfig, str], EngineConfig]] = {
     "KVBLEND_RECOMPUTE_RATIO": _set_ratio,
     "KVBLEND_MAX_NUM_SEQS": lambda config, text: _override(config, {"max_num_seqs": _whole(text, "KVBLEND_MAX_NUM_SEQS")},
                                                             "KVBLEND_MAX_NUM_SEQS"),
+    "KVBLEND_PREFILL_CHUNK_TOKENS": lambda config, text: _override(
+        config, {"prefill_chunk_tokens": _positive(text, "KVBLEND_PREFILL_CHUNK_TOKENS")}, "KVBLEND_PREFILL_CHUNK_TOKENS"),
     "KVBLEND_REDIS_URL": _set_redis_url,
     "KVBLEND_STORE_SECRET": lambda config, secret: _override(
         config, {"store": dataclasses.replace(config.store, secret=secret)}, "KVBLEND_STORE_SECRET"),

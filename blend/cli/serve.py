@@ -61,6 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = listen_socket(args.host, args.port)  # before the model loads: a taken port fails at once
     try:
         overrides = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+        if args.prefill_chunk_tokens is not None:
+            overrides["prefill_chunk_tokens"] = args.prefill_chunk_tokens
         engine = BlendEngine.from_config(args.config, **overrides)
         settings = ServerSettings(served_model_name=args.served_model_name or engine.config.model,
                                   queue_size=args.queue_size, request_timeout_s=args.request_timeout,
@@ -91,6 +93,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-num-seqs", type=arg_type(positive_int), default=None,
                    help="sequences decoding together at most (default: the config's engine.max_num_seqs, "
                    "$KVBLEND_MAX_NUM_SEQS, else 8 on CPU and 32 on CUDA)")
+    p.add_argument("--prefill-chunk-tokens", type=arg_type(positive_int), default=None,
+                   help="a prefill's rows per scheduler step, every running sequence's next token computed "
+                   "alongside (default: the config's engine.prefill_chunk_tokens, $KVBLEND_PREFILL_CHUNK_TOKENS)")
     p.add_argument("--request-timeout", type=arg_type(positive_float), default=300.0,
                    help="seconds from acceptance to the last token before a request is cancelled (default 300)")
     p.add_argument("--max-body", type=arg_type(_body_bytes), default=16 << 20,
