@@ -118,9 +118,10 @@ def test_decode_step_of_a_batch_equals_one_step_per_sequence(lm):
 # ------------------------------------------------------------------- policy
 def test_admission_respects_max_num_seqs_and_one_prefill_between_decodes(lm, monkeypatch):
     events: list[str] = []
-    prefill_once, decode_once = Scheduler._prefill_once, Scheduler._decode_once
-    monkeypatch.setattr(Scheduler, "_prefill_once", lambda self: events.append("p") or prefill_once(self))
-    monkeypatch.setattr(Scheduler, "_decode_once", lambda self: events.append("d") or decode_once(self))
+    advance, decode_once = Scheduler._advance, Scheduler._decode_once
+    monkeypatch.setattr(Scheduler, "_advance", lambda self, error=None: events.append("p") or advance(self, error))
+    monkeypatch.setattr(Scheduler, "_decode_once",
+                        lambda self, chunk=None: events.append("d") or decode_once(self, chunk))
     with make_engine(lm, max_num_seqs=3) as engine:
         engine.ingest(DOCS)
         events.clear()

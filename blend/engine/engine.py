@@ -162,7 +162,7 @@ class BlendEngine:
             max_num_seqs=default_max_num_seqs(device) if cfg.max_num_seqs == "auto" else cfg.max_num_seqs,
             max_active_kv=(max(int(free_memory(device) * ACTIVE_KV_SHARE), 1) if cfg.max_active_kv == "auto"
                            else cfg.max_active_kv),
-            prefills_between_decodes=cfg.prefills_between_decodes)
+            prefills_between_decodes=cfg.prefills_between_decodes, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
         # idle time (no request waiting, no sequence decoding) recomputes harvested documents standalone
         self.scheduler = Scheduler(self.runner, parking, scheduling, kv_bytes_per_token=self.kv_bytes_per_token,
                                    background=self.document_kv if cfg.recompute_harvested else None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,11 +30,11 @@ from blend.decode.generation import Prefilled
 from blend.kv.documents import Block, DocumentCache, Resolution
 from blend.kv.loader import LayerLoader, LoadStalled
 from blend.kv.prefix import PrefixCache
-from blend.model.runner import Runner
+from blend.model.runner import Rows, Runner
 from blend.planning.misses import HARVEST, MIXED, MissPlan, plan_misses
 from blend.planning.split import Splitter
 from blend.prompt.builder import Prompt
-from blend.recompute.layers import run_layers
+from blend.recompute.layers import Pacer, layer_steps
 from blend.recompute.plan import plan_recompute
 from blend.recompute.stale import shift_applies
 from blend.session.manager import SessionManager, Turn, turn_stats
@@ -78,15 +79,15 @@ class Prefiller:
         self._warm = False  # set after the first prefill (not a cost sample: see `_observe`)
 
     # ------------------------------------------------------------- entry points
-    def steps(self, work: PromptWork, forced: ForcedOutputs | None = None) -> Generator[None, None, Prefilled]:
+    def steps(self, work: PromptWork, forced: ForcedOutputs | None = None) -> Generator[Rows | None, Any, Prefilled]:
         """The prefill of a `generate` request, step by step (see the module docstring)."""
         prompt, mode = work.prompt, work.mode
         capacity = max(work.capacity, len(prompt))
         if mode == "full":
-            pre = yield from self._timed(lambda: self._full(prompt.token_ids, capacity, self._stats(prompt, "full")))
+            pre = yield from self._timed(self._full(prompt.token_ids, capacity, self._stats(prompt, "full")))
         elif mode == "prefix":
             yield from self._calibrated()
-            pre = yield from self._timed(lambda: self._prefix(prompt, capacity), fallback=(prompt, capacity))
+            pre = yield from self._timed(self._prefix(prompt, capacity), fallback=(prompt, capacity))
         else:
             ratio = 0.0 if mode == "reuse" else work.ratio
             selection = self.config.selection.with_policy(work.selection)
@@ -99,7 +100,7 @@ class Prefiller:
                 forced.follow_logprobs = forced_logprobs(self.runner, pre.cache, pre.logits, work.follow).cpu()
         return pre
 
-    def turn_steps(self, turn: Turn, work: PromptWork | None) -> Generator[None, None, Prefilled]:
+    def turn_steps(self, turn: Turn, work: PromptWork | None) -> Generator[Rows | None, Any, Prefilled]:
         """A chat turn's prefill: its documents blended in (`work`, when the turn blends and
         they are not all on the device), else its exact KV (device copy, stored prefix chain,
         the rest computed: `SessionManager.prefill`)."""
@@ -108,13 +109,13 @@ class Prefiller:
             turn.exact = False  # the documents are not all on the device: blend them in
             return (yield from self.steps(work))
         fallback_stats = turn_stats(turn.ids, "computed", 0)
-        return (yield from self._timed(lambda: self.sessions.prefill(turn, capacity),
+        return (yield from self._timed(self.sessions.prefill_steps(turn, capacity),
                                        fallback=(turn.ids, capacity, fallback_stats)))
 
     # ------------------------------------------------------------------ stages
     def _blend_steps(self, prompt: Prompt, blocks: dict[int, list[Block]] | None, ratio: float, capacity: int,
                      mode: str, selection: Selection, submitted: float | None = None
-                     ) -> Generator[None, None, Prefilled]:
+                     ) -> Generator[Rows | None, Any, Prefilled]:
         tally = LookupTally(self.tier_names)
         cached = [i for i, s in enumerate(prompt.segments) if s.kind != "query"]
         resolution = self.documents.lookup(prompt, cached, blocks, submitted)
@@ -127,23 +128,23 @@ class Prefiller:
             report = MissReport(plan.kind, plan.reason, resolution.misses, len(plan.standalone), len(plan.harvested),
                                 resolution.deduplicated, 0.0, dict(plan.predicted))
             if plan.kind == HARVEST:  # one full prefill; the missing documents cut out of it
-                return (yield from self._timed(lambda: self._harvest_full(prompt, resolution, tally, ratio, capacity,
-                                                                          mode, plan, report)))
+                return (yield from self._timed(self._harvest_full(prompt, resolution, tally, ratio, capacity, mode,
+                                                                  plan, report)))
             if plan.standalone:  # their own passes, as their own steps (not inside the timed prefill)
                 spent = yield from _spent(self.documents.compute_misses(resolution, plan.standalone))
                 report = report.replace(compute_s=spent)
                 yield
         placements = self.documents.placements(resolution, tally, skip=plan.harvested if plan else ())
-        return (yield from self._timed(lambda: self._blend(prompt, placements, tally, ratio, capacity, mode, selection,
-                                                           resolution, plan, report),
+        return (yield from self._timed(self._blend(prompt, placements, tally, ratio, capacity, mode, selection,
+                                                   resolution, plan, report),
                                        fallback=(prompt, capacity)))
 
     def _harvest_full(self, prompt: Prompt, resolution: Resolution, tally: LookupTally, ratio: float, capacity: int,
-                      mode: str, plan: MissPlan, report: MissReport) -> Prefilled:
+                      mode: str, plan: MissPlan, report: MissReport) -> Generator[Rows, torch.Tensor, Prefilled]:
         """The harvest plan: a full prefill (this request's answer exact), then every missing
         document's KV cut out of it and queued for the store."""
         self.documents.placements(resolution, tally, skip=plan.harvested)  # the lookups counted
-        pre = self._full(prompt.token_ids, capacity, self._stats(prompt, mode, ratio, **tally_fields(tally)))
+        pre = yield from self._full(prompt.token_ids, capacity, self._stats(prompt, mode, ratio, **tally_fields(tally)))
         t0 = time.perf_counter()
         self.documents.harvest(resolution, plan.harvested, pre.cache)
         pre.stats = pre.stats.replace(miss=report.replace(compute_s=time.perf_counter() - t0))
@@ -157,14 +158,17 @@ class Prefiller:
             self.splitter.cost_model()
             yield
 
-    def _timed(self, run, fallback: tuple | None = None) -> Generator[None, None, Prefilled]:
-        """One step: `run()` timed to its logits (CUDA synchronised); a `LoadStalled` becomes a
-        full prefill of the same tokens (`fallback`: (prompt, capacity) or (ids, capacity,
-        stats)). Feeds the split's cost model."""
+    def _timed(self, plan: Generator[Rows | None, Any, Prefilled], fallback: tuple | None = None
+               ) -> Generator[Rows | None, Any, Prefilled]:
+        """`plan`'s steps, timed to its logits (CUDA synchronised): its own time, the work done
+        inside it and the steps that computed its rows, not the other sequences' steps
+        between its pauses. A `LoadStalled` becomes a full prefill of the same tokens
+        (`fallback`: (prompt, capacity) or (ids, capacity, stats)). Feeds the split's cost
+        model."""
         tuned = len(self.runner.tuner.tunings)
-        t0 = time.perf_counter()
+        clock = _Clock()
         try:
-            pre = run()
+            pre = yield from clock.relay(plan)
         except LoadStalled as err:
             if fallback is None:
                 raise
@@ -173,14 +177,15 @@ class Prefiller:
                 ids, stats = prompt.token_ids, self._stats(prompt, "full")
             else:
                 ids, capacity, stats = fallback
-            pre = self._full(ids, capacity, stats)
+            pre = yield from clock.relay(self._full(ids, capacity, stats))
             pre.stats = pre.stats.replace(stalled_tiers=err.tiers)
         if pre.logits.device.type == "cuda":  # timed to the logits, as TTFT is
+            t0 = time.perf_counter()
             torch.cuda.synchronize(pre.logits.device)
-        pre.stats = pre.stats.replace(prefill_s=time.perf_counter() - t0)
+            clock.own_s += time.perf_counter() - t0
+        pre.stats = pre.stats.replace(prefill_s=clock.own_s)
         self._observe(pre, tuned)
         return pre
-        yield  # a generator: one step
 
     def _observe(self, pre: Prefilled, tuned: int) -> None:
         # the engine's first prefill pays one-time costs (kernel selection, allocator, lazy
@@ -197,17 +202,18 @@ class Prefiller:
         return RequestStats(mode=mode, recompute_ratio=ratio, context_tokens=context,
                             query_tokens=len(prompt) - context, **fields)
 
-    def _full(self, token_ids, capacity: int, stats: RequestStats) -> Prefilled:
-        """Every token computed: the reference, and every fallback."""
+    def _full(self, token_ids, capacity: int, stats: RequestStats) -> Generator[Rows, torch.Tensor, Prefilled]:
+        """Every token computed: the reference, and every fallback. One `Rows` (the executor
+        may run it in chunks)."""
         ids = tuple(token_ids)
         cache = self.runner.new_cache(max(capacity, len(ids)))
-        logits = self.runner.prefill(torch.tensor(ids), cache)[0]
+        logits = (yield Rows(torch.tensor(ids), cache, 0))[0]
         stats = stats.replace(loaded_tokens=0, recomputed_tokens=stats.context_tokens)
         return Prefilled(logits, cache, stats, ids)
 
     def _blend(self, prompt: Prompt, placements, tally: LookupTally, ratio: float, capacity: int, mode: str,
                sel: Selection, resolution: Resolution | None = None, miss: MissPlan | None = None,
-               report: MissReport | None = None) -> Prefilled:
+               report: MissReport | None = None) -> Generator[None, None, Prefilled]:
         runner = self.runner
         # the load-or-compute split (blend.split) may compute a prefix instead of loading it; a mixed
         # miss plan fixes that prefix (its missing documents are harvested from it below)
@@ -221,9 +227,12 @@ class Prefiller:
         cache.length = plan.n
         with LayerLoader(self.store, runner, cache, split.loaded, range(plan.load_from, runner.num_layers),
                          self.config.prefetch_depth, stall_s=self.stall_s) as loader:
-            logits, chosen = run_layers(runner, cache, torch.tensor(prompt.token_ids), plan, loader,
-                                        policy=sel.policy, deviation_kind=sel.deviation, stale_bias=sel.stale_bias,
-                                        stale_shift=shift_applies(sel.stale_shift, sel.policy))
+            # paused (chunked by layers) after about a chunk's worth of computed rows over every layer
+            pacer = Pacer(self.config.prefill_chunk_tokens * runner.num_layers)
+            logits, chosen = yield from layer_steps(runner, cache, torch.tensor(prompt.token_ids), plan, loader,
+                                                    policy=sel.policy, deviation_kind=sel.deviation,
+                                                    stale_bias=sel.stale_bias,
+                                                    stale_shift=shift_applies(sel.stale_shift, sel.policy), pacer=pacer)
         report = report or MissReport()
         if miss is not None and miss.harvested and resolution is not None:  # exact rows of the computed prefix
             t0 = time.perf_counter()
@@ -234,7 +243,7 @@ class Prefiller:
                             selection=chosen, split=split.report, miss=report, **tally_fields(tally))
         return Prefilled(logits, cache, stats, tuple(prompt.token_ids))
 
-    def _prefix(self, prompt: Prompt, capacity: int) -> Prefilled:
+    def _prefix(self, prompt: Prompt, capacity: int) -> Generator[Rows, torch.Tensor, Prefilled]:
         """The longest exactly cached prefix: prefix blocks of this very prompt, or the
         cached segments that are exact at their position (the system part, and the first
         document when documents are computed after it) when their entries are exact too:
@@ -261,8 +270,8 @@ class Prefiller:
         # the load-or-compute split (blend.split) may compute the chain's first blocks instead
         split = self.splitter.plan_prefix(len(ids), chain, self.runner.num_layers)
         # the tail computed apart from the blocks a later request will load: the same numbers either way
-        logits, load = self.prefixes.prefill(ids, chain, cache, computed=split.computed_tokens,
-                                             boundary=self.prefixes.aligned_end(limit))
+        logits, load = yield from self.prefixes.prefill_steps(ids, chain, cache, computed=split.computed_tokens,
+                                                              boundary=self.prefixes.aligned_end(limit))
         end = max((pl.start + pl.length for pl in chain), default=0)
         loaded = end - split.computed_tokens
         stored = self.prefixes.store_blocks(ids, cache, skip_below=chain_len)
@@ -284,3 +293,26 @@ def _spent(steps: Generator[None, None, None]) -> Generator[None, None, float]:
             return spent + time.perf_counter() - t0
         spent += time.perf_counter() - t0
         yield
+
+
+class _Clock:
+    """A plan's own time while it runs as steps: inside its generator, and from a `Rows` it
+    yields to the logits sent back (the steps that computed them); not the pauses (None)."""
+
+    def __init__(self) -> None:
+        self.own_s = 0.0
+
+    def relay(self, plan: Generator[Rows | None, Any, Prefilled]) -> Generator[Rows | None, Any, Prefilled]:
+        reply = None
+        while True:
+            t0 = time.perf_counter()
+            try:
+                request = plan.send(reply)
+            except StopIteration as done:
+                self.own_s += time.perf_counter() - t0
+                return done.value
+            self.own_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            reply = yield request
+            if request is not None:
+                self.own_s += time.perf_counter() - t0

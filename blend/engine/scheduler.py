@@ -32,6 +32,7 @@ continues where it stopped, with the same output.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import threading
 import time
@@ -43,7 +44,7 @@ import torch
 
 from blend.engine.sequence import Finished, Sequence, Status, Task
 from blend.kv.offload import KVParking
-from blend.model.runner import Runner
+from blend.model.runner import Rows, Runner
 
 log = logging.getLogger(__name__)
 DECODE_RESERVE = 64  # new tokens a sequence's cache holds room for when its prefill allocates it
@@ -66,9 +67,11 @@ class SchedulerConfig:
     max_active_kv: int = 1 << 30  # bytes of KV the running sequences may hold allocated
     max_waiting: int = 1 << 20  # items that may wait; more are refused (QueueFull)
     prefills_between_decodes: int = 1  # prefill steps allowed between two decode steps
+    prefill_chunk_tokens: int = 256  # a plan's rows per step while sequences decode (their rows ride along)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_active_kv", "max_waiting", "prefills_between_decodes"):
+        for name in ("max_num_seqs", "max_active_kv", "max_waiting", "prefills_between_decodes",
+                     "prefill_chunk_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
@@ -92,6 +95,8 @@ class SchedulerMetrics:
     peak_active_kv: int = 0  # the most KV bytes the running set held at once
     prefill_s: float = 0.0  # time in prefill steps (requests' prefills, missed documents, tasks, resumes)
     decode_s: float = 0.0  # time in decode steps (the batched step, sampling and emitting included)
+    prefill_chunks: int = 0  # steps that ran a plan's rows (a chunk of them), decode rows alongside
+    decode_rows_in_prefill_steps: int = 0  # decode rows that rode along with a plan's chunk
     background_steps: int = 0  # background steps run while idle (a harvested document recomputed standalone)
     background_s: float = 0.0
     _recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096), repr=False)
@@ -105,6 +110,14 @@ class SchedulerMetrics:
     def mean_batch_size(self) -> float:
         steps = sum(self.batch_sizes.values())
         return sum(size * n for size, n in self.batch_sizes.items()) / steps if steps else 0.0
+
+
+class _Outcome(enum.Enum):
+    """What a plan did when it last advanced."""
+
+    ROWS = "rows"  # asked for rows: the executor runs them (in chunks, decode rows alongside)
+    UNIT = "unit"  # computed a bounded unit itself (a document miss's pass, a group of blend layers)
+    ENDED = "ended"  # returned (or failed): the item joined the running set or ended
 
 
 BACKGROUND_GRACE_S = 0.25  # idle this long before a background step starts
@@ -133,6 +146,10 @@ class Scheduler:
         self._waiting: collections.deque[Sequence | Task] = collections.deque()
         self._running: list[Sequence] = []
         self._current: Sequence | Task | None = None  # the item whose prefill is under way
+        self._rows: Rows | None = None  # rows the current item's plan asked for, not all computed yet
+        self._rows_done = 0  # ... how many of them are
+        self._rows_logits: list[torch.Tensor] = []  # ... the logits of their wanted rows so far
+        self._reply: torch.Tensor | None = None  # sent into the plan at its next advance (its rows' logits)
         self._since_decode = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -244,18 +261,28 @@ class Scheduler:
         self.metrics.background_steps += 1
 
     def _step(self) -> None:
+        """One step: the plan under way advances (or the head of the queue is admitted); rows
+        it asked for run a chunk at a time with every running sequence's decode row alongside;
+        a unit it computed itself is followed by a decode step; else the running set decodes."""
         self._reap()
-        if self._prefill_allowed():
+        if self._rows is None and self._prefill_allowed():
             t0 = time.perf_counter()
-            self._prefill_once()
+            outcome = self._advance()
             self.metrics.prefill_s += time.perf_counter() - t0
-            self._since_decode += 1
+            if outcome is _Outcome.UNIT:
+                self._since_decode += 1
+                return
+        if self._rows is not None:
+            t0 = time.perf_counter()
+            self._rows_once()
+            self.metrics.prefill_s += time.perf_counter() - t0
+            self._since_decode = 0
         elif self._running:
             t0 = time.perf_counter()
             self._decode_once()
             self.metrics.decode_s += time.perf_counter() - t0
             self._since_decode = 0
-        elif self._waiting or self._current:  # nothing runs and nothing could start: cannot happen
+        elif self._waiting:  # nothing runs and nothing could start: cannot happen
             time.sleep(0.001)  # (admission always admits into an empty running set)
 
     def _prefill_allowed(self) -> bool:
@@ -299,27 +326,68 @@ class Scheduler:
         return seq.kv_bytes
 
     # ------------------------------------------------------------------ prefill
-    def _prefill_once(self) -> None:
+    def _advance(self, error: Exception | None = None) -> _Outcome:
+        """The current item's plan runs to its next pause (`error`: thrown into it, e.g. its
+        loads stalled in the executor): it asks for rows (`Rows`: run by `_rows_once`),
+        computed a unit itself (None), or ended (its prefill's value: the sequence joins the
+        running set; a task ends)."""
         item = self._current
         assert item is not None and item.steps is not None
         self.metrics.prefill_steps += 1
+        reply, self._reply = self._reply, None
         try:
-            next(item.steps)
-            return  # more steps to come
+            request = item.steps.send(reply) if error is None else item.steps.throw(error)
         except StopIteration as done:
             value = done.value
         except Exception as err:  # noqa: BLE001 - handed to the caller, which raises it
             self._current = None
             self._end(item, error=err)
-            return
+            return _Outcome.ENDED
+        else:
+            if request is None:
+                return _Outcome.UNIT
+            if not isinstance(request, Rows):
+                err = TypeError(f"a plan yielded {type(request).__name__}, not Rows or None")
+                self._current = None
+                item.steps.close()
+                self._end(item, error=err)
+                return _Outcome.ENDED
+            self._rows, self._rows_done, self._rows_logits = request, 0, []
+            return _Outcome.ROWS
         self._current = None
         if isinstance(item, Task):
             self._end(item, value=value)
-            return
+            return _Outcome.ENDED
         try:
             self._join(item, value)
         except Exception as err:  # noqa: BLE001 - this sequence fails alone: its caller gets the error
             self._fail(item, err)
+        return _Outcome.ENDED
+
+    def _rows_once(self) -> None:
+        """The next chunk of the rows the current plan asked for (all that is left when no
+        sequence is decoding), every running sequence's decode row alongside in the same
+        forward pass. When the last chunk ran, the logits go back into the plan."""
+        rows = self._rows
+        assert rows is not None
+        n, a = len(rows), self._rows_done
+        b = min(n, a + self.config.prefill_chunk_tokens) if self._running else n
+        chunk = rows if (a, b) == (0, n) else rows.chunk(a, b)
+        try:
+            logits = self._decode_once(chunk)
+        except Exception as err:  # noqa: BLE001 - the plan's (its loads stalled, its rows were refused)
+            # nothing was emitted: the decode rows run again next step (their slots are rewritten)
+            self._rows = None
+            self._advance(error=err)
+            return
+        assert logits is not None
+        self.metrics.prefill_chunks += 1
+        self._rows_logits.append(logits)
+        self._rows_done = b
+        if b == n:
+            self._rows = None
+            self._reply = self._rows_logits[0] if len(self._rows_logits) == 1 else torch.cat(self._rows_logits)
+            self._rows_logits = []
 
     def _join(self, seq: Sequence, value: Any) -> None:
         """A sequence whose prefill ended: its first token sampled and emitted, then it joins the
@@ -347,26 +415,38 @@ class Scheduler:
             seq.handle.emit(delta)
 
     # ------------------------------------------------------------------- decode
-    def _decode_once(self) -> None:
+    def _decode_once(self, chunk: Rows | None = None) -> torch.Tensor | None:
+        """Every running sequence advances one token (`chunk`: a plan's rows computed in the
+        same forward pass, their logits returned): the linear layers once over every row,
+        attention per sequence (`Runner.forward`); each samples with its own parameters."""
         self._make_room()
         batch = list(self._running)
-        if not batch:
-            return
-        tokens = [s.generation.pending for s in batch]
-        logits = self.runner.decode_step(tokens, [s.cache for s in batch])  # (B, vocab)
+        items = [Rows(torch.tensor([s.generation.pending]), s.cache, s.cache.length) for s in batch]
+        if chunk is not None:
+            items.insert(0, chunk)
+        if not items:
+            return None
+        out = self.runner.forward(items)  # per item: (rows, vocab)
+        reply = out.pop(0) if chunk is not None else None
         size = len(batch)
-        self.metrics.decode_steps += 1
-        self.metrics.batch_sizes[size] += 1
+        if not size:
+            return reply
+        if chunk is None:
+            self.metrics.decode_steps += 1
+            self.metrics.batch_sizes[size] += 1
+        else:
+            self.metrics.decode_rows_in_prefill_steps += size
         self.metrics._recent.append((time.monotonic(), size))
         for b, seq in enumerate(batch):
             seq.decode_steps += 1
             seq.batch_total += size
             try:
-                self._emit_token(seq, logits[b])
+                self._emit_token(seq, out[b][0])
                 if seq.generation.done:
                     self._end(seq)
             except Exception as err:  # noqa: BLE001 - this sequence fails alone; the batch goes on
                 self._fail(seq, err)
+        return reply
 
     def _make_room(self) -> None:
         """Give every running sequence room for one more position; preempt the newest
@@ -405,8 +485,9 @@ class Scheduler:
         with self._cond:
             self._waiting.appendleft(seq)
 
-    def _resume(self, seq: Sequence) -> Generator[None, None, None]:
-        """Restore a preempted sequence's cache from the tiers (or recompute it) in one step."""
+    def _resume(self, seq: Sequence) -> Generator[Rows | None, Any, None]:
+        """Restore a preempted sequence's cache from the tiers, or recompute it: its prefill's
+        plan again, then the tokens it had decoded as rows of their own (chunked like any)."""
         t0 = time.perf_counter()
         parked = seq.parked
         assert parked is not None
@@ -421,7 +502,7 @@ class Scheduler:
             done = list(parked.token_ids[len(pre.token_ids):])
             if done:
                 cache.ensure_capacity(n + 1)
-                self.runner.prefill(torch.tensor(done), cache, start=len(pre.token_ids), logit_rows=())
+                yield Rows(torch.tensor(done), cache, len(pre.token_ids), ())
             self.metrics.resumes_recomputed += 1
         seq.cache = cache
         seq.resume_s += time.perf_counter() - t0
@@ -440,6 +521,7 @@ class Scheduler:
         current = self._current
         if current is not None and current.handle.stopped() and not isinstance(current, Task):
             self._current = None  # a task (an ingest) sees its stop itself, between documents
+            self._rows, self._reply = None, None
             if current.steps is not None:
                 current.steps.close()
             self._end(current, cancelled=True)
@@ -510,6 +592,7 @@ class Scheduler:
             waiting = list(self._waiting)
             self._waiting.clear()
         current, self._current = self._current, None
+        self._rows, self._reply = None, None
         items: list[Sequence | Task] = [*waiting, *([current] if current is not None else []), *self._running]
         for item in items:
             self._end(item, error=err if isinstance(err, Exception) else RuntimeError(str(err)))

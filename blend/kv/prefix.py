@@ -19,7 +19,7 @@ import torch
 
 from blend.kv.loader import LayerLoader, Placement
 from blend.model.cache import KVCache
-from blend.model.runner import Runner
+from blend.model.runner import Rows, Runner
 from blend.stats import LoadReport
 from storage.entry import Expected, KVEntry
 from storage.keys import prefix_block_key
@@ -267,7 +267,15 @@ class PrefixCache:
 
     def prefill(self, token_ids: Sequence[int], chain: list[Placement], cache: KVCache, computed: int = 0, *,
                 boundary: int = 0) -> tuple[torch.Tensor, LoadReport]:
-        """Load `chain` (an exact cached prefix) layer by layer while computing the rest.
+        """`prefill_steps` run alone."""
+        return self.runner.run(self.prefill_steps(token_ids, chain, cache, computed, boundary=boundary))
+
+    def prefill_steps(self, token_ids: Sequence[int], chain: list[Placement], cache: KVCache, computed: int = 0, *,
+                      boundary: int = 0) -> Generator[Rows, torch.Tensor, tuple[torch.Tensor, LoadReport]]:
+        """Load `chain` (an exact cached prefix) layer by layer while computing the rest: a
+        plan whose computed rows are yielded as `Rows` (the executor runs them, in chunks
+        beside other sequences' rows where it shares the step; the first pass waits for
+        each layer's loads).
 
         `computed` (a block boundary, from the load-or-compute split in blend.split): the
         tokens before it are computed with a plain prefill while the rest of the chain
@@ -287,15 +295,15 @@ class PrefixCache:
         with LayerLoader(self.store, self.runner, cache, loaded, range(self.runner.num_layers),
                          self.prefetch_depth, stall_s=self.stall_s) as loader:
             if computed and not whole:
-                self.runner.prefill(torch.tensor(ids[:computed]), cache, start=0, logit_rows=())
+                yield Rows(torch.tensor(ids[:computed]), cache, 0, ())
             elif whole:
                 start = 0
             passes = [(start, boundary), (max(start, boundary), len(ids))] if start < boundary < len(ids) else [
                 (start, len(ids))]
             for n, (a, b) in enumerate(passes):
                 last = n == len(passes) - 1
-                out = self.runner.prefill(torch.tensor(ids[a:b]), cache, start=a, logit_rows=None if last else (),
-                                          before_layer=loader.wait if n == 0 else None)
+                out = yield Rows(torch.tensor(ids[a:b]), cache, a, None if last else (),
+                                 loads=loader if n == 0 else None)
             logits = out[0]
         return logits, loader.report()
 

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,7 @@ from blend.model.native import (
 from blend.model.projections import Projections, projections_for
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -107,6 +109,50 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
         return F.rms_norm(x, shape, norm.weight, eps)
     return norm.weight * F.rms_norm(x.float(), shape, None, eps).to(x.dtype)
+
+
+class LayerWaiter(Protocol):
+    """What fills a cache layer by layer beside the compute (blend.kv.loader.LayerLoader)."""
+
+    def wait(self, layer: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One sequence's rows in a `Runner.forward` step: `token_ids` (T,) at positions
+    start..start+T-1 of `cache`, attending its slots 0..start-1 and each other causally.
+    `logit_rows`: the local rows whose logits are wanted (None: the last one; (): none,
+    only the K/V is written)."""
+
+    token_ids: torch.Tensor  # (T,) int64, on the host
+    cache: KVCache
+    start: int
+    logit_rows: tuple[int, ...] | None = None
+    loads: LayerWaiter | None = None  # a loader filling `cache` beside: waited for before each layer reads it
+
+    def chunk(self, a: int, b: int) -> Rows:
+        """Rows a..b-1 of these (their logit rows among them, renumbered)."""
+        wanted = [r - a for r in self.wanted() if a <= r < b]
+        logit_rows = None if wanted == [b - a - 1] else tuple(wanted)
+        return Rows(self.token_ids[a:b], self.cache, self.start + a, logit_rows, self.loads)
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def wanted(self) -> list[int]:
+        n = len(self)
+        rows = [n - 1] if self.logit_rows is None else list(self.logit_rows)
+        if any(not 0 <= r < n for r in rows):
+            raise ValueError(f"logit rows {rows} are outside the item's {n} rows")
+        return rows
+
+    def decodes(self) -> bool:
+        """A decode row: one token at its cache's end, its logits wanted."""
+        return len(self) == 1 and self.logit_rows is None and self.start == self.cache.length
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class Runner:
@@ -564,50 +610,130 @@ class Runner:
         `before_layer(i)` is called before layer i reads the cache (a loader's wait).
         Returns logits (len(logit_rows), vocab) for the requested rows (default: last);
         with no rows (`logit_rows=()`, only the KV is wanted) the last layer stops after
-        writing its K/V and the result is (0, vocab).
+        writing its K/V and the result is (0, vocab). `forward` of one sequence's rows.
         """
-        t = token_ids.shape[0]
-        self.check_length(start + t)
-        cache.ensure_capacity(start + t)
-        rows = [t - 1] if logit_rows is None else list(logit_rows)
-        positions = torch.arange(start, start + t)  # (T,) on the host: attention plans need no device sync
-        cos, sin = self.rope(positions)
-        h = self.embed(token_ids)
-        end = start + t
-        cache.clear_bias(start, end)  # computed afresh here
+        rows = None if logit_rows is None else tuple(logit_rows)
+        return self.forward([Rows(token_ids, cache, start, rows)], before_layer)[0]
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[Rows], before_layer: Callable[[int], None] | None = None
+                ) -> list[torch.Tensor]:
+        """One step over several sequences' rows at once: each item's tokens at positions
+        start..start+T-1 of its own cache (a prefill chunk, or a decode row: T = 1).
+
+        The linear layers (QKV, output projection, MLP, LM head) run once over every item's
+        rows; attention runs per item over its own cache: a decode row through the decode
+        kernel (as `decode_step`), a chunk of rows through `attend` (causal by position over
+        the cache's slots 0..start-1 and the chunk itself; a ring layer: its window). Each
+        item's K/V is written into its cache, its length set to start + T. Each item's
+        numbers are those it gets run alone (tests/test_executor.py). Returns per item the
+        logits of its `logit_rows` (default: its last row), (rows, vocab) float32. Only
+        decode rows (each at its cache's end, its last row wanted): `decode_step`.
+        """
+        if not items:
+            raise ValueError("forward needs at least one item")
+        if before_layer is None and all(it.decodes() and it.loads is None for it in items):
+            logits = self.decode_step([int(it.token_ids[0]) for it in items], [it.cache for it in items])
+            return [logits[b:b + 1] for b in range(len(items))]
+        sizes = [len(it) for it in items]
+        for it, n in zip(items, sizes, strict=True):
+            self.check_length(it.start + n)
+            if n < 1:
+                raise ValueError("empty prompt: give at least one token")
+        first = [0]
+        for n in sizes[:-1]:
+            first.append(first[-1] + n)
+        for it, n in zip(items, sizes, strict=True):
+            it.cache.ensure_capacity(it.start + n)
+            it.cache.clear_bias(it.start, it.start + n)  # computed afresh here
+        positions = torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, sizes, strict=True)])  # (T,)
+        pos_of = [positions[a:a + n] for a, n in zip(first, sizes, strict=True)]  # host: attention plans need no sync
+        wanted = [it.wanted() for it in items]  # local rows whose logits are returned
+        cos, sin = self.rope(positions)  # (T, D) or (T, K, D)
+        h = self.embed(torch.cat([it.token_ids for it in items]))  # (T, hidden)
+        heads, hkv, d = self.num_heads, self.kv_heads, self.head_dim
+        last, on_cpu = self.num_layers - 1, self.device.type == "cpu"
+        keep = [a + r for a, rows in zip(first, wanted, strict=True) for r in rows]  # rows the last layer finishes
+        keep_dev = torch.tensor(keep, dtype=torch.long, device=self.device)
+        sel_of = [torch.tensor(rows, dtype=torch.long) for rows in wanted]
+        waiters = [it.loads for it in items if it.loads is not None]
         for layer in range(self.num_layers):
             if before_layer is not None:
                 before_layer(layer)
-            q, k, v = self.qkv(layer, h, cos, sin)
-            window = self.windows[layer]
-            if cache.is_ring(layer) and end > cache.k[layer].shape[1]:
-                # a ring that wraps: the keys of the rows' windows in position order, then the new ones
-                lo = max(0, start - window + 1)
-                past_k, past_v = cache.window(layer, lo, start)  # (Hkv, start - lo, D)
-                keys, values = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)  # positions lo..end-1
-                bias = cache.window_bias(layer, lo, start)
-                if bias is not None:
-                    bias = torch.cat([bias, bias.new_zeros((bias.shape[0], t))], dim=1)
-                q_pos = positions - lo
-                cache.put(layer, start, k, v)
+            for waiter in waiters:
+                waiter.wait(layer)
+            q, k, v = self.qkv(layer, h, cos, sin)  # (H, T, D), (Hkv, T, D) x2
+            window, final = self.windows[layer], layer == last
+            parts: list[torch.Tensor] = []  # per item, in order: its rows' attention output (rows, H*D)
+            decoding = []  # decode rows: (part index, q (Hkv, g, D) scaled float32, keys, values, bias, out)
+            for i, (it, a, n) in enumerate(zip(items, first, sizes, strict=True)):
+                cache, start, end = it.cache, it.start, it.start + n
+                qs, ks, vs = q[:, a:a + n], k[:, a:a + n], v[:, a:a + n]
+                if n == 1:  # one row: the decode kernel over its keys (a sliding layer: its window)
+                    cache.put(layer, start, ks, vs)
+                    if final and not wanted[i]:
+                        continue
+                    lo = 0 if window is None else max(0, start - window + 1)
+                    keys, values = cache.window(layer, lo, end)  # (Hkv, end - lo, D)
+                    bias = cache.window_bias(layer, lo, end)
+                    part = h.new_empty((1, heads * d))
+                    parts.append(part)
+                    if on_cpu:
+                        qd = (qs[:, 0].float() * self.scaling).view(hkv, heads // hkv, d)  # (Hkv, g, D)
+                        decoding.append((qd, keys, values, bias, part[0].view(hkv, heads // hkv, d)))
+                    else:
+                        decode_attention(qs[:, 0], keys, values, self.scaling, bias, out=part[0])
+                    continue
+                if cache.is_ring(layer) and end > cache.k[layer].shape[1]:
+                    # a ring that wraps: the keys of the rows' windows in position order, then the new ones
+                    lo = max(0, start - window + 1)
+                    past_k, past_v = cache.window(layer, lo, start)  # (Hkv, start - lo, D)
+                    keys, values = torch.cat([past_k, ks], dim=1), torch.cat([past_v, vs], dim=1)  # positions lo..end-1
+                    bias = cache.window_bias(layer, lo, start)
+                    if bias is not None:
+                        bias = torch.cat([bias, bias.new_zeros((bias.shape[0], n))], dim=1)
+                    q_pos = pos_of[i] - lo
+                    cache.put(layer, start, ks, vs)
+                else:
+                    cache.k[layer][:, start:end] = ks
+                    cache.v[layer][:, start:end] = vs
+                    keys, values = cache.layer(layer, end)
+                    bias, q_pos = cache.layer_bias(layer, end), pos_of[i]
+                if final:  # only the rows whose logits are wanted need the last layer's output
+                    if wanted[i]:
+                        sel = sel_of[i]
+                        parts.append(self.attend(qs[:, sel.to(self.device)], q_pos[sel], keys, values, bias=bias,
+                                                 window=window))
+                else:
+                    parts.append(self.attend(qs, q_pos, keys, values, bias=bias, window=window))
+            if decoding and not native_decode_attention_batch(decoding):  # one call for every decode row
+                for qd, keys, values, bias, od in decoding:
+                    cpu_decode_attention(qd, keys, values, bias, out=od)
+            if final:
+                if not keep:  # only the K/V was wanted
+                    break
+                h = self.finish(layer, h[keep_dev] if len(keep) < h.shape[0] else h, _joined(parts))
             else:
-                cache.k[layer][:, start:end] = k
-                cache.v[layer][:, start:end] = v
-                keys, values = cache.layer(layer, end)
-                bias, q_pos = cache.layer_bias(layer, end), positions
-            if layer == self.num_layers - 1 and not rows:  # its output feeds nothing wanted
-                cache.length = end
-                return torch.zeros((0, self.lm_head.weight.shape[0]), dtype=torch.float32, device=h.device)
-            if layer == self.num_layers - 1 and len(rows) < t:
-                # only the rows whose logits are wanted need the last layer's output
-                sel = torch.tensor(rows)
-                attn = self.attend(q[:, sel.to(self.device)], q_pos[sel], keys, values, bias=bias, window=window)
-                h = self.finish(layer, h[sel], attn)
-                rows = list(range(len(rows)))
-            else:
-                h = self.finish(layer, h, self.attend(q, q_pos, keys, values, bias=bias, window=window))
-        cache.length = end
-        return self.logits(h[rows])
+                h = self.finish(layer, h, _joined(parts))
+        for it, n in zip(items, sizes, strict=True):
+            it.cache.length = it.start + n
+        if not keep:
+            return [torch.zeros((0, self.lm_head.weight.shape[0]), dtype=torch.float32, device=self.device)
+                    for _ in items]
+        logits = self.logits(h)  # (len(keep), vocab)
+        return list(logits.split([len(rows) for rows in wanted]))
+
+    def run(self, steps: Generator[Rows | None, Any, T]) -> T:
+        """A plan's steps run to the end alone (no scheduler: nothing else shares its steps):
+        each `Rows` it yields is computed by `forward` on its own and its logits sent back;
+        a None it yields was a unit of compute done inside it. Returns the plan's value."""
+        reply = None
+        while True:
+            try:
+                request = steps.send(reply)
+            except StopIteration as done:
+                return done.value
+            reply = self.forward([request])[0] if isinstance(request, Rows) else None
 
     @torch.inference_mode()
     def prefill_packed(self, sequences: Sequence[Sequence[int]], context: KVCache | None = None,

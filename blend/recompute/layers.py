@@ -41,6 +41,7 @@ recomputes every candidate (ratio 1) is a full prefill with no loads.
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 
 import torch
 
@@ -61,19 +62,62 @@ from blend.recompute.stale import StaleKeys
 from blend.stats import SelectionReport
 
 
-@torch.inference_mode()
+class Pacer:
+    """Where a layer loop pauses: after every `rows_per_step` rows computed (summed over its
+    layers), a step ends (the generator yields) so the scheduler can run other sequences'
+    decode steps between; None never pauses. The pauses split the loop, never its numbers."""
+
+    def __init__(self, rows_per_step: int | None):
+        self.budget, self.spent, self.pauses = rows_per_step, 0, 0
+        self.paused_s = 0.0  # time between a pause and the resumption (other sequences' work)
+
+    def pause(self) -> Generator[None, None, None]:
+        t0 = time.perf_counter()
+        yield
+        self.paused_s += time.perf_counter() - t0
+
+    def due(self, rows: int) -> bool:
+        """Count `rows` computed; whether the step is full."""
+        if self.budget is None:
+            return False
+        self.spent += rows
+        if self.spent < self.budget:
+            return False
+        self.spent, self.pauses = 0, self.pauses + 1
+        return True
+
+
 def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
                *, policy: str, deviation_kind: str, value_weighted: bool = False, stale_bias: bool = False,
                stale_shift: bool = False) -> tuple[torch.Tensor, SelectionReport]:
-    """Run every layer over `cache` (filled by `loader`) computing only the planned rows.
+    """`layer_steps` run to the end in one go."""
+    return runner.run(layer_steps(runner, cache, token_ids, plan, loader, policy=policy, deviation_kind=deviation_kind,
+                                  value_weighted=value_weighted, stale_bias=stale_bias, stale_shift=stale_shift))
+
+
+@torch.inference_mode()
+def layer_steps(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
+                *, policy: str, deviation_kind: str, value_weighted: bool = False, stale_bias: bool = False,
+                stale_shift: bool = False, pacer: Pacer | None = None
+                ) -> Generator[None, None, tuple[torch.Tensor, SelectionReport]]:
+    """Run every layer over `cache` (filled by `loader`) computing only the planned rows,
+    pausing (a yield) where `pacer` says a step is full.
 
     `stale_shift`, `stale_bias`: correct the K/V and the scores of the keys left stale
     (`StaleKeys`). Returns the last row's logits (vocab,) and what was selected.
     """
+    pacer = pacer or Pacer(None)
     stale = StaleKeys(plan.cand_rows, plan.n, runner.device, stale_bias and not plan.full,
                       shift=stale_shift and not plan.full)
     if plan.query_pass:
-        return _run_query_driven(runner, cache, token_ids, plan, loader, value_weighted, deviation_kind, stale)
+        return (yield from _run_query_driven(runner, cache, token_ids, plan, loader, value_weighted, deviation_kind,
+                                             stale, pacer))
+    return (yield from _run_check_layers(runner, cache, token_ids, plan, loader, policy, deviation_kind, stale, pacer))
+
+
+def _run_check_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan,
+                      loader: LayerLoader, policy: str, deviation_kind: str, stale: StaleKeys, pacer: Pacer
+                      ) -> Generator[None, None, tuple[torch.Tensor, SelectionReport]]:
     n, dev = plan.n, runner.device
     is_cand = torch.zeros(n, dtype=torch.bool)
     is_cand[plan.cand_rows] = True
@@ -137,6 +181,8 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
         if changed:
             rows = active.to(dev)
             cos, sin = cos_all[rows], sin_all[rows]
+        if layer < runner.num_layers - 1 and pacer.due(computed[-1]):
+            yield from pacer.pause()
     if plan.full:
         recomputed = int(plan.ctx_rows.numel())
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), recomputed,
@@ -147,6 +193,13 @@ def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
 
 def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
                value_weighted: bool = False, computed: list[int] | None = None) -> torch.Tensor:
+    """`query_pass_steps` in one go."""
+    return runner.run(query_pass_steps(runner, cache, token_ids, plan, loader, value_weighted, computed))
+
+
+def query_pass_steps(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan,
+                     loader: LayerLoader, value_weighted: bool = False, computed: list[int] | None = None,
+                     pacer: Pacer | None = None) -> Generator[None, None, torch.Tensor]:
     """Run the query rows through layers 0..plan.query_layers-1 over the loaded K/V
     (waiting for each layer's loads) and return the fused attention score of every
     context position 0..q_start-1, (q_start,) float32.
@@ -189,22 +242,25 @@ def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: Re
                 out = torch.cat([runner.attend(q[:, :nf], fresh, keys[:, :nf], values[:, :nf],
                                                window=runner.windows[layer]), out])
             h = runner.finish(layer, h, out)
+            if pacer is not None and pacer.due(int(rows.numel())):
+                yield from pacer.pause()
     return fused.scores()
 
 
 
 def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan,
-                      loader: LayerLoader, value_weighted: bool, deviation_kind: str, stale: StaleKeys
-                      ) -> tuple[torch.Tensor, SelectionReport]:
+                      loader: LayerLoader, value_weighted: bool, deviation_kind: str, stale: StaleKeys, pacer: Pacer
+                      ) -> Generator[None, None, tuple[torch.Tensor, SelectionReport]]:
     t0 = time.perf_counter()
     passed: list[int] = []  # rows each layer of the query pass computes
-    scores = query_pass(runner, cache, token_ids, plan, loader, value_weighted, passed).cpu()  # (q_start,)
+    scores = (yield from query_pass_steps(runner, cache, token_ids, plan, loader, value_weighted, passed,
+                                          pacer)).cpu()  # (q_start,)
     cand = plan.cand_rows
     forced = torch.zeros(plan.n, dtype=torch.bool)
     forced[plan.forced_rows] = True
     chosen = select_top(scores[cand], cand, plan.counts[0], forced[cand])
     selected = [chosen]
-    selection_s = time.perf_counter() - t0
+    selection_s = time.perf_counter() - t0 - pacer.paused_s  # not the time other sequences' steps took
     n, dev = plan.n, runner.device
     # the fresh rows were computed in the query pass, at every layer
     active = torch.cat([chosen, plan.query_rows])  # (T,) sorted: context rows precede the query
@@ -250,6 +306,8 @@ def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
             h = runner.finish(layer, h, runner.attend(q, active, keys, values, bias=bias, window=window))
         if narrowed:  # the pool was narrowed: the dropped rows are stale from the next layer on
             stale.update(active)
+        if layer < last and pacer.due(computed[-1]):
+            yield from pacer.pause()
     report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), int(chosen.numel()),
                              selection_s, tuple(selected), query_pass=True, key_bias=stale.per_layer(),
                              pass_rows=tuple(passed), layer_rows=tuple(computed))

@@ -37,7 +37,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +51,7 @@ from blend.decode.result import GenerationResult
 from blend.kv.prefix import PrefixCache, intact_end
 from blend.kv.windowed import WindowedChain
 from blend.model.cache import RING_SLACK, KVCache
+from blend.model.runner import Rows
 from blend.prompt.builder import Prompt, PromptBuilder
 from blend.prompt.conversation import ROLES, Message, chat_ids
 from blend.prompt.document import Document, clean_text
@@ -423,10 +424,15 @@ class SessionManager:
                     exact=not (blended and documents), resume_at=resume_at)
 
     def prefill(self, turn: Turn, capacity: int) -> Prefilled:
-        """The exact prefill of a turn: reuse the device copy, else the stored prefix chain;
-        compute the rest. The cache holds `capacity` positions. Sets `turn.stored_end` (the
-        end of the prefix whose blocks are intact in the store) and `turn.exact`. Raises
-        LoadStalled when a tier was too slow (the caller computes the turn whole)."""
+        """`prefill_steps` run alone."""
+        return self.runner.run(self.prefill_steps(turn, capacity))
+
+    def prefill_steps(self, turn: Turn, capacity: int) -> Generator[Rows, torch.Tensor, Prefilled]:
+        """The exact prefill of a turn, as a plan whose computed rows are yielded as `Rows`:
+        reuse the device copy, else the stored prefix chain; compute the rest. The cache
+        holds `capacity` positions. Sets `turn.stored_end` (the end of the prefix whose
+        blocks are intact in the store) and `turn.exact`. Raises LoadStalled when a tier was
+        too slow (the caller computes the turn whole)."""
         session, ids = turn.session, turn.ids
         runner = self.runner
         limit = len(ids) - 1  # at least the last token is computed: its logits start decoding
@@ -443,7 +449,7 @@ class SessionManager:
                 cache = session.cache
                 session.cache = None  # in use by this turn: a failed turn leaves none behind
                 cache.ensure_capacity(capacity)
-                logits = runner.prefill(torch.tensor(ids[common:]), cache, start=common)[0]
+                logits = (yield Rows(torch.tensor(ids[common:]), cache, common))[0]
                 # the blocks below were stored by the turn that filled the device copy
                 turn.stored_end = _block_floor(common, self.prefix.block_tokens)
                 turn.exact = turn.exact and session.exact
@@ -460,7 +466,7 @@ class SessionManager:
             tally.hit_from("prefix_blocks", pl.source)
         # a hybrid model: sliding layers are rings holding the loaded window, then the new tokens
         cache = runner.new_cache(capacity, ring=windowed is not None)
-        logits, load = self.prefix.prefill(ids, chain, cache)
+        logits, load = yield from self.prefix.prefill_steps(ids, chain, cache)
         # a block whose stored layers were unreadable was recomputed by the loader (exactly,
         # with all tokens before it as context) and deleted by its tier: count it as
         # computed and store it again

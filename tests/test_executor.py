@@ -1,0 +1,177 @@
+"""The one step executor (issue 40): a step's rows of several sequences run through the layers
+together (`Runner.forward`: linear layers over every row, attention per sequence), a plan's
+rows run in chunks with every running sequence's decode row alongside, and a blend pass
+pauses between layers for decode steps. None of it changes a number: a request whose prefill
+was cut into chunks beside seven decoding sequences gives what it gives alone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from blend.decode.result import GenerationResult
+from blend.engine.engine import BlendEngine
+from blend.engine.sequence import Handle
+from blend.model.runner import Rows, Runner
+from tests.models import smollm2_tokenizer, tiny_model
+from tests.test_scheduler import DOCS, QUESTIONS, make_engine
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("llama", tokenizer=smollm2_tokenizer())
+
+
+# ---------------------------------------------------------------- the runner
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_forward_runs_a_chunked_prefill_beside_decode_rows_as_each_alone(arch):
+    """A 90-token prompt prefilled in chunks of 13 rows, each step also carrying 7 other
+    sequences' decode rows (one at a ring's wrap on Gemma 3's 16-token sliding layers): the
+    chunked prompt's cache and last logits, and every decode row's logits, within 1e-4 of
+    the same work done alone (`prefill` whole, `decode_step` per sequence)."""
+    runner = Runner(tiny_model(arch, vocab_size=512))
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 512, (90,))
+    others = [torch.randint(0, 512, (n,)) for n in (3, 16, 17, 40, 64, 100, 131)]
+    caches, refs = [], []
+    for ids in others:
+        for group in (caches, refs):
+            cache = runner.new_cache(len(ids) + 20)
+            runner.prefill(ids, cache)
+            group.append(cache)
+    alone = runner.new_cache(90)
+    expected = runner.prefill(prompt, alone)[0]
+    chunked = runner.new_cache(90)
+    rows = Rows(prompt, chunked, 0)
+    tokens = [int(ids[-1]) for ids in others]
+    for a in range(0, 90, 13):
+        chunk = rows.chunk(a, min(90, a + 13))
+        out = runner.forward([chunk, *[Rows(torch.tensor([t]), c, c.length) for t, c in zip(tokens, caches, strict=True)]])
+        single = runner.decode_step(tokens, refs)  # (7, vocab): the same decode rows alone
+        assert (torch.stack([o[0] for o in out[1:]]) - single).abs().max().item() < 1e-4
+        tokens = [int(x.argmax()) for x in single]
+    assert out[0].shape == (1, expected.shape[0])
+    assert (out[0][0] - expected).abs().max().item() < 1e-4
+    assert chunked.length == alone.length == 90
+    for layer in range(runner.num_layers):
+        got_k, got_v = chunked.window(layer, 0, 90) if not chunked.is_ring(layer) else chunked.window(layer, 74, 90)
+        ref_k, ref_v = alone.window(layer, 0, 90) if not alone.is_ring(layer) else alone.window(layer, 74, 90)
+        assert (got_k - ref_k).abs().max().item() < 1e-4 and (got_v - ref_v).abs().max().item() < 1e-4
+    assert [c.length for c in caches] == [c.length for c in refs]
+
+
+def test_rows_chunks_keep_the_wanted_logits_and_refuse_rows_outside():
+    runner = Runner(tiny_model("llama", vocab_size=512))
+    ids = torch.arange(20)
+    whole = runner.new_cache(20)
+    expected = runner.prefill(ids, whole, logit_rows=(3, 11, 19))
+    rows = Rows(ids, runner.new_cache(20), 0, (3, 11, 19))
+    got = [runner.forward([rows.chunk(a, a + 5)])[0] for a in range(0, 20, 5)]
+    assert [g.shape[0] for g in got] == [1, 0, 1, 1]  # rows 3, 11 and 19 fall in chunks 0, 2 and 3
+    assert (torch.cat(got) - expected).abs().max().item() < 1e-4
+    assert runner.forward([Rows(ids[:4], runner.new_cache(4), 0, ())])[0].shape == (0, expected.shape[1])
+    with pytest.raises(ValueError, match="outside"):
+        runner.forward([Rows(ids[:4], runner.new_cache(4), 0, (4,))])
+    with pytest.raises(ValueError, match="empty prompt"):
+        runner.forward([Rows(ids[:0], runner.new_cache(4), 0)])
+
+
+# ------------------------------------------------------------- the scheduler
+def _busy(engine: BlendEngine, n: int = 7) -> list[Handle]:
+    """`n` long generations, returned once every one of them is decoding."""
+    handles = [engine.submit(engine.request(QUESTIONS[i], DOCS[: 1 + i % 3], mode="reuse", max_new_tokens=400))
+               for i in range(n)]
+    deadline = time.monotonic() + 60
+    while engine.scheduler.running < n:
+        assert time.monotonic() < deadline, "the busy sequences never all ran"
+        time.sleep(0.002)
+    return handles
+
+
+def _assert_same(a: GenerationResult, b: GenerationResult) -> None:
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert (a.token_logprobs - b.token_logprobs).abs().max().item() <= 1e-4  # every step's logits
+    assert (a.token_logprobs[0] - b.token_logprobs[0]).abs().max().item() <= 1e-5  # the first token's
+
+
+@pytest.mark.parametrize("mode", ["full", "prefix", "reuse", "blend"])
+def test_a_prefill_cut_into_chunks_beside_seven_decoding_sequences_gives_what_it_gives_alone(lm, mode):
+    """Greedy float32, chunks of 4 rows: the request's tokens and every step's log-probs as
+    when it runs alone (with no chunking). Full and prefix ran their rows in chunks with the
+    seven decode rows alongside; reuse and blend paused between layers for decode steps."""
+    spec = {"mode": mode, "recompute_ratio": 0.3, "max_new_tokens": 12, "logprobs": True}
+    question, docs = "Who designed the tidal mill in Ostend?", DOCS
+    with make_engine(lm, prefill_chunk_tokens=10**6) as engine:
+        engine.ingest(DOCS)
+        if mode == "prefix":  # its blocks stored first, as they are for the busy run below
+            engine.generate(question, docs, **spec)
+        expected = engine.generate(question, docs, **spec)
+    with make_engine(lm, prefill_chunk_tokens=4) as engine:
+        engine.ingest(DOCS)
+        if mode == "prefix":
+            engine.generate(question, docs, **spec)
+        busy = _busy(engine)
+        m = engine.scheduler.metrics
+        rode, advances = m.decode_rows_in_prefill_steps, m.prefill_steps
+        got = engine.generate(question, docs, **spec)
+        rode, advances = m.decode_rows_in_prefill_steps - rode, m.prefill_steps - advances
+        alongside = engine.scheduler.running
+        for handle in busy:
+            handle.cancel()
+    assert alongside == 7  # they were still decoding
+    _assert_same(expected, got)
+    if mode == "full":
+        assert rode >= 7 * 10  # the prompt's ~100 rows in chunks of 4, 7 decode rows in each
+    elif mode == "prefix":
+        assert rode >= 7 * 2  # the rows after the loaded blocks, in chunks of 4
+    else:
+        assert advances > engine.runner.num_layers // 2  # the layer loop paused, decode steps between
+
+
+def test_a_chat_turn_cut_into_chunks_gives_what_it_gives_alone(lm, tmp_path):
+    """A chat turn's exact prefill (the first: computed; the second: the device copy and the
+    new rows) in chunks beside seven decoding sequences, against the same turns alone."""
+    with make_engine(lm, tmp_path / "a", prefill_chunk_tokens=10**6) as engine:
+        engine.ingest(DOCS)
+        first = engine.chat("s", "Tell me about the mill. " * 6, max_new_tokens=10)
+        second = engine.chat("s", "And the lighthouse? " * 6, max_new_tokens=10)
+    with make_engine(lm, tmp_path / "b", prefill_chunk_tokens=4) as engine:
+        engine.ingest(DOCS)
+        busy = _busy(engine)
+        rode = engine.scheduler.metrics.decode_rows_in_prefill_steps
+        first_b = engine.chat("s", "Tell me about the mill. " * 6, max_new_tokens=10)
+        second_b = engine.chat("s", "And the lighthouse? " * 6, max_new_tokens=10)
+        rode = engine.scheduler.metrics.decode_rows_in_prefill_steps - rode
+        for handle in busy:
+            handle.cancel()
+    assert rode >= 7 * 10
+    for a, b in ((first, first_b), (second, second_b)):  # (a chat turn has no log-probs to compare)
+        assert a.token_ids == b.token_ids and a.text == b.text and a.stats.mode == b.stats.mode
+
+
+def test_a_plan_whose_rows_are_refused_fails_alone_and_the_decode_rows_go_on(lm):
+    """Rows the executor refuses (a prompt past the model's positions, reached only in the
+    executor here) end that request with the error; the sequences decoding beside it lose
+    no token and end as they would have."""
+    from blend.engine.sequence import Finished, Task
+
+    with make_engine(lm, prefill_chunk_tokens=4) as engine:
+        engine.ingest(DOCS)
+        expected = engine.generate(QUESTIONS[0], DOCS[:1], mode="reuse", max_new_tokens=30, logprobs=True)
+        other = engine.submit(engine.request(QUESTIONS[0], DOCS[:1], mode="reuse", max_new_tokens=30), logprobs=True)
+        while engine.scheduler.running < 1:
+            time.sleep(0.002)
+        runner = engine.runner
+
+        def bad_rows():
+            cache = runner.new_cache(8)
+            yield Rows(torch.zeros(runner.max_positions + 1, dtype=torch.long), cache, 0)
+
+        handle = Handle()
+        engine.scheduler.submit(Task("bad", bad_rows, handle))
+        events = list(handle.events())
+        got = other.result()
+    assert isinstance(events[-1], Finished) and "positions" in str(events[-1].error)
+    _assert_same(expected, got)
