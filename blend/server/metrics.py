@@ -136,6 +136,11 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily("kvblend_resume_seconds", "Time spent resuming preempted sequences",
                                   value=m.resume_s)
         yield CounterMetricFamily("kvblend_decode_steps", "Decode steps run", value=m.decode_steps)
+        yield CounterMetricFamily("kvblend_prefill_chunks", "Steps that ran a chunk of a prefill's rows",
+                                  value=m.prefill_chunks)
+        yield CounterMetricFamily("kvblend_decode_rows_in_prefill_steps",
+                                  "Decode rows computed in the same pass as a prefill chunk",
+                                  value=m.decode_rows_in_prefill_steps)
         busy = CounterMetricFamily("kvblend_scheduler_busy_seconds", "Time the scheduler spent in each kind of step",
                                    labels=["step"])
         busy.add_metric(["prefill"], m.prefill_s)

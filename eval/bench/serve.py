@@ -97,6 +97,9 @@ class Level:
             "max_num_seqs": self.max_num_seqs,
             "mean_batch_size": round(self.scheduler["batch_sum"] / steps, 3) if steps else None,
             "preemptions": int(self.scheduler["preemptions"]) if "preemptions" in self.scheduler else None,
+            # decode rows computed in the same forward pass as a prefill chunk (they waited for no prefill)
+            "decode_rows_in_prefill_steps": int(self.scheduler["decode_rows_in_prefill_steps"])
+            if "decode_rows_in_prefill_steps" in self.scheduler else None,
             # where the server's scheduler spent the level: prefills do not batch, decode steps do
             "prefill_busy_s": round(self.scheduler["prefill_s"], 3) if "prefill_s" in self.scheduler else None,
             "decode_busy_s": round(self.scheduler["decode_s"], 3) if "decode_s" in self.scheduler else None,
@@ -239,6 +242,7 @@ def scheduler_counters(http: httpx.Client, base: str) -> dict[str, float]:
         return {}
     wanted = {"kvblend_decode_batch_size_count": "decode_steps", "kvblend_decode_batch_size_sum": "batch_sum",
               "kvblend_preemptions_total": "preemptions",
+              "kvblend_decode_rows_in_prefill_steps_total": "decode_rows_in_prefill_steps",
               'kvblend_scheduler_busy_seconds_total{step="prefill"}': "prefill_s",
               'kvblend_scheduler_busy_seconds_total{step="decode"}': "decode_s"}
     found: dict[str, float] = {}
