@@ -790,3 +790,28 @@ def test_engines_with_different_secrets_on_one_store_each_hit_their_own_entries(
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_an_unreadable_entry_is_rebuilt_on_the_schedulers_thread_not_the_loaders(tmp_path, monkeypatch):
+    """The model runs on one thread: an entry whose stored layers decode to NaN is recomputed
+    by the scheduler's thread while it waits for that layer (the loader only asks for it)."""
+    from blend.model.runner import Runner
+
+    threads: list[str] = []
+    forward = Runner.forward
+
+    def recording(self, items, before_layer=None):
+        threads.append(threading.current_thread().name)
+        return forward(self, items, before_layer)
+
+    with make_engine([{"kind": "disk", "path": str(tmp_path / "cache"), "budget": "256MiB",
+                       "codec": "int8"}]) as engine:
+        engine.ingest(DOCS)
+        tier = engine.store.tiers[0]
+        for key in tier.keys():
+            tier.put(key, _nan_scales(tier.get(key)))
+        monkeypatch.setattr(Runner, "forward", recording)
+        got, err = bounded(lambda: engine.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=2))
+        assert err is None, err
+        assert got.stats.load.recomputed_segments > 0
+    assert threads and set(threads) == {"kvblend-scheduler"}

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
 import threading
 import time
 from collections import Counter
@@ -116,6 +117,15 @@ class Placement:
     def layer_nbytes(self) -> int:
         """Bytes one layer of its entry reads (as stored)."""
         return self.header.layer_nbytes
+
+
+class _RebuildJob:
+    """An entry to rebuild on the compute side's thread (its stored layer was unreadable)."""
+
+    def __init__(self, placement: Placement):
+        self.placement = placement
+        self.done = threading.Event()
+        self.error: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -291,6 +301,11 @@ class LayerLoader:
         self.copies = 0  # copy operations into the cache or onto the device
         self.recomputed_segments = 0
         self.layers_done = 0
+        # entries whose stored layers were unreadable, rebuilt on the compute side's thread (in `wait`):
+        # the model runs on one thread only, the scheduler's
+        self._rebuilds: queue.SimpleQueue[_RebuildJob] = queue.SimpleQueue()
+        self._waited: set[int] = set()
+        self._rebuild_s = 0.0  # time the last wait spent rebuilding
         dtypes = {p.header.dtype for p in self.placements}
         if staged is None:
             staged = self._cuda if FORCE_STAGED is None else FORCE_STAGED
@@ -314,17 +329,40 @@ class LayerLoader:
         self.read_s_by_tier[p.source] += seconds
 
     def _recompute(self, p: Placement, layer: int) -> KVEntry:
-        """The in-memory entry of `p`, recomputing it when a stored layer was unreadable."""
+        """The in-memory entry of `p`, recomputed when a stored layer was unreadable: asked of
+        the compute side, which rebuilds it on its own thread while it waits for a layer
+        (`wait`); this thread waits for it (or for the loader to be stopped)."""
         if self._stop:  # closed or abandoned: nobody waits for this layer any more
             raise LoadStalled("the loader was stopped", ())
         if p.entry is None:
             assert p.located is not None
             log.warning("cached layer %d of %s unreadable; recomputing that chunk", layer, p.located.key[:16])
-            p.entry = p.recompute()
+            job = _RebuildJob(p)
+            self._rebuilds.put(job)
+            while not job.done.wait(0.05):
+                if self._stop:
+                    raise LoadStalled("the loader was stopped", ())
+            if job.error is not None:
+                raise job.error
             self.recomputed_segments += 1
             if p.located is not None and self.store is not None:
                 self.store.repair(p.located, p.entry)
         return p.entry
+
+    def _serve_rebuilds(self) -> float:
+        """Rebuild the entries the loader asked for, here (the compute side's thread); the
+        seconds it took."""
+        t0 = time.perf_counter()
+        while True:
+            try:
+                job = self._rebuilds.get_nowait()
+            except queue.Empty:
+                return time.perf_counter() - t0
+            try:
+                job.placement.entry = job.placement.recompute()
+            except BaseException as err:  # noqa: BLE001 - handed to the loader, which fails the load with it
+                job.error = err
+            job.done.set()
 
     def _begin_span(self) -> None:
         """Mark where this layer's device work (copies, placement) starts on the copy stream."""
@@ -398,7 +436,7 @@ class LayerLoader:
         On CUDA the compute stream is made to wait for that layer's copies (the host does
         not block on them); the GPU time it idles there is the exposed load."""
         event = self._ready.get(layer)
-        if event is None:
+        if event is None or layer in self._waited:  # (a plan's rows run in chunks: each waits)
             return
         before = None
         if self._cuda:
@@ -406,7 +444,7 @@ class LayerLoader:
             before.record()
         if not event.is_set():
             t0 = time.perf_counter()
-            if not event.wait(self.stall_s):
+            if not self._wait_serving(event):
                 self._abandoned = self._stop = True
                 with _shared_lock:
                     _abandoned.difference_update([t for t in _abandoned if not t.is_alive()])
@@ -418,9 +456,10 @@ class LayerLoader:
                     self.store.suspend(tiers, str(stalled))  # skipped for a while (where a tier has a backoff)
                 raise stalled
             if not self._cuda:
-                self.exposed_load_s += time.perf_counter() - t0
+                self.exposed_load_s += time.perf_counter() - t0 - self._rebuild_s
         if self._error is not None:
             raise self._error
+        self._waited.add(layer)
         if layer in self._cuda_events:
             torch.cuda.current_stream(self.device).wait_event(self._cuda_events.pop(layer))
             if before is not None:
@@ -428,6 +467,22 @@ class LayerLoader:
                 after.record()
                 self._stalls.append((before, after))
         self._slots.release()
+
+    def _wait_serving(self, event: threading.Event) -> bool:
+        """Wait for `event`, rebuilding unreadable entries meanwhile (their time is neither
+        load time nor counted against `stall_s`); False after `stall_s` of waiting."""
+        self._rebuild_s = 0.0
+        waited = 0.0
+        while True:
+            step = 0.005 if self.stall_s is None else min(0.005, max(self.stall_s - waited, 0.0))
+            if event.wait(step):
+                return True
+            waited += step
+            self._rebuild_s += self._serve_rebuilds()
+            if event.is_set():
+                return True
+            if self.stall_s is not None and waited >= self.stall_s:
+                return False
 
     def close(self) -> None:
         """Stop the loader thread; on CUDA, order the compute stream after every copy issued and
