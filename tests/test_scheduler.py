@@ -118,10 +118,17 @@ def test_decode_step_of_a_batch_equals_one_step_per_sequence(lm):
 # ------------------------------------------------------------------- policy
 def test_admission_respects_max_num_seqs_and_one_prefill_between_decodes(lm, monkeypatch):
     events: list[str] = []
-    advance, decode_once = Scheduler._advance, Scheduler._decode_once
-    monkeypatch.setattr(Scheduler, "_advance", lambda self, error=None: events.append("p") or advance(self, error))
-    monkeypatch.setattr(Scheduler, "_decode_once",
-                        lambda self, chunk=None: events.append("d") or decode_once(self, chunk))
+    advance, forward = Scheduler._advance, Scheduler._forward
+
+    def advancing(self, error=None):  # "p": a plan's unit of compute (rows it asks for run in forward passes)
+        outcome = advance(self, error)
+        if outcome.name == "UNIT":
+            events.append("p")
+        return outcome
+
+    monkeypatch.setattr(Scheduler, "_advance", advancing)
+    monkeypatch.setattr(Scheduler, "_forward",
+                        lambda self, chunk, decode: (events.append("d") if decode else None) or forward(self, chunk, decode))
     with make_engine(lm, max_num_seqs=3) as engine:
         engine.ingest(DOCS)
         events.clear()

@@ -1,32 +1,39 @@
 """The scheduler: one thread that owns the model and runs every request on it.
 
-It keeps a FIFO of waiting items (generations and tasks) and a running set of sequences
-that are decoding. Each step of its loop does one of two things:
+It keeps a FIFO of waiting items (generations and tasks), one prefill slot (the item whose
+plan is under way) and a running set of sequences that are decoding. Policy and execution
+are apart: `schedule()` decides the next `Step` from plain data (no model work, no I/O),
+`_run_step` runs it. A step is one of:
 
-    one prefill step   the item at the head of the queue is admitted (a sequence: while the
-                       running set is below `max_num_seqs` and its KV fits `max_active_kv`;
-                       a task: always) and runs one bounded unit of its prefill (a document
-                       miss's forward pass, or the whole layer loop of a full / prefix /
-                       reuse / blend prefill, as blend.engine.prefill plans it); when its
-                       prefill ends, a sequence samples its first token and joins the batch
-    one decode step    every running sequence advances one token: the linear layers run
-                       once over the batch's newest tokens, attention per sequence over its
-                       own KV (`Runner.decode_step`); each samples with its own parameters
+    an advance     the plan in the prefill slot runs to its next pause (the head of the
+                   queue is admitted first into an empty slot: a sequence while the running
+                   set is below `max_num_seqs` and its KV fits `max_active_kv`; a task
+                   always). A plan (blend.engine.prefill) is a generator: it asks for rows
+                   (`Rows`: tokens at positions of its cache), or computes a bounded unit
+                   itself (a missed document's pass, a group of blend layers), or ends with
+                   its value; a sequence then samples its first token and joins the batch
+    a forward pass the next `prefill_chunk_tokens` of the rows the plan asked for (all of
+                   them when nothing decodes) and the next token of every running sequence,
+                   in one `Runner.forward`: the linear layers once over every row, attention
+                   per sequence over its own KV; each sequence samples with its own
+                   parameters. With no rows pending it is a plain decode step.
 
-Running sequences are never starved: between two decode steps at most
-`prefills_between_decodes` prefill steps run (1 by default). A cancelled or timed-out item
-leaves at the next step (a waiting one is dropped, a running one frees its slot); one that
-ends (end of sequence, a stop string, max tokens) frees its slot at once. A failure of one
-item (its prefill raised, or sampling from its logits did: e.g. logits that are not finite)
-ends that item with the error, its caller told; the others go on. Only a failure of the loop
-itself (the batched model call: e.g. out of memory) fails every item.
+Running sequences are never starved: a plan's rows carry every decode row alongside, and
+between two decode passes at most `prefills_between_decodes` units run (1 by default), so
+no stream waits longer than one chunk or one unit. A cancelled or timed-out item leaves at
+the next step (a waiting one is dropped, a running one frees its slot); one that ends (end
+of sequence, a stop string, max tokens) frees its slot at once. A failure of one item (its
+plan raised, its rows were refused, or sampling from its logits failed: e.g. logits that
+are not finite) ends that item with the error, its caller told; the others go on. Only a
+failure of the loop itself (a decode pass: e.g. out of memory) fails every item.
 
 Memory: a sequence's cache is allocated for its prompt and the first `DECODE_RESERVE` new
 tokens and grows as it decodes. When growing would take the running set's KV past
 `max_active_kv`, the newest running sequence is preempted: its KV is parked in the tiers
 (blend.kv.offload, the prefix-block machinery) and it goes back to the head of the queue;
-when it is admitted again its KV is read back (or, if the tiers lost it, recomputed) and it
-continues where it stopped, with the same output.
+when it is admitted again its KV is read back (or, if the tiers lost it, recomputed: its
+plan again, then the tokens it had decoded as rows) and it continues where it stopped,
+with the same output.
 """
 
 from __future__ import annotations
@@ -110,6 +117,18 @@ class SchedulerMetrics:
     def mean_batch_size(self) -> float:
         steps = sum(self.batch_sizes.values())
         return sum(size * n for size, n in self.batch_sizes.items()) / steps if steps else 0.0
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step's work as `Scheduler.schedule` decides it (plain data; `_run_step` runs it)."""
+
+    admit: Sequence | Task | None = None  # taken from the queue into the prefill slot first
+    advance: bool = False  # the plan in the prefill slot runs to its next pause
+    chunk: tuple[int, int] | None = None  # rows a..b of the rows that plan asked for, computed this step
+    decode: tuple[Sequence, ...] = ()  # running sequences whose next token this step computes
+    grow: tuple[tuple[Sequence, int], ...] = ()  # full caches grown to these capacities first
+    preempt: tuple[Sequence, ...] = ()  # the newest sequences parked in the tiers to make room
 
 
 class _Outcome(enum.Enum):
@@ -261,49 +280,116 @@ class Scheduler:
         self.metrics.background_steps += 1
 
     def _step(self) -> None:
-        """One step: the plan under way advances (or the head of the queue is admitted); rows
-        it asked for run a chunk at a time with every running sequence's decode row alongside;
-        a unit it computed itself is followed by a decode step; else the running set decodes."""
         self._reap()
-        if self._rows is None and self._prefill_allowed():
+        self._run_step(self.schedule())
+
+    # ------------------------------------------------------------------ policy
+    def schedule(self) -> Step:
+        """The next step, decided from plain data (the queue, the prefill slot, the running
+        set; no model work, no I/O):
+
+        - the plan in the prefill slot advances to its next pause, or the head of the queue
+          is admitted into the empty slot and starts (a sequence while fewer than
+          `max_num_seqs` run and its KV fits `max_active_kv`; a task always), unless its
+          rows are pending or `prefills_between_decodes` units ran since the last decode;
+        - else one forward pass: the next `prefill_chunk_tokens` of the rows the plan asked
+          for (all of them when no sequence decodes), every running sequence's next token
+          alongside; before it, caches that are full grow, and where growing would take the
+          running set past `max_active_kv` the newest sequences are preempted.
+        """
+        units_due = not (self._running and self._since_decode >= self.config.prefills_between_decodes)
+        if self._rows is None and units_due:
+            if self._current is not None:
+                return Step(advance=True)
+            head = self._admissible()
+            if head is not None:
+                return Step(admit=head, advance=True)
+        if self._rows is None and not self._running:
+            return Step()
+        grow, preempt = self._room()
+        decode = tuple(s for s in self._running if s not in preempt)
+        chunk = None
+        if self._rows is not None:
+            n, a = len(self._rows), self._rows_done
+            chunk = (a, min(n, a + self.config.prefill_chunk_tokens) if decode else n)
+        return Step(chunk=chunk, decode=decode, grow=grow, preempt=preempt)
+
+    def _admissible(self) -> Sequence | Task | None:
+        """The head of the queue when it may start now."""
+        with self._cond:
+            if not self._waiting:
+                return None
+            head = self._waiting[0]
+        if isinstance(head, Sequence) and self._running:
+            if len(self._running) >= self.config.max_num_seqs:
+                return None
+            if self.active_kv_bytes() + self._estimate(head) > self.config.max_active_kv:
+                return None
+        return head
+
+    def _room(self) -> tuple[tuple[tuple[Sequence, int], ...], tuple[Sequence, ...]]:
+        """Room for one more position in every running cache: (sequence, new capacity) for the
+        caches that are full, and the newest sequences to preempt while that growth would take
+        the running set past `max_active_kv` (never the last one)."""
+        alive = list(self._running)
+        active = self.active_kv_bytes()
+        grow: list[tuple[Sequence, int]] = []
+        preempt: list[Sequence] = []
+        for seq in list(alive):
+            if seq not in alive:  # preempted for an older one
+                continue
+            cache = seq.cache
+            assert cache is not None
+            if cache.length < cache.capacity:
+                continue
+            limit = len(seq.prompt_ids) + seq.generation.max_new_tokens
+            grown = min(max(cache.capacity + GROW_MIN, cache.capacity * 5 // 4), max(limit, cache.length + 1))
+            extra = cache.growth_bytes(grown)  # per layer type: a sliding layer's ring does not grow
+            while len(alive) > 1 and active + extra > self.config.max_active_kv:
+                victim = alive.pop()  # the newest
+                preempt.append(victim)
+                active -= victim.cache.allocated_bytes() if victim.cache is not None else 0
+                if victim is seq:
+                    break
+            if seq in alive:
+                grow.append((seq, grown))
+                active += extra
+        return tuple(grow), tuple(preempt)
+
+    # -------------------------------------------------------------- execution
+    def _run_step(self, step: Step) -> None:
+        """Run what `schedule` decided: a plan's advance, or one forward pass."""
+        if step.advance:
+            if step.admit is not None:
+                self._start(step.admit)
             t0 = time.perf_counter()
             outcome = self._advance()
             self.metrics.prefill_s += time.perf_counter() - t0
             if outcome is _Outcome.UNIT:
                 self._since_decode += 1
-                return
-        if self._rows is not None:
-            t0 = time.perf_counter()
-            self._rows_once()
+            return
+        if step.chunk is None and not step.decode:
+            if self._waiting:  # nothing runs and nothing could start: cannot happen
+                time.sleep(0.001)  # (admission always admits into an empty running set)
+            return
+        for seq in step.preempt:
+            self._preempt(seq)
+        for seq, capacity in step.grow:
+            assert seq.cache is not None
+            seq.cache.ensure_capacity(capacity)
+        self.metrics.peak_active_kv = max(self.metrics.peak_active_kv, self.active_kv_bytes())
+        t0 = time.perf_counter()
+        self._forward(step.chunk, step.decode)
+        if step.chunk is not None:
             self.metrics.prefill_s += time.perf_counter() - t0
-            self._since_decode = 0
-        elif self._running:
-            t0 = time.perf_counter()
-            self._decode_once()
+        else:
             self.metrics.decode_s += time.perf_counter() - t0
-            self._since_decode = 0
-        elif self._waiting:  # nothing runs and nothing could start: cannot happen
-            time.sleep(0.001)  # (admission always admits into an empty running set)
+        self._since_decode = 0
 
-    def _prefill_allowed(self) -> bool:
-        if self._running and self._since_decode >= self.config.prefills_between_decodes:
-            return False
-        if self._current is not None:
-            return True
-        return self._admit()
-
-    def _admit(self) -> bool:
-        """Move the head of the queue into the prefill slot when it may start."""
+    def _start(self, head: Sequence | Task) -> None:
+        """Move `head` from the queue into the prefill slot and make its plan's steps."""
         with self._cond:
-            if not self._waiting:
-                return False
-            head = self._waiting[0]
-            if isinstance(head, Sequence) and self._running:
-                if len(self._running) >= self.config.max_num_seqs:
-                    return False
-                if self.active_kv_bytes() + self._estimate(head) > self.config.max_active_kv:
-                    return False
-            self._waiting.popleft()
+            self._waiting.remove(head)
         now = time.monotonic()
         if isinstance(head, Task):
             head.started = now
@@ -316,7 +402,6 @@ class Scheduler:
                 head.started = now
                 head.steps = head.make_prefill()
         self._current = head
-        return True
 
     def _estimate(self, seq: Sequence) -> int:
         """KV bytes a waiting sequence will hold once started."""
@@ -328,7 +413,7 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill
     def _advance(self, error: Exception | None = None) -> _Outcome:
         """The current item's plan runs to its next pause (`error`: thrown into it, e.g. its
-        loads stalled in the executor): it asks for rows (`Rows`: run by `_rows_once`),
+        loads stalled in the executor): it asks for rows (`Rows`: run by `_forward`),
         computed a unit itself (None), or ended (its prefill's value: the sequence joins the
         running set; a task ends)."""
         item = self._current
@@ -364,31 +449,6 @@ class Scheduler:
             self._fail(item, err)
         return _Outcome.ENDED
 
-    def _rows_once(self) -> None:
-        """The next chunk of the rows the current plan asked for (all that is left when no
-        sequence is decoding), every running sequence's decode row alongside in the same
-        forward pass. When the last chunk ran, the logits go back into the plan."""
-        rows = self._rows
-        assert rows is not None
-        n, a = len(rows), self._rows_done
-        b = min(n, a + self.config.prefill_chunk_tokens) if self._running else n
-        chunk = rows if (a, b) == (0, n) else rows.chunk(a, b)
-        try:
-            logits = self._decode_once(chunk)
-        except Exception as err:  # noqa: BLE001 - the plan's (its loads stalled, its rows were refused)
-            # nothing was emitted: the decode rows run again next step (their slots are rewritten)
-            self._rows = None
-            self._advance(error=err)
-            return
-        assert logits is not None
-        self.metrics.prefill_chunks += 1
-        self._rows_logits.append(logits)
-        self._rows_done = b
-        if b == n:
-            self._rows = None
-            self._reply = self._rows_logits[0] if len(self._rows_logits) == 1 else torch.cat(self._rows_logits)
-            self._rows_logits = []
-
     def _join(self, seq: Sequence, value: Any) -> None:
         """A sequence whose prefill ended: its first token sampled and emitted, then it joins the
         running set (or ends)."""
@@ -415,29 +475,45 @@ class Scheduler:
             seq.handle.emit(delta)
 
     # ------------------------------------------------------------------- decode
-    def _decode_once(self, chunk: Rows | None = None) -> torch.Tensor | None:
-        """Every running sequence advances one token (`chunk`: a plan's rows computed in the
-        same forward pass, their logits returned): the linear layers once over every row,
-        attention per sequence (`Runner.forward`); each samples with its own parameters."""
-        self._make_room()
-        batch = list(self._running)
-        items = [Rows(torch.tensor([s.generation.pending]), s.cache, s.cache.length) for s in batch]
+    def _forward(self, chunk: tuple[int, int] | None, decode: tuple[Sequence, ...]) -> None:
+        """One forward pass (`Runner.forward`): rows a..b of the rows the plan asked for
+        (`chunk`) and the next token of every sequence in `decode`, the linear layers once over
+        every row, attention per sequence; each decoding sequence samples with its own
+        parameters. When the chunk ends the rows, their logits go back into the plan at its
+        next advance. A failure here is the plan's (its loads stalled, its rows were refused):
+        thrown into it; nothing was emitted, and the decode rows run again next step (their
+        slots are rewritten)."""
+        items = [Rows(torch.tensor([s.generation.pending]), s.cache, s.cache.length) for s in decode]
+        rows = self._rows
         if chunk is not None:
-            items.insert(0, chunk)
-        if not items:
-            return None
-        out = self.runner.forward(items)  # per item: (rows, vocab)
-        reply = out.pop(0) if chunk is not None else None
-        size = len(batch)
+            assert rows is not None
+            a, b = chunk
+            items.insert(0, rows if (a, b) == (0, len(rows)) else rows.chunk(a, b))
+        try:
+            out = self.runner.forward(items)  # per item: (rows, vocab)
+        except Exception as err:  # noqa: BLE001 - see above; a pure decode step's failure fails every item
+            if chunk is None:
+                raise
+            self._rows = None
+            self._advance(error=err)
+            return
+        if chunk is not None:
+            assert rows is not None
+            self._rows_logits.append(out.pop(0))
+            self._rows_done = chunk[1]
+            self.metrics.prefill_chunks += 1
+            self.metrics.decode_rows_in_prefill_steps += len(decode)
+            if self._rows_done == len(rows):
+                logits, self._rows, self._rows_logits = self._rows_logits, None, []
+                self._reply = logits[0] if len(logits) == 1 else torch.cat(logits)
+        size = len(decode)
         if not size:
-            return reply
+            return
         if chunk is None:
             self.metrics.decode_steps += 1
             self.metrics.batch_sizes[size] += 1
-        else:
-            self.metrics.decode_rows_in_prefill_steps += size
         self.metrics._recent.append((time.monotonic(), size))
-        for b, seq in enumerate(batch):
+        for b, seq in enumerate(decode):
             seq.decode_steps += 1
             seq.batch_total += size
             try:
@@ -446,29 +522,6 @@ class Scheduler:
                     self._end(seq)
             except Exception as err:  # noqa: BLE001 - this sequence fails alone; the batch goes on
                 self._fail(seq, err)
-        return reply
-
-    def _make_room(self) -> None:
-        """Give every running sequence room for one more position; preempt the newest
-        sequences while the growth would take the running set past `max_active_kv`."""
-        for seq in list(self._running):
-            if seq not in self._running:  # preempted meanwhile
-                continue
-            cache = seq.cache
-            assert cache is not None
-            if cache.length < cache.capacity:
-                continue
-            limit = len(seq.prompt_ids) + seq.generation.max_new_tokens
-            grown = min(max(cache.capacity + GROW_MIN, cache.capacity * 5 // 4), max(limit, cache.length + 1))
-            extra = cache.growth_bytes(grown)  # per layer type: a sliding layer's ring does not grow
-            while len(self._running) > 1 and self.active_kv_bytes() + extra > self.config.max_active_kv:
-                victim = self._running[-1]  # the newest
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            if seq in self._running:
-                cache.ensure_capacity(grown)
-        self.metrics.peak_active_kv = max(self.metrics.peak_active_kv, self.active_kv_bytes())
 
     def _preempt(self, seq: Sequence) -> None:
         """Park `seq`'s KV in the tiers and put it back at the head of the queue."""
