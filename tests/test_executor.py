@@ -6,6 +6,7 @@ was cut into chunks beside seven decoding sequences gives what it gives alone.""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -175,3 +176,35 @@ def test_a_plan_whose_rows_are_refused_fails_alone_and_the_decode_rows_go_on(lm)
         got = other.result()
     assert isinstance(events[-1], Finished) and "positions" in str(events[-1].error)
     _assert_same(expected, got)
+
+
+def test_schedule_decides_from_plain_data(lm):
+    """`schedule()` is policy only (its state set by hand here, the thread never started): with
+    rows pending and sequences decoding, one chunk of `prefill_chunk_tokens` rows and every
+    decode row; with nothing decoding, all the rows left; after a plan's unit, a decode pass;
+    a full cache that cannot grow within `max_active_kv` preempts the newest sequence. It
+    changes nothing itself: the same answer twice, no cache grown, nobody parked."""
+    from blend.engine.scheduler import Step
+
+    with make_engine(lm, prefill_chunk_tokens=5) as engine:
+        sched, runner = engine.scheduler, engine.runner
+        assert sched.schedule() == Step()  # idle
+        sched._rows = Rows(torch.arange(12), runner.new_cache(12), 0)
+        assert sched.schedule() == Step(chunk=(0, 12))  # nothing decodes: every row at once
+        seqs = [engine._sequence(engine.request(QUESTIONS[0], DOCS[:1], mode="full", max_new_tokens=40), Handle())
+                for _ in range(2)]
+        for seq in seqs:
+            seq.cache = runner.new_cache(8)
+            seq.cache.length = 4
+        sched._running = list(seqs)
+        sched._rows_done = 5
+        assert sched.schedule() == sched.schedule() == Step(chunk=(5, 10), decode=tuple(seqs))
+        sched._rows, sched._since_decode = None, 1
+        assert sched.schedule() == Step(decode=tuple(seqs))  # a unit ran: the decode pass comes first
+        for seq in seqs:
+            seq.cache.length = 8  # full
+        sched.config = dataclasses.replace(sched.config, max_active_kv=sched.active_kv_bytes() + 1)
+        step = sched.schedule()
+        assert step.preempt == (seqs[1],) and step.decode == (seqs[0],) and step.grow[0][0] is seqs[0]
+        assert [s.cache.capacity for s in seqs] == [8, 8] and sched.metrics.preemptions == 0
+        sched._running = []
