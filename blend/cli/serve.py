@@ -56,7 +56,7 @@ def _body_bytes(text: str) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from blend.engine.engine import BlendEngine
     from blend.server import listen_socket, serve
-    from blend.server.app import ServerSettings
+    from blend.server.state import ServerSettings
 
     sock = listen_socket(args.host, args.port)  # before the model loads: a taken port fails at once
     try:

@@ -1,9 +1,13 @@
 """`kvblend serve`: an OpenAI-compatible HTTP server over one BlendEngine.
 
-  app.py      the FastAPI application (endpoints, errors, streaming)
-  schemas.py  request bodies (pydantic) and response bodies (OpenAI's shapes)
-  worker.py   the engine's worker thread and bounded queue (the concurrency contract)
-  metrics.py  Prometheus metrics
+  app.py       the FastAPI application: create_app, its lifespan, the body limit
+  state.py     ServerSettings and the one ServerState the handlers share
+  handlers.py  the endpoints (module-level functions over the ServerState)
+  stream.py    a generation streamed as server-sent events
+  jobs.py      an engine item as the event loop waits on it (queue full: 503, timeouts, disconnects)
+  errors.py    every error as OpenAI's error object
+  schemas.py   request bodies (pydantic) and response bodies (OpenAI's shapes)
+  metrics.py   Prometheus metrics
 
 `listen_socket(host, port)` binds and listens first (one-line errors naming the fix, before
 the model loads; connections that arrive while it loads wait in the backlog); `serve(engine, settings, sock)` runs the app on it with uvicorn until
@@ -18,7 +22,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from blend.engine.engine import BlendEngine
-    from blend.server.app import ServerSettings
+    from blend.server.state import ServerSettings
 
 
 LISTEN_BACKLOG = 2048  # uvicorn's default
