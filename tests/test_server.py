@@ -578,6 +578,7 @@ def test_bench_serve_against_the_running_server(server, setup, tmp_path):
     for level in summary["levels"]:
         assert level["ok"] == 3 and level["lost"] == 0 and level["hit_rate"] == 1.0
         assert level["max_num_seqs"] == 8 and level["preemptions"] == 0  # the running server's setting
+        assert isinstance(level["decode_rows_in_prefill_steps"], int) and level["decode_rows_in_prefill_steps"] >= 0
         assert level["mean_batch_size"] >= 1.0
         assert level["prefill_busy_s"] > 0 and level["decode_busy_s"] > 0 and level["decode_ms_per_step"] > 0
         assert level["prefill_busy_s"] + level["decode_busy_s"] <= level["wall_s"]  # one scheduler thread
@@ -703,5 +704,8 @@ def test_inter_token_latency_is_the_gaps_between_a_stream_s_chunks():
                                       Sample(False, error="HTTP 503", gaps_s=[9.0])], wall_s=2.0)
     summary = level.summary()
     assert summary["itl_p50_s"] == 0.2 and summary["itl_p99_s"] == 0.298  # numpy percentiles, the failed one left out
+    assert summary["decode_rows_in_prefill_steps"] is None  # no server counters read
+    level.scheduler = {"decode_steps": 4.0, "batch_sum": 8.0, "decode_rows_in_prefill_steps": 21.0}
+    assert level.summary()["decode_rows_in_prefill_steps"] == 21
     assert Level(clients=1, samples=[Sample(True, ttft_s=0.1, e2e_s=0.1, tokens=1)], wall_s=1.0).summary()[
         "itl_p50_s"] is None
