@@ -192,7 +192,8 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok" if ready else "starting", "model": state.model,
                          "queue_depth": scheduler.depth(), "queue_size": state.settings.queue_size,
                          "running": scheduler.running, "waiting": scheduler.waiting,
-                         "max_num_seqs": scheduler.config.max_num_seqs},
+                         "max_num_seqs": scheduler.config.max_num_seqs,
+                         "prefill_chunk_tokens": scheduler.config.prefill_chunk_tokens},
                         status_code=200 if ready else 503)
 
 

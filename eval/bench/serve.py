@@ -86,6 +86,7 @@ class Level:
     samples: list[Sample] = field(default_factory=list)
     wall_s: float = 0.0
     max_num_seqs: int | None = None  # the server's setting
+    prefill_chunk_tokens: int | None = None  # the server's setting (engine.prefill_chunk_tokens, from /health)
     scheduler: dict[str, float] = field(default_factory=dict)  # the server's counters over this level
 
     def summary(self) -> dict[str, Any]:
@@ -95,6 +96,7 @@ class Level:
         steps = self.scheduler.get("decode_steps", 0.0)
         return {
             "max_num_seqs": self.max_num_seqs,
+            "prefill_chunk_tokens": self.prefill_chunk_tokens,
             "mean_batch_size": round(self.scheduler["batch_sum"] / steps, 3) if steps else None,
             "preemptions": int(self.scheduler["preemptions"]) if "preemptions" in self.scheduler else None,
             # decode rows computed in the same forward pass as a prefill chunk (they waited for no prefill)
@@ -253,12 +255,19 @@ def scheduler_counters(http: httpx.Client, base: str) -> dict[str, float]:
     return found
 
 
+def server_health(http: httpx.Client, base: str) -> dict[str, Any]:
+    """The running server's /health object (its settings), or {}."""
+    try:
+        health = http.get(base + "/health", timeout=30).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return health if isinstance(health, dict) else {}
+
+
 def server_setting(http: httpx.Client, base: str) -> int | None:
     """The running server's max_num_seqs (from /health), or None."""
-    try:
-        return http.get(base + "/health", timeout=30).json().get("max_num_seqs")
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
+    value = server_health(http, base).get("max_num_seqs")
+    return value if isinstance(value, int) else None
 
 
 def run_level(url: str, clients: int, requests: list[BenchRequest], max_tokens: int, kvblend: dict[str, Any],
@@ -387,6 +396,7 @@ def run_serve_bench(config: str | None, *, clients: list[int], requests: int, po
                         level = run_level(base, n, reqs, max_tokens, kvblend, after_each=after, model=model)
                         after_counts = scheduler_counters(http, base)
                         level.max_num_seqs = setting
+                        level.prefill_chunk_tokens = server_health(http, base).get("prefill_chunk_tokens")
                         level.scheduler = {k: after_counts[k] - before.get(k, 0.0) for k in after_counts}
                         if after is not None:  # the in-process runs took turns with the HTTP ones: not in the wall time
                             level.wall_s = sum(s.e2e_s for s in level.samples)
