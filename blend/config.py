@@ -3,8 +3,18 @@ dataclasses, with KVBLEND_* environment overrides.
 
 Layout of a config file (see configs/default.yaml):
   model, device, dtype      what to load and where
-  engine: BlendConfig       chunking, selection, pipelining, decoding defaults
+  engine: BlendConfig       grouped by concern:
+    blend:      BlendSettings       chunking, recompute ratio, `selection:` (QuerySelection |
+                                    CheckLayerSelection), pipelining, the split, misses
+    generation: GenerationSettings  a request's defaults (max_new_tokens, temperature, top_p)
+    prompt:     PromptSettings      the RAG template (system_prompt, query_template)
+    sessions:   SessionSettings     chat sessions (sessions_dir, idle_seconds, active_budget)
+    scheduler:  SchedulerSettings   sharing the model (max_num_seqs, max_active_kv, ...)
   store:  StoreConfig       the KV tiers (storage.config)
+
+The flat `engine:` keys of the layout before the groups (`engine.max_num_seqs`) are still
+read, into their group, with one deprecation line each (`regroup_engine`);
+`engine.prefill_chunk_tokens` is read without one (the name issue 40 gives it).
 
 Where a config comes from (`load_config`), later wins: the file given (--config), else the
 file named by $KVBLEND_CONFIG, else the packaged default `EngineConfig()` (CPU memory plus
@@ -18,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -57,6 +68,8 @@ from storage.dtypes import DTYPE_NAMES
 from storage.units import parse_bytes
 
 ComputeDType = Literal[("auto", *DTYPE_NAMES)]  # type: ignore[valid-type]
+
+log = logging.getLogger(__name__)
 
 CONFIG_ENV = "KVBLEND_CONFIG"
 HOME_ENV = "KVBLEND_HOME"
@@ -218,8 +231,8 @@ SelectionSection = Annotated[QuerySelection | CheckLayerSelection, Field(discrim
 
 
 @config_dataclass
-class BlendConfig:
-    """How documents are stored, which tokens are recomputed, how loads are pipelined."""
+class BlendSettings:
+    """`engine.blend`: how documents are stored, which tokens are recomputed, how loads are pipelined."""
 
     # block size of a document's stored KV (a document is computed whole, as one sequence)
     chunk_tokens: PositiveInt = 512
@@ -250,16 +263,40 @@ class BlendConfig:
     # harvested documents (their K/V computed after other documents: they blend worse, docs/EVAL.md) are
     # recomputed on their own while the scheduler is idle, one forward pass per step; false keeps them
     recompute_harvested: StrictBool = True
+
+
+@config_dataclass
+class GenerationSettings:
+    """`engine.generation`: a request's defaults (each request may give its own)."""
+
     max_new_tokens: PositiveInt = 32
     temperature: NonNegativeFloat = 0.0
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] = 1.0
+
+
+@config_dataclass
+class PromptSettings:
+    """`engine.prompt`: the RAG prompt a question and its documents are laid out in."""
+
     system_prompt: StrictStr = QA.render_system()  # before the documents (blend.prompt.TEMPLATES['qa'])
     query_template: Annotated[StrictStr, AfterValidator(_query_template)] = QA.query  # after them; may use {question}
+
+
+@config_dataclass
+class SessionSettings:
+    """`engine.sessions`: chat sessions (blend.session)."""
+
     sessions_dir: LocalPath = Field(default_factory=lambda: str(kvblend_home() / "sessions"))  # chat histories
     idle_seconds: NonNegativeFloat = 300.0  # chat sessions idle this long are offloaded from the device (0: after each turn)
     # device-resident chat KV above this offloads the least recently used sessions ("1GiB" accepted)
     active_budget: Bytes = 1 << 30
-    # the scheduler (blend.engine.scheduler): sequences decoding together at most (auto: 8 on CPU, 32 on CUDA)
+
+
+@config_dataclass
+class SchedulerSettings:
+    """`engine.scheduler`: how the scheduler (blend.engine.scheduler) shares the model."""
+
+    # sequences decoding together at most (auto: 8 on CPU, 32 on CUDA)
     max_num_seqs: Annotated[int | Literal["auto"], PlainValidator(_auto_count)] = "auto"
     # KV bytes the running sequences may hold on the compute device; growing past it parks the newest
     # sequence's KV in the tiers until there is room (auto: a quarter of the memory free at start)
@@ -267,15 +304,66 @@ class BlendConfig:
     # prefill steps (a document miss's forward pass, a request's prefill) run between two decode steps
     prefills_between_decodes: PositiveInt = 1
     # a prefill's computed rows run in chunks of at most this many per scheduler step, every running
-    # sequence's decode row alongside (blend.engine.scheduler); blend passes split by layers instead
+    # sequence's decode row alongside (blend.engine.scheduler); blend passes split by layers instead.
+    # Also read as `engine.prefill_chunk_tokens` (the name issue 40 gives it), without a deprecation line
     prefill_chunk_tokens: PositiveInt = 256
+
+
+@config_dataclass
+class BlendConfig:
+    """The `engine:` section, grouped by concern: `blend:` (storage, selection, pipelining),
+    `generation:` (request defaults), `prompt:` (the RAG template), `sessions:` (chat),
+    `scheduler:` (sharing the model). Each key lives in exactly one group (GROUP_OF)."""
+
+    blend: Annotated[BlendSettings, Section] = Field(default_factory=BlendSettings)
+    generation: Annotated[GenerationSettings, Section] = Field(default_factory=GenerationSettings)
+    prompt: Annotated[PromptSettings, Section] = Field(default_factory=PromptSettings)
+    sessions: Annotated[SessionSettings, Section] = Field(default_factory=SessionSettings)
+    scheduler: Annotated[SchedulerSettings, Section] = Field(default_factory=SchedulerSettings)
 
     def check_model_layers(self, num_layers: int) -> None:
         """ValueError if a check layer is beyond a model of `num_layers` layers."""
-        layers = self.selection.check_layers
+        layers = self.blend.selection.check_layers
         if layers[-1] >= num_layers:
-            raise ValueError(f"engine.selection.check_layers {list(layers)} is beyond the model's {num_layers} "
+            raise ValueError(f"engine.blend.selection.check_layers {list(layers)} is beyond the model's {num_layers} "
                              f"layers (0..{num_layers - 1}); use layers below {num_layers}, e.g. [{min(1, num_layers - 1)}]")
+
+
+ENGINE_GROUPS: dict[str, type] = {  # group -> its settings class (BlendConfig's fields)
+    "blend": BlendSettings, "generation": GenerationSettings, "prompt": PromptSettings,
+    "sessions": SessionSettings, "scheduler": SchedulerSettings}
+# every engine key (a leaf) -> its group; leaves are unique across groups (tests/test_config.py checks it),
+# so a flat name (an override, a key of the layout before the groups) says where it lives
+GROUP_OF: dict[str, str] = {f.name: group for group, cls in ENGINE_GROUPS.items() for f in dataclasses.fields(cls)}
+# flat spellings read without a deprecation line: the contract names of keys that live in a group
+FLAT_ALIASES = frozenset({"prefill_chunk_tokens"})
+
+
+def regroup_engine(data: Any, where: str) -> Any:
+    """The config mapping `data` with the `engine:` section's flat keys of the layout before the
+    groups (`engine.max_num_seqs`) moved into their group (`engine.scheduler.max_num_seqs`), the
+    same value; one deprecation line (a log warning) per key, except FLAT_ALIASES. A key given
+    both ways is a one-line ValueError naming both. Other data is returned unchanged."""
+    if not isinstance(data, dict) or not isinstance(data.get("engine"), dict):
+        return data
+    engine = dict(data["engine"])
+    flat = [k for k in engine if k in GROUP_OF]
+    if not flat:
+        return data
+    for key in flat:
+        group = GROUP_OF[key]
+        section = engine.get(group)
+        if section is None:
+            section = {}
+        elif not isinstance(section, dict):
+            continue  # validation says `engine.<group>` is not a mapping
+        if key in section:
+            raise ValueError(f"{where}: engine.{key} and engine.{group}.{key} are both given; keep only "
+                             f"engine.{group}.{key}")
+        if key not in FLAT_ALIASES:
+            log.warning("%s: engine.%s is deprecated: write engine.%s.%s", where, key, group, key)
+        engine[group] = {**section, key: engine.pop(key)}
+    return {**data, "engine": engine}
 
 
 def _device(name: str) -> str:
@@ -317,15 +405,17 @@ class EngineConfig:
     @classmethod
     def from_mapping(cls, data: Any, where: str = "config", base_dir: Path | None = None) -> EngineConfig:
         """Build from a YAML mapping; errors are one line each, `{where}: {key path}: ...`.
-        Relative directories are resolved against `base_dir` when given."""
-        return from_mapping(cls, data, where, base_dir)
+        Relative directories are resolved against `base_dir` when given. Keys of the `engine:`
+        layout before its groups are read into their group, one deprecation line each (regroup_engine)."""
+        return from_mapping(cls, regroup_engine(data, where), where, base_dir)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for JSON, with the store secret redacted."""
         return redacted(self)
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
-        """Return a copy with overrides applied; keys are top-level fields or engine fields.
+        """Return a copy with overrides applied; keys are top-level fields or engine keys by
+        their own name (`max_num_seqs=8` sets engine.scheduler.max_num_seqs).
 
         `store=` accepts a StoreConfig or a mapping. Unknown keys or bad values raise
         ValueError (unknown keys list the valid ones).
@@ -334,30 +424,33 @@ class EngineConfig:
 
 
 def _override(config: EngineConfig, overrides: dict[str, Any], where: str) -> EngineConfig:
+    """`config` with `overrides`: top-level fields, `store`, or engine keys by their own name
+    (`max_num_seqs`, each set in its group: GROUP_OF), a selection knob at a time or whole."""
     top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"engine", "store"}
-    engine_fields = {f.name for f in dataclasses.fields(BlendConfig)}
     top: dict[str, Any] = {}
-    engine: dict[str, Any] = {}
+    groups: dict[str, dict[str, Any]] = {}
     store = config.store
     knobs = {k: overrides[k] for k in SELECTION_KNOBS if k in overrides}
     if "selection" in overrides or knobs:  # the selection section, a knob at a time or whole
         overrides = {k: v for k, v in overrides.items() if k not in knobs}
-        engine["selection"] = _selection_override(config.engine.selection, overrides.pop("selection", None),
-                                                  knobs, where)
+        groups["blend"] = {"selection": _selection_override(config.engine.blend.selection,
+                                                            overrides.pop("selection", None), knobs, where)}
     for key, value in overrides.items():
         if key in top_fields:
             top[key] = value
-        elif key in engine_fields:
-            engine[key] = tuple(value) if isinstance(value, list) else value
+        elif key in GROUP_OF:
+            groups.setdefault(GROUP_OF[key], {})[key] = tuple(value) if isinstance(value, list) else value
         elif key == "store":
             store = value if isinstance(value, StoreConfig) else StoreConfig.from_mapping(value, where=f"{where}: store")
         else:
-            valid = ", ".join(sorted(top_fields | engine_fields | {"store"}))
+            valid = ", ".join(sorted(top_fields | set(GROUP_OF) | {"store"}))
             raise ValueError(f"{where}: unknown key {key!r}; valid keys are: {valid}")
     try:
+        engine = {group: dataclasses.replace(getattr(config.engine, group), **values) for group, values in groups.items()}
         return dataclasses.replace(config, **top, engine=dataclasses.replace(config.engine, **engine), store=store)
-    except ValueError as err:  # "BlendConfig: recompute_ratio: ..." -> "{where}: recompute_ratio: ..."
-        raise ValueError(re.sub(r"(?m)^(EngineConfig|BlendConfig): ", f"{where}: ", str(err))) from None
+    except ValueError as err:  # "SchedulerSettings: max_num_seqs: ..." -> "{where}: max_num_seqs: ..."
+        classes = "|".join(["EngineConfig", "BlendConfig", *(c.__name__ for c in ENGINE_GROUPS.values())])
+        raise ValueError(re.sub(rf"(?m)^({classes}): ", f"{where}: ", str(err))) from None
 
 
 def _selection_override(current: Selection, value: Any, knobs: dict[str, Any], where: str) -> Selection:
@@ -370,7 +463,7 @@ def _selection_override(current: Selection, value: Any, knobs: dict[str, Any], w
     elif isinstance(value, QuerySelection | CheckLayerSelection):
         selection = value
     else:
-        selection = from_mapping(BlendConfig, {"selection": value}, where).selection
+        selection = from_mapping(BlendSettings, {"selection": value}, where).selection
     if not knobs:
         return selection
     fields = {f.name: getattr(selection, f.name) for f in dataclasses.fields(selection)}

@@ -109,7 +109,7 @@ def run_eval(
         raise ValueError("entries must start with full prefill (the fidelity reference); build them with plan_entries")
     if not examples:
         raise ValueError("no examples to evaluate; check --dataset, --split and --limit")
-    max_new = int(max_new_tokens if max_new_tokens is not None else engine.config.engine.max_new_tokens)
+    max_new = int(max_new_tokens if max_new_tokens is not None else engine.config.engine.generation.max_new_tokens)
     if max_new < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new}")
     templates = dict(prompts) if prompts is not None else load_prompts()
@@ -194,8 +194,8 @@ def engine_settings(engine: Any) -> dict[str, Any]:
         "model": engine.fingerprint, "model_source": getattr(engine.lm, "source", None),
         "dtype": str(engine.lm.dtype).removeprefix("torch."), "device": str(engine.runner.device),
         "kv_dtype": engine.kv_dtype,
-        "engine": {k: getattr(cfg.engine, k) for k in ("chunk_tokens", "chunk_context", "max_document_tokens")}
-        | {"selection": dataclasses.asdict(cfg.engine.selection)},
+        "engine": {k: getattr(cfg.engine.blend, k) for k in ("chunk_tokens", "chunk_context", "max_document_tokens")}
+        | {"selection": dataclasses.asdict(cfg.engine.blend.selection)},
     }
 
 
@@ -249,7 +249,7 @@ def _prefix_hit_beyond_first_seen(engine: Any, prompt: Any, stats: Any) -> bool:
     (the system part, plus the first chunk when chunks are computed after it): prefix
     blocks of this very prompt were stored by an earlier run into a persistent tier."""
     exact = prompt.prefix.end
-    if engine.config.engine.chunk_context == "system" and len(prompt.segments) > 2:
+    if engine.config.engine.blend.chunk_context == "system" and len(prompt.segments) > 2:
         exact = prompt.segments[1].end
     return stats.loaded_tokens > exact
 
@@ -370,7 +370,7 @@ def _use_template(engine: Any, template: PromptTemplate) -> None:
     current = engine.prompts
     if current.system_prompt != system or current.query_template != template.query:
         engine.prompts = PromptBuilder(engine.lm.tokenizer, system, template.query,
-                                       engine.config.engine.max_document_tokens, engine.lm.dims.max_positions)
+                                       engine.config.engine.blend.max_document_tokens, engine.lm.dims.max_positions)
 
 
 def _warm_up(engine: Any, ex: Example, template: PromptTemplate) -> None:

@@ -186,7 +186,7 @@ def test_a_conversation_puts_the_documents_before_it(lm):
         assert result.stats.documents.hits == len(conversation.documents) and result.stats.documents.misses == 0
         default = engine.build_prompt([{"role": "user", "content": QUESTION}], DOCS)  # the configured system prompt
         text = engine.lm.tokenizer.decode(default.prefix.token_ids)
-        assert engine.config.engine.system_prompt in text
+        assert engine.config.engine.prompt.system_prompt in text
 
 
 def test_chat_with_documents_blends_and_reuses_the_device_kv(lm, tmp_path):

@@ -195,7 +195,7 @@ def test_packaged_default_lives_under_kvblend_home(tmp_path, monkeypatch):
     cfg = load_config()
     assert [t.kind for t in cfg.store.tiers] == ["cpu", "disk"]
     assert cfg.store.tiers[1].path == str(tmp_path / "home" / "disk")
-    assert cfg.engine.sessions_dir == str(tmp_path / "home" / "sessions")
+    assert cfg.engine.sessions.sessions_dir == str(tmp_path / "home" / "sessions")
     assert cfg == EngineConfig() and not (tmp_path / "home").exists()  # nothing created
     monkeypatch.delenv("KVBLEND_HOME")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -211,7 +211,7 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path, monkeypatch):
                        "    - {kind: disk, name: abs, path: /tmp/abs-kv}\n")
     monkeypatch.chdir("/")  # not the config's directory
     cfg = load_config(path)
-    assert cfg.engine.sessions_dir == str(conf / "s")
+    assert cfg.engine.sessions.sessions_dir == str(conf / "s")
     assert Path(cfg.store.tiers[0].path).resolve() == tmp_path / "cache" / "d"
     assert cfg.store.tiers[1].path == "/tmp/abs-kv"
     shipped = load_config(ROOT / "configs" / "default.yaml")
@@ -233,7 +233,7 @@ def test_environment_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBLEND_RECOMPUTE_RATIO", "0.3")
     monkeypatch.setenv("KVBLEND_REDIS_URL", "redis://cache:6380/1")
     cfg = load_config()
-    assert (cfg.model, cfg.device, cfg.dtype, cfg.engine.recompute_ratio) == ("b", "cpu", "bfloat16", 0.3)
+    assert (cfg.model, cfg.device, cfg.dtype, cfg.engine.blend.recompute_ratio) == ("b", "cpu", "bfloat16", 0.3)
     assert [t.kind for t in cfg.store.tiers] == ["cpu", "redis"] and cfg.store.tiers[1].url == "redis://cache:6380/1"
     assert load_config(recompute_ratio=0.5).engine.recompute_ratio == 0.5  # explicit overrides win
     redis_cfg = apply_env(load_config(ROOT / "configs" / "redis.yaml"))
@@ -274,7 +274,7 @@ def test_overrides_reject_unknown_keys_and_bad_values():
     with pytest.raises(ValueError, match=r"override: store: tiers\[0\]: unknown kind"):
         EngineConfig().with_overrides(store={"tiers": [{"kind": "tape"}]})
     cfg = EngineConfig().with_overrides(check_layers=[1, 2], filter_schedule=[2.0, 1.0], model="m")
-    assert cfg.engine.selection.check_layers == (1, 2) and cfg.model == "m"
+    assert cfg.engine.blend.selection.check_layers == (1, 2) and cfg.model == "m"
 
 
 def test_check_layers_beyond_the_model():
@@ -294,7 +294,7 @@ def test_corrupt_model_config_json_is_named(tmp_path):
 def test_shipped_configs_load(monkeypatch):
     for name in ("default.yaml", "redis.yaml", "redis-cluster.yaml"):
         cfg = load_config(ROOT / "configs" / name)
-        assert cfg.store.tiers[0].kind == "cpu" and cfg.engine.chunk_tokens == 512
+        assert cfg.store.tiers[0].kind == "cpu" and cfg.engine.blend.chunk_tokens == 512
     assert DiskTierConfig(path="~/kv").path == str(Path.home() / "kv")
 
 

@@ -18,7 +18,7 @@ LAYOUTS = [("none", 0), ("system", 0), ("none", 3), ("system", 3)]
 def _candidates(engine: BlendEngine, prompt) -> set[int]:
     """Context rows whose cached KV is not exact at their prompt position."""
     exact = {prompt.prefix}
-    if engine.config.engine.chunk_context == "system":
+    if engine.config.engine.blend.chunk_context == "system":
         exact.add(prompt.documents[0])
     return {p for s in prompt.segments if s.kind != "query" and s not in exact for p in range(s.start, s.end)}
 

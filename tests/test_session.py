@@ -125,7 +125,8 @@ def test_active_budget_offloads_least_recently_used(tmp_path):
         engine.chat("a", MESSAGES[0])
         one = engine.sessions.resident_bytes()
         budget = int(one * 1.5)  # room for one session of one turn
-        engine.sessions.config = dataclasses.replace(engine.sessions.config, active_budget=budget)
+        cfg = engine.sessions.config
+        engine.sessions.config = dataclasses.replace(cfg, sessions=dataclasses.replace(cfg.sessions, active_budget=budget))
         sessions = engine.sessions.sessions
         engine.chat("b", MESSAGES[0])
         assert sessions["a"].cache is None and sessions["b"].cache is not None

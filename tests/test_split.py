@@ -227,10 +227,8 @@ def test_the_plan_the_split_prices_is_the_plan_that_runs(selection, ratio):
 
         tally = LookupTally([t.name for t in engine.store.tiers])
         placements = engine.document_kv.resolve(prompt, [s for s in prompt.segments if s.kind != "query"], tally)
-        sel, layers = engine.config.engine.selection, engine.runner.num_layers
-        plan = plan_recompute(prompt, ratio, sel.check_layers, sel.filter_schedule, layers, policy=sel.policy,
-                              placements=placements, sink_tokens=sel.sink_tokens, query_layers=sel.query_layers,
-                              query_pool=sel.query_pool)
+        sel, layers = engine.config.engine.blend.selection, engine.runner.num_layers
+        plan = plan_recompute(prompt, ratio, sel, layers, placements=placements)
         ran = engine.prefill(prompt, mode="blend", ratio=ratio).stats.selection
         assert ran.layer_rows == plan.layer_rows(layers) and ran.pass_rows == plan.pass_rows()
         assert len(ran.layer_rows) == layers and (ran.pass_rows != ()) == (selection == "query" and 0 < ratio < 1)
@@ -255,10 +253,10 @@ def test_a_computed_prefix_inside_any_plan_equals_full_prefill(selection):
         boundaries = [p.start + p.length for p in placements if p.start > 0]
         fresh = boundaries[len(boundaries) // 2]  # a block boundary in the middle of the context
         assert not any(s.start == fresh for s in prompt.segments)  # inside a document
-        cfg, runner = engine.config.engine, engine.runner
+        cfg, runner = engine.config.engine.blend, engine.runner
+        assert cfg.selection.policy == selection
         for ratio in (0.0, 0.3):
-            plan = plan_recompute(prompt, ratio, cfg.selection.check_layers, cfg.selection.filter_schedule, runner.num_layers,
-                                  policy=selection, placements=placements, fresh=fresh)
+            plan = plan_recompute(prompt, ratio, cfg.selection, runner.num_layers, placements=placements, fresh=fresh)
             assert plan.fresh_rows.numel() == fresh and int(plan.ctx_rows.min()) == fresh
             cache = runner.new_cache(len(prompt))
             cache.length = plan.n
@@ -339,7 +337,7 @@ def test_loading_predicted_slower_than_full_prefill_computes_even_for_a_small_ga
         read_s = (0.3 * 1.03 ** step) * layers * 1e-3
         loads.observe({"cpu": nbytes}, {"cpu": read_s}, 1e-6 * read_s)  # placement: negligible
         splitter = Splitter(prefill, loads, {"cpu": "cpu"}, mode="adaptive")
-        report = splitter.plan(prompt, placements, 0.0, cfg.selection, layers).report
+        report = splitter.plan(prompt, placements, 0.0, cfg.blend.selection, layers).report
         unsplit, full = report.predicted_unsplit_s, report.predicted_full_s
         if full < unsplit < full / (1 - MIN_GAIN):
             seen["inside the margin"] += 1

@@ -197,7 +197,7 @@ def test_blend_shifts_only_the_stale_rows_by_one_offset_per_layer_and_head(selec
     stale[exact:prompt.query.start] = True
     stale[pre.stats.selection.selected_rows[-1]] = False
     rows = stale.nonzero().flatten()
-    first = 0 if selection == "query" else engine.config.engine.selection.check_layers[-1] + 1  # stale from this layer on
+    first = 0 if selection == "query" else engine.config.engine.blend.selection.check_layers[-1] + 1  # stale from this layer on
     shifted_layers = 0
     for layer in range(engine.runner.num_layers):
         k, v = pre.cache.layer(layer, n)
@@ -216,7 +216,7 @@ def test_stale_shift_auto_leaves_out_the_deviation_rule_and_reads_yaml_switches(
     assert [shift_applies("auto", p) for p in SELECTIONS] == [p != "deviation" for p in SELECTIONS]
     assert all(shift_applies("on", p) for p in SELECTIONS) and not any(shift_applies("off", p) for p in SELECTIONS)
     cfg = EngineConfig()
-    assert cfg.engine.selection.stale_shift == "auto"
+    assert cfg.engine.blend.selection.stale_shift == "auto"
     assert cfg.with_overrides(stale_shift=True).engine.selection.stale_shift == "on"
     assert cfg.with_overrides(stale_shift=False).engine.selection.stale_shift == "off"
     with pytest.raises(ValueError, match="stale_shift"):

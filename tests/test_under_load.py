@@ -74,7 +74,7 @@ def cpu_burner():
 
 def test_the_same_requests_give_the_same_answers_under_load(tmp_path, cpu_burner):
     with make_engine(tmp_path) as engine:
-        assert engine.config.engine.split == "auto"
+        assert engine.config.engine.blend.split == "auto"
         engine.ingest([d for r in REQUESTS for d in r["documents"]])
         sequential = [engine.generate_many([r])[0] for r in REQUESTS]
         model = engine.splitter.cost_model()

@@ -116,7 +116,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     require_eval_extra(*EVAL_EXTRA)
     config = load_config(args.config)  # validates the file before anything is loaded
-    entries = plan_entries(args.modes, args.ratios or (config.engine.recompute_ratio,), args.selections)
+    entries = plan_entries(args.modes, args.ratios or (config.engine.blend.recompute_ratio,), args.selections)
     prompts = load_prompts(args.prompts)
     examples = load_examples(args.dataset, split=args.split, limit=args.limit, passages=args.passages,
                              field_map=args.field_map)

@@ -42,7 +42,7 @@ def bytes_per_token(config: Any) -> dict[str, float | None]:
         return {tier_display_name(t): None for t in config.store.tiers}
     if shape.mla is not None:  # an MLA model never runs here: no tier holds its entries
         return {tier_display_name(t): None for t in config.store.tiers}
-    tokens = config.engine.chunk_tokens
+    tokens = config.engine.blend.chunk_tokens
     return {tier_display_name(t): codec_named(t.codec).layer_nbytes(shape.kv_heads, tokens, shape.head_dim,
                                                                      config.store.kv_dtype) * shape.layers / tokens
             for t in config.store.tiers}

@@ -128,44 +128,45 @@ class BlendEngine:
         self.lm = model or load_model(config.model, device=config.device, dtype=config.dtype)
         cfg.check_model_layers(self.lm.dims.num_layers)
         self.runner = Runner(self.lm)
-        self.prompts = PromptBuilder(self.lm.tokenizer, cfg.system_prompt, cfg.query_template, cfg.max_document_tokens,
+        self.prompts = PromptBuilder(self.lm.tokenizer, cfg.prompt.system_prompt, cfg.prompt.query_template, cfg.blend.max_document_tokens,
                                      self.lm.dims.max_positions)
-        entry_bytes = self.lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * cfg.chunk_tokens
+        entry_bytes = self.lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * cfg.blend.chunk_tokens
         self.store = store or TieredStore.from_config(config.store, min_entry_bytes=entry_bytes)
         self.fingerprint = self.lm.fingerprint
         self.kv_dtype = config.store.kv_dtype
         self.eos = eos_ids(self.lm)
         maker = EntryMaker(self.runner, self.fingerprint, self.kv_dtype)
-        stall_s = cfg.load_stall_s or None  # LayerLoader's longest wait for one layer (0: none)
+        stall_s = cfg.blend.load_stall_s or None  # LayerLoader's longest wait for one layer (0: none)
         namespace = self.store.namespace  # the configured one, with the secret's digest when there is one
-        self.document_kv = DocumentCache(self.store, maker, namespace=namespace, chunk_context=cfg.chunk_context,
-                                         block_tokens=cfg.chunk_tokens, stall_s=stall_s)
+        self.document_kv = DocumentCache(self.store, maker, namespace=namespace, chunk_context=cfg.blend.chunk_context,
+                                         block_tokens=cfg.blend.chunk_tokens, stall_s=stall_s)
         # prefix blocks (prefix mode, chat sessions) are exact: the compute dtype, each tier's
         # `exact_codec` (none by default), so loading them equals computing them
         exact = EntryMaker(self.runner, self.fingerprint, dtype_name(self.runner.dtype))
-        self.prefix_cache = PrefixCache(self.store, exact, namespace=namespace, block_tokens=cfg.chunk_tokens,
-                                        prefetch_depth=cfg.prefetch_depth, stall_s=stall_s)
+        self.prefix_cache = PrefixCache(self.store, exact, namespace=namespace, block_tokens=cfg.blend.chunk_tokens,
+                                        prefetch_depth=cfg.blend.prefetch_depth, stall_s=stall_s)
         # load-or-compute split (blend.planning.split): `auto` decides with a cost model calibrated
         # once and then fixed (the same request, the same split, whatever the load), `adaptive` with
         # the live estimates every request feeds
         self.splitter = Splitter(PrefillCosts.for_model(self.lm.model), LoadCosts(self.runner.device.type),
-                                 {t.name: getattr(t.config, "kind", t.name) for t in self.store.tiers}, mode=cfg.split,
+                                 {t.name: getattr(t.config, "kind", t.name) for t in self.store.tiers}, mode=cfg.blend.split,
                                  runner=self.runner)
         self.sessions = SessionManager(cfg, self.prefix_cache, self.prompts, self.eos)
         self.prefiller = Prefiller(cfg, self.runner, self.store, self.document_kv, self.prefix_cache, self.splitter,
                                    self.sessions, self.lm.tokenizer, stall_s)
         parking = KVParking(self.store, self.runner, self.fingerprint, namespace=namespace,
-                            block_tokens=cfg.chunk_tokens, prefetch_depth=cfg.prefetch_depth, stall_s=stall_s)
+                            block_tokens=cfg.blend.chunk_tokens, prefetch_depth=cfg.blend.prefetch_depth, stall_s=stall_s)
         self.kv_bytes_per_token = self.lm.dims.kv_bytes_per_token(dtype_bytes(dtype_name(self.runner.dtype)))
         device = self.runner.device
         scheduling = SchedulerConfig(
-            max_num_seqs=default_max_num_seqs(device) if cfg.max_num_seqs == "auto" else cfg.max_num_seqs,
-            max_active_kv=(max(int(free_memory(device) * ACTIVE_KV_SHARE), 1) if cfg.max_active_kv == "auto"
-                           else cfg.max_active_kv),
-            prefills_between_decodes=cfg.prefills_between_decodes, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+            max_num_seqs=default_max_num_seqs(device) if cfg.scheduler.max_num_seqs == "auto" else cfg.scheduler.max_num_seqs,
+            max_active_kv=(max(int(free_memory(device) * ACTIVE_KV_SHARE), 1) if cfg.scheduler.max_active_kv == "auto"
+                           else cfg.scheduler.max_active_kv),
+            prefills_between_decodes=cfg.scheduler.prefills_between_decodes,
+            prefill_chunk_tokens=cfg.scheduler.prefill_chunk_tokens)
         # idle time (no request waiting, no sequence decoding) recomputes harvested documents standalone
         self.scheduler = Scheduler(self.runner, parking, scheduling, kv_bytes_per_token=self.kv_bytes_per_token,
-                                   background=self.document_kv if cfg.recompute_harvested else None)
+                                   background=self.document_kv if cfg.blend.recompute_harvested else None)
         self.documents = DocumentIndex()
         _OPEN_ENGINES.add(self)
 
@@ -533,7 +534,7 @@ class BlendEngine:
         (blend.planning.split). Full mode: nothing is read from or written to the store.
         Returns the seconds it took."""
         t0 = time.perf_counter()
-        words = " ".join(["warm-up"] * max(1, min(self.config.engine.chunk_tokens, 256) // 3))
+        words = " ".join(["warm-up"] * max(1, min(self.config.engine.blend.chunk_tokens, 256) // 3))
         self.generate("warm-up", [words], mode="full", max_new_tokens=2)
         if self.splitter.needs_calibration:
             self.run_exclusive(self.splitter.cost_model, "calibrate the split's cost model")

@@ -90,7 +90,7 @@ class Prefiller:
             pre = yield from self._timed(self._prefix(prompt, capacity), fallback=(prompt, capacity))
         else:
             ratio = 0.0 if mode == "reuse" else work.ratio
-            selection = self.config.selection.with_policy(work.selection)
+            selection = self.config.blend.selection.with_policy(work.selection)
             pre = yield from self._blend_steps(prompt, work.blocks, ratio, capacity, mode, selection, work.submitted)
         if forced is not None and (work.answer is not None or work.follow):
             if work.answer is not None:
@@ -123,7 +123,7 @@ class Prefiller:
         plan = None
         yield from self._calibrated()
         if resolution.misses:  # priced (blend.planning.misses), then paid as the cheapest plan runs
-            plan = plan_misses(self.config.miss_policy, self.splitter.cost_model(), prompt, resolution,
+            plan = plan_misses(self.config.blend.miss_policy, self.splitter.cost_model(), prompt, resolution,
                                self.documents, ratio, selection, self.runner.num_layers)
             report = MissReport(plan.kind, plan.reason, resolution.misses, len(plan.standalone), len(plan.harvested),
                                 resolution.deduplicated, 0.0, dict(plan.predicted))
@@ -219,16 +219,14 @@ class Prefiller:
         # miss plan fixes that prefix (its missing documents are harvested from it below)
         split = self.splitter.plan(prompt, placements, ratio, sel, runner.num_layers,
                                    fresh=miss.fresh if miss is not None and miss.kind == MIXED else None)
-        plan = plan_recompute(prompt, ratio, sel.check_layers, sel.filter_schedule, runner.num_layers,
-                              policy=sel.policy, placements=placements, sink_tokens=sel.sink_tokens,
-                              query_layers=sel.query_layers, query_pool=sel.query_pool,
+        plan = plan_recompute(prompt, ratio, sel, runner.num_layers, placements=placements,
                               fresh=split.computed_tokens)
         cache = runner.new_cache(capacity)
         cache.length = plan.n
         with LayerLoader(self.store, runner, cache, split.loaded, range(plan.load_from, runner.num_layers),
-                         self.config.prefetch_depth, stall_s=self.stall_s) as loader:
+                         self.config.blend.prefetch_depth, stall_s=self.stall_s) as loader:
             # paused (chunked by layers) after about a chunk's worth of computed rows over every layer
-            pacer = Pacer(self.config.prefill_chunk_tokens * runner.num_layers)
+            pacer = Pacer(self.config.scheduler.prefill_chunk_tokens * runner.num_layers)
             logits, chosen = yield from layer_steps(runner, cache, torch.tensor(prompt.token_ids), plan, loader,
                                                     policy=sel.policy, deviation_kind=sel.deviation,
                                                     stale_bias=sel.stale_bias,
@@ -255,7 +253,7 @@ class Prefiller:
         chain = self.prefixes.lookup(ids, limit)
         chain_len = sum(pl.length for pl in chain)
         exact = [prompt.prefix]
-        if self.config.chunk_context == "system" and len(prompt.segments) > 2 and prompt.segments[1].kind == "document":
+        if self.config.blend.chunk_context == "system" and len(prompt.segments) > 2 and prompt.segments[1].kind == "document":
             exact.append(prompt.segments[1])
         exact_len = exact[-1].end if exact[-1].end <= limit else 0
         resolved = None

@@ -37,13 +37,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from blend.config import Selection
+from blend.config import QuerySelection, Selection
 from blend.kv.loader import Placement, PlannedLoad
 from blend.model.runner import Runner
 from blend.planning.planner import CostModel, LayerCost, LoadCosts, PrefillCosts
 from blend.prompt.builder import Prompt
 from blend.recompute.plan import plan_recompute
-from blend.recompute.selector import uses_check_layers
 from blend.stats import RequestStats, SplitReport
 
 MIN_GAIN = 0.10  # a split must be predicted to save this share of the unsplit time (unless
@@ -181,7 +180,7 @@ class Splitter:
         n = len(prompt)
         # candidates: compute nothing, or every prefix of whole segments (the last one: everything)
         candidates = [0] + [p.start + p.length for p in ordered if p.start + p.length <= prompt.query.start]
-        if not uses_check_layers(selection.policy) and ratio > 0 and len(candidates) > 2:
+        if isinstance(selection, QuerySelection) and ratio > 0 and len(candidates) > 2:
             # a query pass runs the computed prefix beside the loads, then recomputes the selection
             # of the rest: the phases do not overlap, so only loading everything or computing
             # everything (a full prefill) is offered
@@ -215,9 +214,7 @@ class Splitter:
         then are the selected rows recomputed from layer 0: the two phases add up."""
         loaded = [p for p in loads if p.start >= fresh]  # the first `fresh` tokens are computed
         per_layer, in_compute = Splitter._load_per_layer(model, loaded) if loaded else (0.0, 0.0)
-        plan = plan_recompute(prompt, ratio, selection.check_layers, selection.filter_schedule, num_layers,
-                              policy=selection.policy, placements=loaded, sink_tokens=selection.sink_tokens,
-                              query_layers=selection.query_layers, query_pool=selection.query_pool, fresh=fresh)
+        plan = plan_recompute(prompt, ratio, selection, num_layers, placements=loaded, fresh=fresh)
         rows = plan.layer_rows(num_layers)
         n = len(prompt)
         # the (query, key) pairs of each layer: the query rows and the split's prefix by position,

@@ -166,7 +166,7 @@ class SessionManager:
         self.tier_names = [t.name for t in prefix.store.tiers]
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()  # guards `sessions`
-        self.directory = Path(config.sessions_dir)
+        self.directory = Path(config.sessions.sessions_dir)
 
     # ---------------------------------------------------------------- storage
     def _path(self, session_id: str) -> Path:
@@ -344,8 +344,8 @@ class SessionManager:
         resident = sorted((s for s in list(self.sessions.values()) if s.cache is not None), key=lambda s: s.last_used)
         offloaded = []
         for session in resident:
-            idle = now - session.last_used >= cfg.idle_seconds
-            if not idle and self.resident_bytes() <= cfg.active_budget:
+            idle = now - session.last_used >= cfg.sessions.idle_seconds
+            if not idle and self.resident_bytes() <= cfg.sessions.active_budget:
                 continue
             if not session.lock.acquire(blocking=False):
                 continue  # in a turn: it is not idle, and it re-checks the budget after the turn
@@ -379,7 +379,7 @@ class SessionManager:
         message = clean_text(message)
         system = None if system is None else clean_text(system)
         cfg = self.config
-        max_new = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+        max_new = cfg.generation.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
             raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new!r}")
         session = self._get(session_id)

@@ -110,7 +110,7 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
     t0 = time.perf_counter()
     lm = load_model(config.model, device=config.device, dtype=config.dtype)
     log(f"model {config.model} on {lm.device} loaded in {time.perf_counter() - t0:.1f} s; "
-        f"chunk_tokens {config.engine.chunk_tokens}, kv_dtype {config.store.kv_dtype}")
+        f"chunk_tokens {config.engine.blend.chunk_tokens}, kv_dtype {config.store.kv_dtype}")
     tokenizer = lm.tokenizer
     if max(lengths) + 64 > lm.dims.max_positions:
         raise ValueError(f"--history-tokens {max(lengths)} does not fit the model's {lm.dims.max_positions} "
@@ -247,7 +247,7 @@ def run_resume_bench(config_path: str, lengths: Sequence[int], tiers: Sequence[s
     return {
         "model": config.model, "random_weights": bool(getattr(lm, "random_weights", False)), "device": str(lm.device),
         "dtype": str(lm.dtype).removeprefix("torch."), "kv_dtype": config.store.kv_dtype,
-        "chunk_tokens": config.engine.chunk_tokens, "repeats": repeats, "cold_disk": cold_disk, "results": results,
+        "chunk_tokens": config.engine.blend.chunk_tokens, "repeats": repeats, "cold_disk": cold_disk, "results": results,
         **watch.finish("resume benchmark"), **steady.finish(spreads, "resume benchmark"),
     }
 

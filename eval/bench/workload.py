@@ -478,7 +478,7 @@ def io_blocks(engine: Any) -> dict[str, int]:
     """Per tier (in stack order), the bytes of one read: one layer of a full block in the tier's codec."""
     from storage.stack import tier_codec
 
-    dims, tokens = engine.lm.dims, engine.config.engine.chunk_tokens
+    dims, tokens = engine.lm.dims, engine.config.engine.blend.chunk_tokens
     return {t.name: tier_codec(t).layer_nbytes(dims.kv_heads, tokens, dims.head_dim, engine.kv_dtype)
             for t in engine.store.tiers}
 
@@ -520,7 +520,7 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
         budget = None
         if settings.cache_fraction is not None:
             budget = int(settings.cache_fraction * corpus_bytes)
-            entry = lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * config.engine.chunk_tokens
+            entry = lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * config.engine.blend.chunk_tokens
             if budget < entry:
                 raise ValueError(f"--cache-fraction {settings.cache_fraction:g} of the corpus' {corpus_bytes} bytes of KV "
                                  f"is {budget} bytes, less than one block entry ({entry} bytes); raise it")
@@ -549,9 +549,9 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
                         name = codec or "+".join(t.codec for t in store_cfg.tiers)
                         after = engine.store.stats()
                         row = summarize_run(trace, mode=mode, codec=name, ratio=settings.ratio
-                                            if settings.ratio is not None else config.engine.recompute_ratio,
+                                            if settings.ratio is not None else config.engine.blend.recompute_ratio,
                                             store=store_delta(after, before), io_block_bytes=io_blocks(engine),
-                                            kv_block_tokens=config.engine.chunk_tokens,
+                                            kv_block_tokens=config.engine.blend.chunk_tokens,
                                             window=max(5, len(stream) // 10), pass_=pass_,
                                             background=(metrics.background_steps - idle_before[0],
                                                         metrics.background_s - idle_before[1]))
