@@ -361,13 +361,20 @@ def _show(value: Any) -> str:
     return "a mapping" if isinstance(value, dict) else repr(value)[:80]
 
 
-def _nested_home(tp: Any, key: str) -> str | None:
-    """The field of `tp` whose section (a config dataclass, or a union of them) has a key `key`."""
+def _nested_home(tp: Any, key: str, depth: int = 2) -> str | None:
+    """The section under `tp` (a field whose type is a config dataclass or a union of them,
+    `depth` levels down at most) that has a key `key`, as a dotted path (`blend.selection`)."""
     for name, hint in _hints(tp).items():
         inner = _data_type(hint)
         members = [m for m in (typing.get_args(inner) or (inner,)) if dataclasses.is_dataclass(m)]
         if any(key in _hints(m) for m in members):
             return name
+    for name, hint in _hints(tp).items() if depth > 1 else ():
+        inner = _data_type(hint)
+        for member in (m for m in (typing.get_args(inner) or (inner,)) if dataclasses.is_dataclass(m)):
+            home = _nested_home(member, key, depth - 1)
+            if home is not None:
+                return f"{name}.{home}"
     return None
 
 

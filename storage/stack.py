@@ -284,7 +284,7 @@ class TieredStore:
         if hasattr(tier, "suspend"):
             self.suspend([tier.name], f"{tier.name} tier: header lookups took {spent:.1f} s for one request (or "
                                       f"ingested document), over the {budget.seconds:g} s allowed "
-                                      "(engine.load_stall_s); skipped for its backoff, the request computes what it lacks")
+                                      "(engine.blend.load_stall_s); skipped for its backoff, the request computes what it lacks")
 
     def contains(self, key: str) -> str | None:
         """Name of the first tier holding `key` (unverified), or None."""

@@ -278,7 +278,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, files, env, tmp_path, monkeypatc
         assert snapshot(model) == home_before
 
 
-@pytest.mark.parametrize("case, key", [("check-layers-beyond-model", "engine.selection.check_layers"),
+@pytest.mark.parametrize("case, key", [("check-layers-beyond-model", "engine.blend.selection.check_layers"),
                                        ("budget-below-one-entry", "store.tiers[0] (cpu): budget")])
 def test_settings_checked_against_the_model_name_the_file_too(case, key, tmp_path, monkeypatch, capsys, model_dir):
     _, argv, files, env = next(c for c in CASES if c[0] == case)

@@ -12,7 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from blend.config import BlendConfig, EngineConfig, QuerySelection, apply_env, kvblend_home, load_config
+from blend.config import (
+    ENGINE_GROUPS,
+    GROUP_OF,
+    BlendConfig,
+    BlendSettings,
+    CheckLayerSelection,
+    EngineConfig,
+    GenerationSettings,
+    QuerySelection,
+    SchedulerSettings,
+    SessionSettings,
+    apply_env,
+    kvblend_home,
+    load_config,
+)
 from storage.config import (
     TIER_CONFIGS,
     CpuTierConfig,
@@ -61,15 +75,18 @@ def error_of(tmp_path: Path, text: str) -> str:
     ("engine: [1, 2]\n", "engine: expected a mapping, got [1, 2]"),
     ("store: 5\n", "store: expected a mapping, got 5"),
     ("device: banana\n", "device: unknown device 'banana'; use auto, cpu, cuda"),
-    ("engine:\n  idle_seconds: -5\n", "engine.idle_seconds: must be >= 0"),
-    ("engine:\n  recompute_ratio: .nan\n", "engine.recompute_ratio: expected a finite number, got nan"),
-    ("engine:\n  recompute_ratio: true\n", "engine.recompute_ratio: expected a number, got True"),
-    ("engine:\n  chunk_tokens: '512'\n", "engine.chunk_tokens: expected an integer, got '512'"),
-    ("engine:\n  selection:\n    check_layers: [1, 1]\n", "engine.selection: check_layers must be increasing"),
-    ("engine:\n  check_layers: [1]\n", "engine: unknown key 'check_layers'; it belongs under `selection:`"),
-    ("engine:\n  selection:\n    policy: hybrid\n    query_pool: 2.0\n",
-     "engine.selection: unknown key 'query_pool'; valid keys are: check_layers, deviation, filter_schedule, policy"),
-    ("engine:\n  selection:\n    policy: nope\n", "engine.selection: unknown policy 'nope'; valid policies are: query"),
+    ("engine:\n  sessions:\n    idle_seconds: -5\n", "engine.sessions.idle_seconds: must be >= 0"),
+    ("engine:\n  blend:\n    recompute_ratio: .nan\n", "engine.blend.recompute_ratio: expected a finite number, got nan"),
+    ("engine:\n  blend:\n    recompute_ratio: true\n", "engine.blend.recompute_ratio: expected a number, got True"),
+    ("engine:\n  blend:\n    chunk_tokens: '512'\n", "engine.blend.chunk_tokens: expected an integer, got '512'"),
+    ("engine:\n  blend:\n    selection:\n      check_layers: [1, 1]\n", "engine.blend.selection: check_layers must be increasing"),
+    ("engine:\n  check_layers: [1]\n", "engine: unknown key 'check_layers'; it belongs under `blend.selection:`"),
+    ("engine:\n  blend:\n    check_layers: [1]\n", "engine.blend: unknown key 'check_layers'; it belongs under `selection:`"),
+    ("engine:\n  scheduler: 4\n", "engine.scheduler: expected a mapping, got 4"),
+    ("engine:\n  blend:\n    selection:\n      policy: hybrid\n      query_pool: 2.0\n",
+     "engine.blend.selection: unknown key 'query_pool'; valid keys are: check_layers, deviation, filter_schedule, policy"),
+    ("engine:\n  blend:\n    selection:\n      policy: nope\n",
+     "engine.blend.selection: unknown policy 'nope'; valid policies are: query"),
     ("store:\n  kv_dtype: int8\n", "store.kv_dtype: must be one of 'float32', 'bfloat16' or 'float16', got 'int8'"),
     ("store:\n  namespace: .x\n", "store.namespace: namespace '.x' must be up to 64 characters"),
     ("store:\n  tiers:\n    - {kind: redis, url: 'http://h'}\n", "store.tiers[0].url: 'http://h' is not a Redis URL"),
@@ -87,10 +104,11 @@ def test_errors_name_the_file_and_key_path_on_one_line(tmp_path, text, expected)
 
 
 def test_several_problems_give_one_line_each(tmp_path):
-    lines = error_of(tmp_path, "device: banana\nengine:\n  chunk_tokens: 0\n  top_p: 2\n").splitlines()
+    lines = error_of(tmp_path, "device: banana\nengine:\n  blend:\n    chunk_tokens: 0\n  generation:\n    top_p: 2\n"
+                     ).splitlines()
     assert len(lines) == 3
     assert all(line.startswith(str(tmp_path / "c.yaml")) for line in lines)
-    assert {line.split(": ")[1] for line in lines} == {"device", "engine.chunk_tokens", "engine.top_p"}
+    assert {line.split(": ")[1] for line in lines} == {"device", "engine.blend.chunk_tokens", "engine.generation.top_p"}
 
 
 def test_yaml_problems_are_one_line_naming_the_file(tmp_path):
@@ -131,10 +149,11 @@ def test_byte_sizes_and_strict_numbers():
     cfg = StoreConfig.from_mapping({"tiers": [{"kind": "cpu", "budget": "1.5GiB"}, {"kind": "disk", "path": "d",
                                                                                       "budget": 4096}]})
     assert cfg.tiers[0].budget == 3 * 2**29 and cfg.tiers[1].budget == 4096
-    assert BlendConfig(recompute_ratio=1).recompute_ratio == 1.0  # an int is a number
-    for bad in ({"recompute_ratio": True}, {"recompute_ratio": "0.1"}, {"chunk_tokens": 1.0}, {"temperature": float("inf")}):
-        with pytest.raises(ValueError, match=f"BlendConfig: {next(iter(bad))}: "):
-            BlendConfig(**bad)
+    assert BlendSettings(recompute_ratio=1).recompute_ratio == 1.0  # an int is a number
+    for cls, bad in ((BlendSettings, {"recompute_ratio": True}), (BlendSettings, {"recompute_ratio": "0.1"}),
+                     (BlendSettings, {"chunk_tokens": 1.0}), (GenerationSettings, {"temperature": float("inf")})):
+        with pytest.raises(ValueError, match=f"{cls.__name__}: {next(iter(bad))}: "):
+            cls(**bad)
 
 
 def test_frozen_dataclasses_that_replace_revalidates():
@@ -170,7 +189,7 @@ def run_python(code: str, **env: str) -> str:
 
 def test_loading_a_config_imports_neither_torch_nor_redis(tmp_path):
     # a selection policy and its knobs are checked without blend.recompute (which imports torch)
-    path = write(tmp_path, "engine:\n  chunk_tokens: 64\n  selection: {policy: hybrid, deviation: kv}\n"
+    path = write(tmp_path, "engine:\n  blend:\n    chunk_tokens: 64\n    selection: {policy: hybrid, deviation: kv}\n"
                            "store:\n  tiers:\n    - {kind: cpu}\n"
                            "    - {kind: redis-cluster, urls: [redis://h:7000]}\n")
     out = run_python(
@@ -207,7 +226,7 @@ def test_packaged_default_lives_under_kvblend_home(tmp_path, monkeypatch):
 def test_relative_paths_resolve_against_the_config_file(tmp_path, monkeypatch):
     conf = tmp_path / "conf"
     conf.mkdir()
-    path = write(conf, "engine:\n  sessions_dir: s\nstore:\n  tiers:\n    - {kind: disk, path: ../cache/d}\n"
+    path = write(conf, "engine:\n  sessions:\n    sessions_dir: s\nstore:\n  tiers:\n    - {kind: disk, path: ../cache/d}\n"
                        "    - {kind: disk, name: abs, path: /tmp/abs-kv}\n")
     monkeypatch.chdir("/")  # not the config's directory
     cfg = load_config(path)
@@ -235,7 +254,7 @@ def test_environment_overrides(tmp_path, monkeypatch):
     cfg = load_config()
     assert (cfg.model, cfg.device, cfg.dtype, cfg.engine.blend.recompute_ratio) == ("b", "cpu", "bfloat16", 0.3)
     assert [t.kind for t in cfg.store.tiers] == ["cpu", "redis"] and cfg.store.tiers[1].url == "redis://cache:6380/1"
-    assert load_config(recompute_ratio=0.5).engine.recompute_ratio == 0.5  # explicit overrides win
+    assert load_config(recompute_ratio=0.5).engine.blend.recompute_ratio == 0.5  # explicit overrides win
     redis_cfg = apply_env(load_config(ROOT / "configs" / "redis.yaml"))
     assert [t.kind for t in redis_cfg.store.tiers] == ["cpu", "disk", "redis"]  # the configured tier is repointed
     assert redis_cfg.store.tiers[2].url == "redis://cache:6380/1"
@@ -278,9 +297,12 @@ def test_overrides_reject_unknown_keys_and_bad_values():
 
 
 def test_check_layers_beyond_the_model():
-    BlendConfig(selection=QuerySelection(check_layers=(1, 3), filter_schedule=(1.5, 1.0))).check_model_layers(4)
-    with pytest.raises(ValueError, match=r"engine.selection.check_layers \[99\] is beyond the model's 4 layers"):
-        BlendConfig(selection=QuerySelection(check_layers=(99,))).check_model_layers(4)
+    def engine(selection: QuerySelection) -> BlendConfig:
+        return BlendConfig(blend=BlendSettings(selection=selection))
+
+    engine(QuerySelection(check_layers=(1, 3), filter_schedule=(1.5, 1.0))).check_model_layers(4)
+    with pytest.raises(ValueError, match=r"engine.blend.selection.check_layers \[99\] is beyond the model's 4 layers"):
+        engine(QuerySelection(check_layers=(99,))).check_model_layers(4)
 
 
 def test_corrupt_model_config_json_is_named(tmp_path):
@@ -299,7 +321,145 @@ def test_shipped_configs_load(monkeypatch):
 
 
 def test_a_bare_yaml_off_switches_the_split_off(tmp_path):
-    assert load_config(write(tmp_path, "engine:\n  split: off\n")).engine.split == "off"  # YAML: off -> False
-    assert load_config(write(tmp_path, "engine:\n  split: on\n")).engine.split == "auto"
-    assert load_config(write(tmp_path, "engine:\n  split: adaptive\n")).engine.split == "adaptive"
-    assert "engine.split: must be one of 'auto', 'adaptive' or 'off'" in error_of(tmp_path, "engine:\n  split: maybe\n")
+    def split(value: str) -> str:
+        return load_config(write(tmp_path, f"engine:\n  blend:\n    split: {value}\n")).engine.blend.split
+
+    assert split("off") == "off" and split("on") == "auto" and split("adaptive") == "adaptive"  # YAML: off -> False
+    assert "engine.blend.split: must be one of 'auto', 'adaptive' or 'off'" in error_of(
+        tmp_path, "engine:\n  blend:\n    split: maybe\n")
+
+
+# ------------------------------------------------------------- the engine section's groups
+# the engine section as it was written before its groups (every key), and the same values grouped
+FLAT = """engine:
+  chunk_tokens: 64
+  max_document_tokens: 1024
+  recompute_ratio: 0.3
+  selection: {policy: hybrid, check_layers: [1, 2], filter_schedule: [1.5, 1.0], deviation: kv}
+  prefetch_depth: 4
+  load_stall_s: 2
+  chunk_context: none
+  split: off
+  miss_policy: harvest
+  recompute_harvested: false
+  max_new_tokens: 7
+  temperature: 0.5
+  top_p: 0.9
+  system_prompt: Be brief.
+  query_template: "Q: {question}"
+  sessions_dir: s
+  idle_seconds: 5
+  active_budget: 2MiB
+  max_num_seqs: 3
+  max_active_kv: 1GiB
+  prefills_between_decodes: 2
+"""
+GROUPED = """engine:
+  blend:
+    chunk_tokens: 64
+    max_document_tokens: 1024
+    recompute_ratio: 0.3
+    selection: {policy: hybrid, check_layers: [1, 2], filter_schedule: [1.5, 1.0], deviation: kv}
+    prefetch_depth: 4
+    load_stall_s: 2
+    chunk_context: none
+    split: off
+    miss_policy: harvest
+    recompute_harvested: false
+  generation:
+    max_new_tokens: 7
+    temperature: 0.5
+    top_p: 0.9
+  prompt:
+    system_prompt: Be brief.
+    query_template: "Q: {question}"
+  sessions:
+    sessions_dir: s
+    idle_seconds: 5
+    active_budget: 2MiB
+  scheduler:
+    max_num_seqs: 3
+    max_active_kv: 1GiB
+    prefills_between_decodes: 2
+    prefill_chunk_tokens: 128
+"""
+
+
+def test_every_engine_key_lives_in_one_group():
+    assert list(ENGINE_GROUPS) == [f.name for f in dataclasses.fields(BlendConfig)]
+    leaves = [f.name for cls in ENGINE_GROUPS.values() for f in dataclasses.fields(cls)]
+    assert len(leaves) == len(set(leaves)) == len(GROUP_OF)  # a flat name says where it lives
+
+
+def test_the_grouped_layout_reads_typed_sections(tmp_path):
+    cfg = load_config(write(tmp_path, GROUPED)).engine
+    assert cfg.scheduler == SchedulerSettings(max_num_seqs=3, max_active_kv=1 << 30, prefills_between_decodes=2,
+                                              prefill_chunk_tokens=128)
+    assert cfg.sessions == SessionSettings(sessions_dir=str(tmp_path / "s"), idle_seconds=5.0, active_budget=2 << 20)
+    assert cfg.generation == GenerationSettings(max_new_tokens=7, temperature=0.5, top_p=0.9)
+    assert (cfg.prompt.system_prompt, cfg.prompt.query_template) == ("Be brief.", "Q: {question}")
+    assert cfg.blend.selection == CheckLayerSelection(policy="hybrid", check_layers=(1, 2), filter_schedule=(1.5, 1.0),
+                                                      deviation="kv")
+    assert (cfg.blend.chunk_tokens, cfg.blend.split, cfg.blend.miss_policy, cfg.blend.recompute_harvested) == (
+        64, "off", "harvest", False)
+
+
+def test_the_grouped_layout_round_trips(tmp_path):
+    """to_dict() written back as YAML reads as the same config, for the shipped configs too."""
+    yaml = pytest.importorskip("yaml")
+    for source in (write(tmp_path, GROUPED), *(ROOT / "configs").glob("*.yaml")):
+        cfg = load_config(source)
+        data = cfg.to_dict()
+        assert set(data["engine"]) == set(ENGINE_GROUPS)
+        again = load_config(write(tmp_path, yaml.safe_dump(data), name="again.yaml"))
+        assert again == cfg, source
+
+
+def test_flat_engine_keys_are_read_with_one_deprecation_line_each(tmp_path, caplog):
+    path = write(tmp_path, FLAT + "  prefill_chunk_tokens: 128\n", name="flat.yaml")
+    with caplog.at_level("WARNING", logger="blend.config"):
+        flat = load_config(path)
+    assert flat == load_config(write(tmp_path, GROUPED))  # every key: the same value, in its group
+    lines = [r.getMessage() for r in caplog.records]
+    keys = [k for k in GROUP_OF if k != "prefill_chunk_tokens"]
+    assert len(lines) == len(keys)  # one each; engine.prefill_chunk_tokens (the issue's name) without one
+    for key in keys:
+        assert f"{path}: engine.{key} is deprecated: write engine.{GROUP_OF[key]}.{key}" in lines
+    assert "engine.scheduler.max_num_seqs" in " ".join(lines) and "\n" not in "".join(lines)
+    assert "engine.max_num_seqs is deprecated: write engine.scheduler.max_num_seqs" in " ".join(lines)
+
+
+def test_flat_and_grouped_keys_mix(tmp_path, caplog):
+    text = "engine:\n  max_num_seqs: 2\n  scheduler:\n    max_active_kv: 4096\n  prefill_chunk_tokens: 64\n"
+    with caplog.at_level("WARNING", logger="blend.config"):
+        cfg = load_config(write(tmp_path, text)).engine.scheduler
+    assert (cfg.max_num_seqs, cfg.max_active_kv, cfg.prefill_chunk_tokens) == (2, 4096, 64)
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "engine.max_num_seqs is deprecated: write engine.scheduler.max_num_seqs"]
+
+
+@pytest.mark.parametrize("text, flat, grouped", [
+    ("engine:\n  max_num_seqs: 2\n  scheduler:\n    max_num_seqs: 4\n", "engine.max_num_seqs",
+     "engine.scheduler.max_num_seqs"),
+    ("engine:\n  selection: deviation\n  blend:\n    selection: query\n", "engine.selection", "engine.blend.selection"),
+    ("engine:\n  prefill_chunk_tokens: 8\n  scheduler:\n    prefill_chunk_tokens: 8\n",
+     "engine.prefill_chunk_tokens", "engine.scheduler.prefill_chunk_tokens"),
+])
+def test_a_key_given_both_ways_is_a_one_line_error(tmp_path, text, flat, grouped):
+    message = error_of(tmp_path, text)
+    assert message == f"{tmp_path / 'c.yaml'}: {flat} and {grouped} are both given; keep only {grouped}"
+
+
+def test_overrides_and_environment_set_keys_in_their_group(monkeypatch):
+    cfg = EngineConfig().with_overrides(max_num_seqs=4, idle_seconds=1.0, max_new_tokens=5, system_prompt="S",
+                                        chunk_tokens=32, prefill_chunk_tokens=16, sink_tokens=2)
+    engine = cfg.engine
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.prefill_chunk_tokens) == (4, 16)
+    assert (engine.sessions.idle_seconds, engine.generation.max_new_tokens, engine.prompt.system_prompt) == (1.0, 5, "S")
+    assert (engine.blend.chunk_tokens, engine.blend.selection.sink_tokens) == (32, 2)
+    with pytest.raises(ValueError, match="override: max_num_seqs: must be a whole number >= 1 or auto"):
+        EngineConfig().with_overrides(max_num_seqs=0)
+    monkeypatch.setenv("KVBLEND_MAX_NUM_SEQS", "6")
+    monkeypatch.setenv("KVBLEND_PREFILL_CHUNK_TOKENS", "32")
+    env = load_config().engine.scheduler
+    assert (env.max_num_seqs, env.prefill_chunk_tokens) == (6, 32)

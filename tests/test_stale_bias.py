@@ -217,8 +217,8 @@ def test_stale_shift_auto_leaves_out_the_deviation_rule_and_reads_yaml_switches(
     assert all(shift_applies("on", p) for p in SELECTIONS) and not any(shift_applies("off", p) for p in SELECTIONS)
     cfg = EngineConfig()
     assert cfg.engine.blend.selection.stale_shift == "auto"
-    assert cfg.with_overrides(stale_shift=True).engine.selection.stale_shift == "on"
-    assert cfg.with_overrides(stale_shift=False).engine.selection.stale_shift == "off"
+    assert cfg.with_overrides(stale_shift=True).engine.blend.selection.stale_shift == "on"
+    assert cfg.with_overrides(stale_shift=False).engine.blend.selection.stale_shift == "off"
     with pytest.raises(ValueError, match="stale_shift"):
         cfg.with_overrides(stale_shift="sometimes")
     with make_engine(chunk_tokens=16, stale_bias=False) as auto, \

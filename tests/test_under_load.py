@@ -1,6 +1,6 @@
 """The same request gives the same answer whatever the load (default config): four mixed-mode
 requests run one by one, then in concurrent rounds beside a CPU-bound process, give the same
-tokens and first-token log-probs within 1e-4 (float32); the default split (`engine.split: auto`)
+tokens and first-token log-probs within 1e-4 (float32); the default split (`engine.blend.split: auto`)
 decides with a cost model fixed at start-up, so what later requests observe (slow layers, slow
 loads) changes no decision, while `adaptive` follows them."""
 

@@ -91,7 +91,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--queue-size", type=arg_type(positive_int), default=64,
                    help="requests that may wait for the scheduler; more get 503 + Retry-After (default 64)")
     p.add_argument("--max-num-seqs", type=arg_type(positive_int), default=None,
-                   help="sequences decoding together at most (default: the config's engine.max_num_seqs, "
+                   help="sequences decoding together at most (default: the config's engine.scheduler.max_num_seqs, "
                    "$KVBLEND_MAX_NUM_SEQS, else 8 on CPU and 32 on CUDA)")
     p.add_argument("--prefill-chunk-tokens", type=arg_type(positive_int), default=None,
                    help="a prefill's rows per scheduler step, every running sequence's next token computed "

@@ -530,7 +530,7 @@ class BlendEngine:
     def warmup(self) -> float:
         """Run one short request through prefill and decoding so that the first real
         request's TTFT does not pay one-time costs (kernel selection, allocator, chat
-        template) and, under `engine.split: auto`, so that the split's cost model is calibrated
+        template) and, under `engine.blend.split: auto`, so that the split's cost model is calibrated
         (blend.planning.split). Full mode: nothing is read from or written to the store.
         Returns the seconds it took."""
         t0 = time.perf_counter()

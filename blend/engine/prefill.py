@@ -151,7 +151,7 @@ class Prefiller:
         return pre
 
     def _calibrated(self) -> Generator[None, None, None]:
-        """Under `engine.split: auto`, the split's cost model is calibrated once, before the first
+        """Under `engine.blend.split: auto`, the split's cost model is calibrated once, before the first
         prefill that consults it: a step of its own (running sequences decode around it), outside
         that prefill's timing."""
         if self.splitter.needs_calibration:

@@ -16,10 +16,10 @@ blend pass: with most documents missing, more than a full prefill. The plans:
               see only each other), the missing documents among them harvested from it; the
               missing documents after it computed on their own.
 
-`engine.miss_policy` chooses: `auto` (default) prices each plan with the engine's cost model
-(`Splitter.cost_model()`: under `engine.split: auto` calibrated once and fixed, so the choice
+`engine.blend.miss_policy` chooses: `auto` (default) prices each plan with the engine's cost model
+(`Splitter.cost_model()`: under `engine.blend.split: auto` calibrated once and fixed, so the choice
 is a function of the request's sizes and which documents missed) and runs the cheapest;
-`standalone` or `harvest` force one. Without a cost model (`engine.split: off`) `auto`
+`standalone` or `harvest` force one. Without a cost model (`engine.blend.split: off`) `auto`
 prices by rows computed (every layer's cost proportional to its rows).
 
 A harvested entry holds the document's K/V as computed in that request's context (after the
@@ -41,7 +41,7 @@ from blend.prompt.builder import Prompt
 
 MISS_POLICIES = ("auto", "standalone", "harvest")
 STANDALONE, HARVEST, MIXED = "standalone", "harvest", "mixed"
-# no cost model (engine.split: off): every layer priced by its rows
+# no cost model (engine.blend.split: off): every layer priced by its rows
 ROWS_MODEL = CostModel(LayerCost([(1.0, 1.0)]), {}, float("inf"), False, "rows")
 
 
@@ -68,14 +68,14 @@ def plan_misses(policy: str, model: CostModel | None, prompt: Prompt, resolution
                 documents: DocumentCache, ratio: float, selection: Selection, num_layers: int) -> MissPlan:
     """The plan of a request whose `resolution` has misses (see the module docstring)."""
     if policy not in MISS_POLICIES:
-        raise ValueError(f"engine.miss_policy must be one of {', '.join(MISS_POLICIES)}, got {policy!r}")
+        raise ValueError(f"engine.blend.miss_policy must be one of {', '.join(MISS_POLICIES)}, got {policy!r}")
     looked = resolution.looked
     missed = tuple(i for i, lk in enumerate(looked) if lk.missed)
     if policy == STANDALONE:
-        return MissPlan(STANDALONE, 0, missed, (), "engine.miss_policy: standalone")
+        return MissPlan(STANDALONE, 0, missed, (), "engine.blend.miss_policy: standalone")
     n = len(prompt)
     if policy == HARVEST:
-        return MissPlan(HARVEST, n, (), missed, "engine.miss_policy: harvest")
+        return MissPlan(HARVEST, n, (), missed, "engine.blend.miss_policy: harvest")
     priced = model or ROWS_MODEL
     layer = priced.layer
 

@@ -435,7 +435,7 @@ EMA_WEIGHT = 0.5  # weight of the newest observation in the running bandwidth es
 MIN_OBSERVED_BYTES = 256 << 10  # smaller loads say more about per-call overhead than bandwidth
 COMPUTE_SAMPLES = 16
 # Bandwidth assumed before a tier was ever read from (GB/s), and the rates of the calibrated cost
-# model (engine.split: auto). Memory reads hand out views (a copy happens in placement); disk and
+# model (engine.blend.split: auto). Memory reads hand out views (a copy happens in placement); disk and
 # Redis figures are modest cold reads.
 PRIOR_READ_GBPS: dict[str, float] = {"cpu": 50.0, "computed": 10.0, "disk": 1.5, "redis": 1.0, "redis-cluster": 1.0}
 PRIOR_PLACE_GBPS: dict[str, float] = {"cuda": 20.0, "cpu": 4.0}
@@ -453,10 +453,10 @@ class PrefillCosts:
     Thread-safe. Two estimates, kept apart:
 
     - `calibrated(runner)`: measured once, on the first call, by timed prefills of fixed sizes
-      (`measure_layer_cost`), then never changed: what `engine.split: auto` decides with.
+      (`measure_layer_cost`), then never changed: what `engine.blend.split: auto` decides with.
     - `layer_cost()`: the live estimate, interpolated through the last `COMPUTE_SAMPLES`
       requests' (rows per layer, seconds per layer) points (`observe`): what
-      `engine.split: adaptive` decides with.
+      `engine.blend.split: adaptive` decides with.
     """
 
     def __init__(self) -> None:
@@ -707,8 +707,8 @@ class CostModel:
     `layer`: seconds one layer takes for r rows; `read_bps`: read bandwidth per tier name
     (and "computed": an entry in memory); `place_bps`: placement into the cache; `pipelined`:
     placement overlaps reads and compute (CUDA) rather than running on the compute threads
-    (CPU); `source`: "calibrated" (engine.split: auto, fixed for the engine's life) or "live"
-    (engine.split: adaptive, a snapshot of the running estimates).
+    (CPU); `source`: "calibrated" (engine.blend.split: auto, fixed for the engine's life) or "live"
+    (engine.blend.split: adaptive, a snapshot of the running estimates).
     """
 
     layer: LayerCost

@@ -17,7 +17,7 @@ than a full prefill. The candidates include computing everything (a full prefill
 predicted time never exceeds a full prefill's.
 
 A split changes the numbers (a computed prefix is exact, a loaded one is not), so which cost
-model decides is a choice between reproducibility and adaptation (`engine.split`):
+model decides is a choice between reproducibility and adaptation (`engine.blend.split`):
 
   auto      (default) deterministic: the cost model is fixed for the engine's life. The
             model's compute is calibrated once (`PrefillCosts.calibrated`: timed prefills of
@@ -102,9 +102,9 @@ class Splitter:
     def __init__(self, prefill: PrefillCosts, loads: LoadCosts, tier_kinds: dict[str, str], *, mode: str = "auto",
                  runner: Runner | None = None):
         if mode not in SPLIT_MODES:
-            raise ValueError(f"engine.split must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
+            raise ValueError(f"engine.blend.split must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
         if mode == "auto" and runner is None and not prefill.is_calibrated:
-            raise ValueError("engine.split auto calibrates the model's compute: pass the runner")
+            raise ValueError("engine.blend.split auto calibrates the model's compute: pass the runner")
         self.prefill, self.loads, self.tier_kinds, self.mode = prefill, loads, dict(tier_kinds), mode
         self.runner = runner
         self._calibrated: CostModel | None = None
@@ -170,7 +170,7 @@ class Splitter:
             return Split(fresh, loaded, SplitReport(True, f"the miss plan computes the first {fresh} tokens", fresh,
                                                     sum(p.length for p in loaded)))
         if self.mode == "off":
-            return unsplit("off (engine.split)")
+            return unsplit("off (engine.blend.split)")
         if not ordered:
             return unsplit("nothing to load")
         model = self.cost_model()
@@ -247,7 +247,7 @@ class Splitter:
             return Split(0, tuple(ordered), SplitReport(False, reason, 0, end, **predicted))
 
         if self.mode == "off":
-            return unsplit("off (engine.split)")
+            return unsplit("off (engine.blend.split)")
         if not ordered:
             return unsplit("nothing to load")
         model = self.cost_model()

@@ -130,16 +130,15 @@ def plan_recompute(prompt: Prompt, ratio: float, selection: Selection, num_layer
     computed prefix: those rows are computed at every layer (in the query pass, for a
     query selection), never loaded nor candidates; the ratio applies to the rest.
     """
+    if not isinstance(selection, QuerySelection | CheckLayerSelection):
+        raise TypeError(f"plan_recompute: selection must be a QuerySelection or a CheckLayerSelection "
+                        f"(blend.config), got {type(selection).__name__}")
     rows = _candidates(prompt, placements, selection.sink_tokens, fresh)
     if ratio <= 0 or rows.cand_rows.numel() == 0:
         return rows.plan((), (), 0, num_layers)  # reuse: only the query rows
-    match selection:
-        case QuerySelection():
-            return _query_plan(rows, ratio, selection, num_layers)
-        case CheckLayerSelection():
-            return _check_layer_plan(rows, ratio, selection, num_layers)
-    raise TypeError(f"plan_recompute: selection must be a QuerySelection or a CheckLayerSelection, "
-                    f"got {type(selection).__name__}")
+    if isinstance(selection, QuerySelection):
+        return _query_plan(rows, ratio, selection, num_layers)
+    return _check_layer_plan(rows, ratio, selection, num_layers)
 
 
 def _query_plan(rows: _Rows, ratio: float, selection: QuerySelection, num_layers: int) -> RecomputePlan:

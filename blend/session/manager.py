@@ -221,7 +221,7 @@ class SessionManager:
                 with suppress(OSError):
                     tmp.unlink(missing_ok=True)
             raise ValueError(f"session {session_id!r}: cannot write its history {path} ({err.strerror or err}); "
-                             "free space or fix the sessions directory (engine.sessions_dir); the turn is not "
+                             "free space or fix the sessions directory (engine.sessions.sessions_dir); the turn is not "
                              "part of the conversation") from None
 
     def _acquire(self, session: Session) -> int | None:
@@ -262,7 +262,7 @@ class SessionManager:
                 fd = os.open(lock, _LOCK_FLAGS, 0o644)
             except OSError as err:  # read-only, a symlink or a directory in its place
                 raise ValueError(f"session {session_id!r}: cannot open its lock file {lock} "
-                                 f"({err.strerror or err}); fix the sessions directory (engine.sessions_dir) "
+                                 f"({err.strerror or err}); fix the sessions directory (engine.sessions.sessions_dir) "
                                  "or remove what is in the lock file's place") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
