@@ -75,7 +75,7 @@ def test_bench_ttft_reports_both_bounds_on_a_tiny_model(tmp_path):
     # a tiny model's layers cost about the same for any row count, so the load-or-compute split
     # would often (by timing) compute the blends whole: off, so the ratios compute what they say
     config = tmp_path / "bench.yaml"
-    config.write_text("engine:\n  split: \"off\"\n")
+    config.write_text("engine:\n  blend:\n    split: \"off\"\n")
     args = argparse.Namespace(config=str(config), chunks=3, chunk_tokens=64, ratios="0,0.3,1", tiers="cpu", repeats=1,
                               redis_url=None, cluster_urls=None, model=None, dtype=None, device=None, kv_dtype=None)
     summary = run_ttft(args, lm=lm)

@@ -34,9 +34,12 @@ def config_file(tmp_path_factory):
 model: {root / "model"}
 device: cpu
 engine:
-  chunk_tokens: 16
-  max_new_tokens: 4
-  sessions_dir: {root / "sessions"}
+  blend:
+    chunk_tokens: 16
+  generation:
+    max_new_tokens: 4
+  sessions:
+    sessions_dir: {root / "sessions"}
 store:
   kv_dtype: float32
   tiers:
@@ -319,7 +322,8 @@ def test_demo_shows_both_answers_the_kls_and_where_they_part(tmp_path, capsys):
 model: {tmp_path / "model"}
 device: cpu
 engine:
-  max_new_tokens: 6
+  generation:
+    max_new_tokens: 6
 store:
   kv_dtype: float32
   tiers:

@@ -463,3 +463,14 @@ def test_overrides_and_environment_set_keys_in_their_group(monkeypatch):
     monkeypatch.setenv("KVBLEND_PREFILL_CHUNK_TOKENS", "32")
     env = load_config().engine.scheduler
     assert (env.max_num_seqs, env.prefill_chunk_tokens) == (6, 32)
+
+
+def test_a_flat_key_through_the_command_line_is_one_warning_line(tmp_path):
+    path = write(tmp_path, "engine:\n  chunk_tokens: 16\n  scheduler:\n    max_num_seqs: 2\n"
+                           "store:\n  tiers:\n    - {kind: cpu, budget: 64MiB}\n")
+    out = subprocess.run([sys.executable, "-m", "blend.cli", "store", "stats", "--config", str(path)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "KVBLEND_HOME": str(tmp_path / "h")})
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        f"WARNING blend.config: {path}: engine.chunk_tokens is deprecated: write engine.blend.chunk_tokens"]

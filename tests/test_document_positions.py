@@ -65,8 +65,10 @@ def test_cli_ingest_and_the_server_refuse_a_long_document_writing_nothing(tmp_pa
 model: {tmp_path / "model"}
 device: cpu
 engine:
-  chunk_tokens: 512
-  sessions_dir: {tmp_path / "sessions"}
+  blend:
+    chunk_tokens: 512
+  sessions:
+    sessions_dir: {tmp_path / "sessions"}
 store:
   kv_dtype: float32
   tiers:

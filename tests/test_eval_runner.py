@@ -342,7 +342,7 @@ def tiny_config(tmp_path_factory) -> Path:
     _tokenizer().save_pretrained(root / "model")
     config = root / "config.yaml"
     config.write_text(
-        f"model: {root / 'model'}\ndevice: cpu\ndtype: float32\nengine:\n  chunk_tokens: 64\n"
+        f"model: {root / 'model'}\ndevice: cpu\ndtype: float32\nengine:\n  blend:\n    chunk_tokens: 64\n"
         "store:\n  kv_dtype: float32\n  tiers:\n    - kind: cpu\n      budget: 64MiB\n"
     )
     return config

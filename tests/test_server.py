@@ -104,10 +104,13 @@ def setup(tmp_path_factory):
 model: {root / "model"}
 device: cpu
 engine:
-  chunk_tokens: 16
-  max_new_tokens: 8
-  sessions_dir: {root / "sessions"}
-  split: "off"  # the tiny model may compute faster than the cpu tier loads: keep the blend counts fixed
+  blend:
+    chunk_tokens: 16
+    split: "off"  # the tiny model may compute faster than the cpu tier loads: keep the blend counts fixed
+  generation:
+    max_new_tokens: 8
+  sessions:
+    sessions_dir: {root / "sessions"}
 store:
   kv_dtype: float32
   tiers:

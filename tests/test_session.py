@@ -272,7 +272,7 @@ def test_cli_chat_one_turn_then_resume_in_a_new_process(tmp_path, capsys):
     config = tmp_path / "chat.yaml"
     config.write_text(
         "model: smollm2-135m-instruct\ndevice: cpu\n"
-        f"engine:\n  chunk_tokens: 16\n  sessions_dir: {tmp_path / 'sessions'}\n"
+        f"engine:\n  blend:\n    chunk_tokens: 16\n  sessions:\n    sessions_dir: {tmp_path / 'sessions'}\n"
         "store:\n  kv_dtype: float32\n  tiers:\n    - kind: cpu\n      budget: 64MiB\n"
         f"    - kind: disk\n      path: {tmp_path / 'disk'}\n      budget: 256MiB\n"
     )
