@@ -336,8 +336,12 @@ def _message(e: dict[str, Any], tp: Any, key: Any) -> str:
         return f"missing required key {key!r}"
     if key is not None:
         names = sorted(f.name for f in dataclasses.fields(tp))
-        close = difflib.get_close_matches(str(key), names, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        # the closest key here, or of a section below (engine: chunk_tokenz -> chunk_tokens under `blend:`)
+        below = {k: home for k in _nested_keys(tp) - set(names) if (home := _nested_home(tp, k)) is not None}
+        close = difflib.get_close_matches(str(key), [*names, *below], n=1)
+        hint = ""
+        if close:
+            hint = f"did you mean {close[0]!r}{f' under `{below[close[0]]}:`' if close[0] in below else ''}? "
         home = _nested_home(tp, str(key))
         if home is not None:
             hint = f"it belongs under `{home}:` now; "
@@ -376,6 +380,16 @@ def _nested_home(tp: Any, key: str, depth: int = 2) -> str | None:
             if home is not None:
                 return f"{name}.{home}"
     return None
+
+
+def _nested_keys(tp: Any, depth: int = 2) -> set[str]:
+    """The keys of the sections under `tp` (config dataclasses or unions of them), `depth` levels down."""
+    keys: set[str] = set()
+    for hint in _hints(tp).values():
+        inner = _data_type(hint)
+        for member in (m for m in (typing.get_args(inner) or (inner,)) if dataclasses.is_dataclass(m)):
+            keys |= set(_hints(member)) | (_nested_keys(member, depth - 1) if depth > 1 else set())
+    return keys
 
 
 @functools.cache

@@ -83,6 +83,7 @@ def error_of(tmp_path: Path, text: str) -> str:
     ("engine:\n  check_layers: [1]\n", "engine: unknown key 'check_layers'; it belongs under `blend.selection:`"),
     ("engine:\n  blend:\n    check_layers: [1]\n", "engine.blend: unknown key 'check_layers'; it belongs under `selection:`"),
     ("engine:\n  scheduler: 4\n", "engine.scheduler: expected a mapping, got 4"),
+    ("engine:\n  chunk_tokenz: 3\n", "engine: unknown key 'chunk_tokenz'; did you mean 'chunk_tokens' under `blend:`?"),
     ("engine:\n  blend:\n    selection:\n      policy: hybrid\n      query_pool: 2.0\n",
      "engine.blend.selection: unknown key 'query_pool'; valid keys are: check_layers, deviation, filter_schedule, policy"),
     ("engine:\n  blend:\n    selection:\n      policy: nope\n",
