@@ -107,6 +107,9 @@ engine:
   blend:
     chunk_tokens: 16
     split: "off"  # the tiny model may compute faster than the cpu tier loads: keep the blend counts fixed
+    # harvested entries stay (recomputed standalone only when idle: when, depends on the load; the
+    # server and the in-process engine must hold the same entries to give the same tokens)
+    recompute_harvested: false
   generation:
     max_new_tokens: 8
   sessions:
