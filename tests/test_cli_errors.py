@@ -262,6 +262,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, files, env, tmp_path, monkeypatc
     model = request.getfixturevalue("model_dir") if needs_model(files) else tmp_path / "no-model"
     prepare(tmp_path, model, files, env, monkeypatch)
     before, home_before = snapshot(tmp_path), snapshot(model) if model.exists() else {}
+    capsys.readouterr()  # what making the model fixture printed is not the command's
     try:
         code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     except SystemExit as exit_info:  # argparse usage errors
