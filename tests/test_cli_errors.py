@@ -224,8 +224,16 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def snapshot(root: Path) -> dict[str, int]:
-    """Every path under `root` with its size (directories: -1)."""
-    return {str(p.relative_to(root)): (-1 if p.is_dir() else p.stat().st_size) for p in root.rglob("*")}
+    """Every path under `root` with its size (directories: -1), but the native kernels' build
+    cache (`$KVBLEND_HOME/kernels`, built once per process by the first engine: not data)."""
+    paths = {str(p.relative_to(root)): (-1 if p.is_dir() else p.stat().st_size) for p in root.rglob("*")}
+    kernels = [k for k in paths if Path(k).name == "kernels"]
+    for k in kernels:  # the kernels' directory, what is in it, and the home made for it
+        paths = {p: v for p, v in paths.items() if not (p == k or p.startswith(k + "/"))}
+        parent = str(Path(k).parent)
+        if parent != "." and not any(p.startswith(parent + "/") for p in paths):
+            paths.pop(parent, None)
+    return paths
 
 
 def prepare(tmp_path: Path, model: Path, files: dict[str, str | bytes], env: dict[str, str], monkeypatch) -> None:

@@ -127,11 +127,12 @@ class BlendEngine:
         cfg = config.engine
         self.lm = model or load_model(config.model, device=config.device, dtype=config.dtype)
         cfg.check_model_layers(self.lm.dims.num_layers)
+        # the store first: its settings are checked against the model's entry size before anything is built
+        entry_bytes = self.lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * cfg.blend.chunk_tokens
+        self.store = store or TieredStore.from_config(config.store, min_entry_bytes=entry_bytes)
         self.runner = Runner(self.lm)
         self.prompts = PromptBuilder(self.lm.tokenizer, cfg.prompt.system_prompt, cfg.prompt.query_template, cfg.blend.max_document_tokens,
                                      self.lm.dims.max_positions)
-        entry_bytes = self.lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * cfg.blend.chunk_tokens
-        self.store = store or TieredStore.from_config(config.store, min_entry_bytes=entry_bytes)
         self.fingerprint = self.lm.fingerprint
         self.kv_dtype = config.store.kv_dtype
         self.eos = eos_ids(self.lm)
