@@ -20,8 +20,9 @@ Per example and entry (a row):
     greedy_match  the greedy answer text equals full prefill's
     answer_nll    mean NLL of the first gold answer, teacher-forced after the prompt
     ttft_s        time to first token; recomputed_fraction: share of the context computed
-Quality metrics and answer_nll are None for an example without gold answers. The
-engine's load-or-compute split is off during a run, so every mode computes what it says.
+Quality metrics and answer_nll are None for an example without gold answers. Every request
+of a run brings its task's template and asks for no load-or-compute split (`split="off"`, per
+request: the engine itself is not changed), so every mode computes what it says.
 The summary is the mean of every metric per entry (None values ignored).
 The summary also gives the largest KL to full and, for blend entries, how many examples
 ended worse than reuse (larger KL).
@@ -142,13 +143,6 @@ def run_eval(
     if results is not None and len(todo) < len(examples):
         log.warning("%s: %d of %d example(s) already done; evaluating the other %d",
                     results.path, len(examples) - len(todo), len(examples), len(todo))
-    original_prompts = engine.prompts
-    reference_prompts = reference.prompts if reference is not None else None
-    # modes are compared as defined: no load-or-compute split (blend.split) during an evaluation
-    splitter = getattr(engine, "splitter", None)
-    original_split = splitter.mode if splitter is not None else None
-    if splitter is not None:
-        splitter.mode = "off"
     skipped: list[str] = []
     watch = LoadWatch.begin()
     try:
@@ -157,10 +151,8 @@ def run_eval(
                 if warm is not None:
                     _warm_up(warm, todo[0], templates[todo[0].task])
         for ex in _progress(todo, progress and bool(todo)):
-            _use_template(engine, templates[ex.task])
-            if reference is not None:
-                _use_template(reference, templates[ex.task])
-            record = evaluate_example(engine, ex, entries, max_new_tokens=max_new, reference=reference)
+            record = evaluate_example(engine, ex, entries, max_new_tokens=max_new, reference=reference,
+                                      template=templates[ex.task])
             if record is None:
                 skipped.append(ex.id)
                 continue
@@ -169,11 +161,6 @@ def run_eval(
             else:
                 done[ex.id] = jsonable(record)
     finally:
-        engine.prompts = original_prompts
-        if reference is not None:
-            reference.prompts = reference_prompts
-        if splitter is not None:
-            splitter.mode = original_split
         if results is not None:
             results.close()
     records = [done[ex.id] for ex in examples if ex.id in done]
@@ -200,18 +187,20 @@ def engine_settings(engine: Any) -> dict[str, Any]:
 
 
 def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_new_tokens: int,
-                     reference: Any = None) -> dict[str, Any] | None:
+                     reference: Any = None, template: PromptTemplate | None = None) -> dict[str, Any] | None:
     """Run one example in every entry (entries[0] must be full); its record, or None when
     the prompt does not fit the model (skipped with a warning). `reference`: an engine whose
     full prefill (greedy, with its step log-probs) every entry is compared to; default: the
-    first entry's.
+    first entry's. `template`: the prompt of every request (None: the engine's configured
+    one); every request of `engine` asks for no load-or-compute split (`split="off"`), so
+    each mode computes what it says.
 
-    Side effects: ingests the passages; the prompt comes from the engine's current builder.
+    Side effects: ingests the passages (after the template's fixed part).
     """
     passages = list(ex.passages)
     question = ex.question or NO_QUESTION
     gold = ex.answers[0] if ex.answers else None
-    prompt = engine.build_prompt(question, passages)
+    prompt = engine.build_prompt(question, passages, template=template)
     prompt_tokens = len(prompt)
     answer_tokens = len(engine.lm.tokenizer(gold, add_special_tokens=False).input_ids) if gold else 0
     needed = prompt_tokens + max(max_new_tokens, answer_tokens)
@@ -221,18 +210,18 @@ def evaluate_example(engine: Any, ex: Example, entries: Sequence[Entry], *, max_
                     needed - prompt_tokens, engine.runner.max_positions)
         return None
     t0 = time.perf_counter()
-    engine.ingest(passages)
+    engine.ingest(passages, template=template)
     ingest_s = time.perf_counter() - t0
     rows: dict[str, dict[str, Any]] = {}
     if reference is not None:  # full prefill in the reference engine
         reference = reference.generate(question, passages, mode="full", max_new_tokens=max_new_tokens,
-                                       temperature=0.0, logprobs=True)
+                                       temperature=0.0, logprobs=True, template=template)
     for entry in entries:
         first = reference is None  # full prefill: the reference of every later entry
         result = engine.generate(question, passages, mode=entry.mode, recompute_ratio=entry.ratio,
                                  max_new_tokens=max_new_tokens, temperature=0.0, answer=gold,
                                  selection=entry.selection, logprobs=first,
-                                 follow=None if first else reference.token_ids)
+                                 follow=None if first else reference.token_ids, template=template, split="off")
         if reference is None:
             reference = result
         # the metrics' torch work on the engine's thread (see BlendEngine.run_exclusive): a pool of
@@ -362,24 +351,12 @@ def _unique_ids(examples: Sequence[Example]) -> list[Example]:
     return out
 
 
-def _use_template(engine: Any, template: PromptTemplate) -> None:
-    """Point the engine's prompt builder at `template` (a new builder only when it differs)."""
-    from blend.prompt.builder import PromptBuilder
-
-    system = template.render_system()
-    current = engine.prompts
-    if current.system_prompt != system or current.query_template != template.query:
-        engine.prompts = PromptBuilder(engine.lm.tokenizer, system, template.query,
-                                       engine.config.engine.blend.max_document_tokens, engine.lm.dims.max_positions)
-
-
 def _warm_up(engine: Any, ex: Example, template: PromptTemplate) -> None:
     """One short untimed request (the start of the first passage, one token) so that lazy
     initialisation does not land in the first example's TTFT. Short, so that an example too
     long for the model is skipped by `evaluate_example` like any other, not failed here."""
-    _use_template(engine, template)
     engine.generate((ex.question or NO_QUESTION)[:WARMUP_CHARS], [p[:WARMUP_CHARS] for p in ex.passages[:1]],
-                    mode="full", max_new_tokens=1, temperature=0.0)
+                    mode="full", max_new_tokens=1, temperature=0.0, template=template)
 
 
 def _progress(items: Sequence[Example], enabled: bool) -> Iterable[Example]:

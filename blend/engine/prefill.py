@@ -45,7 +45,8 @@ from storage.stack import TieredStore
 @dataclass(frozen=True)
 class PromptWork:
     """A `generate` request's prefill: the prompt laid out, its blocks (keys hashed once),
-    the mode, and what to teacher-force after it."""
+    the mode, what to teacher-force after it, and the request's own split mode (`split`,
+    None: the engine's `engine.blend.split`)."""
 
     prompt: Prompt
     blocks: dict[int, list[Block]]  # per cacheable segment index (DocumentCache.segment_blocks)
@@ -55,6 +56,7 @@ class PromptWork:
     capacity: int  # cache positions allocated up front
     answer: str | None = None
     follow: tuple[int, ...] | None = None
+    split: str | None = None
     submitted: float = field(default_factory=time.monotonic)  # when the request was made (deduplication counts)
 
 
@@ -86,12 +88,13 @@ class Prefiller:
         if mode == "full":
             pre = yield from self._timed(self._full(prompt.token_ids, capacity, self._stats(prompt, "full")))
         elif mode == "prefix":
-            yield from self._calibrated()
-            pre = yield from self._timed(self._prefix(prompt, capacity), fallback=(prompt, capacity))
+            yield from self._calibrated(work.split)
+            pre = yield from self._timed(self._prefix(prompt, capacity, work.split), fallback=(prompt, capacity))
         else:
             ratio = 0.0 if mode == "reuse" else work.ratio
             selection = self.config.blend.selection.with_policy(work.selection)
-            pre = yield from self._blend_steps(prompt, work.blocks, ratio, capacity, mode, selection, work.submitted)
+            pre = yield from self._blend_steps(prompt, work.blocks, ratio, capacity, mode, selection, work.submitted,
+                                               work.split)
         if forced is not None and (work.answer is not None or work.follow):
             if work.answer is not None:
                 forced.answer_nll = answer_nll(self.runner, self.tokenizer, pre.cache, pre.logits, work.answer)
@@ -114,16 +117,16 @@ class Prefiller:
 
     # ------------------------------------------------------------------ stages
     def _blend_steps(self, prompt: Prompt, blocks: dict[int, list[Block]] | None, ratio: float, capacity: int,
-                     mode: str, selection: Selection, submitted: float | None = None
+                     mode: str, selection: Selection, submitted: float | None = None, split: str | None = None
                      ) -> Generator[Rows | None, Any, Prefilled]:
         tally = LookupTally(self.tier_names)
         cached = [i for i, s in enumerate(prompt.segments) if s.kind != "query"]
         resolution = self.documents.lookup(prompt, cached, blocks, submitted)
         report = MissReport(deduplicated=resolution.deduplicated)
         plan = None
-        yield from self._calibrated()
+        yield from self._calibrated(split)
         if resolution.misses:  # priced (blend.planning.misses), then paid as the cheapest plan runs
-            plan = plan_misses(self.config.blend.miss_policy, self.splitter.cost_model(), prompt, resolution,
+            plan = plan_misses(self.config.blend.miss_policy, self.splitter.cost_model(split), prompt, resolution,
                                self.documents, ratio, selection, self.runner.num_layers)
             report = MissReport(plan.kind, plan.reason, resolution.misses, len(plan.standalone), len(plan.harvested),
                                 resolution.deduplicated, 0.0, dict(plan.predicted))
@@ -136,7 +139,7 @@ class Prefiller:
                 yield
         placements = self.documents.placements(resolution, tally, skip=plan.harvested if plan else ())
         return (yield from self._timed(self._blend(prompt, placements, tally, ratio, capacity, mode, selection,
-                                                   resolution, plan, report),
+                                                   resolution, plan, report, split),
                                        fallback=(prompt, capacity)))
 
     def _harvest_full(self, prompt: Prompt, resolution: Resolution, tally: LookupTally, ratio: float, capacity: int,
@@ -150,12 +153,12 @@ class Prefiller:
         pre.stats = pre.stats.replace(miss=report.replace(compute_s=time.perf_counter() - t0))
         return pre
 
-    def _calibrated(self) -> Generator[None, None, None]:
+    def _calibrated(self, split: str | None = None) -> Generator[None, None, None]:
         """Under `engine.blend.split: auto`, the split's cost model is calibrated once, before the first
         prefill that consults it: a step of its own (running sequences decode around it), outside
         that prefill's timing."""
-        if self.splitter.needs_calibration:
-            self.splitter.cost_model()
+        if self.splitter.calibrates(split):
+            self.splitter.cost_model(split)
             yield
 
     def _timed(self, plan: Generator[Rows | None, Any, Prefilled], fallback: tuple | None = None
@@ -213,12 +216,13 @@ class Prefiller:
 
     def _blend(self, prompt: Prompt, placements, tally: LookupTally, ratio: float, capacity: int, mode: str,
                sel: Selection, resolution: Resolution | None = None, miss: MissPlan | None = None,
-               report: MissReport | None = None) -> Generator[None, None, Prefilled]:
+               report: MissReport | None = None, split_mode: str | None = None) -> Generator[None, None, Prefilled]:
         runner = self.runner
         # the load-or-compute split (blend.split) may compute a prefix instead of loading it; a mixed
         # miss plan fixes that prefix (its missing documents are harvested from it below)
         split = self.splitter.plan(prompt, placements, ratio, sel, runner.num_layers,
-                                   fresh=miss.fresh if miss is not None and miss.kind == MIXED else None)
+                                   fresh=miss.fresh if miss is not None and miss.kind == MIXED else None,
+                                   mode=split_mode)
         plan = plan_recompute(prompt, ratio, sel, runner.num_layers, placements=placements,
                               fresh=split.computed_tokens)
         cache = runner.new_cache(capacity)
@@ -241,7 +245,8 @@ class Prefiller:
                             selection=chosen, split=split.report, miss=report, **tally_fields(tally))
         return Prefilled(logits, cache, stats, tuple(prompt.token_ids))
 
-    def _prefix(self, prompt: Prompt, capacity: int) -> Generator[Rows, torch.Tensor, Prefilled]:
+    def _prefix(self, prompt: Prompt, capacity: int, split_mode: str | None = None
+                ) -> Generator[Rows, torch.Tensor, Prefilled]:
         """The longest exactly cached prefix: prefix blocks of this very prompt, or the
         cached segments that are exact at their position (the system part, and the first
         document when documents are computed after it) when their entries are exact too:
@@ -266,7 +271,7 @@ class Prefiller:
                 tally.hit_from("prefix_blocks", pl.source)
         cache = self.runner.new_cache(capacity)
         # the load-or-compute split (blend.split) may compute the chain's first blocks instead
-        split = self.splitter.plan_prefix(len(ids), chain, self.runner.num_layers)
+        split = self.splitter.plan_prefix(len(ids), chain, self.runner.num_layers, split_mode)
         # the tail computed apart from the blocks a later request will load: the same numbers either way
         logits, load = yield from self.prefixes.prefill_steps(ids, chain, cache, computed=split.computed_tokens,
                                                               boundary=self.prefixes.aligned_end(limit))

@@ -13,9 +13,11 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 from blend.config import BlendConfig, check_mode
-from blend.modes import SELECTIONS
+from blend.modes import SELECTIONS, SPLIT_MODES
+from blend.prompt.builder import PromptTemplate
 from blend.prompt.conversation import Message, check_messages
 from blend.prompt.document import Document, check_documents, clean_text
 
@@ -105,9 +107,42 @@ def check_query(query: object) -> str | tuple[Message, ...]:
     return check_messages(query)
 
 
+class ChatOptions(TypedDict, total=False):
+    """A chat turn's keyword arguments (`BlendEngine.chat`; None: the config's default, mode:
+    blend)."""
+
+    mode: str | None
+    recompute_ratio: float | None
+    max_new_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    stop: str | Sequence[str] | None
+
+
+class RequestOptions(TypedDict, total=False):
+    """`generate`'s per-request keyword arguments, checked by `GenerationRequest.create` (None:
+    the config's default; mode: blend)."""
+
+    mode: str
+    recompute_ratio: float | None
+    max_new_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    stop: str | Sequence[str] | None  # strings that end the text (not included)
+    selection: str | None  # blend's token-selection policy (blend.modes.SELECTIONS)
+    template: PromptTemplate | None  # this request's system instruction and query template
+    split: str | None  # this request's load-or-compute split (blend.modes.SPLIT_MODES), e.g. "off"
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A checked request: what to answer, over which documents, how to decode."""
+    """A checked request: what to answer, over which documents, how to decode; and two
+    options of this request alone (eval compares modes under its own templates, unsplit):
+    `template` (the system instruction and query template; None: the configured
+    `engine.prompt` template) and `split` (the load-or-compute split, one of
+    SPLIT_MODES; None: the configured `engine.blend.split`)."""
 
     query: str | tuple[Message, ...]
     documents: tuple[Document | str, ...]
@@ -119,12 +154,14 @@ class GenerationRequest:
     seed: int | None
     stop: tuple[str, ...]
     selection: str | None
+    template: PromptTemplate | None = None
+    split: str | None = None
 
     @classmethod
     def create(cls, config: BlendConfig, query: object, documents: object = (), *, mode: object = "blend",
                recompute_ratio: object = None, max_new_tokens: object = None, temperature: object = None,
                top_p: object = None, seed: object = None, stop: object = None,
-               selection: object = None) -> GenerationRequest:
+               selection: object = None, template: object = None, split: object = None) -> GenerationRequest:
         """Check every argument (None: the config's default) and build the request."""
         if not isinstance(mode, str):
             raise TypeError(f"mode must be a str, got {type(mode).__name__}")
@@ -134,6 +171,13 @@ class GenerationRequest:
                 raise TypeError(f"selection must be a str or None, got {type(selection).__name__}")
             if selection not in SELECTIONS:
                 raise ValueError(f"unknown selection {selection!r}; valid selections are: {', '.join(SELECTIONS)}")
+        if template is not None and not isinstance(template, PromptTemplate):
+            raise TypeError(f"template must be a blend.prompt.builder.PromptTemplate or None, "
+                            f"got {type(template).__name__}")
+        if split is not None and not isinstance(split, str):
+            raise TypeError(f"split must be a str or None, got {type(split).__name__}")
+        if split is not None and split not in SPLIT_MODES:
+            raise ValueError(f"unknown split {split!r}; valid splits are: {', '.join(SPLIT_MODES)} (None: engine.blend.split)")
         return cls(
             query=check_query(query),
             documents=check_documents(documents),
@@ -146,4 +190,6 @@ class GenerationRequest:
             seed=check_seed(seed),
             stop=check_stop(stop),
             selection=selection,
+            template=template,
+            split=split,
         )

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from blend.config import QuerySelection, Selection
 from blend.kv.loader import Placement, PlannedLoad
 from blend.model.runner import Runner
+from blend.modes import SPLIT_MODES
 from blend.planning.planner import CostModel, LayerCost, LoadCosts, PrefillCosts
 from blend.prompt.builder import Prompt
 from blend.recompute.plan import plan_recompute
@@ -47,7 +48,11 @@ from blend.stats import RequestStats, SplitReport
 
 MIN_GAIN = 0.10  # a split must be predicted to save this share of the unsplit time (unless
 # loading everything is predicted slower than a full prefill: then any saving is taken)
-SPLIT_MODES = ("auto", "adaptive", "off")
+
+
+def _off(mode: str | None) -> str:
+    """The reason of an unsplit prefill whose split is off."""
+    return "off (engine.blend.split)" if mode is None else "off (the request's split)"
 
 
 def worth_it(best: float, unsplit: float, full: float) -> bool:
@@ -112,9 +117,17 @@ class Splitter:
     @property
     def needs_calibration(self) -> bool:
         """Whether the next `cost_model()` call measures the model first (mode auto, once)."""
-        return self.mode == "auto" and self._calibrated is None
+        return self.calibrates(None)
 
-    def cost_model(self) -> CostModel | None:
+    def calibrates(self, mode: str | None) -> bool:
+        """Whether `cost_model(mode)` would measure the model first (mode auto, once per engine)."""
+        return self._mode(mode) == "auto" and self._calibrated is None
+
+    def _mode(self, mode: str | None) -> str:
+        """A request's own split mode (`GenerationRequest.split`), else the engine's."""
+        return self.mode if mode is None else mode
+
+    def cost_model(self, mode: str | None = None) -> CostModel | None:
         """The cost model this engine's decisions are made with, for the split and for any other
         planner that weighs computing against loading (e.g. whether computing a request's
         missing documents beats a full prefill):
@@ -125,10 +138,13 @@ class Splitter:
           this call would);
         - adaptive: a snapshot of the live estimates (None before the first observed request);
         - off: None.
+
+        `mode`: a request's own split mode (None: the engine's).
         """
-        if self.mode == "off":
+        mode = self._mode(mode)
+        if mode == "off":
             return None
-        if self.mode == "auto":
+        if mode == "auto":
             if self._calibrated is None:
                 assert self.runner is not None or self.prefill.is_calibrated
                 layer = self.prefill.calibrated(self.runner)  # type: ignore[arg-type]
@@ -150,14 +166,14 @@ class Splitter:
         return model.load_per_layer(reads)
 
     def plan(self, prompt: Prompt, placements: Sequence[Placement], ratio: float, selection: Selection,
-             num_layers: int, fresh: int | None = None) -> Split:
+             num_layers: int, fresh: int | None = None, mode: str | None = None) -> Split:
         """The split of a blend (ratio 0: reuse) of `prompt` whose cached segments are `placements`.
 
         Every candidate is priced by the rows the recompute plan of that split computes per
         layer (`plan_recompute`, the plan that then runs: `RecomputePlan.layer_rows`). A query
         pass (selection `query`) computes the fresh and query rows while its layers load, and
         only then are the selected rows recomputed from layer 0, so the two phases add up
-        instead of overlapping.
+        instead of overlapping. `mode`: the request's own split mode (None: the engine's).
         """
         ordered = sorted(placements, key=lambda p: p.start)
 
@@ -169,11 +185,11 @@ class Splitter:
             loaded = tuple(p for p in ordered if p.start >= fresh)
             return Split(fresh, loaded, SplitReport(True, f"the miss plan computes the first {fresh} tokens", fresh,
                                                     sum(p.length for p in loaded)))
-        if self.mode == "off":
-            return unsplit("off (engine.blend.split)")
+        if self._mode(mode) == "off":
+            return unsplit(_off(mode))
         if not ordered:
             return unsplit("nothing to load")
-        model = self.cost_model()
+        model = self.cost_model(mode)
         if model is None:
             return unsplit("no compute estimate yet (the first requests measure it)")
         cost = model.layer
@@ -236,21 +252,21 @@ class Splitter:
             return rest[0], compute + rest[1], load + rest[2]
         return simulate(rows, per_layer, plan.load_from, model.layer, in_compute, pairs=pairs)
 
-    def plan_prefix(self, n: int, chain: Sequence[Placement], num_layers: int) -> Split:
+    def plan_prefix(self, n: int, chain: Sequence[Placement], num_layers: int, mode: str | None = None) -> Split:
         """The split of a prefix-mode prefill of n tokens whose exact cached prefix is `chain`:
         the first blocks may be computed (a plain prefill, before the tail) instead of loaded;
-        computing the whole chain means one full prefill."""
+        computing the whole chain means one full prefill. `mode` as in `plan`."""
         ordered = sorted(chain, key=lambda p: p.start)
         end = max((p.start + p.length for p in ordered), default=0)
 
         def unsplit(reason: str, **predicted: float | None) -> Split:
             return Split(0, tuple(ordered), SplitReport(False, reason, 0, end, **predicted))
 
-        if self.mode == "off":
-            return unsplit("off (engine.blend.split)")
+        if self._mode(mode) == "off":
+            return unsplit(_off(mode))
         if not ordered:
             return unsplit("nothing to load")
-        model = self.cost_model()
+        model = self.cost_model(mode)
         if model is None:
             return unsplit("no compute estimate yet (the first requests measure it)")
         cost = model.layer

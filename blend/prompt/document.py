@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import threading
 import unicodedata
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import KW_ONLY, dataclass
@@ -160,48 +159,3 @@ def check_documents(documents: object, what: str = "documents") -> tuple[Documen
         else:
             raise TypeError(f"{what}[{i}] must be a str or a blend.Document, got {type(doc).__name__}")
     return tuple(out)
-
-
-class DocumentIndex:
-    """The documents an engine has seen by id: the digest of their rendered text and
-    their block keys. Thread-safe. Used to delete a document by id and to warn when a
-    request's version of a document differs from the one ingested under the same id.
-    In memory: ids are known to the process that ingested (or served) them.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._docs: dict[str, tuple[str, tuple[str, ...]]] = {}
-
-    @staticmethod
-    def digest(document: Document | str) -> str:
-        return hashlib.sha256(render_document(document).encode("utf-8")).hexdigest()
-
-    def record(self, doc_id: str, document: Document | str, keys: Iterable[str]) -> None:
-        """Remember what `doc_id` renders to now and which keys hold it; the keys of the
-        versions it rendered to before stay attached (deleting the id removes them too)."""
-        with self._lock:
-            earlier = self._docs.get(doc_id, ("", ()))[1]
-            self._docs[doc_id] = (self.digest(document), tuple(dict.fromkeys((*earlier, *keys))))
-
-    def differs(self, doc_id: str, document: Document | str) -> bool:
-        """True if `doc_id` is known and `document` renders to other text than it did."""
-        with self._lock:
-            known = self._docs.get(doc_id)
-        return known is not None and known[0] != self.digest(document)
-
-    def __contains__(self, doc_id: object) -> bool:
-        with self._lock:
-            return doc_id in self._docs
-
-    def own_keys(self, doc_id: str) -> tuple[str, ...]:
-        """The keys of `doc_id` that no other known document uses. KeyError if unknown."""
-        with self._lock:
-            keys = self._docs[doc_id][1]
-            shared = {k for other_id, (_, other) in self._docs.items() if other_id != doc_id for k in other}
-        return tuple(k for k in keys if k not in shared)
-
-    def forget(self, doc_id: str) -> None:
-        """Remove `doc_id` (no error if unknown)."""
-        with self._lock:
-            self._docs.pop(doc_id, None)
