@@ -427,3 +427,39 @@ def test_tradeoff_plot_draws_one_line_per_selection_at_equal_ratios(tmp_path, mo
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = {line.get_label(): list(line.get_xdata()) for line in figures[0].axes[0].get_lines()}
     assert lines == {"blend (recompute ratio), deviation": [2.05, 2.15], "blend (recompute ratio), query": [2.05, 2.15]}
+
+
+class _Frozen(BlendEngine):
+    """An engine whose attributes nobody may assign once it is built (eval passes options)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AssertionError(f"engine.{name} assigned during an evaluation")
+
+
+def test_a_run_passes_its_template_and_split_per_request_and_changes_no_engine_attribute():
+    from blend.planning.split import Splitter
+    from blend.prompt.builder import PromptTemplate
+
+    class FrozenSplit(Splitter):
+        def __setattr__(self, name: str, value: object) -> None:
+            assert name != "mode", "engine.splitter.mode assigned during an evaluation"
+            super().__setattr__(name, value)
+
+    engine = _engine()
+    engine.__class__, engine.splitter.__class__ = _Frozen, FrozenSplit
+    template = PromptTemplate(system="Answer from the passages, tersely.", query="Q: {question}\nA:")
+    ex = _examples()[0]
+    entries = plan_entries(["full", "blend"], [0.15])
+    run = run_eval(engine, [ex], entries=entries, dataset="synthetic_small", max_new_tokens=2, progress=False,
+                   prompts={"qa": template, "summarization": template})
+    record = run.records[0]
+    ours = engine.build_prompt(ex.question, list(ex.passages), template=template)
+    assert record["prompt_tokens"] == len(ours) != len(engine.build_prompt(ex.question, list(ex.passages)))
+    blend = record["entries"]["blend@0.15"]
+    # the passages were ingested after the template's system part: the blend request found them all
+    assert blend["chunk_misses"] == 0 and blend["chunk_hits"] > 0
+    assert engine.splitter.mode == "auto" and engine.prompts.system_prompt != template.system
+    # the same request outside the run: its own split off, the engine's untouched
+    result = engine.generate(ex.question, list(ex.passages), recompute_ratio=0.15, max_new_tokens=1,
+                             template=template, split="off")
+    assert result.stats.split.reason == "off (the request's split)"

@@ -424,3 +424,24 @@ def test_placement_rate_counts_the_computed_entries_it_placed(one_thread):
         assert warm.documents.misses == 0 and warm.load.computed_bytes == 0 and sum(warm.load.bytes_by_tier.values())
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("mode", ["blend", "prefix"])
+def test_a_request_s_own_split_overrides_the_engine_s_for_that_request_only(mode, one_thread):
+    """`split="off"` on one request (eval's way): no split, no calibration for it, the same answer
+    as an engine configured off; the engine's own split is untouched and serves the next request."""
+    slow = SlowTier(CpuTier(CpuTierConfig(budget=64 << 20)))
+    with make_engine(slow, "auto") as engine, make_engine(slow, "off") as unsplit_engine:
+        store_exact_entries(engine)
+        engine.generate(QUESTION, DOCS, mode=mode, max_new_tokens=1, split="off")  # prefix mode: stores its blocks
+        engine.store.flush()
+        off = engine.generate(QUESTION, DOCS, mode=mode, max_new_tokens=4, split="off")
+        assert engine.splitter.needs_calibration, "a request whose split is off calibrated the cost model"
+        assert off.stats.split.reason == "off (the request's split)" and not off.stats.split.taken
+        alike = unsplit_engine.generate(QUESTION, DOCS, mode=mode, max_new_tokens=4)
+        assert alike.stats.split.reason == "off (engine.blend.split)"
+        assert off.token_ids == alike.token_ids
+        assert (off.first_token_logprobs - alike.first_token_logprobs).abs().max() < 1e-5
+        assert engine.splitter.mode == "auto"
+        engine.generate(QUESTION, DOCS, mode=mode, max_new_tokens=1)  # the engine's own split: auto, calibrated
+        assert not engine.splitter.needs_calibration
