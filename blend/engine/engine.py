@@ -6,17 +6,20 @@ Modes
   prefix  the longest exactly-cached prefix is loaded, the rest computed (prefix caching)
   blend   CacheBlend: cached KV plus a selective recompute of the tokens that matter most
 
-Path of one request: `GenerationRequest.create` checks the arguments -> `PromptBuilder`
-lays out [prefix][documents][query] and the documents' block keys are hashed once ->
-a `Sequence` (its prefill as a `PromptWork`, its `Generation`) is queued on the
-`Scheduler` -> when admitted, `Prefiller.steps` looks the blocks up, computes the misses
-(one forward pass per step), then runs the prefill (blend.engine.prefill) -> the sequence
-joins the decode batch (`Runner.decode_step` for every running sequence at once) -> its
+The engine is a facade: its parts are built by blend.engine.parts, requests are laid out by
+blend.engine.layout, ingests and document ids are kept by blend.kv.ingest.
+
+Path of one request: `GenerationRequest.create` checks the arguments -> the layout stage
+(`RequestLayout.lay_out`): `PromptBuilder` lays out [prefix][documents][query] and the
+documents' block keys are hashed once -> a `Sequence` (its prefill as a `PromptWork`, its
+`Generation`) is queued on the `Scheduler` -> when admitted, `Prefiller.steps` looks the
+blocks up, computes the misses (one forward pass per step), then runs the prefill
+(blend.engine.prefill) -> the sequence joins the decode batch (`Runner.decode_step` for every running sequence at once) -> its
 events (text deltas, then the result) reach the caller through its `Handle`.
 
 Every public method that runs the model goes through the scheduler, so calls from many
 threads at once are safe and each gets the output it would get alone (`generate_many`
-submits a list at once; blend.engine.asyncio wraps it for asyncio code). Documents are
+submits a list at once; blend.engine.async_engine wraps it for asyncio code). Documents are
 str or `blend.Document`, rendered by `blend.prompt.document.render_document` only. Every
 argument is checked before any work (`blend.engine.request`).
 """
