@@ -14,7 +14,7 @@ CHECK_LAYER_SELECTIONS = ("deviation", "attention", "hybrid")
 QUERY_SELECTIONS = ("query",)
 SELECTIONS = (*CHECK_LAYER_SELECTIONS, *QUERY_SELECTIONS)
 DEVIATIONS = ("v", "k", "kv")  # which cached tensor's deviation ranks tokens
-# the load-or-compute split (blend.planning.split): `engine.split`, or one request's own
+# the load-or-compute split (blend.planning.split): `engine.blend.split`, or one request's own
 SPLIT_MODES = ("auto", "adaptive", "off")
 
 
