@@ -230,7 +230,7 @@ class Prefiller:
         with LayerLoader(self.store, runner, cache, split.loaded, range(plan.load_from, runner.num_layers),
                          self.config.blend.prefetch_depth, stall_s=self.stall_s) as loader:
             # paused (chunked by layers) after about a chunk's worth of computed rows over every layer
-            pacer = Pacer(self.config.scheduler.prefill_chunk_tokens * runner.num_layers)
+            pacer = self._pacer(split_mode)
             logits, chosen = yield from layer_steps(runner, cache, torch.tensor(prompt.token_ids), plan, loader,
                                                     policy=sel.policy, deviation_kind=sel.deviation,
                                                     stale_bias=sel.stale_bias,
@@ -244,6 +244,16 @@ class Prefiller:
                             recomputed_tokens=chosen.recomputed_tokens + split.computed_tokens, load=loader.report(),
                             selection=chosen, split=split.report, miss=report, **tally_fields(tally))
         return Prefilled(logits, cache, stats, tuple(prompt.token_ids))
+
+    def _pacer(self, split_mode: str | None) -> Pacer:
+        """Where a blend's layer loop pauses for the running sequences' decode steps: after about
+        the time a chunk of `prefill_chunk_tokens` rows takes through every layer (the cost
+        model's prediction: a query pass's rows are few but attend every key and wait for the
+        loads, so rows alone would misprice them), or that many rows over its layers."""
+        chunk, layers = self.config.scheduler.prefill_chunk_tokens, self.runner.num_layers
+        model = None if self.splitter.calibrates(split_mode) else self.splitter.cost_model(split_mode)
+        step_s = layers * model.layer.with_pairs(chunk, chunk * (chunk + 1) / 2) if model is not None else None
+        return Pacer(chunk * layers, step_s)
 
     def _prefix(self, prompt: Prompt, capacity: int, split_mode: str | None = None
                 ) -> Generator[Rows, torch.Tensor, Prefilled]:

@@ -63,25 +63,29 @@ from blend.stats import SelectionReport
 
 
 class Pacer:
-    """Where a layer loop pauses: after every `rows_per_step` rows computed (summed over its
-    layers), a step ends (the generator yields) so the scheduler can run other sequences'
-    decode steps between; None never pauses. The pauses split the loop, never its numbers."""
+    """Where a layer loop pauses: once `rows_per_step` rows were computed (summed over its
+    layers) or `step_s` seconds passed since it last resumed, a step ends (the generator
+    yields) so the scheduler can run other sequences' decode steps between; None never
+    pauses. The pauses split the loop, never its numbers."""
 
-    def __init__(self, rows_per_step: int | None):
-        self.budget, self.spent, self.pauses = rows_per_step, 0, 0
+    def __init__(self, rows_per_step: int | None, step_s: float | None = None):
+        self.budget, self.step_s, self.spent, self.pauses = rows_per_step, step_s, 0, 0
         self.paused_s = 0.0  # time between a pause and the resumption (other sequences' work)
+        self._since = time.perf_counter()
 
     def pause(self) -> Generator[None, None, None]:
         t0 = time.perf_counter()
         yield
-        self.paused_s += time.perf_counter() - t0
+        self._since = time.perf_counter()
+        self.paused_s += self._since - t0
 
     def due(self, rows: int) -> bool:
-        """Count `rows` computed; whether the step is full."""
+        """Count `rows` computed (a layer's); whether the step is full."""
         if self.budget is None:
             return False
         self.spent += rows
-        if self.spent < self.budget:
+        timed_out = self.step_s is not None and time.perf_counter() - self._since >= self.step_s
+        if self.spent < self.budget and not timed_out:
             return False
         self.spent, self.pauses = 0, self.pauses + 1
         return True
