@@ -74,7 +74,7 @@ class SchedulerConfig:
     max_active_kv: int = 1 << 30  # bytes of KV the running sequences may hold allocated
     max_waiting: int = 1 << 20  # items that may wait; more are refused (QueueFull)
     prefills_between_decodes: int = 1  # prefill steps allowed between two decode steps
-    prefill_chunk_tokens: int = 256  # a plan's rows per step while sequences decode (their rows ride along)
+    prefill_chunk_tokens: int = 64  # a plan's rows per step while sequences decode (their rows ride along)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_active_kv", "max_waiting", "prefills_between_decodes",
@@ -365,8 +365,8 @@ class Scheduler:
             t0 = time.perf_counter()
             outcome = self._advance()
             self.metrics.prefill_s += time.perf_counter() - t0
-            if outcome is _Outcome.UNIT:
-                self._since_decode += 1
+            if outcome is not _Outcome.ROWS:  # a unit computed, or an end (a first token sampled): the
+                self._since_decode += 1  # next plan's first unit waits for a decode pass
             return
         if step.chunk is None and not step.decode:
             if self._waiting:  # nothing runs and nothing could start: cannot happen
