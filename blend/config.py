@@ -306,7 +306,7 @@ class SchedulerSettings:
     # a prefill's computed rows run in chunks of at most this many per scheduler step, every running
     # sequence's decode row alongside (blend.engine.scheduler); blend passes split by layers instead.
     # Also read as `engine.prefill_chunk_tokens` (the name issue 40 gives it), without a deprecation line
-    prefill_chunk_tokens: PositiveInt = 64
+    prefill_chunk_tokens: PositiveInt = 256
 
 
 @config_dataclass

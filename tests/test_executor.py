@@ -170,8 +170,11 @@ def test_a_plan_whose_rows_are_refused_fails_alone_and_the_decode_rows_go_on(lm)
             cache = runner.new_cache(8)
             yield Rows(torch.zeros(runner.max_positions + 1, dtype=torch.long), cache, 0)
 
+        plans = engine.scheduler.plans
+        make = plans.steps
+        plans.steps = lambda item: bad_rows() if item.work == "bad rows" else make(item)
         handle = Handle()
-        engine.scheduler.submit(Task("bad", bad_rows, handle))
+        engine.scheduler.submit(Task("bad", "bad rows", handle))
         events = list(handle.events())
         got = other.result()
     assert isinstance(events[-1], Finished) and "positions" in str(events[-1].error)
@@ -208,3 +211,22 @@ def test_schedule_decides_from_plain_data(lm):
         assert step.preempt == (seqs[1],) and step.decode == (seqs[0],) and step.grow[0][0] is seqs[0]
         assert [s.cache.capacity for s in seqs] == [8, 8] and sched.metrics.preemptions == 0
         sched._running = []
+
+
+@pytest.mark.parametrize("split", ["off", "auto"])
+def test_a_blend_runs_the_recompute_plan_its_split_was_priced_by(lm, monkeypatch, split):
+    """Planned once: the split returns the plan it chose (`Split.plan`), and the layer loop runs
+    that very object; nothing plans the rows again."""
+    import blend.engine.prefill as prefill
+    from blend.planning.split import Splitter
+
+    splits, ran = [], []
+    plan_of, steps_of = Splitter.plan, prefill.layer_steps
+    monkeypatch.setattr(Splitter, "plan", lambda self, *a, **k: splits.append(plan_of(self, *a, **k)) or splits[-1])
+    monkeypatch.setattr(prefill, "layer_steps", lambda runner, cache, ids, plan, *a, **k: ran.append(plan) or
+                        steps_of(runner, cache, ids, plan, *a, **k))
+    with make_engine(lm, split=split) as engine:
+        engine.ingest(DOCS)
+        engine.generate(QUESTIONS[0], DOCS, mode="blend", recompute_ratio=0.3, max_new_tokens=2)
+    assert len(splits) == len(ran) == 1 and ran[0] is splits[0].plan
+    assert not hasattr(prefill, "plan_recompute")

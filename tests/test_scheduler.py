@@ -341,14 +341,20 @@ def _poisoned(engine: BlendEngine, spec: dict, where: str):
     first token fails) or its cache's K (its first decode step's logits are NaN, sampling fails)."""
     args = {k: v for k, v in spec.items() if k not in ("query", "documents", "logprobs")}
     seq = engine._sequence(engine.request(spec["query"], spec["documents"], **args), Handle())
-    make = seq.make_prefill
+    plans = engine.scheduler.plans
+    make = plans.steps
 
-    def steps():
-        pre = yield from make()
+    def steps(item):
+        if item is not seq:
+            return make(item)
+        return poisoned(make(item))
+
+    def poisoned(plan):
+        pre = yield from plan
         (pre.logits if where == "logits" else pre.cache.k[0]).fill_(float("nan"))
         return pre
 
-    seq.make_prefill = steps
+    plans.steps = steps
     return seq
 
 

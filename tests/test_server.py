@@ -585,7 +585,7 @@ def test_bench_serve_against_the_running_server(server, setup, tmp_path):
         assert level["ok"] == 3 and level["lost"] == 0 and level["hit_rate"] == 1.0
         assert level["max_num_seqs"] == 8 and level["preemptions"] == 0  # the running server's setting
         assert isinstance(level["decode_rows_in_prefill_steps"], int) and level["decode_rows_in_prefill_steps"] >= 0
-        assert level["prefill_chunk_tokens"] == 64  # the server's setting, from its /health
+        assert level["prefill_chunk_tokens"] == 256  # the server's setting, from its /health
         assert level["mean_batch_size"] >= 1.0
         assert level["prefill_busy_s"] > 0 and level["decode_busy_s"] > 0 and level["decode_ms_per_step"] > 0
         assert level["prefill_busy_s"] + level["decode_busy_s"] <= level["wall_s"]  # one scheduler thread

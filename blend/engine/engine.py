@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
@@ -41,14 +41,13 @@ from blend.engine.prefill import ForcedOutputs, PromptWork
 from blend.engine.request import ChatOptions, GenerationRequest, RequestOptions
 from blend.engine.sequence import Finished, Handle, Task, unwrap
 from blend.engine.sequence import Sequence as ScheduledSequence
+from blend.engine.work import ExclusiveWork, IngestWork, TurnWork
 from blend.kv.documents import IngestStopped
 from blend.kv.loader import join_abandoned
-from blend.model.cache import KVCache
 from blend.model.loading import LoadedModel, in_own_thread
 from blend.prompt.builder import Prompt, PromptTemplate
 from blend.prompt.conversation import Message
 from blend.prompt.document import Document, IngestedDocument
-from blend.session.manager import SessionManager, Turn
 from storage.exit_hooks import ClosedAtExit
 from storage.stack import EXIT_FLUSH_S, TieredStore
 
@@ -63,20 +62,6 @@ EXIT_STOP_S = 30.0
 # requests awaited, then the store flushed; filled after the first store's registry, so it runs first
 _OPEN_ENGINES: ClosedAtExit[BlendEngine] = ClosedAtExit(
     "engine", lambda engine: engine._close(stop_s=EXIT_STOP_S, flush_s=EXIT_FLUSH_S))
-
-
-class _TurnEnd:
-    """How a chat turn's sequence tells its session that it ended."""
-
-    def __init__(self, sessions: SessionManager, turn: Turn):
-        self.sessions, self.turn = sessions, turn
-
-    def finish(self, result: GenerationResult, cache: KVCache | None) -> None:
-        assert cache is not None
-        self.sessions.finish(self.turn, result, cache)
-
-    def abort(self) -> None:
-        self.sessions.abort(self.turn)
 
 
 class BlendEngine:
@@ -163,11 +148,7 @@ class BlendEngine:
             raise TypeError(f"stop must be a callable returning a bool, got {type(stop).__name__}")
         job = self.ingestor.prepare(documents, self.layout.builder(template), self.runner.max_positions)
         handle = Handle(sink, deadline)
-
-        def stopped() -> bool:
-            return handle.stopped() or (stop is not None and bool(stop()))
-
-        self.scheduler.submit(Task("ingest", lambda: self.ingestor.steps(job, sync, stopped), handle))
+        self.scheduler.submit(Task("ingest", IngestWork(job, sync, stop), handle))
         return handle
 
     def delete_document(self, doc_id: str) -> tuple[str, ...]:
@@ -247,10 +228,9 @@ class BlendEngine:
         """The request (`out`: already laid out) as a scheduled sequence (nothing queued)."""
         self._check_open()
         out = out or self.layout.lay_out(req, forcing)
-        work, forced = out.work, ForcedOutputs()
-        seq = ScheduledSequence(lambda: self.prefiller.steps(work, forced), out.generation, handle,
-                                kv_bytes=out.kv_bytes, mode=req.mode, warnings=out.warnings)
-        seq.forced = forced
+        seq = ScheduledSequence(out.work, out.generation, handle, kv_bytes=out.kv_bytes, mode=req.mode,
+                                warnings=out.warnings)
+        seq.forced = ForcedOutputs()
         return seq
 
     def warmup(self) -> float:
@@ -270,13 +250,8 @@ class BlendEngine:
         with more pool threads than cores the scheduler's small ops ran slower for the process's
         life (2 cores: blend@0.05 +25%, reuse +17%, full prefill +4%)."""
         self._check_open()
-
-        def steps() -> Generator[None, None, T]:
-            return fn()
-            yield  # a generator of one step
-
         handle = Handle()
-        self.scheduler.submit(Task(name, steps, handle))
+        self.scheduler.submit(Task(name, ExclusiveWork(fn), handle))
         return handle.result()
 
     def prefill(self, prompt: Prompt, *, mode: str, ratio: float = 0.15, capacity: int | None = None,
@@ -286,7 +261,7 @@ class BlendEngine:
         self._check_open()
         work = PromptWork(prompt, None, mode, ratio, selection, max(capacity or 0, len(prompt)))
         handle = Handle()
-        self.scheduler.submit(Task("prefill", lambda: self.prefiller.steps(work), handle))
+        self.scheduler.submit(Task("prefill", work, handle))
         return handle.result()
 
     # ------------------------------------------------------------------- chat
@@ -310,9 +285,9 @@ class BlendEngine:
                                    documents=req.documents, blended=req.mode in ("blend", "reuse"))
         try:
             out = self.layout.turn(req, turn)
-            work, handle = out.work, Handle(sink, deadline)
-            seq = ScheduledSequence(lambda: self.prefiller.turn_steps(turn, work), out.generation, handle,
-                                    kv_bytes=out.kv_bytes, end=_TurnEnd(self.sessions, turn), mode=req.mode)
+            handle = Handle(sink, deadline)
+            seq = ScheduledSequence(TurnWork(turn, out.work), out.generation, handle, kv_bytes=out.kv_bytes,
+                                    mode=req.mode)
             self.scheduler.submit(seq)
         except BaseException:
             self.sessions.abort(turn)

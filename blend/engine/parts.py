@@ -16,6 +16,7 @@ from blend.decode.generation import eos_ids
 from blend.engine.layout import RequestLayout
 from blend.engine.prefill import Prefiller
 from blend.engine.scheduler import Scheduler, SchedulerConfig
+from blend.engine.work import Plans
 from blend.kv.documents import DocumentCache
 from blend.kv.ingest import Ingestor
 from blend.kv.offload import KVParking
@@ -115,7 +116,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None, store: T
                        else sched.max_active_kv),
         prefills_between_decodes=sched.prefills_between_decodes, prefill_chunk_tokens=sched.prefill_chunk_tokens)
     # idle time (no request waiting, no sequence decoding) recomputes harvested documents standalone
-    scheduler = Scheduler(runner, parking, scheduling, kv_bytes_per_token=kv_bytes_per_token,
+    scheduler = Scheduler(runner, parking, scheduling, plans=Plans(prefiller, sessions, ingestor),
+                          kv_bytes_per_token=kv_bytes_per_token,
                           background=document_kv if cfg.blend.recompute_harvested else None)
     return EngineParts(lm, runner, store, prompts, document_kv, prefix_cache, splitter, sessions, prefiller,
                        ingestor, layout, scheduler, eos, kv_bytes_per_token)

@@ -35,7 +35,6 @@ from blend.planning.misses import HARVEST, MIXED, MissPlan, plan_misses
 from blend.planning.split import Splitter
 from blend.prompt.builder import Prompt
 from blend.recompute.layers import Pacer, layer_steps
-from blend.recompute.plan import plan_recompute
 from blend.recompute.stale import shift_applies
 from blend.session.manager import SessionManager, Turn, turn_stats
 from blend.stats import LookupTally, MissReport, RequestStats, tally_fields
@@ -223,8 +222,8 @@ class Prefiller:
         split = self.splitter.plan(prompt, placements, ratio, sel, runner.num_layers,
                                    fresh=miss.fresh if miss is not None and miss.kind == MIXED else None,
                                    mode=split_mode)
-        plan = plan_recompute(prompt, ratio, sel, runner.num_layers, placements=placements,
-                              fresh=split.computed_tokens)
+        plan = split.plan  # priced by the split, planned once
+        assert plan is not None
         cache = runner.new_cache(capacity)
         cache.length = plan.n
         with LayerLoader(self.store, runner, cache, split.loaded, range(plan.load_from, runner.num_layers),

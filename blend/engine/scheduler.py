@@ -49,8 +49,10 @@ from typing import Any, Protocol
 
 import torch
 
+from blend.decode.result import GenerationResult
 from blend.engine.sequence import Finished, Sequence, Status, Task
 from blend.kv.offload import KVParking
+from blend.model.cache import KVCache
 from blend.model.runner import Rows, Runner
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ class SchedulerConfig:
     max_active_kv: int = 1 << 30  # bytes of KV the running sequences may hold allocated
     max_waiting: int = 1 << 20  # items that may wait; more are refused (QueueFull)
     prefills_between_decodes: int = 1  # prefill steps allowed between two decode steps
-    prefill_chunk_tokens: int = 64  # a plan's rows per step while sequences decode (their rows ride along)
+    prefill_chunk_tokens: int = 256  # a plan's rows per step while sequences decode (their rows ride along)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_active_kv", "max_waiting", "prefills_between_decodes",
@@ -142,6 +144,15 @@ class _Outcome(enum.Enum):
 BACKGROUND_GRACE_S = 0.25  # idle this long before a background step starts
 
 
+class PlanSource(Protocol):
+    """Makes an item's typed work into its plan's steps, and hears how a sequence ended
+    (blend.engine.work.Plans)."""
+
+    def steps(self, item: Sequence | Task) -> Generator[Rows | None, Any, Any]: ...
+
+    def ended(self, seq: Sequence, result: GenerationResult | None, cache: KVCache | None) -> None: ...
+
+
 class Background(Protocol):
     """Work the scheduler runs only when idle, one bounded step at a time, on its own thread."""
 
@@ -154,9 +165,9 @@ class Scheduler:
     """Owns the model through `runner`; runs submitted `Sequence`s and `Task`s (see the module
     docstring). Thread-safe: `submit`, `stop` and the properties may be called from any thread."""
 
-    def __init__(self, runner: Runner, parking: KVParking, config: SchedulerConfig, *,
+    def __init__(self, runner: Runner, parking: KVParking, config: SchedulerConfig, *, plans: PlanSource,
                  kv_bytes_per_token: int, name: str = "kvblend-scheduler", background: Background | None = None):
-        self.runner, self.parking, self.config = runner, parking, config
+        self.runner, self.parking, self.config, self.plans = runner, parking, config, plans
         self._background = background  # lowest priority: one bounded step when nothing else would run
         self.kv_bytes_per_token = kv_bytes_per_token  # compute dtype, every layer
         self.metrics = SchedulerMetrics()
@@ -393,14 +404,14 @@ class Scheduler:
         now = time.monotonic()
         if isinstance(head, Task):
             head.started = now
-            head.steps = head.make_steps()
+            head.steps = self.plans.steps(head)
         else:
             head.status = Status.PREFILLING
             if head.parked is not None:
                 head.steps = self._resume(head)
             else:
                 head.started = now
-                head.steps = head.make_prefill()
+                head.steps = self.plans.steps(head)
         self._current = head
 
     def _estimate(self, seq: Sequence) -> int:
@@ -550,7 +561,7 @@ class Scheduler:
         self.parking.release(parked)
         seq.parked = None
         if cache is None:  # the tiers lost it: the prefill again, then the tokens it had decoded
-            pre = yield from seq.make_prefill()
+            pre = yield from self.plans.steps(seq)
             cache = pre.cache
             done = list(parked.token_ids[len(pre.token_ids):])
             if done:
@@ -606,8 +617,7 @@ class Scheduler:
             self.parking.release(seq.parked)
             seq.parked = None
         if error is not None or cancelled:
-            if seq.end is not None:
-                _quietly(seq.end.abort)
+            _quietly(lambda: self.plans.ended(seq, None, None))
             seq.cache = None
             self.metrics.cancelled += cancelled
             self.metrics.failed += error is not None
@@ -619,8 +629,7 @@ class Scheduler:
         result = seq.result(total_s=now - started)
         cache, seq.cache = seq.cache, None
         try:
-            if seq.end is not None:
-                seq.end.finish(result, cache)
+            self.plans.ended(seq, result, cache)
         except Exception as err:  # noqa: BLE001 - e.g. a chat history that cannot be saved
             self.metrics.failed += 1
             seq.handle.emit(Finished(error=err, queued_s=queued_s, run_s=run_s))

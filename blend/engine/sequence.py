@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
-from blend.decode.generation import Generation, Prefilled
+from blend.decode.generation import Generation
 from blend.decode.result import GenerationResult
 from blend.model.cache import KVCache
 from blend.stats import RequestStats
@@ -110,22 +110,15 @@ def unwrap(finished: Finished) -> Any:
 
 
 class Task(Generic[T]):
-    """Model work that is not a generation, run in the scheduler's prefill slot: `steps()`
-    yields between bounded units of compute (an ingest: between packed passes) so that
-    running sequences decode in between, and returns the task's value."""
+    """Model work that is not a generation, run in the scheduler's prefill slot: its `work`
+    (typed data: an ingest, a prefill for inspection, a caller's function) becomes a plan
+    whose steps yield between bounded units of compute (an ingest: between packed passes) so
+    that running sequences decode in between, and return the task's value."""
 
-    def __init__(self, name: str, steps: Callable[[], Generator[None, None, T]], handle: Handle):
-        self.name, self.make_steps, self.handle = name, steps, handle
-        self.steps: Generator[None, None, T] | None = None
+    def __init__(self, name: str, work: Any, handle: Handle):
+        self.name, self.work, self.handle = name, work, handle
+        self.steps: Generator[Any, Any, T] | None = None
         self.started: float | None = None
-
-
-class SequenceEnd(Protocol):
-    """Told how a sequence ended (a chat turn: store its blocks and history, or release it)."""
-
-    def finish(self, result: GenerationResult, cache: KVCache | None) -> None: ...
-
-    def abort(self) -> None: ...
 
 
 class Status(Enum):
@@ -141,22 +134,20 @@ _ids = itertools.count(1)
 class Sequence:
     """One generation as the scheduler sees it.
 
-    `prefill` makes the prefill's steps (a generator yielding between bounded units of
-    compute and returning the `Prefilled`; called again to recompute a preempted sequence
-    whose parked KV the tiers lost); `generation` decodes; `end` (a chat turn) is told how
-    the sequence ended. The scheduler owns every field below the first ones.
+    `work` is its prefill as typed data (blend.engine.work: a `PromptWork` or a chat turn's
+    `TurnWork`), which the scheduler's `PlanSource` makes into a plan's steps (again, to
+    recompute a preempted sequence whose parked KV the tiers lost); `generation` decodes. The
+    scheduler owns every field below the first ones.
     """
 
-    def __init__(self, prefill: Callable[[], Generator[None, None, Prefilled]], generation: Generation,
-                 handle: Handle, *, kv_bytes: int, end: SequenceEnd | None = None, mode: str = "blend",
+    def __init__(self, work: Any, generation: Generation, handle: Handle, *, kv_bytes: int, mode: str = "blend",
                  warnings: tuple[str, ...] = ()):
         self.id = next(_ids)
-        self.make_prefill, self.generation, self.handle = prefill, generation, handle
+        self.work, self.generation, self.handle = work, generation, handle
         self.kv_bytes = kv_bytes  # KV of the prompt and its first new tokens, compute dtype (admission)
-        self.end = end
         self.mode, self.warnings = mode, warnings
         self.status = Status.WAITING
-        self.steps: Generator[None, None, Any] | None = None
+        self.steps: Generator[Any, Any, Any] | None = None
         self.prompt_ids: tuple[int, ...] = ()  # what the cache's first positions hold
         self.cache: KVCache | None = None
         self.stats: RequestStats | None = None

@@ -43,7 +43,7 @@ from blend.model.runner import Runner
 from blend.modes import SPLIT_MODES
 from blend.planning.planner import CostModel, LayerCost, LoadCosts, PrefillCosts
 from blend.prompt.builder import Prompt
-from blend.recompute.plan import plan_recompute
+from blend.recompute.plan import RecomputePlan, plan_recompute
 from blend.stats import RequestStats, SplitReport
 
 MIN_GAIN = 0.10  # a split must be predicted to save this share of the unsplit time (unless
@@ -69,6 +69,7 @@ class Split:
     computed_tokens: int  # prompt positions [0, computed_tokens) are computed, not loaded
     loaded: tuple[Placement, ...]  # the placements still loaded
     report: SplitReport
+    plan: RecomputePlan | None = None  # the recompute plan this split was priced by, the one that runs (blends)
 
 
 def simulate(rows: Sequence[int], load_per_layer: float, load_from: int,
@@ -177,14 +178,18 @@ class Splitter:
         """
         ordered = sorted(placements, key=lambda p: p.start)
 
-        def unsplit(reason: str, **predicted: float | None) -> Split:
+        def recompute(computed: int) -> RecomputePlan:
+            return plan_recompute(prompt, ratio, selection, num_layers,
+                                  placements=[p for p in ordered if p.start >= computed], fresh=computed)
+
+        def unsplit(reason: str, plan: RecomputePlan | None = None, **predicted: float | None) -> Split:
             loaded = sum(p.length for p in ordered)
-            return Split(0, tuple(ordered), SplitReport(False, reason, 0, loaded, **predicted))
+            return Split(0, tuple(ordered), SplitReport(False, reason, 0, loaded, **predicted), plan or recompute(0))
 
         if fresh:  # decided by the miss plan (blend.planning.misses): its missing documents harvested from it
             loaded = tuple(p for p in ordered if p.start >= fresh)
             return Split(fresh, loaded, SplitReport(True, f"the miss plan computes the first {fresh} tokens", fresh,
-                                                    sum(p.length for p in loaded)))
+                                                    sum(p.length for p in loaded)), recompute(fresh))
         if self._mode(mode) == "off":
             return unsplit(_off(mode))
         if not ordered:
@@ -201,7 +206,9 @@ class Splitter:
             # of the rest: the phases do not overlap, so only loading everything or computing
             # everything (a full prefill) is offered
             candidates = [candidates[0], candidates[-1]]
-        results = [(*self.price(model, prompt, ordered, ratio, selection, num_layers, s), s) for s in candidates]
+        priced = [self.price_plan(model, prompt, ordered, ratio, selection, num_layers, s) for s in candidates]
+        results = [(*prices, s) for (prices, _), s in zip(priced, candidates, strict=True)]
+        plans = dict(zip(candidates, (plan for _, plan in priced), strict=True))
         full = simulate([n] * num_layers, 0.0, num_layers, cost, pairs=[n * (n + 1) / 2] * num_layers)[0]
         base = results[0]
         best = min(results, key=lambda r: (r[0], r[3]))
@@ -209,7 +216,7 @@ class Splitter:
         if best[3] == 0 or not worth_it(best[0], base[0], full):
             why = (f"loads hidden: predicted load {base[2]:.4f} s, compute {base[1]:.4f} s" if base[2] <= base[1]
                    else f"load-bound but no split saves {MIN_GAIN:.0%}: predicted {base[0]:.4f} s")
-            return unsplit(why, predicted_s=base[0], predicted_load_s=base[2], predicted_compute_s=base[1],
+            return unsplit(why, plans[0], predicted_s=base[0], predicted_load_s=base[2], predicted_compute_s=base[1],
                            **predicted)
         total, compute, load, s = best
         loaded = tuple(p for p in ordered if p.start >= s)
@@ -218,11 +225,18 @@ class Splitter:
                   f"{full:.4f} s; computing the first {s} tokens while the rest loads: {total:.4f} s")
         report = SplitReport(True, reason, s, tokens, predicted_s=total, predicted_load_s=load,
                              predicted_compute_s=compute, **predicted)
-        return Split(s, loaded, report)
+        return Split(s, loaded, report, plans[s])
 
     @staticmethod
     def price(model: CostModel, prompt: Prompt, loads: Sequence[Placement | PlannedLoad], ratio: float,
               selection: Selection, num_layers: int, fresh: int = 0) -> tuple[float, float, float]:
+        """`price_plan`'s prices."""
+        return Splitter.price_plan(model, prompt, loads, ratio, selection, num_layers, fresh)[0]
+
+    @staticmethod
+    def price_plan(model: CostModel, prompt: Prompt, loads: Sequence[Placement | PlannedLoad], ratio: float,
+                   selection: Selection, num_layers: int, fresh: int = 0
+                   ) -> tuple[tuple[float, float, float], RecomputePlan]:
         """Predicted (prefill, compute, load) seconds of a blend (ratio 0: reuse) of `prompt` that
         computes positions [0, fresh) in every layer and places the `loads` after them, priced by
         the rows its own recompute plan computes per layer (`RecomputePlan.layer_rows`). A query
@@ -249,8 +263,8 @@ class Splitter:
             total, compute, load = simulate(passed, per_layer, 0, model.layer, in_compute,
                                             pairs=[fresh_pairs + query_pairs] * len(passed))
             rest = simulate(rows, per_layer, len(passed), model.layer, in_compute, start=total, pairs=pairs)
-            return rest[0], compute + rest[1], load + rest[2]
-        return simulate(rows, per_layer, plan.load_from, model.layer, in_compute, pairs=pairs)
+            return (rest[0], compute + rest[1], load + rest[2]), plan
+        return simulate(rows, per_layer, plan.load_from, model.layer, in_compute, pairs=pairs), plan
 
     def plan_prefix(self, n: int, chain: Sequence[Placement], num_layers: int, mode: str | None = None) -> Split:
         """The split of a prefix-mode prefill of n tokens whose exact cached prefix is `chain`:
