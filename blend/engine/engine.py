@@ -39,7 +39,7 @@ from blend.engine.layout import NO_FORCING, Forcing, LaidOut
 from blend.engine.parts import build_parts
 from blend.engine.prefill import ForcedOutputs, PromptWork
 from blend.engine.request import ChatOptions, GenerationRequest, RequestOptions
-from blend.engine.sequence import Finished, Handle, Task, unwrap
+from blend.engine.sequence import Handle, Task, results, unwrap
 from blend.engine.sequence import Sequence as ScheduledSequence
 from blend.engine.work import ExclusiveWork, IngestWork, TurnWork
 from blend.kv.documents import IngestStopped
@@ -131,7 +131,7 @@ class BlendEngine:
         tier holds every block now. Idempotent; empty documents skipped; ids remembered. `stop` is
         asked before each forward pass (True: `IngestStopped`, what was computed stays stored). A
         document no request could use is refused with ValueError before any work (blend.kv.ingest)."""
-        finished = _last(self.submit_ingest(documents, sync=sync, stop=stop, template=template).events())
+        finished = self.submit_ingest(documents, sync=sync, stop=stop, template=template).finished_event()
         if finished.cancelled:
             raise IngestStopped("ingest stopped before it finished; the documents computed stay stored", [])
         return unwrap(finished)
@@ -191,7 +191,7 @@ class BlendEngine:
     def _stream(self, seq: ScheduledSequence) -> Iterator[TextDelta | GenerationResult]:
         self._check_open()  # a stream created before `close` and started after it
         self.scheduler.submit(seq)
-        yield from _events(seq.handle)
+        yield from seq.handle.stream()
 
     def generate_many(self, requests: Sequence[Mapping[str, Any] | GenerationRequest]) -> list[GenerationResult]:
         """Several requests through the scheduler at once (prefills interleaved, decode steps
@@ -202,7 +202,7 @@ class BlendEngine:
         sequences = [self._sequence(req, Handle(), out=out) for req, out in self.layout.lay_out_many(requests)]
         for seq in sequences:
             self.scheduler.submit(seq)
-        return _results([seq.handle for seq in sequences])
+        return results([seq.handle for seq in sequences])
 
     def request(self, query: object, documents: object = (), **kwargs: Any) -> GenerationRequest:
         """`generate`'s arguments checked into a GenerationRequest (config defaults filled in)."""
@@ -303,39 +303,3 @@ class BlendEngine:
         """Forget a session entirely (its history and its device-resident KV)."""
         self._check_open()
         self.sessions.drop(session_id)
-
-
-def _events(handle: Handle) -> Iterator[TextDelta | GenerationResult]:
-    """A handle's events, the `Finished` unwrapped into its result (or its error raised); the
-    handle is cancelled when the iterator is closed before that."""
-    ended = False
-    try:
-        for event in handle.events():
-            if isinstance(event, Finished):
-                ended = True
-                yield unwrap(event)
-                return
-            yield event
-    finally:
-        if not ended:
-            handle.cancel()
-
-
-def _results(handles: list[Handle]) -> list[Any]:
-    """The handles' results in order; those not awaited are cancelled when one fails."""
-    results = []
-    try:
-        for handle in handles:
-            results.append(handle.result())
-    finally:
-        for handle in handles[len(results):]:
-            handle.cancel()
-    return results
-
-
-def _last(events: Iterator[Any]) -> Finished:
-    finished = None
-    for event in events:
-        finished = event
-    assert isinstance(finished, Finished)
-    return finished

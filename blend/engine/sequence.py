@@ -95,10 +95,41 @@ class Handle:
 
     def result(self) -> Any:
         """Wait for the end: the value, or the work's exception (`Cancelled` if it was cancelled)."""
+        return unwrap(self.finished_event())
+
+    def finished_event(self) -> Finished:
+        """Wait for the end: the `Finished` event itself (the events before it dropped)."""
         for event in self.events():
             if isinstance(event, Finished):
-                return unwrap(event)
+                return event
         raise AssertionError("unreachable")
+
+    def stream(self) -> Iterator[Any]:
+        """The events as they come, the `Finished` unwrapped into its value (or its error
+        raised); the work is cancelled when the iterator is closed before that."""
+        ended = False
+        try:
+            for event in self.events():
+                if isinstance(event, Finished):
+                    ended = True
+                    yield unwrap(event)
+                    return
+                yield event
+        finally:
+            if not ended:
+                self.cancel()
+
+
+def results(handles: list[Handle]) -> list[Any]:
+    """The handles' results in order; those not awaited are cancelled when one fails."""
+    done = []
+    try:
+        for handle in handles:
+            done.append(handle.result())
+    finally:
+        for handle in handles[len(done):]:
+            handle.cancel()
+    return done
 
 
 def unwrap(finished: Finished) -> Any:
