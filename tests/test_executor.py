@@ -230,3 +230,41 @@ def test_a_blend_runs_the_recompute_plan_its_split_was_priced_by(lm, monkeypatch
         engine.generate(QUESTIONS[0], DOCS, mode="blend", recompute_ratio=0.3, max_new_tokens=2)
     assert len(splits) == len(ran) == 1 and ran[0] is splits[0].plan
     assert not hasattr(prefill, "plan_recompute")
+
+
+def test_every_mode_is_a_plan_of_data_and_a_stall_runs_the_full_plan(lm, monkeypatch):
+    """full, prefix and blend/reuse are planned into data (`FullPlan`, `PrefixPlan`, `BlendPlan`:
+    what is loaded, what each layer recomputes, what is harvested) before any row is computed,
+    and `Prefiller.run` executes them; a load that stalls runs the plan's `FullPlan` of the same
+    tokens instead, whose answer is the full prefill's."""
+    from blend.engine.prefill import BlendPlan, FullPlan, Prefiller, PrefixPlan
+    from blend.kv.loader import LoadStalled
+    from blend.recompute.plan import RecomputePlan
+
+    ran = []
+    run = Prefiller.run
+    monkeypatch.setattr(Prefiller, "run", lambda self, plan: ran.append(plan) or run(self, plan))
+    question = QUESTIONS[1]
+    with make_engine(lm) as engine:
+        engine.ingest(DOCS)
+        full = engine.generate(question, DOCS[:2], mode="full", max_new_tokens=3, logprobs=True)
+        engine.generate(question, DOCS[:2], mode="prefix", max_new_tokens=3)
+        engine.generate(question, DOCS[:2], mode="blend", recompute_ratio=0.3, max_new_tokens=3)
+        assert [type(p) for p in ran] == [FullPlan, PrefixPlan, BlendPlan]
+        blend = ran[-1]
+        assert isinstance(blend.split.plan, RecomputePlan) and blend.split.loaded and blend.harvest == ()
+        assert {p.start for p in blend.split.loaded} >= {s.start for s in blend.prompt.segments
+                                                          if s.kind == "document"}
+        ran.clear()
+        run_blend = Prefiller._run_blend
+
+        def stalled(self, plan):
+            yield from ()
+            raise LoadStalled("a tier too slow (test)", ("cpu",))
+
+        monkeypatch.setattr(Prefiller, "_run_blend", stalled)
+        got = engine.generate(question, DOCS[:2], mode="blend", recompute_ratio=0.3, max_new_tokens=3, logprobs=True)
+        monkeypatch.setattr(Prefiller, "_run_blend", run_blend)
+    assert [type(p) for p in ran] == [BlendPlan, FullPlan] and got.stats.stalled_tiers == ("cpu",)
+    assert got.token_ids == full.token_ids
+    assert (got.token_logprobs - full.token_logprobs).abs().max().item() <= 1e-5

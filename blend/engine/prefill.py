@@ -1,18 +1,23 @@
-"""One request's prefill, in typed stages, as steps the scheduler runs.
+"""One request's prefill: planned into data, then run as steps the scheduler drives.
 
     request -> `PromptWork` (the prompt, its block keys, mode, ratio) or a chat `Turn`
             -> `DocumentCache.lookup`: where each cached segment is (`Resolution`)
             -> the documents that missed, computed one forward pass per step
                (`compute_misses`: running sequences decode between the passes)
-            -> placements -> the split (what to compute instead of load) -> the recompute plan
-            -> one step that runs the layers (loading beside them) -> `Prefilled`
+            -> placements -> the split, which returns the recompute plan it priced
+            -> a plan: `FullPlan` (every token), `PrefixPlan` (an exact chain loaded, the rest
+               computed) or `BlendPlan` (what is loaded, what each layer recomputes, what is
+               harvested after)
+            -> `Prefiller.run(plan)`: its rows asked of the executor (`Rows`: the scheduler runs
+               them in chunks beside the decode rows), a blend's layer loop paused between
+               layers (`Pacer`) -> `Prefilled`
 
-`Prefiller.steps(work)` is a generator: each `next()` is one bounded unit of compute and
-the last one returns the `Prefilled`. Every mode ends in one executor path per kind of
-plan (full, prefix, blend/reuse, a chat turn's exact KV); a load that stalls (a tier too
-slow to wait for, now suspended) falls back here, in one place, to a full prefill of the
-same tokens. Teacher forcing (`answer`, `follow`, used by eval) runs right after the
-prefill, before any decode step touches the cache.
+`Prefiller.steps(work)` is a generator: each advance asks for rows, or computes one bounded
+unit, and the last one returns the `Prefilled`. A load that stalls (a tier too slow to wait
+for, now suspended; raised in the plan or thrown into it by the executor) runs the plan's
+`FullPlan` of the same tokens instead, in one place (`_timed`). A chat turn's exact KV is
+`SessionManager.prefill_steps`, a plan of its own shape. Teacher forcing (`answer`, `follow`,
+used by eval) runs right after the prefill, before any decode step touches the cache.
 """
 
 from __future__ import annotations
@@ -28,16 +33,16 @@ from blend.config import BlendConfig, Selection
 from blend.decode.forcing import answer_nll, forced_logprobs
 from blend.decode.generation import Prefilled
 from blend.kv.documents import Block, DocumentCache, Resolution
-from blend.kv.loader import LayerLoader, LoadStalled
+from blend.kv.loader import LayerLoader, LoadStalled, Placement
 from blend.kv.prefix import PrefixCache
 from blend.model.runner import Rows, Runner
-from blend.planning.misses import HARVEST, MIXED, MissPlan, plan_misses
-from blend.planning.split import Splitter
+from blend.planning.misses import HARVEST, MIXED, plan_misses
+from blend.planning.split import Split, Splitter
 from blend.prompt.builder import Prompt
 from blend.recompute.layers import Pacer, layer_steps
 from blend.recompute.stale import shift_applies
 from blend.session.manager import SessionManager, Turn, turn_stats
-from blend.stats import LookupTally, MissReport, RequestStats, tally_fields
+from blend.stats import LookupTally, MissReport, RequestStats, SplitReport, tally_fields
 from storage.stack import TieredStore
 
 
@@ -67,8 +72,54 @@ class ForcedOutputs:
     follow_logprobs: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class FullPlan:
+    """Every token computed: the reference, a harvest, every fallback. One `Rows` of the whole
+    prompt (the executor runs it in chunks beside the decode rows)."""
+
+    ids: tuple[int, ...]
+    capacity: int
+    stats: RequestStats  # what the result's stats start from
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """Prefix mode: an exact cached prefix (`chain`) loaded layer by layer while the rest is
+    computed as rows (`computed`: the split's computed first tokens; `boundary`: where the
+    rows a later request will load end), then its new full blocks stored (from `stored_below`)."""
+
+    prompt: Prompt
+    capacity: int
+    chain: tuple[Placement, ...]
+    computed: int
+    boundary: int
+    stored_below: int
+    split: SplitReport
+    tally: LookupTally
+
+
+@dataclass(frozen=True)
+class BlendPlan:
+    """Blend or reuse: what is loaded and what each layer recomputes (`split.plan`, the recompute
+    plan the split priced), and the missing documents harvested from the computed prefix after
+    the pass (`harvest`: indices into `resolution`'s segments)."""
+
+    prompt: Prompt
+    capacity: int
+    mode: str
+    ratio: float
+    selection: Selection
+    split: Split
+    tally: LookupTally
+    report: MissReport
+    resolution: Resolution | None = None
+    harvest: tuple[int, ...] = ()
+    split_mode: str | None = None
+
+
 class Prefiller:
-    """Runs prefills for one engine: its runner, document and prefix caches, split, sessions."""
+    """Plans prefills and runs the plans, for one engine: its runner, document and prefix
+    caches, split, sessions."""
 
     def __init__(self, config: BlendConfig, runner: Runner, store: TieredStore, documents: DocumentCache,
                  prefixes: PrefixCache, splitter: Splitter, sessions: SessionManager, tokenizer,
@@ -85,10 +136,10 @@ class Prefiller:
         prompt, mode = work.prompt, work.mode
         capacity = max(work.capacity, len(prompt))
         if mode == "full":
-            pre = yield from self._timed(self._full(prompt.token_ids, capacity, self._stats(prompt, "full")))
+            pre = yield from self._timed(FullPlan(prompt.token_ids, capacity, self._stats(prompt, "full")))
         elif mode == "prefix":
             yield from self._calibrated(work.split)
-            pre = yield from self._timed(self._prefix(prompt, capacity, work.split), fallback=(prompt, capacity))
+            pre = yield from self._timed(self._plan_prefix(prompt, capacity, work.split))
         else:
             ratio = 0.0 if mode == "reuse" else work.ratio
             selection = self.config.blend.selection.with_policy(work.selection)
@@ -110,9 +161,8 @@ class Prefiller:
         if work is not None and turn.blends():
             turn.exact = False  # the documents are not all on the device: blend them in
             return (yield from self.steps(work))
-        fallback_stats = turn_stats(turn.ids, "computed", 0)
-        return (yield from self._timed(self.sessions.prefill_steps(turn, capacity),
-                                       fallback=(turn.ids, capacity, fallback_stats)))
+        fallback = FullPlan(tuple(turn.ids), capacity, turn_stats(turn.ids, "computed", 0))
+        return (yield from self._timed(self.sessions.prefill_steps(turn, capacity), fallback))
 
     # ------------------------------------------------------------------ stages
     def _blend_steps(self, prompt: Prompt, blocks: dict[int, list[Block]] | None, ratio: float, capacity: int,
@@ -130,27 +180,26 @@ class Prefiller:
             report = MissReport(plan.kind, plan.reason, resolution.misses, len(plan.standalone), len(plan.harvested),
                                 resolution.deduplicated, 0.0, dict(plan.predicted))
             if plan.kind == HARVEST:  # one full prefill; the missing documents cut out of it
-                return (yield from self._timed(self._harvest_full(prompt, resolution, tally, ratio, capacity, mode,
-                                                                  plan, report)))
+                self.documents.placements(resolution, tally, skip=plan.harvested)  # the lookups counted
+                pre = yield from self._timed(FullPlan(prompt.token_ids, capacity,
+                                                      self._stats(prompt, mode, ratio, **tally_fields(tally))))
+                t0 = time.perf_counter()
+                self.documents.harvest(resolution, plan.harvested, pre.cache)
+                pre.stats = pre.stats.replace(miss=report.replace(compute_s=time.perf_counter() - t0))
+                return pre
             if plan.standalone:  # their own passes, as their own steps (not inside the timed prefill)
                 spent = yield from _spent(self.documents.compute_misses(resolution, plan.standalone))
                 report = report.replace(compute_s=spent)
                 yield
         placements = self.documents.placements(resolution, tally, skip=plan.harvested if plan else ())
-        return (yield from self._timed(self._blend(prompt, placements, tally, ratio, capacity, mode, selection,
-                                                   resolution, plan, report, split),
-                                       fallback=(prompt, capacity)))
-
-    def _harvest_full(self, prompt: Prompt, resolution: Resolution, tally: LookupTally, ratio: float, capacity: int,
-                      mode: str, plan: MissPlan, report: MissReport) -> Generator[Rows, torch.Tensor, Prefilled]:
-        """The harvest plan: a full prefill (this request's answer exact), then every missing
-        document's KV cut out of it and queued for the store."""
-        self.documents.placements(resolution, tally, skip=plan.harvested)  # the lookups counted
-        pre = yield from self._full(prompt.token_ids, capacity, self._stats(prompt, mode, ratio, **tally_fields(tally)))
-        t0 = time.perf_counter()
-        self.documents.harvest(resolution, plan.harvested, pre.cache)
-        pre.stats = pre.stats.replace(miss=report.replace(compute_s=time.perf_counter() - t0))
-        return pre
+        # the load-or-compute split (blend.planning.split) may compute a prefix instead of loading it;
+        # a mixed miss plan fixes that prefix (its missing documents are harvested from it)
+        fresh = plan.fresh if plan is not None and plan.kind == MIXED else None
+        chosen = self.splitter.plan(prompt, placements, ratio, selection, self.runner.num_layers, fresh=fresh,
+                                    mode=split)
+        blend = BlendPlan(prompt, capacity, mode, ratio, selection, chosen, tally, report, resolution,
+                          plan.harvested if plan is not None else (), split)
+        return (yield from self._timed(blend))
 
     def _calibrated(self, split: str | None = None) -> Generator[None, None, None]:
         """Under `engine.blend.split: auto`, the split's cost model is calibrated once, before the first
@@ -160,26 +209,22 @@ class Prefiller:
             self.splitter.cost_model(split)
             yield
 
-    def _timed(self, plan: Generator[Rows | None, Any, Prefilled], fallback: tuple | None = None
-               ) -> Generator[Rows | None, Any, Prefilled]:
-        """`plan`'s steps, timed to its logits (CUDA synchronised): its own time, the work done
-        inside it and the steps that computed its rows, not the other sequences' steps
-        between its pauses. A `LoadStalled` becomes a full prefill of the same tokens
-        (`fallback`: (prompt, capacity) or (ids, capacity, stats)). Feeds the split's cost
-        model."""
+    def _timed(self, plan: FullPlan | PrefixPlan | BlendPlan | Generator[Rows | None, Any, Prefilled],
+               fallback: FullPlan | None = None) -> Generator[Rows | None, Any, Prefilled]:
+        """`plan` run (`run`; a generator: its steps as they are), timed to its logits (CUDA
+        synchronised): its own time, the work done inside it and the steps that computed its
+        rows, not the other sequences' steps between its pauses. A `LoadStalled` runs the
+        `fallback` plan instead (default: the plan's own `FullPlan` of the same tokens). Feeds
+        the split's cost model."""
         tuned = len(self.runner.tuner.tunings)
         clock = _Clock()
+        fallback = fallback or (self._fallback(plan) if not isinstance(plan, (FullPlan, Generator)) else None)
         try:
-            pre = yield from clock.relay(plan)
+            pre = yield from clock.relay(self.run(plan) if not isinstance(plan, Generator) else plan)
         except LoadStalled as err:
             if fallback is None:
                 raise
-            if isinstance(fallback[0], Prompt):
-                prompt, capacity = fallback
-                ids, stats = prompt.token_ids, self._stats(prompt, "full")
-            else:
-                ids, capacity, stats = fallback
-            pre = yield from clock.relay(self._full(ids, capacity, stats))
+            pre = yield from clock.relay(self.run(fallback))
             pre.stats = pre.stats.replace(stalled_tiers=err.tiers)
         if pre.logits.device.type == "cuda":  # timed to the logits, as TTFT is
             t0 = time.perf_counter()
@@ -188,6 +233,20 @@ class Prefiller:
         pre.stats = pre.stats.replace(prefill_s=clock.own_s)
         self._observe(pre, tuned)
         return pre
+
+    def _fallback(self, plan: PrefixPlan | BlendPlan) -> FullPlan:
+        """The stall fallback: every token of the plan's prompt computed."""
+        return FullPlan(plan.prompt.token_ids, plan.capacity, self._stats(plan.prompt, "full"))
+
+    def run(self, plan: FullPlan | PrefixPlan | BlendPlan) -> Generator[Rows | None, Any, Prefilled]:
+        """A plan's execution, as steps: its rows asked of the executor, its layer loop paused."""
+        if isinstance(plan, FullPlan):
+            return self._run_full(plan)
+        if isinstance(plan, PrefixPlan):
+            return self._run_prefix(plan)
+        if isinstance(plan, BlendPlan):
+            return self._run_blend(plan)
+        raise TypeError(f"no executor for {type(plan).__name__}")
 
     def _observe(self, pre: Prefilled, tuned: int) -> None:
         # the engine's first prefill pays one-time costs (kernel selection, allocator, lazy
@@ -204,44 +263,35 @@ class Prefiller:
         return RequestStats(mode=mode, recompute_ratio=ratio, context_tokens=context,
                             query_tokens=len(prompt) - context, **fields)
 
-    def _full(self, token_ids, capacity: int, stats: RequestStats) -> Generator[Rows, torch.Tensor, Prefilled]:
-        """Every token computed: the reference, and every fallback. One `Rows` (the executor
-        may run it in chunks)."""
-        ids = tuple(token_ids)
-        cache = self.runner.new_cache(max(capacity, len(ids)))
+    def _run_full(self, plan: FullPlan) -> Generator[Rows, torch.Tensor, Prefilled]:
+        ids = tuple(plan.ids)
+        cache = self.runner.new_cache(max(plan.capacity, len(ids)))
         logits = (yield Rows(torch.tensor(ids), cache, 0))[0]
-        stats = stats.replace(loaded_tokens=0, recomputed_tokens=stats.context_tokens)
+        stats = plan.stats.replace(loaded_tokens=0, recomputed_tokens=plan.stats.context_tokens)
         return Prefilled(logits, cache, stats, ids)
 
-    def _blend(self, prompt: Prompt, placements, tally: LookupTally, ratio: float, capacity: int, mode: str,
-               sel: Selection, resolution: Resolution | None = None, miss: MissPlan | None = None,
-               report: MissReport | None = None, split_mode: str | None = None) -> Generator[None, None, Prefilled]:
-        runner = self.runner
-        # the load-or-compute split (blend.split) may compute a prefix instead of loading it; a mixed
-        # miss plan fixes that prefix (its missing documents are harvested from it below)
-        split = self.splitter.plan(prompt, placements, ratio, sel, runner.num_layers,
-                                   fresh=miss.fresh if miss is not None and miss.kind == MIXED else None,
-                                   mode=split_mode)
+    def _run_blend(self, bp: BlendPlan) -> Generator[None, None, Prefilled]:
+        runner, prompt, split, sel = self.runner, bp.prompt, bp.split, bp.selection
         plan = split.plan  # priced by the split, planned once
         assert plan is not None
-        cache = runner.new_cache(capacity)
+        cache = runner.new_cache(bp.capacity)
         cache.length = plan.n
         with LayerLoader(self.store, runner, cache, split.loaded, range(plan.load_from, runner.num_layers),
                          self.config.blend.prefetch_depth, stall_s=self.stall_s) as loader:
-            # paused (chunked by layers) after about a chunk's worth of computed rows over every layer
-            pacer = self._pacer(split_mode)
+            # paused (chunked by layers) after about a chunk's worth of time
             logits, chosen = yield from layer_steps(runner, cache, torch.tensor(prompt.token_ids), plan, loader,
                                                     policy=sel.policy, deviation_kind=sel.deviation,
                                                     stale_bias=sel.stale_bias,
-                                                    stale_shift=shift_applies(sel.stale_shift, sel.policy), pacer=pacer)
-        report = report or MissReport()
-        if miss is not None and miss.harvested and resolution is not None:  # exact rows of the computed prefix
+                                                    stale_shift=shift_applies(sel.stale_shift, sel.policy),
+                                                    pacer=self._pacer(bp.split_mode))
+        report = bp.report
+        if bp.harvest and bp.resolution is not None:  # exact rows of the computed prefix
             t0 = time.perf_counter()
-            self.documents.harvest(resolution, miss.harvested, cache)
+            self.documents.harvest(bp.resolution, bp.harvest, cache)
             report = report.replace(compute_s=report.compute_s + time.perf_counter() - t0)
-        stats = self._stats(prompt, mode, ratio, loaded_tokens=0 if plan.full else int(plan.ctx_rows.numel()),
+        stats = self._stats(prompt, bp.mode, bp.ratio, loaded_tokens=0 if plan.full else int(plan.ctx_rows.numel()),
                             recomputed_tokens=chosen.recomputed_tokens + split.computed_tokens, load=loader.report(),
-                            selection=chosen, split=split.report, miss=report, **tally_fields(tally))
+                            selection=chosen, split=split.report, miss=report, **tally_fields(bp.tally))
         return Prefilled(logits, cache, stats, tuple(prompt.token_ids))
 
     def _pacer(self, split_mode: str | None) -> Pacer:
@@ -254,8 +304,7 @@ class Prefiller:
         step_s = layers * model.layer.with_pairs(chunk, chunk * (chunk + 1) / 2) if model is not None else None
         return Pacer(chunk * layers, step_s)
 
-    def _prefix(self, prompt: Prompt, capacity: int, split_mode: str | None = None
-                ) -> Generator[Rows, torch.Tensor, Prefilled]:
+    def _plan_prefix(self, prompt: Prompt, capacity: int, split_mode: str | None = None) -> PrefixPlan:
         """The longest exactly cached prefix: prefix blocks of this very prompt, or the
         cached segments that are exact at their position (the system part, and the first
         document when documents are computed after it) when their entries are exact too:
@@ -278,18 +327,23 @@ class Prefiller:
         else:
             for pl in chain:
                 tally.hit_from("prefix_blocks", pl.source)
-        cache = self.runner.new_cache(capacity)
         # the load-or-compute split (blend.split) may compute the chain's first blocks instead
         split = self.splitter.plan_prefix(len(ids), chain, self.runner.num_layers, split_mode)
         # the tail computed apart from the blocks a later request will load: the same numbers either way
-        logits, load = yield from self.prefixes.prefill_steps(ids, chain, cache, computed=split.computed_tokens,
-                                                              boundary=self.prefixes.aligned_end(limit))
-        end = max((pl.start + pl.length for pl in chain), default=0)
-        loaded = end - split.computed_tokens
-        stored = self.prefixes.store_blocks(ids, cache, skip_below=chain_len)
+        return PrefixPlan(prompt, capacity, tuple(chain), split.computed_tokens, self.prefixes.aligned_end(limit),
+                          chain_len, split.report, tally)
+
+    def _run_prefix(self, pp: PrefixPlan) -> Generator[Rows, torch.Tensor, Prefilled]:
+        prompt, ids = pp.prompt, pp.prompt.token_ids
+        cache = self.runner.new_cache(pp.capacity)
+        logits, load = yield from self.prefixes.prefill_steps(ids, list(pp.chain), cache, computed=pp.computed,
+                                                              boundary=pp.boundary)
+        end = max((pl.start + pl.length for pl in pp.chain), default=0)
+        loaded = end - pp.computed
+        stored = self.prefixes.store_blocks(ids, cache, skip_below=pp.stored_below)
         stats = self._stats(prompt, "prefix", 0.0, loaded_tokens=loaded,
                             recomputed_tokens=max(0, prompt.query.start - loaded), load=load, stored_blocks=stored,
-                            split=split.report, **tally_fields(tally))
+                            split=pp.split, **tally_fields(pp.tally))
         return Prefilled(logits, cache, stats, tuple(ids))
 
 
