@@ -21,6 +21,7 @@ Each sweep prints `faults tried N survived M`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -725,6 +726,18 @@ def _nan_scales(entry: KVEntry) -> KVEntry:
     return KVEntry(dataclasses.replace(h, layer_checksums=sums, tag=""), layers)
 
 
+@contextlib.contextmanager
+def _planted_nan(tmp_path):
+    """An engine over an int8 disk tier whose every ingested entry decodes to NaN behind valid checksums."""
+    with make_engine([{"kind": "disk", "path": str(tmp_path / "cache"), "budget": "256MiB",
+                       "codec": "int8"}]) as engine:
+        engine.ingest(DOCS)
+        tier = engine.store.tiers[0]
+        for key in tier.keys():
+            tier.put(key, _nan_scales(tier.get(key)))
+        yield engine
+
+
 NAN_REQUESTS = {
     "greedy blend": dict(mode="blend", recompute_ratio=0.05, max_new_tokens=3),
     "greedy reuse": dict(mode="reuse", max_new_tokens=3),
@@ -740,12 +753,8 @@ def test_entries_that_decode_to_nan_are_a_miss_computed_instead(tmp_path, name):
     args = NAN_REQUESTS[name]
     with make_engine([{"kind": "cpu", "budget": "64MiB"}], miss_policy="standalone") as clean:
         want = clean.generate(QUESTION, DOCS, **args)  # the documents computed on their own, then blended
-    with make_engine([{"kind": "disk", "path": str(tmp_path / "cache"), "budget": "256MiB",
-                       "codec": "int8"}]) as engine:
-        engine.ingest(DOCS)
+    with _planted_nan(tmp_path) as engine:
         tier = engine.store.tiers[0]
-        for key in tier.keys():
-            tier.put(key, _nan_scales(tier.get(key)))
         got, err = bounded(lambda: engine.generate(QUESTION, DOCS, **args))
         assert err is None, err
         assert torch.isfinite(got.first_token_logprobs).all() and got.text
@@ -804,12 +813,7 @@ def test_an_unreadable_entry_is_rebuilt_on_the_schedulers_thread_not_the_loaders
         threads.append(threading.current_thread().name)
         return forward(self, items, before_layer)
 
-    with make_engine([{"kind": "disk", "path": str(tmp_path / "cache"), "budget": "256MiB",
-                       "codec": "int8"}]) as engine:
-        engine.ingest(DOCS)
-        tier = engine.store.tiers[0]
-        for key in tier.keys():
-            tier.put(key, _nan_scales(tier.get(key)))
+    with _planted_nan(tmp_path) as engine:
         monkeypatch.setattr(Runner, "forward", recording)
         got, err = bounded(lambda: engine.generate(QUESTION, DOCS, mode="reuse", max_new_tokens=2))
         assert err is None, err
