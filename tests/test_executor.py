@@ -268,3 +268,38 @@ def test_every_mode_is_a_plan_of_data_and_a_stall_runs_the_full_plan(lm, monkeyp
     assert [type(p) for p in ran] == [BlendPlan, FullPlan] and got.stats.stalled_tiers == ("cpu",)
     assert got.token_ids == full.token_ids
     assert (got.token_logprobs - full.token_logprobs).abs().max().item() <= 1e-5
+
+
+def test_a_stall_in_the_executor_reaches_the_plan_closes_its_loader_and_runs_the_full_plan(lm, monkeypatch):
+    """Prefix mode's rows wait for their chain's loads inside the executor's forward pass; a load
+    that stalls there is thrown into the plan where it paused: its loader is closed on the way
+    out, and the full plan of the same tokens answers."""
+    from blend.kv.loader import LayerLoader, LoadStalled
+
+    question = QUESTIONS[2]
+    with make_engine(lm, prefill_chunk_tokens=4) as engine:
+        engine.ingest(DOCS)
+        full = engine.generate(question, DOCS[:2], mode="full", max_new_tokens=3, logprobs=True)
+        engine.generate(question, DOCS[:2], mode="prefix", max_new_tokens=3)  # its blocks stored
+        loaders: list[LayerLoader] = []
+        init, wait = LayerLoader.__init__, LayerLoader.wait
+
+        def tracked(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            loaders.append(self)
+
+        def stalls(self, layer):
+            if self.placements and layer == 1:
+                raise LoadStalled("layer 1 did not arrive (test)", ("cpu",))
+            wait(self, layer)
+
+        monkeypatch.setattr(LayerLoader, "__init__", tracked)
+        monkeypatch.setattr(LayerLoader, "wait", stalls)
+        busy = _busy(engine, 2)  # the rows run in the scheduler's forward passes, in chunks
+        got = engine.generate(question, DOCS[:2], mode="prefix", max_new_tokens=3, logprobs=True)
+        for handle in busy:
+            handle.cancel()
+    assert got.stats.stalled_tiers == ("cpu",) and got.stats.mode == "full"
+    assert got.token_ids == full.token_ids
+    assert (got.token_logprobs - full.token_logprobs).abs().max().item() <= 1e-4
+    assert loaders and all(loader._stop for loader in loaders if loader.placements)

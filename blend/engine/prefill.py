@@ -358,7 +358,11 @@ def _spent(steps: Generator[None, None, None]) -> Generator[None, None, float]:
         except StopIteration:
             return spent + time.perf_counter() - t0
         spent += time.perf_counter() - t0
-        yield
+        try:
+            yield
+        except GeneratorExit:  # the request was cancelled between two passes
+            steps.close()
+            raise
 
 
 class _Clock:
@@ -369,16 +373,25 @@ class _Clock:
         self.own_s = 0.0
 
     def relay(self, plan: Generator[Rows | None, Any, Prefilled]) -> Generator[Rows | None, Any, Prefilled]:
-        reply = None
+        """`yield from plan`, timed: what is sent or thrown in (an executor's `LoadStalled`)
+        reaches the plan where it paused, and closing this closes the plan."""
+        reply, error = None, None
         while True:
             t0 = time.perf_counter()
             try:
-                request = plan.send(reply)
+                request = plan.send(reply) if error is None else plan.throw(error)
             except StopIteration as done:
                 self.own_s += time.perf_counter() - t0
                 return done.value
             self.own_s += time.perf_counter() - t0
             t0 = time.perf_counter()
-            reply = yield request
+            reply, error = None, None
+            try:
+                reply = yield request
+            except GeneratorExit:
+                plan.close()
+                raise
+            except BaseException as err:  # noqa: BLE001 - delivered into the plan, which ends with it or not
+                error = err
             if request is not None:
                 self.own_s += time.perf_counter() - t0
