@@ -809,9 +809,9 @@ def test_an_unreadable_entry_is_rebuilt_on_the_schedulers_thread_not_the_loaders
     threads: list[str] = []
     forward = Runner.forward
 
-    def recording(self, items, before_layer=None):
+    def recording(self, items):
         threads.append(threading.current_thread().name)
-        return forward(self, items, before_layer)
+        return forward(self, items)
 
     with _planted_nan(tmp_path) as engine:
         monkeypatch.setattr(Runner, "forward", recording)

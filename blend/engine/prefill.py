@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,6 +44,8 @@ from blend.recompute.stale import shift_applies
 from blend.session.manager import SessionManager, Turn, turn_stats
 from blend.stats import LookupTally, MissReport, RequestStats, SplitReport, tally_fields
 from storage.stack import TieredStore
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -188,8 +190,9 @@ class Prefiller:
                 pre.stats = pre.stats.replace(miss=report.replace(compute_s=time.perf_counter() - t0))
                 return pre
             if plan.standalone:  # their own passes, as their own steps (not inside the timed prefill)
-                spent = yield from _spent(self.documents.compute_misses(resolution, plan.standalone))
-                report = report.replace(compute_s=spent)
+                clock = _Clock()  # their own time, not the other sequences' steps between the passes
+                yield from clock.relay(self.documents.compute_misses(resolution, plan.standalone))
+                report = report.replace(compute_s=clock.own_s)
                 yield
         placements = self.documents.placements(resolution, tally, skip=plan.harvested if plan else ())
         # the load-or-compute split (blend.planning.split) may compute a prefix instead of loading it;
@@ -347,32 +350,15 @@ class Prefiller:
         return Prefilled(logits, cache, stats, tuple(ids))
 
 
-def _spent(steps: Generator[None, None, None]) -> Generator[None, None, float]:
-    """Run `steps` as steps of the caller; returns the seconds spent inside them (not in the
-    steps of other sequences between them)."""
-    spent = 0.0
-    while True:
-        t0 = time.perf_counter()
-        try:
-            next(steps)
-        except StopIteration:
-            return spent + time.perf_counter() - t0
-        spent += time.perf_counter() - t0
-        try:
-            yield
-        except GeneratorExit:  # the request was cancelled between two passes
-            steps.close()
-            raise
-
-
 class _Clock:
-    """A plan's own time while it runs as steps: inside its generator, and from a `Rows` it
-    yields to the logits sent back (the steps that computed them); not the pauses (None)."""
+    """A plan's own time while it runs as steps (a prefill's, or the passes of its missing
+    documents): inside its generator, and from a `Rows` it yields to the logits sent back (the
+    steps that computed them); not the pauses (None)."""
 
     def __init__(self) -> None:
         self.own_s = 0.0
 
-    def relay(self, plan: Generator[Rows | None, Any, Prefilled]) -> Generator[Rows | None, Any, Prefilled]:
+    def relay(self, plan: Generator[Rows | None, Any, T]) -> Generator[Rows | None, Any, T]:
         """`yield from plan`, timed: what is sent or thrown in (an executor's `LoadStalled`)
         reaches the plan where it paused, and closing this closes the plan."""
         reply, error = None, None

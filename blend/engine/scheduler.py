@@ -343,7 +343,7 @@ class Scheduler:
         caches that are full, and the newest sequences to preempt while that growth would take
         the running set past `max_active_kv` (never the last one)."""
         alive = list(self._running)
-        active = self.active_kv_bytes()
+        active: int | None = None  # summed only when some cache is full
         grow: list[tuple[Sequence, int]] = []
         preempt: list[Sequence] = []
         for seq in list(alive):
@@ -353,6 +353,7 @@ class Scheduler:
             assert cache is not None
             if cache.length < cache.capacity:
                 continue
+            active = self.active_kv_bytes() if active is None else active
             limit = len(seq.prompt_ids) + seq.generation.max_new_tokens
             grown = min(max(cache.capacity + GROW_MIN, cache.capacity * 5 // 4), max(limit, cache.length + 1))
             extra = cache.growth_bytes(grown)  # per layer type: a sliding layer's ring does not grow

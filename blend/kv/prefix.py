@@ -265,11 +265,6 @@ class PrefixCache:
         """Where the longest chain of full blocks that a lookup up to `limit` could find ends."""
         return limit - limit % self.block_tokens
 
-    def prefill(self, token_ids: Sequence[int], chain: list[Placement], cache: KVCache, computed: int = 0, *,
-                boundary: int = 0) -> tuple[torch.Tensor, LoadReport]:
-        """`prefill_steps` run alone."""
-        return self.runner.run(self.prefill_steps(token_ids, chain, cache, computed, boundary=boundary))
-
     def prefill_steps(self, token_ids: Sequence[int], chain: list[Placement], cache: KVCache, computed: int = 0, *,
                       boundary: int = 0) -> Generator[Rows, torch.Tensor, tuple[torch.Tensor, LoadReport]]:
         """Load `chain` (an exact cached prefix) layer by layer while computing the rest: a

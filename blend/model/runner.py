@@ -151,6 +151,13 @@ class Rows:
         return len(self) == 1 and self.logit_rows is None and self.start == self.cache.length
 
 
+class _BeforeLayer:
+    """A callable `before_layer(i)` as a `LayerWaiter`."""
+
+    def __init__(self, fn: Callable[[int], None]):
+        self.wait = fn
+
+
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -613,11 +620,11 @@ class Runner:
         writing its K/V and the result is (0, vocab). `forward` of one sequence's rows.
         """
         rows = None if logit_rows is None else tuple(logit_rows)
-        return self.forward([Rows(token_ids, cache, start, rows)], before_layer)[0]
+        hook = _BeforeLayer(before_layer) if before_layer is not None else None
+        return self.forward([Rows(token_ids, cache, start, rows, hook)])[0]
 
     @torch.inference_mode()
-    def forward(self, items: Sequence[Rows], before_layer: Callable[[int], None] | None = None
-                ) -> list[torch.Tensor]:
+    def forward(self, items: Sequence[Rows]) -> list[torch.Tensor]:
         """One step over several sequences' rows at once: each item's tokens at positions
         start..start+T-1 of its own cache (a prefill chunk, or a decode row: T = 1).
 
@@ -632,7 +639,7 @@ class Runner:
         """
         if not items:
             raise ValueError("forward needs at least one item")
-        if before_layer is None and all(it.decodes() and it.loads is None for it in items):
+        if all(it.decodes() and it.loads is None for it in items):
             logits = self.decode_step([int(it.token_ids[0]) for it in items], [it.cache for it in items])
             return [logits[b:b + 1] for b in range(len(items))]
         sizes = [len(it) for it in items]
@@ -658,8 +665,6 @@ class Runner:
         sel_of = [torch.tensor(rows, dtype=torch.long) for rows in wanted]
         waiters = [it.loads for it in items if it.loads is not None]
         for layer in range(self.num_layers):
-            if before_layer is not None:
-                before_layer(layer)
             for waiter in waiters:
                 waiter.wait(layer)
             q, k, v = self.qkv(layer, h, cos, sin)  # (H, T, D), (Hkv, T, D) x2

@@ -195,12 +195,6 @@ def _run_check_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, p
 
 
 
-def query_pass(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
-               value_weighted: bool = False, computed: list[int] | None = None) -> torch.Tensor:
-    """`query_pass_steps` in one go."""
-    return runner.run(query_pass_steps(runner, cache, token_ids, plan, loader, value_weighted, computed))
-
-
 def query_pass_steps(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan,
                      loader: LayerLoader, value_weighted: bool = False, computed: list[int] | None = None,
                      pacer: Pacer | None = None) -> Generator[None, None, torch.Tensor]:

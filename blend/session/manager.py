@@ -423,10 +423,6 @@ class SessionManager:
         return Turn(session, messages, ids, prompt, blended and bool(documents), max_new, fd,
                     exact=not (blended and documents), resume_at=resume_at)
 
-    def prefill(self, turn: Turn, capacity: int) -> Prefilled:
-        """`prefill_steps` run alone."""
-        return self.runner.run(self.prefill_steps(turn, capacity))
-
     def prefill_steps(self, turn: Turn, capacity: int) -> Generator[Rows, torch.Tensor, Prefilled]:
         """The exact prefill of a turn, as a plan whose computed rows are yielded as `Rows`:
         reuse the device copy, else the stored prefix chain; compute the rest. The cache
