@@ -75,12 +75,12 @@ def direct_kv(engine: BlendEngine, context_ids, token_ids, offset: int):
     runner = engine.runner
     ids = torch.tensor(list(context_ids) + list(token_ids))
     n, c = ids.numel(), len(context_ids)
-    cos, sin = runner.rope(torch.arange(offset - c, offset - c + n))
+    positions = torch.arange(offset - c, offset - c + n)
     h = runner.embed(ids)
     out = []
     with torch.inference_mode():
         for layer in range(runner.num_layers):
-            q, k, v = runner.qkv(layer, h, cos, sin)
+            q, k, v = runner.heads_qkv(layer, h, positions)
             attn = torch.nn.functional.scaled_dot_product_attention(
                 q[None], k[None], v[None], is_causal=True, scale=runner.scaling, enable_gqa=True)[0]
             h = runner.finish(layer, h, attn.transpose(0, 1).reshape(n, -1))

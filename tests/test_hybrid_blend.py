@@ -61,9 +61,9 @@ def test_reused_kv_at_every_layer_type_equals_the_document_computed_at_its_offse
             cache = runner.new_cache(seg.end)
             with torch.inference_mode():
                 h = runner.embed(ids)
-                cos, sin = runner.rope(torch.arange(seg.start, seg.end))
+                positions = torch.arange(seg.start, seg.end)
                 for layer in range(runner.num_layers):
-                    q, k, v = runner.qkv(layer, h, cos, sin)
+                    q, k, v = runner.heads_qkv(layer, h, positions)
                     cache.k[layer][:, seg.start:seg.end], cache.v[layer][:, seg.start:seg.end] = k, v
                     # positions relative to the document: its own window, as when it was ingested
                     local = torch.arange(seg.end - seg.start)

@@ -27,7 +27,7 @@ def _tiny(arch: str, rope: str):
 
 def _keys(runner: Runner, h: torch.Tensor, positions: torch.Tensor, layer: int = 1) -> torch.Tensor:
     with torch.inference_mode():
-        _, k, _ = runner.qkv(layer, h, *runner.rope(positions))
+        _, k, _ = runner.heads_qkv(layer, h, positions)
     return k  # (Hkv, T, D)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from blend.model.attention import biased_attention, causal_float_masks, needs_window, run_plan, window_plan
 from blend.model.loading import check_supported
-from blend.model.runner import Runner
+from blend.model.runner import Rows, Runner
 from tests.models import tiny_model
 
 CPU = torch.device("cpu")
@@ -100,21 +100,26 @@ def test_tiny_gemma3_matches_transformers_rows_steps_and_packed(native):
         full = Runner(tiny_model("gemma3_text", vocab_size=256, sliding_window=4096))
         assert not full.windows[0]
     assert runner.strategies["native" if runner.native_blend else "window"] > 0
-    # packed sequences after a shared context equal one prefill each (windowed masks in the packed pass)
+    # documents after a shared context as items of one step equal one prefill each (their windows)
     context = ids[:30]
-    seqs = [ids[30:70].tolist(), ids[50:62].tolist(), ids[10:39].tolist()]
+    seqs = [ids[30:70], ids[50:62], ids[10:39]]
     with torch.inference_mode():
         ctx = runner.new_cache(30)
         runner.prefill(context, ctx, logit_rows=())
-        packed = runner.prefill_packed(seqs, ctx, 30)
-        slot = 0
+        caches = []
         for seq in seqs:
-            alone = runner.new_cache(30 + len(seq))
-            runner.prefill(torch.cat([context, torch.tensor(seq)]), alone, logit_rows=())
+            cache = runner.new_cache(30 + len(seq))
             for layer in range(runner.num_layers):
-                assert (packed.k[layer][:, slot:slot + len(seq)] - alone.k[layer][:, 30:]).abs().max() < 1e-4
-                assert (packed.v[layer][:, slot:slot + len(seq)] - alone.v[layer][:, 30:]).abs().max() < 1e-4
-            slot += len(seq)
+                cache.k[layer][:, :30], cache.v[layer][:, :30] = ctx.k[layer][:, :30], ctx.v[layer][:, :30]
+            cache.length = 30
+            caches.append(cache)
+        runner.forward([Rows(seq, cache, 30, ()) for seq, cache in zip(seqs, caches, strict=True)])
+        for seq, cache in zip(seqs, caches, strict=True):
+            alone = runner.new_cache(30 + len(seq))
+            runner.prefill(torch.cat([context, seq]), alone, logit_rows=())
+            for layer in range(runner.num_layers):
+                assert (cache.k[layer][:, 30:] - alone.k[layer][:, 30:]).abs().max() < 1e-4
+                assert (cache.v[layer][:, 30:] - alone.v[layer][:, 30:]).abs().max() < 1e-4
 
 
 def test_windows_change_the_output():
@@ -140,9 +145,9 @@ def test_rerotation_uses_each_layer_types_own_base():
     per_token = torch.randint(-40, 300, (n,), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         for layer in range(runner.num_layers):  # layer 2 global (base 1M), the others sliding (base 10k)
-            _, k0, _ = runner.qkv(layer, h, *runner.rope(start))
+            _, k0, _ = runner.heads_qkv(layer, h, start)
             for delta in (37, -21, per_token):
-                _, direct, _ = runner.qkv(layer, h, *runner.rope(start + delta))
+                _, direct, _ = runner.heads_qkv(layer, h, start + delta)
                 moved = runner.rerotate(k0, delta, layer)
                 in_place = k0.clone()
                 runner.rerotate_(in_place, delta, layer)
@@ -151,7 +156,7 @@ def test_rerotation_uses_each_layer_types_own_base():
                     assert (got - direct).abs().max() <= bound, f"layer {layer} delta {delta}"
             other = 2 if runner.windows[layer] is not None else 0  # a layer of the other type
             wrong = runner.rerotate(k0, 37, other if layer != other else 1)
-            _, direct, _ = runner.qkv(layer, h, *runner.rope(start + 37))
+            _, direct, _ = runner.heads_qkv(layer, h, start + 37)
             assert (wrong - direct).abs().max() > 1e-3  # the other type's base would be wrong
 
 

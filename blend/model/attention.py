@@ -623,3 +623,30 @@ class AttentionTuner:
         winner = min(seconds, key=seconds.__getitem__)
         self.tunings[bucket] = Tuning(bucket, winner, seconds, cold, rejected)
         return winner, outputs[winner]
+
+
+def attention_with_sums(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        window: int | None = None, bias: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact causal attention by position in float32 math, and each key's probability summed over
+    the query rows and the query heads of its KV head (the query pass's scores where the native
+    kernel does not run).
+
+    q (H, Tq, D) at positions q_pos (Tq,) (host, sorted); k, v (Hkv, Tk, D) of positions 0..Tk-1;
+    `window`: a row at p sees keys p - window + 1 .. p only; `bias` (Hkv, Tk): added to every
+    score of each key. Returns (Tq, H*D) in q's dtype and (Hkv, Tk) float32."""
+    heads, tq, d = q.shape
+    hkv, tk = k.shape[0], k.shape[1]
+    group = heads // hkv
+    qg = (q.float() * scale).reshape(hkv, group * tq, d)  # the g heads of a KV head stacked, head-major
+    scores = qg @ k.float().transpose(1, 2)  # (Hkv, g*Tq, Tk)
+    if bias is not None:
+        scores = scores + bias.float()[:, None, :]
+    rows = q_pos.to(q.device, torch.long).repeat(group)  # (g*Tq,) each row's position
+    keys = torch.arange(tk, device=q.device)
+    hidden = keys[None, :] > rows[:, None]  # (g*Tq, Tk)
+    if window is not None:
+        hidden |= keys[None, :] <= rows[:, None] - window
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)  # (Hkv, g*Tq, Tk)
+    out = (probs @ v.float()).reshape(heads, tq, d).transpose(0, 1).reshape(tq, heads * d)
+    return out.to(q.dtype), probs.sum(dim=1)

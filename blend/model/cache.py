@@ -179,6 +179,18 @@ class KVCache:
         """(kv_heads, n) logit bias of slots 0..n-1 of `layer`, or None when the cache has none."""
         return None if self.bias is None else self.bias[layer][:, :n]
 
+    def put_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v (Hkv, T, D) at positions `rows` (T,) (on the cache's device; not a ring's
+        wrapped slots) of `layer`; their bias is cleared."""
+        self.k[layer][:, rows] = k
+        self.v[layer][:, rows] = v
+        if self.bias is not None:
+            self.bias[layer][:, rows.to(self.bias[layer].device)] = 0.0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
         """Write fresh k/v (Hkv, T, D) of prompt rows `rows` (T,) into the layer; n = prompt length
         (when every row is written the copy is one contiguous slice)."""

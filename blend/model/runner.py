@@ -25,11 +25,12 @@ modules, run in the model's order.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from blend.model.attention import (
     AttentionPlan,
     AttentionTuner,
+    attention_with_sums,
     biased_attention,
     build_plan,
     candidates,
@@ -68,7 +70,6 @@ from blend.model.native import (
 from blend.model.projections import Projections, projections_for
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -117,45 +118,112 @@ class LayerWaiter(Protocol):
     def wait(self, layer: int) -> None: ...
 
 
+class LayerNeeds:
+    """What an item of a step does at each layer besides computing its rows: blend's selective
+    recompute (blend.recompute.layers) waits for loads, corrects stale K/V, selects rows at check
+    layers and sums the query's attention. `Runner.forward` calls these at every layer the item
+    runs, with the item's current rows (positions (T,) int64 on the host, sorted); this base class
+    needs nothing (every row goes on, nothing is summed)."""
+
+    def wait(self, layer: int) -> None:
+        """Before the layer reads the item's cache (a loader's wait; LoadStalled ends the item)."""
+
+    def before_write(self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """q (H, T, D), k and v (Hkv, T, D) of the rows are computed; the cache still holds what it
+        held at their positions (their loaded K/V): read it, correct other slots."""
+
+    def keep(self, layer: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> torch.Tensor | None:
+        """After the rows' K/V are written: the local rows (T',) int64, sorted, that attend and go
+        on to the next layer; None: all of them."""
+        return None
+
+    def summed(self, layer: int) -> torch.Tensor | None:
+        """Local rows (among those kept) whose attention probabilities are summed per key at this
+        layer ((S,) int64, sorted), or None."""
+        return None
+
+    def take_sums(self, layer: int, sums: torch.Tensor, values: torch.Tensor) -> None:
+        """sums (Hkv, N) float32: each key's probability summed over the `summed` rows and the
+        query heads of its KV head; values (Hkv, N, D): the layer's values."""
+
+
 @dataclass(frozen=True)
 class Rows:
-    """One sequence's rows in a `Runner.forward` step: `token_ids` (T,) at positions
-    start..start+T-1 of `cache`, attending its slots 0..start-1 and each other causally.
-    `logit_rows`: the local rows whose logits are wanted (None: the last one; (): none,
-    only the K/V is written)."""
+    """One item of a `Runner.forward` step: rows of one sequence at explicit positions of its own
+    cache, run through layers `layers` (first, end) (None: every layer).
 
-    token_ids: torch.Tensor  # (T,) int64, on the host
+    Rows enter layer `first` as `token_ids` (first 0) or as `hidden` states (a later layer range of
+    the same rows). Their positions are start..start+T-1, or `positions` (sorted, scattered: a
+    blend's recomputed rows). Each attends the cache's slots up to its own position (a sliding
+    layer: its window), the slots written by the step included. `logit_rows`: the rows (as they
+    enter the last layer) whose logits are wanted (None: the last one; (): none, only the K/V).
+    `loads` is waited for before each layer reads the cache; `needs` acts at each layer
+    (`LayerNeeds`)."""
+
+    token_ids: torch.Tensor | None  # (T,) int64, on the host; None: `hidden` given
     cache: KVCache
-    start: int
+    start: int = 0
     logit_rows: tuple[int, ...] | None = None
-    loads: LayerWaiter | None = None  # a loader filling `cache` beside: waited for before each layer reads it
+    loads: LayerWaiter | None = None
+    positions: torch.Tensor | None = None  # (T,) int64 host, sorted (None: start..start+T-1)
+    hidden: torch.Tensor | None = None  # (T, hidden) entering layer `layers[0]` > 0
+    layers: tuple[int, int] | None = None
+    needs: LayerNeeds | None = None
 
     def chunk(self, a: int, b: int) -> Rows:
-        """Rows a..b-1 of these (their logit rows among them, renumbered)."""
-        wanted = [r - a for r in self.wanted() if a <= r < b]
+        """Rows a..b-1 of contiguous token rows (their logit rows among them, renumbered)."""
+        if self.token_ids is None or self.positions is not None:
+            raise ValueError("only contiguous token rows are cut into chunks")
+        wanted = [r - a for r in self.wanted(len(self)) if a <= r < b]
         logit_rows = None if wanted == [b - a - 1] else tuple(wanted)
-        return Rows(self.token_ids[a:b], self.cache, self.start + a, logit_rows, self.loads)
+        return dataclasses.replace(self, token_ids=self.token_ids[a:b], start=self.start + a, logit_rows=logit_rows)
 
     def __len__(self) -> int:
-        return int(self.token_ids.shape[0])
+        if self.positions is not None:
+            return int(self.positions.shape[0])
+        return int((self.token_ids if self.token_ids is not None else self.hidden).shape[0])
 
-    def wanted(self) -> list[int]:
-        n = len(self)
+    def span(self) -> tuple[int, int]:
+        """(first, end) layers."""
+        return self.layers if self.layers is not None else (0, self.cache.num_layers)
+
+    def wanted(self, n: int) -> list[int]:
+        """The local rows among n whose logits are wanted."""
         rows = [n - 1] if self.logit_rows is None else list(self.logit_rows)
         if any(not 0 <= r < n for r in rows):
             raise ValueError(f"logit rows {rows} are outside the item's {n} rows")
         return rows
 
     def decodes(self) -> bool:
-        """A decode row: one token at its cache's end, its logits wanted."""
-        return len(self) == 1 and self.logit_rows is None and self.start == self.cache.length
+        """A decode row: one token at its cache's end through every layer, its logits wanted."""
+        return (len(self) == 1 and self.logit_rows is None and self.positions is None and self.hidden is None
+                and self.layers is None and self.needs is None and self.start == self.cache.length)
 
 
-class _BeforeLayer:
-    """A callable `before_layer(i)` as a `LayerWaiter`."""
+@dataclass(frozen=True)
+class Output:
+    """What `Runner.forward` gives back for one item: the logits of its wanted rows (it ran the last
+    layer) or the hidden states of its rows entering its `end` layer, and those rows' positions;
+    `error` when the item failed alone (its loads stalled, its needs raised): nothing else is set."""
 
-    def __init__(self, fn: Callable[[int], None]):
-        self.wait = fn
+    positions: torch.Tensor  # (T',) int64 host
+    logits: torch.Tensor | None = None  # (R, vocab) float32
+    hidden: torch.Tensor | None = None  # (T', hidden)
+    error: Exception | None = None
+
+
+def rows4(fn: Any, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for a row-wise product over rows x (T, in). On a CPU, float32 products (MKL) of fewer
+    than 12 rows run other kernels for the rows past the last multiple of 4 (measured: 1-3, 5-7
+    and 9-11 rows give other bits than the same rows inside a larger product; 4, 8 and 12 on
+    do not), so a row's bits would depend on the rows beside it: those run padded with zero rows
+    to the next multiple of 4, each row then the same whatever else shares its step."""
+    n = x.shape[0]
+    if n < 12 and n % 4 and x.dtype == torch.float32 and x.device.type == "cpu":
+        return fn(torch.cat([x, x.new_zeros((4 - n % 4, *x.shape[1:]))]))[:n]
+    return fn(x)
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -259,18 +327,19 @@ class Runner:
         pairs = [self.rotary(dummy, pos, kind) for kind in self.rope_kinds]
         return torch.stack([c[0] for c, _ in pairs], dim=1), torch.stack([s[0] for _, s in pairs], dim=1)
 
-    def rope_rows(self, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_rows(self, positions: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope` of a few positions (a decode step's) read from a table of every position up
         to the largest asked so far (grown by doubling, built by `rope` itself: the same
         values). cos, sin_signed (B, D) or (B, K, D) (`rope`) in the model dtype, sin_signed
         being sin with its first half negated (what `rotate` takes)."""
-        need = max(positions) + 1
+        index = positions if isinstance(positions, torch.Tensor) else torch.tensor(positions, dtype=torch.long)
+        need = int(index.max()) + 1
         if self._rope_table is None or self._rope_table[0].shape[0] < need:
             size = min(max(need, 2 * (self._rope_table[0].shape[0] if self._rope_table else 512)), self.max_positions)
             cos, sin = self.rope(torch.arange(size))  # (P, D) or (P, K, D) each
             half = sin.shape[-1] // 2
             self._rope_table = (cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
-        index = torch.tensor(positions, device=self.device)
+        index = index.to(self.device)
         return self._rope_table[0][index], self._rope_table[1][index]
 
     def layer_rope_of(self, layer: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,19 +440,25 @@ class Runner:
         """(T,) ids -> (T, hidden)."""
         return self.embed_tokens(token_ids.to(self.device))
 
-    def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows h (T, hidden) at the positions of cos/sin (T, D) or (T, K, D) (`rope`) -> q (H, T, D),
-        k and v (Hkv, T, D)."""
+        """Rows h (T, hidden) at the positions whose `rope_rows` are cos, sin_signed ((T, D) or
+        (T, K, D)) -> q (T, H, D), k and v (T, Hkv, D): projected, q/k-normed where the model
+        does, q and k rotated in one call (`rotate`)."""
         q, k, v = self.project_qkv(layer, h)  # (T, H, D), (T, Hkv, D) x2
-        if self.qk_norm:  # Qwen3, Gemma 3
+        if self.qk_norm:  # Qwen3, Gemma 3: normed per head, then rotated
             attn = self.layers[layer].self_attn
-            q = rms_norm(attn.q_norm, q)
-            k = rms_norm(attn.k_norm, k)
-        cos, sin = self.layer_rope_of(layer, cos, sin)  # (T, D) of this layer's RoPE kind
-        q = apply_rope(q.transpose(0, 1), cos, sin)  # (H, T, D)
-        k = apply_rope(k.transpose(0, 1), cos, sin)  # (Hkv, T, D)
-        return q, k, v.transpose(0, 1)
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+        c, s = self.layer_rope_of(layer, cos, sin_signed)  # (T, D) of this layer's RoPE kind
+        qk = rotate(torch.cat((q, k), dim=1), c[:, None], s[:, None])  # (T, H + Hkv, D)
+        return qk[:, : q.shape[1]], qk[:, q.shape[1]:], v
+
+    def heads_qkv(self, layer: int, h: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`qkv` of rows h (T, hidden) at `positions` (T,) in attention's head-major layout: q (H, T, D),
+        k and v (Hkv, T, D) (what `attend` takes; tests and studies compute layers by hand with it)."""
+        q, k, v = self.qkv(layer, h, *self.rope_rows(positions))
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
     def project_qkv(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input norm and the Q/K/V projections of rows h (T, hidden) (one product where the
@@ -396,7 +471,7 @@ class Runner:
             q, k, v = self.projections.layers[layer].qkv.split(x)  # (T, H*D), (T, Hkv*D) x2
             return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
         attn = block.self_attn
-        return attn.q_proj(x).view(t, -1, d), attn.k_proj(x).view(t, -1, d), attn.v_proj(x).view(t, -1, d)
+        return tuple(rows4(proj, x).view(t, -1, d) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
 
     def plan_attention(self, q_pos: torch.Tensor, tk: int, fold: int | None = None,
                        strategy: str | None = None) -> AttentionPlan:
@@ -522,15 +597,17 @@ class Runner:
         return out
 
     def attend_with_sums(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         window: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`attend` (no bias) that also sums each key's attention probability over the query
-        rows and the query heads of its KV head: (Tq, H*D) and (Hkv, Tk) float32. The native
-        kernel only (a CPU): None where it does not run (the caller computes the probabilities)."""
-        if not self.native_blend:
-            return None
-        sums = torch.empty((k.shape[0], k.shape[1]), dtype=torch.float32)
-        out = self._native(q, q_pos, k, v, None, window, sums)
-        return None if out is None else (out, sums)
+                         window: int | None = None, bias: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attend` that also sums each key's attention probability over the query rows and the query
+        heads of its KV head: (Tq, H*D) and (Hkv, Tk) float32. The native kernel on a CPU (one call),
+        else exact torch math in float32 (`attention_with_sums`)."""
+        if self.native_blend:
+            sums = torch.empty((k.shape[0], k.shape[1]), dtype=torch.float32)
+            out = self._native(q, q_pos, k, v, bias, window, sums)
+            if out is not None:
+                return out, sums
+        return attention_with_sums(q, q_pos, k, v, self.scaling, window, bias)
 
     def _attend_biased(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        bias: torch.Tensor) -> torch.Tensor:
@@ -589,282 +666,224 @@ class Runner:
         the MLP input by its pre-feed-forward norm)."""
         block = self.layers[layer]
         proj = self.projections.layers[layer] if self.projections is not None else None
-        out = proj.o(attn_out) if proj is not None else block.self_attn.o_proj(attn_out)
+        out = proj.o(attn_out) if proj is not None else rows4(block.self_attn.o_proj, attn_out)
         mlp = proj.mlp if proj is not None and proj.mlp is not None else block.mlp
         if self.sandwich:
             h = h + rms_norm(block.post_attention_layernorm, out)
-            return h + rms_norm(block.post_feedforward_layernorm, mlp(rms_norm(block.pre_feedforward_layernorm, h)))
+            return h + rms_norm(block.post_feedforward_layernorm,
+                                rows4(mlp, rms_norm(block.pre_feedforward_layernorm, h)))
         h = h + out
-        return h + mlp(rms_norm(block.post_attention_layernorm, h))
+        return h + rows4(mlp, rms_norm(block.post_attention_layernorm, h))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head (+ the model's final soft-capping) for rows h (T, hidden) -> (T, vocab) float32."""
         x = rms_norm(self.norm, h)
-        logits = (self.projections.lm_head(x) if self.projections is not None else self.lm_head(x)).float()
+        logits = (self.projections.lm_head(x) if self.projections is not None else rows4(self.lm_head, x)).float()
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
 
-    # --------------------------------------------------------- whole passes
+    # --------------------------------------------------------- the executor
     @torch.inference_mode()
-    def prefill(self, token_ids: torch.Tensor, cache: KVCache, start: int = 0,
-                logit_rows: Sequence[int] | None = None,
-                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Compute tokens at positions start..start+T-1 attending cache slots 0..start-1.
+    def forward(self, items: Sequence[Rows]) -> list[Output]:
+        """One step: several items' rows through the layers at once (the one layer loop).
 
-        Writes their K/V into `cache` at positions start..start+T-1 (a ring layer: its slots of
-        them) and sets cache.length.
-        `before_layer(i)` is called before layer i reads the cache (a loader's wait).
-        Returns logits (len(logit_rows), vocab) for the requested rows (default: last);
-        with no rows (`logit_rows=()`, only the KV is wanted) the last layer stops after
-        writing its K/V and the result is (0, vocab). `forward` of one sequence's rows.
-        """
-        rows = None if logit_rows is None else tuple(logit_rows)
-        hook = _BeforeLayer(before_layer) if before_layer is not None else None
-        return self.forward([Rows(token_ids, cache, start, rows, hook)])[0]
-
-    @torch.inference_mode()
-    def forward(self, items: Sequence[Rows]) -> list[torch.Tensor]:
-        """One step over several sequences' rows at once: each item's tokens at positions
-        start..start+T-1 of its own cache (a prefill chunk, or a decode row: T = 1).
-
-        The linear layers (QKV, output projection, MLP, LM head) run once over every item's
-        rows; attention runs per item over its own cache: a decode row through the decode
-        kernel (as `decode_step`), a chunk of rows through `attend` (causal by position over
-        the cache's slots 0..start-1 and the chunk itself; a ring layer: its window). Each
-        item's K/V is written into its cache, its length set to start + T. Each item's
-        numbers are those it gets run alone (tests/test_executor.py). Returns per item the
-        logits of its `logit_rows` (default: its last row), (rows, vocab) float32. Only
-        decode rows (each at its cache's end, its last row wanted): `decode_step`.
+        At each layer, the rows of every item whose layer range holds it: the linear layers (Q/K/V,
+        output projection, MLP) run once over all of them (`qkv`, `finish`); attention runs per
+        item over its own cache (each item's K/V written there first): a decode row through the
+        decode kernel (every decode row of the step in one call on a CPU), other rows through
+        `attend` (causal by position, a sliding layer's window, the cache's stale-key bias), with
+        the item's `needs` (loads waited for, stale K/V corrected, rows selected, attention summed).
+        Items that reach the last layer get the logits of their wanted rows (one LM head product);
+        the others their rows' hidden states. A row's numbers depend on its item only: never on
+        the other items of the step (tests/test_executor.py). An item that fails alone (its loads
+        stalled, its needs raised) gets its `error` and drops out of the step; the others go on.
+        Contiguous items that reach the last layer set their cache's length to their end.
         """
         if not items:
             raise ValueError("forward needs at least one item")
-        if all(it.decodes() and it.loads is None for it in items):
-            logits = self.decode_step([int(it.token_ids[0]) for it in items], [it.cache for it in items])
-            return [logits[b:b + 1] for b in range(len(items))]
-        sizes = [len(it) for it in items]
-        for it, n in zip(items, sizes, strict=True):
-            self.check_length(it.start + n)
-            if n < 1:
-                raise ValueError("empty prompt: give at least one token")
-        first = [0]
-        for n in sizes[:-1]:
-            first.append(first[-1] + n)
-        for it, n in zip(items, sizes, strict=True):
-            it.cache.ensure_capacity(it.start + n)
-            it.cache.clear_bias(it.start, it.start + n)  # computed afresh here
-        positions = torch.cat([torch.arange(it.start, it.start + n) for it, n in zip(items, sizes, strict=True)])  # (T,)
-        pos_of = [positions[a:a + n] for a, n in zip(first, sizes, strict=True)]  # host: attention plans need no sync
-        wanted = [it.wanted() for it in items]  # local rows whose logits are returned
-        cos, sin = self.rope(positions)  # (T, D) or (T, K, D)
-        h = self.embed(torch.cat([it.token_ids for it in items]))  # (T, hidden)
-        heads, hkv, d = self.num_heads, self.kv_heads, self.head_dim
-        last, on_cpu = self.num_layers - 1, self.device.type == "cpu"
-        keep = [a + r for a, rows in zip(first, wanted, strict=True) for r in rows]  # rows the last layer finishes
-        keep_dev = torch.tensor(keep, dtype=torch.long, device=self.device)
-        sel_of = [torch.tensor(rows, dtype=torch.long) for rows in wanted]
-        waiters = [it.loads for it in items if it.loads is not None]
-        for layer in range(self.num_layers):
-            for waiter in waiters:
-                waiter.wait(layer)
-            q, k, v = self.qkv(layer, h, cos, sin)  # (H, T, D), (Hkv, T, D) x2
-            window, final = self.windows[layer], layer == last
-            parts: list[torch.Tensor] = []  # per item, in order: its rows' attention output (rows, H*D)
-            decoding = []  # decode rows: (part index, q (Hkv, g, D) scaled float32, keys, values, bias, out)
-            for i, (it, a, n) in enumerate(zip(items, first, sizes, strict=True)):
-                cache, start, end = it.cache, it.start, it.start + n
-                qs, ks, vs = q[:, a:a + n], k[:, a:a + n], v[:, a:a + n]
-                if n == 1:  # one row: the decode kernel over its keys (a sliding layer: its window)
-                    cache.put(layer, start, ks, vs)
-                    if final and not wanted[i]:
-                        continue
-                    lo = 0 if window is None else max(0, start - window + 1)
-                    keys, values = cache.window(layer, lo, end)  # (Hkv, end - lo, D)
-                    bias = cache.window_bias(layer, lo, end)
-                    part = h.new_empty((1, heads * d))
-                    parts.append(part)
-                    if on_cpu:
-                        qd = (qs[:, 0].float() * self.scaling).view(hkv, heads // hkv, d)  # (Hkv, g, D)
-                        decoding.append((qd, keys, values, bias, part[0].view(hkv, heads // hkv, d)))
+        work = [_Item(self, it) for it in items]
+        members: list[_Item] = []  # the items whose rows make up `h` (in step order)
+        h = cos = sin = torch.empty(0)
+        for layer in range(min(w.first for w in work), max(w.end for w in work)):
+            live = []
+            for w in work:
+                if w.error is None and w.rows and w.first <= layer < w.end:
+                    w.enter(self)
+                    if w.wait(layer):
+                        live.append(w)
+            if not live:
+                continue
+            if live != members or any(w.moved for w in live):  # the rows changed: gather them again
+                h = _joined([w.h for w in live])  # (T, hidden)
+                cos, sin = _joined([w.cos for w in live]), _joined([w.sin for w in live])  # (T, D) or (T, K, D)
+                members = live
+                for w in live:
+                    w.moved = False
+            q, k, v = self.qkv(layer, h, cos, sin)  # (T, H, D), (T, Hkv, D) x2
+            window, final = self.windows[layer], layer == self.num_layers - 1
+            parts: list[torch.Tensor] = []  # per item that goes on: its kept rows' attention output (T', H*D)
+            kept: list[torch.Tensor] = []  # ... and those rows' indices into h
+            decoding = []  # decode rows (CPU): q (Hkv, g, D) scaled float32, keys, values, bias, out (Hkv, g, D)
+            a = 0
+            for w in live:
+                n = w.rows
+                try:
+                    if w.decode:
+                        part = self._decode_row(w, layer, q[a], k[a:a + 1], v[a:a + 1], window, decoding)
+                        keep = None
                     else:
-                        decode_attention(qs[:, 0], keys, values, self.scaling, bias, out=part[0])
-                    continue
-                if cache.is_ring(layer) and end > cache.k[layer].shape[1]:
-                    # a ring that wraps: the keys of the rows' windows in position order, then the new ones
-                    lo = max(0, start - window + 1)
-                    past_k, past_v = cache.window(layer, lo, start)  # (Hkv, start - lo, D)
-                    keys, values = torch.cat([past_k, ks], dim=1), torch.cat([past_v, vs], dim=1)  # positions lo..end-1
-                    bias = cache.window_bias(layer, lo, start)
-                    if bias is not None:
-                        bias = torch.cat([bias, bias.new_zeros((bias.shape[0], n))], dim=1)
-                    q_pos = pos_of[i] - lo
-                    cache.put(layer, start, ks, vs)
-                else:
-                    cache.k[layer][:, start:end] = ks
-                    cache.v[layer][:, start:end] = vs
-                    keys, values = cache.layer(layer, end)
-                    bias, q_pos = cache.layer_bias(layer, end), pos_of[i]
-                if final:  # only the rows whose logits are wanted need the last layer's output
-                    if wanted[i]:
-                        sel = sel_of[i]
-                        parts.append(self.attend(qs[:, sel.to(self.device)], q_pos[sel], keys, values, bias=bias,
-                                                 window=window))
-                else:
-                    parts.append(self.attend(qs, q_pos, keys, values, bias=bias, window=window))
+                        part, keep = self._rows(w, layer, q[a:a + n], k[a:a + n], v[a:a + n], window, final)
+                except Exception as err:  # noqa: BLE001 - this item fails alone; the step goes on
+                    w.error, part = err, None
+                if part is not None:
+                    parts.append(part)
+                    kept.append(torch.arange(a, a + n) if keep is None else keep + a)
+                w.keep(keep)
+                a += n
             if decoding and not native_decode_attention_batch(decoding):  # one call for every decode row
                 for qd, keys, values, bias, od in decoding:
                     cpu_decode_attention(qd, keys, values, bias, out=od)
-            if final:
-                if not keep:  # only the K/V was wanted
-                    break
-                h = self.finish(layer, h[keep_dev] if len(keep) < h.shape[0] else h, _joined(parts))
-            else:
-                h = self.finish(layer, h, _joined(parts))
-        for it, n in zip(items, sizes, strict=True):
-            it.cache.length = it.start + n
-        if not keep:
-            return [torch.zeros((0, self.lm_head.weight.shape[0]), dtype=torch.float32, device=self.device)
-                    for _ in items]
-        logits = self.logits(h)  # (len(keep), vocab)
-        return list(logits.split([len(rows) for rows in wanted]))
+            if not parts:
+                members = []
+                continue
+            rows = torch.cat(kept)
+            if rows.numel() < h.shape[0]:
+                h, members = h[rows.to(self.device)], []  # rows dropped: gathered again next layer
+            h = self.finish(layer, h, _joined(parts))
+            b = 0
+            for w in live:
+                if w.error is None and w.rows:
+                    w.h, b = h[b:b + w.rows], b + w.rows
+        return self._outputs(work)
 
-    def run(self, steps: Generator[Rows | None, Any, T]) -> T:
-        """A plan's steps run to the end alone (no scheduler: nothing else shares its steps):
-        each `Rows` it yields is computed by `forward` on its own and its logits sent back;
-        a None it yields was a unit of compute done inside it. Returns the plan's value."""
-        reply = None
-        while True:
-            try:
-                request = steps.send(reply)
-            except StopIteration as done:
-                return done.value
-            reply = self.forward([request])[0] if isinstance(request, Rows) else None
+    def _decode_row(self, w: _Item, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    window: int | None, decoding: list) -> torch.Tensor:
+        """A decode row at `layer`: q (H, D), k and v (1, Hkv, D) -> its output (1, H*D) (on a CPU filled
+        by the batched decode kernel after every item is seen: `decoding`)."""
+        cache, p = w.cache, w.start
+        cache.put(layer, p, k.transpose(0, 1), v.transpose(0, 1))
+        lo = 0 if window is None else max(0, p - window + 1)
+        keys, values = cache.window(layer, lo, p + 1)  # (Hkv, p + 1 - lo, D)
+        bias = cache.window_bias(layer, lo, p + 1)
+        part = q.new_empty((1, self.num_heads * self.head_dim))
+        if self.device.type == "cpu":
+            hkv, d = self.kv_heads, self.head_dim
+            qd = (q.float() * self.scaling).view(hkv, self.num_heads // hkv, d)  # (Hkv, g, D)
+            decoding.append((qd, keys, values, bias, part[0].view(hkv, self.num_heads // hkv, d)))
+        else:
+            decode_attention(q, keys, values, self.scaling, bias, out=part[0])
+        return part
+
+    def _rows(self, w: _Item, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+              final: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """An item's rows at `layer`: q (T, H, D), k and v (T, Hkv, D). Their K/V written into the
+        item's cache, then the rows that go on attend. Returns their output (T', H*D) (None: no row
+        goes on) and which rows those are (local, (T',); None: all)."""
+        cache, pos, needs = w.cache, w.positions, w.needs
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, T, D), (Hkv, T, D) x2
+        if needs is not None:
+            needs.before_write(layer, pos, q, k, v)
+        past = None
+        if w.contiguous:
+            start, end = w.start, w.start + w.rows
+            if cache.is_ring(layer) and end > cache.k[layer].shape[1]:
+                # a ring that wraps: the keys of the rows' windows in position order, read before the write
+                lo = max(0, start - window + 1)
+                past = (lo, *cache.window(layer, lo, start), cache.window_bias(layer, lo, start))
+            cache.put(layer, start, k, v)
+        else:
+            cache.put_rows(layer, w.positions_dev, k, v)
+        keep = needs.keep(layer, pos, q, k, v) if needs is not None else None
+        summed = needs.summed(layer) if needs is not None else None
+        wanted = None
+        if final:  # only the wanted rows need the last layer's output (rows summed attend all the same)
+            wanted = torch.tensor(w.wanted(w.rows if keep is None else int(keep.numel())), dtype=torch.long)
+            if summed is None:
+                keep, wanted = (wanted if keep is None else keep[wanted]), None
+        if keep is not None:
+            if keep.numel() == 0:
+                return None, keep
+            if keep.numel() == w.rows:
+                keep = None
+        qs, qpos = (q, pos) if keep is None else (q[:, keep.to(self.device)], pos[keep])
+        if past is not None:
+            lo, past_k, past_v, bias = past
+            keys, values = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)  # positions lo..end-1
+            if bias is not None:
+                bias = torch.cat([bias, bias.new_zeros((bias.shape[0], w.rows))], dim=1)
+            qpos = qpos - lo
+        else:
+            end = int(qpos[-1]) + 1
+            keys, values = cache.layer(layer, end)  # (Hkv, end, D)
+            bias = cache.layer_bias(layer, end)
+        if summed is None:
+            return self.attend(qs, qpos, keys, values, bias=bias, window=window), keep
+        out, sums = self.attend_with_sums(qs[:, summed.to(self.device)], qpos[summed], keys, values, window, bias)
+        needs.take_sums(layer, sums, values)
+        if summed.numel() < qpos.numel():  # the other rows attend as usual
+            others = torch.ones(qpos.numel(), dtype=torch.bool)
+            others[summed] = False
+            rest = others.nonzero().flatten()
+            full = out.new_empty((qpos.numel(), out.shape[1]))
+            full[summed.to(self.device)] = out
+            full[rest.to(self.device)] = self.attend(qs[:, rest.to(self.device)], qpos[rest], keys, values,
+                                                     bias=bias, window=window)
+            out = full
+        if wanted is not None:  # the last layer of rows summed: only the wanted ones go on
+            out = out[wanted.to(self.device)]
+            keep = wanted if keep is None else keep[wanted]
+        return out, keep
+
+    def _outputs(self, work: list[_Item]) -> list[Output]:
+        """Each item's `Output`: one LM head product for the rows of every item that ran the last layer."""
+        done = [w for w in work if w.error is None and w.end == self.num_layers]
+        with_rows = [w for w in done if w.rows]
+        logits = self.logits(_joined([w.h for w in with_rows])).split([w.rows for w in with_rows]) if with_rows else []
+        by_item = dict(zip(map(id, with_rows), logits, strict=True))
+        vocab = self.lm_head.weight.shape[0]
+        out = []
+        for w in work:
+            if w.error is not None:
+                out.append(Output(w.positions, error=w.error))
+            elif w.end == self.num_layers:
+                if w.fill_end is not None:
+                    w.cache.length = w.fill_end
+                got = by_item.get(id(w))
+                out.append(Output(w.positions, logits=got if got is not None else
+                                  torch.zeros((0, vocab), dtype=torch.float32, device=self.device)))
+            else:
+                out.append(Output(w.positions, hidden=w.h))
+        return out
 
     @torch.inference_mode()
-    def prefill_packed(self, sequences: Sequence[Sequence[int]], context: KVCache | None = None,
-                       start: int = 0) -> KVCache:
-        """K/V of several independent sequences computed in one pass: each sequence sits at
-        positions start..start+n-1 after the first `start` slots of `context` (shared, only
-        read) and attends to them and to its own earlier tokens, never to another sequence;
-        the same computation as one `prefill` per sequence after that context. The linear
-        layers see every row at once; attention is one masked call per layer over the
-        sequences padded to the longest (pack sequences of similar lengths).
-
-        Returns a new cache holding their K/V back to back, in order (slot = packed row,
-        length = total tokens). Only K/V: the last layer stops after writing them.
-        """
-        lengths = [len(s) for s in sequences]
-        if not lengths or min(lengths) < 1:
-            raise ValueError("prefill_packed needs at least one sequence and no empty one")
-        if start and (context is None or context.length < start):
-            raise ValueError(f"prefill_packed after {start} context slots needs a context cache filled that far")
-        self.check_length(start + max(lengths))
-        total, batch, longest = sum(lengths), len(lengths), max(lengths)
-        ids = torch.tensor([t for seq in sequences for t in seq])  # (T,)
-        cos, sin = self.rope(torch.cat([torch.arange(start, start + n) for n in lengths]))  # (T, D) each
-        # the batch of padded sequences: row i of sequence b is packed row first[b] + i
-        first = torch.tensor([0, *lengths[:-1]]).cumsum(0)  # (B,)
-        n = torch.tensor(lengths)  # (B,)
-        i = torch.arange(longest)  # (Lq,)
-        valid = i[None, :] < n[:, None]  # (B, Lq)
-        rows = torch.where(valid, first[:, None] + i[None, :], 0)  # (B, Lq) packed rows (padding: row 0)
-        width = start + longest
-        key = torch.arange(width)  # (Lk,) key slot: context 0..start-1, then the sequence's own rows
-        own = key[None, :] - start  # (1, Lk) offset into the sequence
-        key_rows = torch.where(own >= 0, start + first[:, None] + own.clamp(min=0), key[None, :])  # (B, Lk)
-        key_rows = torch.where(own < n[:, None], key_rows, 0)  # padding keys: any row, masked below
-        mask = (own[:, None, :] < 0) | (own[:, None, :] <= i[None, :, None])  # (1, Lq, Lk): context or causal
-        mask = mask & (own[:, None, :] < n[:, None, None])  # (B, Lq, Lk): not past the sequence's end
-        masks = {None: mask[:, None].to(self.device)}  # (B, 1, Lq, Lk); a padded query row still sees key 0
-        for window in set(self.windows) - {None}:  # key slot = key position; a query row i sits at start + i
-            band = key[None, None, :] > (start + i)[None, :, None] - window  # (1, Lq, Lk)
-            masks[window] = (mask & band)[:, None].to(self.device)
-        rows_d, key_rows_d = rows.to(self.device), key_rows.to(self.device)
-        keep = (torch.arange(batch)[:, None] * longest + i[None, :])[valid].to(self.device)  # (T,) in packed order
-        packed = self.new_cache(total)
-        h = self.embed(ids)  # (T, hidden)
-        for layer in range(self.num_layers):
-            q, k, v = self.qkv(layer, h, cos, sin)  # (H, T, D), (Hkv, T, D) x2
-            packed.k[layer][:, :total] = k
-            packed.v[layer][:, :total] = v
-            if layer == self.num_layers - 1:  # the last layer's output feeds nothing wanted
-                break
-            if start:
-                assert context is not None
-                k_all = torch.cat([context.k[layer][:, :start], k], dim=1)  # (Hkv, start + T, D)
-                v_all = torch.cat([context.v[layer][:, :start], v], dim=1)
-            else:
-                k_all, v_all = k, v
-            qb = q[:, rows_d].transpose(0, 1)  # (B, H, Lq, D)
-            kb = k_all[:, key_rows_d].transpose(0, 1)  # (B, Hkv, Lk, D)
-            vb = v_all[:, key_rows_d].transpose(0, 1)
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=masks[self.windows[layer]], scale=self.scaling,
-                                                 enable_gqa=True)  # (B, H, Lq, D)
-            out = out.transpose(1, 2).reshape(batch * longest, -1)[keep]  # (T, H*D)
-            h = self.finish(layer, h, out)
-        packed.length = total
-        return packed
+    def prefill(self, token_ids: torch.Tensor, cache: KVCache, start: int = 0,
+                logit_rows: Sequence[int] | None = None, loads: LayerWaiter | None = None) -> torch.Tensor:
+        """Compute tokens at positions start..start+T-1 attending cache slots 0..start-1 (`forward` of
+        one item): their K/V written into `cache` (a ring layer: its slots of them), cache.length
+        set. `loads` is waited for before each layer reads the cache. Returns the logits
+        (len(logit_rows), vocab) of the requested rows (default: the last); with `logit_rows=()`
+        (only the K/V) the result is (0, vocab)."""
+        rows = None if logit_rows is None else tuple(logit_rows)
+        out = self.forward([Rows(token_ids, cache, start, rows, loads)])[0]
+        if out.error is not None:
+            raise out.error
+        return out.logits
 
     @torch.inference_mode()
     def decode_step(self, token_ids: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor:
-        """One decode step for B sequences at once: token_ids[b] is fed at position
-        caches[b].length of its own cache (written there, length advanced by one).
-
-        The linear layers (QKV, output projection, MLP, LM head) run once over the B rows
-        (`projections` where the runner has them); q and k are rotated together from the
-        RoPE table (`rope_rows`, `rotate`); attention runs per sequence over its own keys,
-        the cache's stale-key bias folded in (CPU: on queries scaled once per layer, one
-        native kernel call for the batch, `native_decode_attention_batch`, else
-        `cpu_decode_attention` per sequence; elsewhere `decode_attention`; a sliding layer
-        over its window only, from a ring where the cache has one). Every cache needs room
-        for one more position (`ensure_capacity`). Returns logits (B, vocab) float32. Each
-        sequence's logits are those it gets decoding alone (tests/test_scheduler.py).
-        """
+        """One decode step for B sequences at once (`forward` of B decode rows): token_ids[b] fed at
+        position caches[b].length of its own cache (written there, length advanced by one). Every
+        cache needs room for one more position (`ensure_capacity`). Returns logits (B, vocab)
+        float32, each sequence's those it gets decoding alone."""
         batch = len(caches)
         if batch != len(token_ids) or batch == 0:
             raise ValueError(f"decode_step needs one token per cache, got {len(token_ids)} tokens for {batch} caches")
-        pos = [c.length for c in caches]
-        if max(pos) >= self.max_positions:
-            raise ValueError(f"a sequence reached the model's {self.max_positions} positions")
-        for c, p in zip(caches, pos, strict=True):
-            if p >= c.capacity:
-                raise ValueError(f"cache full at {p} positions: ensure_capacity before decode_step")
-        cos, sin = self.rope_rows(pos)  # (B, D) or (B, K, D) each; sin with its first half negated
-        h = self.embed(torch.tensor(token_ids))  # (B, hidden)
-        for c, p in zip(caches, pos, strict=True):
-            c.clear_bias(p, p + 1)  # the new slot is computed afresh
-        heads, hkv, d = self.num_heads, self.kv_heads, self.head_dim
-        on_cpu = self.device.type == "cpu"
-        out = h.new_empty((batch, heads * d))  # (B, H*D): every layer's attention output, in turn
-        for layer in range(self.num_layers):
-            q, k, v = self.project_qkv(layer, h)  # (B, H, D), (B, Hkv, D) x2
-            if self.qk_norm:  # Qwen3, Gemma 3: normed per head, then rotated
-                attn = self.layers[layer].self_attn
-                q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-            c_l, s_l = self.layer_rope_of(layer, cos, sin)  # (B, D) of this layer's RoPE kind
-            qk = rotate(torch.cat((q, k), dim=1), c_l[:, None], s_l[:, None])  # (B, H + Hkv, D): one rotation
-            k = qk[:, heads:, None]  # (B, Hkv, 1, D)
-            if on_cpu:  # scaled float32 queries, the H / Hkv heads of a KV head as its rows
-                q = (qk[:, :heads].float() * self.scaling).view(batch, hkv, heads // hkv, d)  # (B, Hkv, g, D)
-            window = self.windows[layer]
-            seqs = []  # per sequence: q (Hkv, g, D), its keys and values (Hkv, Tk, D), bias, out (Hkv, g, D)
-            for b, (c, p) in enumerate(zip(caches, pos, strict=True)):
-                # a sliding layer: the keys of the last `window` positions only (a ring: gathered)
-                lo = 0 if window is None else max(0, p - window + 1)
-                c.put(layer, p, k[b], v[b, :, None])
-                keys, values = c.window(layer, lo, p + 1)  # (Hkv, p + 1 - lo, D)
-                bias = c.window_bias(layer, lo, p + 1)
-                if on_cpu:
-                    seqs.append((q[b], keys, values, bias, out[b].view(hkv, heads // hkv, d)))
-                else:
-                    decode_attention(qk[b, :heads], keys, values, self.scaling, bias, out=out[b])
-            if on_cpu and not native_decode_attention_batch(seqs):  # one call for the batch, else per sequence
-                for qb, keys, values, bias, ob in seqs:
-                    cpu_decode_attention(qb, keys, values, bias, out=ob)
-            h = self.finish(layer, h, out)
-        for c, p in zip(caches, pos, strict=True):
-            c.length = p + 1
-        return self.logits(h)  # (B, vocab)
+        for c in caches:
+            if c.length >= c.capacity:
+                raise ValueError(f"cache full at {c.length} positions: ensure_capacity before decode_step")
+        out = self.forward([Rows(torch.tensor([int(t)]), c, c.length) for t, c in zip(token_ids, caches, strict=True)])
+        return torch.cat([o.logits for o in out])
 
     @torch.inference_mode()
     def step(self, token_id: int, cache: KVCache) -> torch.Tensor:
@@ -893,3 +912,74 @@ class Runner:
             logits = self.step(token, cache)
         return tokens
 
+
+class _Item:
+    """One item of a `Runner.forward` step while it runs: its rows (positions, hidden states, RoPE
+    rows) as they go through its layers."""
+
+    def __init__(self, runner: Runner, it: Rows):
+        self.src, self.cache, self.needs, self.loads = it, it.cache, it.needs, it.loads
+        self.first, self.end = it.span()
+        n = len(it)
+        if n < 1:
+            raise ValueError("empty prompt: give at least one token")
+        if not 0 <= self.first < self.end <= runner.num_layers:
+            raise ValueError(f"layer range {self.first}..{self.end} is outside the model's {runner.num_layers} layers")
+        if (it.token_ids is None) != (self.first > 0) or (it.hidden is None) != (self.first == 0):
+            raise ValueError("rows enter layer 0 as token ids, a later layer as hidden states")
+        if it.positions is None:
+            self.positions = torch.arange(it.start, it.start + n)  # (T,) host
+        else:
+            self.positions = it.positions.to("cpu", torch.long)
+            if n > 1 and not bool((self.positions[1:] > self.positions[:-1]).all()):
+                raise ValueError("an item's positions must be sorted and unique")
+        self.start, self.rows = int(self.positions[0]), n
+        self.contiguous = it.positions is None or int(self.positions[-1]) - self.start + 1 == n
+        self.fill_end = self.start + n if self.contiguous else None  # the cache's length once it ran the last layer
+        runner.check_length(int(self.positions[-1]) + 1)
+        self.cache.ensure_capacity(int(self.positions[-1]) + 1)
+        self.decode = it.decodes()
+        it.wanted(n)  # logit rows checked now: refused before any work
+        self.positions_dev = self.positions.to(runner.device)
+        self.h: torch.Tensor | None = None
+        self.cos = self.sin = None
+        self.moved = True  # its rows changed since `forward` last gathered them
+        self.error: Exception | None = None
+
+    def enter(self, runner: Runner) -> None:
+        """Its rows' hidden states and RoPE rows, made when it enters its first layer."""
+        if self.h is not None:
+            return
+        it = self.src
+        self.h = runner.embed(it.token_ids) if it.token_ids is not None else it.hidden.to(runner.device)
+        self.cos, self.sin = runner.rope_rows(self.positions)  # (T, D) or (T, K, D); sin signed
+
+    def wait(self, layer: int) -> bool:
+        """Its loads for `layer` (False: they failed; `error` holds why)."""
+        try:
+            if self.loads is not None:
+                self.loads.wait(layer)
+            if self.needs is not None:
+                self.needs.wait(layer)
+        except Exception as err:  # noqa: BLE001 - the item fails alone
+            self.error = err
+            return False
+        return True
+
+    def wanted(self, n: int) -> list[int]:
+        return self.src.wanted(n)
+
+    def keep(self, keep: torch.Tensor | None) -> None:
+        """Only the rows `keep` (local; None: all) go on; a failed item keeps none."""
+        if self.error is not None:
+            self.rows, self.moved = 0, True
+            return
+        if keep is None:
+            return
+        self.positions = self.positions[keep]
+        self.positions_dev = self.positions.to(self.positions_dev.device)
+        dev = keep.to(self.cos.device)
+        self.cos, self.sin, self.rows, self.moved = self.cos[dev], self.sin[dev], int(keep.numel()), True
+        self.contiguous = self.rows > 0 and int(self.positions[-1]) - int(self.positions[0]) + 1 == self.rows
+        if self.rows:
+            self.start = int(self.positions[0])
