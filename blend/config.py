@@ -301,12 +301,17 @@ class SchedulerSettings:
     # KV bytes the running sequences may hold on the compute device; growing past it parks the newest
     # sequence's KV in the tiers until there is room (auto: a quarter of the memory free at start)
     max_active_kv: Annotated[int | Literal["auto"], PlainValidator(_auto_bytes)] = "auto"
-    # prefill steps (a document miss's forward pass, a request's prefill) run between two decode steps
-    prefills_between_decodes: PositiveInt = 1
-    # a prefill's computed rows run in chunks of at most this many per scheduler step, every running
-    # sequence's decode row alongside (blend.engine.scheduler); blend passes split by layers instead.
-    # Also read as `engine.prefill_chunk_tokens` (the name issue 40 gives it), without a deprecation line
+    # retired: every step now carries every running sequence's decode row and at most one budget of
+    # prefill work (`prefill_chunk_tokens`); a value given is ignored with one warning
+    prefills_between_decodes: PositiveInt | None = None
+    # a step's prefill work while sequences decode: this many rows through every layer (a blend's R rows
+    # through g of L layers count R x g / L), every running sequence's decode row alongside
+    # (blend.engine.scheduler); prefills are cut at multiples of it. Also read as
+    # `engine.prefill_chunk_tokens` (the name issue 40 gives it), without a deprecation line
     prefill_chunk_tokens: PositiveInt = 256
+    # background work (harvested documents recomputed standalone) takes all idle time and at most this
+    # share of step time while requests wait or decode
+    background_share: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
 
 
 @config_dataclass

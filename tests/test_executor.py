@@ -51,10 +51,10 @@ def test_forward_runs_a_chunked_prefill_beside_decode_rows_as_each_alone(arch):
         chunk = rows.chunk(a, min(90, a + 13))
         out = runner.forward([chunk, *[Rows(torch.tensor([t]), c, c.length) for t, c in zip(tokens, caches, strict=True)]])
         single = runner.decode_step(tokens, refs)  # (7, vocab): the same decode rows alone
-        assert (torch.stack([o[0] for o in out[1:]]) - single).abs().max().item() < 1e-4
+        assert (torch.stack([o.logits[0] for o in out[1:]]) - single).abs().max().item() < 1e-4
         tokens = [int(x.argmax()) for x in single]
-    assert out[0].shape == (1, expected.shape[0])
-    assert (out[0][0] - expected).abs().max().item() < 1e-4
+    assert out[0].logits.shape == (1, expected.shape[0])
+    assert (out[0].logits[0] - expected).abs().max().item() < 1e-4
     assert chunked.length == alone.length == 90
     for layer in range(runner.num_layers):
         got_k, got_v = chunked.window(layer, 0, 90) if not chunked.is_ring(layer) else chunked.window(layer, 74, 90)
@@ -69,10 +69,10 @@ def test_rows_chunks_keep_the_wanted_logits_and_refuse_rows_outside():
     whole = runner.new_cache(20)
     expected = runner.prefill(ids, whole, logit_rows=(3, 11, 19))
     rows = Rows(ids, runner.new_cache(20), 0, (3, 11, 19))
-    got = [runner.forward([rows.chunk(a, a + 5)])[0] for a in range(0, 20, 5)]
+    got = [runner.forward([rows.chunk(a, a + 5)])[0].logits for a in range(0, 20, 5)]
     assert [g.shape[0] for g in got] == [1, 0, 1, 1]  # rows 3, 11 and 19 fall in chunks 0, 2 and 3
     assert (torch.cat(got) - expected).abs().max().item() < 1e-4
-    assert runner.forward([Rows(ids[:4], runner.new_cache(4), 0, ())])[0].shape == (0, expected.shape[1])
+    assert runner.forward([Rows(ids[:4], runner.new_cache(4), 0, ())])[0].logits.shape == (0, expected.shape[1])
     with pytest.raises(ValueError, match="outside"):
         runner.forward([Rows(ids[:4], runner.new_cache(4), 0, (4,))])
     with pytest.raises(ValueError, match="empty prompt"):
@@ -101,7 +101,8 @@ def _assert_same(a: GenerationResult, b: GenerationResult) -> None:
 def test_a_prefill_cut_into_chunks_beside_seven_decoding_sequences_gives_what_it_gives_alone(lm, mode):
     """Greedy float32, chunks of 4 rows: the request's tokens and every step's log-probs as
     when it runs alone (with no chunking). Full and prefix ran their rows in chunks with the
-    seven decode rows alongside; reuse and blend paused between layers for decode steps."""
+    seven decode rows alongside; reuse and blend ran layer ranges of all their rows, the seven
+    decode rows in the same steps."""
     spec = {"mode": mode, "recompute_ratio": 0.3, "max_new_tokens": 12, "logprobs": True}
     question, docs = "Who designed the tidal mill in Ostend?", DOCS
     with make_engine(lm, prefill_chunk_tokens=10**6) as engine:
@@ -127,8 +128,8 @@ def test_a_prefill_cut_into_chunks_beside_seven_decoding_sequences_gives_what_it
         assert rode >= 7 * 10  # the prompt's ~100 rows in chunks of 4, 7 decode rows in each
     elif mode == "prefix":
         assert rode >= 7 * 2  # the rows after the loaded blocks, in chunks of 4
-    else:
-        assert advances > engine.runner.num_layers // 2  # the layer loop paused, decode steps between
+    else:  # a layer range per step (4 x layers row-layers), 7 decode rows in each
+        assert rode >= 7 * 2 and advances >= 1
 
 
 def test_a_chat_turn_cut_into_chunks_gives_what_it_gives_alone(lm, tmp_path):
@@ -182,35 +183,44 @@ def test_a_plan_whose_rows_are_refused_fails_alone_and_the_decode_rows_go_on(lm)
 
 
 def test_schedule_decides_from_plain_data(lm):
-    """`schedule()` is policy only (its state set by hand here, the thread never started): with
-    rows pending and sequences decoding, one chunk of `prefill_chunk_tokens` rows and every
-    decode row; with nothing decoding, all the rows left; after a plan's unit, a decode pass;
-    a full cache that cannot grow within `max_active_kv` preempts the newest sequence. It
-    changes nothing itself: the same answer twice, no cache grown, nobody parked."""
-    from blend.engine.scheduler import Step
+    """`schedule()` is policy only (its state set by hand here, the thread never started): the
+    head of the queue admitted, a plan with no work pending advanced first; with sequences
+    decoding, a budget of `prefill_chunk_tokens` x layers row-layers and every decode row; with
+    nothing decoding, no bound; a full cache that cannot grow within `max_active_kv` preempts the
+    newest sequence. It changes nothing itself: the same answer twice, no cache grown, nobody
+    parked, nothing started."""
+    from blend.engine.scheduler import Step, _Slot
+    from blend.model.runner import RowsCursor
 
     with make_engine(lm, prefill_chunk_tokens=5) as engine:
         sched, runner = engine.scheduler, engine.runner
+        layers = runner.num_layers
         assert sched.schedule() == Step()  # idle
-        sched._rows = Rows(torch.arange(12), runner.new_cache(12), 0)
-        assert sched.schedule() == Step(chunk=(0, 12))  # nothing decodes: every row at once
+        slot = _Slot(None, iter(()))
+        slot.cursor = RowsCursor(Rows(torch.arange(12), runner.new_cache(12), 0), 5)
+        sched._prefilling = [slot]
+        assert sched.schedule() == Step(plans=(slot,))  # nothing decodes: no bound
         seqs = [engine._sequence(engine.request(QUESTIONS[0], DOCS[:1], mode="full", max_new_tokens=40), Handle())
                 for _ in range(2)]
         for seq in seqs:
             seq.cache = runner.new_cache(8)
             seq.cache.length = 4
         sched._running = list(seqs)
-        sched._rows_done = 5
-        assert sched.schedule() == sched.schedule() == Step(chunk=(5, 10), decode=tuple(seqs))
-        sched._rows, sched._since_decode = None, 1
-        assert sched.schedule() == Step(decode=tuple(seqs))  # a unit ran: the decode pass comes first
+        assert sched.schedule() == sched.schedule() == Step(plans=(slot,), budget=5 * layers, decode=tuple(seqs))
+        assert slot.cursor.want(5 * layers)[0].start == 0 and len(slot.cursor.want(5 * layers)) == 1  # 5 rows
+        slot.cursor = None  # its work was taken: the plan advances first
+        assert sched.schedule().advance == (slot,)
+        waiting = engine._sequence(engine.request(QUESTIONS[1], DOCS[:1], mode="full", max_new_tokens=4), Handle())
+        sched._waiting.append(waiting)
+        assert sched.schedule().admit == (waiting,) and sched.waiting == 1  # admitted by `_run_step`, not here
+        sched._waiting.clear()
         for seq in seqs:
             seq.cache.length = 8  # full
         sched.config = dataclasses.replace(sched.config, max_active_kv=sched.active_kv_bytes() + 1)
         step = sched.schedule()
         assert step.preempt == (seqs[1],) and step.decode == (seqs[0],) and step.grow[0][0] is seqs[0]
         assert [s.cache.capacity for s in seqs] == [8, 8] and sched.metrics.preemptions == 0
-        sched._running = []
+        sched._running, sched._prefilling = [], []
 
 
 @pytest.mark.parametrize("split", ["off", "auto"])
@@ -221,10 +231,10 @@ def test_a_blend_runs_the_recompute_plan_its_split_was_priced_by(lm, monkeypatch
     from blend.planning.split import Splitter
 
     splits, ran = [], []
-    plan_of, steps_of = Splitter.plan, prefill.layer_steps
+    plan_of, cursor_of = Splitter.plan, prefill.BlendPass
     monkeypatch.setattr(Splitter, "plan", lambda self, *a, **k: splits.append(plan_of(self, *a, **k)) or splits[-1])
-    monkeypatch.setattr(prefill, "layer_steps", lambda runner, cache, ids, plan, *a, **k: ran.append(plan) or
-                        steps_of(runner, cache, ids, plan, *a, **k))
+    monkeypatch.setattr(prefill, "BlendPass", lambda runner, cache, ids, plan, *a, **k: ran.append(plan) or
+                        cursor_of(runner, cache, ids, plan, *a, **k))
     with make_engine(lm, split=split) as engine:
         engine.ingest(DOCS)
         engine.generate(QUESTIONS[0], DOCS, mode="blend", recompute_ratio=0.3, max_new_tokens=2)

@@ -6,6 +6,7 @@ caches' keys are in the store's namespace (`TieredStore.namespace`).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ from blend.prompt.builder import PromptBuilder
 from blend.session.manager import SessionManager
 from storage.dtypes import dtype_bytes, dtype_name
 from storage.stack import TieredStore
+
+log = logging.getLogger(__name__)
 
 ACTIVE_KV_SHARE = 0.25  # max_active_kv auto: this share of the memory free when the engine starts
 
@@ -114,8 +117,11 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None, store: T
         max_num_seqs=default_max_num_seqs(device) if sched.max_num_seqs == "auto" else sched.max_num_seqs,
         max_active_kv=(max(int(free_memory(device) * ACTIVE_KV_SHARE), 1) if sched.max_active_kv == "auto"
                        else sched.max_active_kv),
-        prefills_between_decodes=sched.prefills_between_decodes, prefill_chunk_tokens=sched.prefill_chunk_tokens)
-    # idle time (no request waiting, no sequence decoding) recomputes harvested documents standalone
+        prefill_chunk_tokens=sched.prefill_chunk_tokens, background_share=sched.background_share)
+    if sched.prefills_between_decodes is not None:
+        log.warning("engine.scheduler.prefills_between_decodes no longer applies (every step carries every "
+                    "decode row and at most prefill_chunk_tokens of prefill work); remove it")
+    # harvested documents recomputed standalone: all idle time, a share of busy time (background_share)
     scheduler = Scheduler(runner, parking, scheduling, plans=Plans(prefiller, sessions, ingestor),
                           kv_bytes_per_token=kv_bytes_per_token,
                           background=document_kv if cfg.blend.recompute_harvested else None)

@@ -39,7 +39,7 @@ from blend.model.runner import Rows, Runner
 from blend.planning.misses import HARVEST, MIXED, plan_misses
 from blend.planning.split import Split, Splitter
 from blend.prompt.builder import Prompt
-from blend.recompute.layers import Pacer, layer_steps
+from blend.recompute.layers import BlendPass
 from blend.recompute.stale import shift_applies
 from blend.session.manager import SessionManager, Turn, turn_stats
 from blend.stats import LookupTally, MissReport, RequestStats, SplitReport, tally_fields
@@ -273,7 +273,7 @@ class Prefiller:
         stats = plan.stats.replace(loaded_tokens=0, recomputed_tokens=plan.stats.context_tokens)
         return Prefilled(logits, cache, stats, ids)
 
-    def _run_blend(self, bp: BlendPlan) -> Generator[None, None, Prefilled]:
+    def _run_blend(self, bp: BlendPlan) -> Generator[BlendPass, None, Prefilled]:
         runner, prompt, split, sel = self.runner, bp.prompt, bp.split, bp.selection
         plan = split.plan  # priced by the split, planned once
         assert plan is not None
@@ -281,12 +281,12 @@ class Prefiller:
         cache.length = plan.n
         with LayerLoader(self.store, runner, cache, split.loaded, range(plan.load_from, runner.num_layers),
                          self.config.blend.prefetch_depth, stall_s=self.stall_s) as loader:
-            # paused (chunked by layers) after about a chunk's worth of time
-            logits, chosen = yield from layer_steps(runner, cache, torch.tensor(prompt.token_ids), plan, loader,
-                                                    policy=sel.policy, deviation_kind=sel.deviation,
-                                                    stale_bias=sel.stale_bias,
-                                                    stale_shift=shift_applies(sel.stale_shift, sel.policy),
-                                                    pacer=self._pacer(bp.split_mode))
+            # its passes as layer ranges of the executor's steps (all its rows, layer-synchronous)
+            cursor = BlendPass(runner, cache, torch.tensor(prompt.token_ids), plan, loader, policy=sel.policy,
+                               deviation_kind=sel.deviation, stale_bias=sel.stale_bias,
+                               stale_shift=shift_applies(sel.stale_shift, sel.policy))
+            yield cursor
+            logits, chosen = cursor.result()
         report = bp.report
         if bp.harvest and bp.resolution is not None:  # exact rows of the computed prefix
             t0 = time.perf_counter()
@@ -296,16 +296,6 @@ class Prefiller:
                             recomputed_tokens=chosen.recomputed_tokens + split.computed_tokens, load=loader.report(),
                             selection=chosen, split=split.report, miss=report, **tally_fields(bp.tally))
         return Prefilled(logits, cache, stats, tuple(prompt.token_ids))
-
-    def _pacer(self, split_mode: str | None) -> Pacer:
-        """Where a blend's layer loop pauses for the running sequences' decode steps: after about
-        the time a chunk of `prefill_chunk_tokens` rows takes through every layer (the cost
-        model's prediction: a query pass's rows are few but attend every key and wait for the
-        loads, so rows alone would misprice them), or that many rows over its layers."""
-        chunk, layers = self.config.scheduler.prefill_chunk_tokens, self.runner.num_layers
-        model = None if self.splitter.calibrates(split_mode) else self.splitter.cost_model(split_mode)
-        step_s = layers * model.layer.with_pairs(chunk, chunk * (chunk + 1) / 2) if model is not None else None
-        return Pacer(chunk * layers, step_s)
 
     def _plan_prefix(self, prompt: Prompt, capacity: int, split_mode: str | None = None) -> PrefixPlan:
         """The longest exactly cached prefix: prefix blocks of this very prompt, or the

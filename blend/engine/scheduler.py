@@ -1,31 +1,34 @@
 """The scheduler: one thread that owns the model and runs every request on it.
 
-It keeps a FIFO of waiting items (generations and tasks), one prefill slot (the item whose
-plan is under way) and a running set of sequences that are decoding. Policy and execution
-are apart: `schedule()` decides the next `Step` from plain data (no model work, no I/O),
-`_run_step` runs it. A step is one of:
+It keeps a FIFO of waiting items (generations and tasks), the items whose plans are under way
+(prefilling, several at once) and a running set of sequences that are decoding. Policy and
+execution are apart: `schedule()` decides the next `Step` from plain data (the queue, the plans
+under way and what each wants next, the running set, the budget; no model work, no I/O),
+`_run_step` runs it. Every step is one `Runner.forward` (the one layer loop) of:
 
-    an advance     the plan in the prefill slot runs to its next pause (the head of the
-                   queue is admitted first into an empty slot: a sequence while the running
-                   set is below `max_num_seqs` and its KV fits `max_active_kv`; a task
-                   always). A plan (blend.engine.prefill) is a generator: it asks for rows
-                   (`Rows`: tokens at positions of its cache), or computes a bounded unit
-                   itself (a missed document's pass, a group of blend layers), or ends with
-                   its value; a sequence then samples its first token and joins the batch
-    a forward pass the next `prefill_chunk_tokens` of the rows the plan asked for (all of
-                   them when nothing decodes) and the next token of every running sequence,
-                   in one `Runner.forward`: the linear layers once over every row, attention
-                   per sequence over its own KV; each sequence samples with its own
-                   parameters. With no rows pending it is a plain decode step.
+    every running sequence's next token (a decode row each, every step);
+    the plans' work, in FIFO order, while the step's budget lasts: `prefill_chunk_tokens` x
+        layers row-layers while sequences decode (a plan's R rows through g layers cost R x g;
+        no bound when nothing decodes). A plan is a generator that yields its model work as
+        data and gets its outputs back: token rows (`Rows`, or a list of them: a pass of
+        documents) run as chunks cut at fixed positions (`RowsCursor`), or a `Cursor` (a
+        blend's passes: whole layer ranges of all its rows, layer-synchronous,
+        blend.recompute.layers.BlendPass) driven until it ends; a plan's planning between its
+        wants (lookups, pricing, a missed document's entries) runs right before the step;
+    the lowest priority, background work (a harvested document recomputed on its own,
+        blend.kv.documents.DocumentCache.background_plan): the budget left whenever the
+        machine is idle, and at most `background_share` of the step time while requests wait
+        or decode.
 
-Running sequences are never starved: a plan's rows carry every decode row alongside, and
-between two decode passes at most `prefills_between_decodes` units run (1 by default), so
-no stream waits longer than one chunk or one unit. A cancelled or timed-out item leaves at
-the next step (a waiting one is dropped, a running one frees its slot); one that ends (end
-of sequence, a stop string, max tokens) frees its slot at once. A failure of one item (its
-plan raised, its rows were refused, or sampling from its logits failed: e.g. logits that
-are not finite) ends that item with the error, its caller told; the others go on. Only a
-failure of the loop itself (a decode pass: e.g. out of memory) fails every item.
+A blend whose next layer's loads have not arrived sits the step out while others run (it asks
+only for ready layers), so a slow tier never holds another stream's token. Running sequences
+are never starved: their rows ride in every step and a step carries at most one budget of
+prefill work. A cancelled or timed-out item leaves at the next step (a waiting one is dropped,
+a prefilling one's plan is closed, a running one frees its slot); one that ends (end of
+sequence, a stop string, max tokens) frees its slot at once. A failure of one item (its plan
+raised, its rows were refused or its loads stalled, or sampling from its logits failed) ends
+that item with the error (a plan may catch it: a stalled blend runs its full plan), its caller
+told; the others go on. Only a failure of the loop itself (e.g. out of memory) fails every item.
 
 Memory: a sequence's cache is allocated for its prompt and the first `DECODE_RESERVE` new
 tokens and grows as it decodes. When growing would take the running set's KV past
@@ -39,7 +42,6 @@ with the same output.
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import threading
 import time
@@ -53,7 +55,7 @@ from blend.decode.result import GenerationResult
 from blend.engine.sequence import Finished, Sequence, Status, Task
 from blend.kv.offload import KVParking
 from blend.model.cache import KVCache
-from blend.model.runner import Rows, Runner
+from blend.model.runner import Cursor, Output, Rows, RowsCursor, Runner, cost
 
 log = logging.getLogger(__name__)
 DECODE_RESERVE = 64  # new tokens a sequence's cache holds room for when its prefill allocates it
@@ -70,20 +72,21 @@ class QueueFull(RuntimeError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How the scheduler shares the model (blend.config: engine.max_num_seqs, max_active_kv)."""
+    """How the scheduler shares the model (blend.config: engine.max_num_seqs, max_active_kv, ...)."""
 
     max_num_seqs: int = 8  # sequences decoding together at most
     max_active_kv: int = 1 << 30  # bytes of KV the running sequences may hold allocated
     max_waiting: int = 1 << 20  # items that may wait; more are refused (QueueFull)
-    prefills_between_decodes: int = 1  # prefill steps allowed between two decode steps
-    prefill_chunk_tokens: int = 256  # a plan's rows per step while sequences decode (their rows ride along)
+    prefill_chunk_tokens: int = 256  # a step's prefill work while sequences decode: this many rows x layers
+    background_share: float = 0.1  # at most this share of step time for background work while requests run
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_active_kv", "max_waiting", "prefills_between_decodes",
-                     "prefill_chunk_tokens"):
+        for name in ("max_num_seqs", "max_active_kv", "max_waiting", "prefill_chunk_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if not 0.0 <= self.background_share <= 1.0:
+            raise ValueError(f"background_share must be between 0 and 1, got {self.background_share!r}")
 
 
 @dataclass
@@ -93,7 +96,7 @@ class SchedulerMetrics:
     decode_steps: int = 0
     batch_sizes: collections.Counter = field(default_factory=collections.Counter)  # decode steps per batch size
     generated_tokens: int = 0
-    prefill_steps: int = 0
+    prefill_steps: int = 0  # plans' advances (each runs a plan to its next want)
     finished: int = 0
     cancelled: int = 0
     failed: int = 0
@@ -102,12 +105,13 @@ class SchedulerMetrics:
     resumes_recomputed: int = 0  # resumes whose parked KV was gone from the tiers
     resume_s: float = 0.0
     peak_active_kv: int = 0  # the most KV bytes the running set held at once
-    prefill_s: float = 0.0  # time in prefill steps (requests' prefills, missed documents, tasks, resumes)
-    decode_s: float = 0.0  # time in decode steps (the batched step, sampling and emitting included)
-    prefill_chunks: int = 0  # steps that ran a plan's rows (a chunk of them), decode rows alongside
-    decode_rows_in_prefill_steps: int = 0  # decode rows that rode along with a plan's chunk
-    background_steps: int = 0  # background steps run while idle (a harvested document recomputed standalone)
-    background_s: float = 0.0
+    prefill_s: float = 0.0  # step time of plans' work (requests' prefills, missed documents, tasks, resumes)
+    decode_s: float = 0.0  # step time of decode rows (the batched rows, sampling and emitting included)
+    prefill_chunks: int = 0  # steps that ran plans' work (decode rows alongside)
+    decode_rows_in_prefill_steps: int = 0  # decode rows that rode along with plans' work
+    shared_steps: int = 0  # steps whose plans' work came from two plans or more
+    background_steps: int = 0  # steps that ran background work (a harvested document recomputed standalone)
+    background_s: float = 0.0  # their share of step time (by row-layers)
     _recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096), repr=False)
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
@@ -121,44 +125,54 @@ class SchedulerMetrics:
         return sum(size * n for size, n in self.batch_sizes.items()) / steps if steps else 0.0
 
 
+class _Slot:
+    """A plan under way: its item, its steps (a generator), the cursor of the work it last asked
+    for and what goes back into it at its next advance."""
+
+    def __init__(self, item: Sequence | Task | None, steps: Generator[Any, Any, Any], background: bool = False):
+        self.item, self.steps, self.background = item, steps, background
+        self.cursor: Cursor | None = None
+        self.reply: Any = None
+        self.error: Exception | None = None
+
+    def wants(self) -> bool:
+        """Whether it has model work pending (else its next advance runs first)."""
+        return self.cursor is not None and not self.cursor.done
+
+
 @dataclass(frozen=True)
 class Step:
     """One step's work as `Scheduler.schedule` decides it (plain data; `_run_step` runs it)."""
 
-    admit: Sequence | Task | None = None  # taken from the queue into the prefill slot first
-    advance: bool = False  # the plan in the prefill slot runs to its next pause
-    chunk: tuple[int, int] | None = None  # rows a..b of the rows that plan asked for, computed this step
+    admit: tuple[Sequence | Task, ...] = ()  # taken from the queue: their plans start
+    advance: tuple[_Slot, ...] = ()  # plans that run to their next want first (planning, units)
+    plans: tuple[_Slot, ...] = ()  # plans whose work the step carries, in this order, while the budget lasts
+    budget: int | None = None  # row-layers of plans' work (None: no bound)
     decode: tuple[Sequence, ...] = ()  # running sequences whose next token this step computes
     grow: tuple[tuple[Sequence, int], ...] = ()  # full caches grown to these capacities first
     preempt: tuple[Sequence, ...] = ()  # the newest sequences parked in the tiers to make room
-
-
-class _Outcome(enum.Enum):
-    """What a plan did when it last advanced."""
-
-    ROWS = "rows"  # asked for rows: the executor runs them (in chunks, decode rows alongside)
-    UNIT = "unit"  # computed a bounded unit itself (a document miss's pass, a group of blend layers)
-    ENDED = "ended"  # returned (or failed): the item joined the running set or ended
-
-
-BACKGROUND_GRACE_S = 0.25  # idle this long before a background step starts
+    background: bool = False  # a background plan starts (none is under way and it may run)
 
 
 class PlanSource(Protocol):
     """Makes an item's typed work into its plan's steps, and hears how a sequence ended
     (blend.engine.work.Plans)."""
 
-    def steps(self, item: Sequence | Task) -> Generator[Rows | None, Any, Any]: ...
+    def steps(self, item: Sequence | Task) -> Generator[Any, Any, Any]: ...
 
     def ended(self, seq: Sequence, result: GenerationResult | None, cache: KVCache | None) -> None: ...
 
 
 class Background(Protocol):
-    """Work the scheduler runs only when idle, one bounded step at a time, on its own thread."""
+    """Work the scheduler runs at the lowest priority, as a plan of its own
+    (blend.kv.documents.DocumentCache)."""
 
     def background_pending(self) -> bool: ...
 
-    def background_step(self) -> None: ...
+    def background_plan(self) -> Generator[Any, Any, Any] | None: ...
+
+
+MAX_PREFILLING = 8  # plans under way at once at most (their work shares the steps' budget)
 
 
 class Scheduler:
@@ -168,19 +182,17 @@ class Scheduler:
     def __init__(self, runner: Runner, parking: KVParking, config: SchedulerConfig, *, plans: PlanSource,
                  kv_bytes_per_token: int, name: str = "kvblend-scheduler", background: Background | None = None):
         self.runner, self.parking, self.config, self.plans = runner, parking, config, plans
-        self._background = background  # lowest priority: one bounded step when nothing else would run
+        runner.chunk_tokens = config.prefill_chunk_tokens  # forward cuts prefills at the same positions
+        self._background = background  # lowest priority: see the module docstring
         self.kv_bytes_per_token = kv_bytes_per_token  # compute dtype, every layer
         self.metrics = SchedulerMetrics()
         self._name = name
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence | Task] = collections.deque()
         self._running: list[Sequence] = []
-        self._current: Sequence | Task | None = None  # the item whose prefill is under way
-        self._rows: Rows | None = None  # rows the current item's plan asked for, not all computed yet
-        self._rows_done = 0  # ... how many of them are
-        self._rows_logits: list[torch.Tensor] = []  # ... the logits of their wanted rows so far
-        self._reply: torch.Tensor | None = None  # sent into the plan at its next advance (its rows' logits)
-        self._since_decode = 0
+        self._prefilling: list[_Slot] = []  # plans under way, in FIFO order
+        self._bg: _Slot | None = None  # the background plan under way
+        self._busy_s = 0.0  # step time while requests were under way (the background share's base)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._service_s = 1.0  # moving average of an item's time from start to end (Retry-After)
@@ -198,15 +210,14 @@ class Scheduler:
     def depth(self) -> int:
         """Items waiting, prefilling or decoding."""
         with self._cond:
-            return len(self._waiting) + len(self._running) + (self._current is not None)
+            return len(self._waiting) + len(self._running) + len(self._prefilling)
 
     def active_kv_bytes(self) -> int:
-        """KV bytes the running sequences (and the one prefilling) hold allocated."""
-        running = list(self._running)
-        current = self._current
-        held = sum(s.cache.allocated_bytes() for s in running if s.cache is not None)
-        if isinstance(current, Sequence) and current.cache is not None:
-            held += current.cache.allocated_bytes()
+        """KV bytes the running sequences (and those prefilling) hold allocated."""
+        held = sum(s.cache.allocated_bytes() for s in list(self._running) if s.cache is not None)
+        for slot in list(self._prefilling):
+            if isinstance(slot.item, Sequence) and slot.item.cache is not None:
+                held += slot.item.cache.allocated_bytes()
         return held
 
     def busy(self) -> QueueFull:
@@ -246,8 +257,9 @@ class Scheduler:
             self._stopping = True
             thread = self._thread
             if cancel:
-                current = self._current
-                for item in [*self._waiting, *list(self._running), *([current] if current is not None else [])]:
+                items = [*self._waiting, *list(self._running),
+                         *[slot.item for slot in list(self._prefilling) if slot.item is not None]]
+                for item in items:
                     item.handle.cancel()
             self._cond.notify()
         if thread is not None and thread is not threading.current_thread():
@@ -255,40 +267,27 @@ class Scheduler:
         return thread is None or not thread.is_alive()
 
     # -------------------------------------------------------------------- loop
+    def _idle(self) -> bool:
+        return not (self._waiting or self._running or self._prefilling)
+
+    def _background_due(self) -> bool:
+        return self._bg is not None or (self._background is not None and self._background.background_pending())
+
     def _run(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not (self._waiting or self._running or self._current) and not self._stopping:
-                        pending = self._background is not None and self._background.background_pending()
-                        # background work only after BACKGROUND_GRACE_S of idleness (a closed-loop client's
-                        # next request, sent as the last one ends, finds the model free)
-                        if not self._cond.wait(BACKGROUND_GRACE_S if pending else None) and pending:
-                            break
-                    idle = not (self._waiting or self._running or self._current)
-                    if self._stopping and idle:
+                    while self._idle() and not self._stopping and not self._background_due():
+                        self._cond.wait()
+                    if self._stopping and self._idle():
+                        self._close_background()
                         return
                 try:
-                    if idle:  # no request waits, no sequence decodes: background work, one bounded step
-                        self._background_once()
-                    else:
-                        self._step()
+                    self._step()
                 except BaseException as err:  # noqa: BLE001 - every caller is told, then the thread ends
                     self._fail_all(err)
                     if not isinstance(err, Exception):
                         raise
-
-    def _background_once(self) -> None:
-        """One background step; its failure (a store gone, say) is logged and is nobody's request's."""
-        assert self._background is not None
-        t0 = time.perf_counter()
-        try:
-            self._background.background_step()
-        except Exception as err:  # noqa: BLE001 - the work is optional: the entry stays as it was
-            log.warning("background step failed (%s: %s); the harvested entry stays",
-                        type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
-        self.metrics.background_s += time.perf_counter() - t0
-        self.metrics.background_steps += 1
 
     def _step(self) -> None:
         self._reap()
@@ -296,47 +295,50 @@ class Scheduler:
 
     # ------------------------------------------------------------------ policy
     def schedule(self) -> Step:
-        """The next step, decided from plain data (the queue, the prefill slot, the running
-        set; no model work, no I/O):
+        """The next step, decided from plain data (the queue, the plans under way and whether each
+        has work pending, the running set, the step times so far; no model work, no I/O):
 
-        - the plan in the prefill slot advances to its next pause, or the head of the queue
-          is admitted into the empty slot and starts (a sequence while fewer than
-          `max_num_seqs` run and its KV fits `max_active_kv`; a task always), unless its
-          rows are pending or `prefills_between_decodes` units ran since the last decode;
-        - else one forward pass: the next `prefill_chunk_tokens` of the rows the plan asked
-          for (all of them when no sequence decodes), every running sequence's next token
-          alongside; before it, caches that are full grow, and where growing would take the
-          running set past `max_active_kv` the newest sequences are preempted.
+        - the heads of the queue are admitted while they may start (a sequence while the
+          running set and the sequences prefilling are fewer than `max_num_seqs` and its KV
+          fits `max_active_kv`; a task always; at most MAX_PREFILLING plans under way);
+        - plans with no work pending advance to their next want first;
+        - every running sequence's next token, and the plans' work in FIFO order within a
+          budget of `prefill_chunk_tokens` x layers row-layers (no bound when nothing decodes);
+          before it, caches that are full grow, and where growing would take the running set
+          past `max_active_kv` the newest sequences are preempted;
+        - background work: a plan of its own, started when none is under way, given the budget
+          left when nothing else runs, else only while its share of the busy step time stays
+          under `background_share`.
         """
-        units_due = not (self._running and self._since_decode >= self.config.prefills_between_decodes)
-        if self._rows is None and units_due:
-            if self._current is not None:
-                return Step(advance=True)
-            head = self._admissible()
-            if head is not None:
-                return Step(admit=head, advance=True)
-        if self._rows is None and not self._running:
-            return Step()
+        admit: list[Sequence | Task] = []
+        with self._cond:
+            queue = list(self._waiting)
+        seqs = len(self._running) + sum(isinstance(s.item, Sequence) for s in self._prefilling)
+        kv = None
+        for head in queue:
+            if len(self._prefilling) + len(admit) >= MAX_PREFILLING:
+                break
+            if isinstance(head, Sequence):
+                if seqs and seqs >= self.config.max_num_seqs:
+                    break
+                if seqs:
+                    kv = self.active_kv_bytes() if kv is None else kv
+                    if kv + self._estimate(head) > self.config.max_active_kv:
+                        break
+                    kv += self._estimate(head)
+                seqs += 1
+            admit.append(head)
+        slots = tuple(self._prefilling)
+        advance = tuple(s for s in slots if not s.wants())
         grow, preempt = self._room()
         decode = tuple(s for s in self._running if s not in preempt)
-        chunk = None
-        if self._rows is not None:
-            n, a = len(self._rows), self._rows_done
-            chunk = (a, min(n, a + self.config.prefill_chunk_tokens) if decode else n)
-        return Step(chunk=chunk, decode=decode, grow=grow, preempt=preempt)
-
-    def _admissible(self) -> Sequence | Task | None:
-        """The head of the queue when it may start now."""
-        with self._cond:
-            if not self._waiting:
-                return None
-            head = self._waiting[0]
-        if isinstance(head, Sequence) and self._running:
-            if len(self._running) >= self.config.max_num_seqs:
-                return None
-            if self.active_kv_bytes() + self._estimate(head) > self.config.max_active_kv:
-                return None
-        return head
+        budget = self.config.prefill_chunk_tokens * self.runner.num_layers if decode else None
+        busy = bool(slots or admit or decode)
+        background = self._background is not None and (
+            not busy or self.metrics.background_s <= self.config.background_share * self._busy_s)
+        start_bg = background and self._bg is None and self._background.background_pending()
+        return Step(admit=tuple(admit), advance=advance, plans=slots, budget=budget, decode=decode, grow=grow,
+                    preempt=preempt, background=start_bg or (background and self._bg is not None))
 
     def _room(self) -> tuple[tuple[tuple[Sequence, int], ...], tuple[Sequence, ...]]:
         """Room for one more position in every running cache: (sequence, new capacity) for the
@@ -368,38 +370,100 @@ class Scheduler:
                 active += extra
         return tuple(grow), tuple(preempt)
 
+    def _estimate(self, seq: Sequence) -> int:
+        """KV bytes a waiting sequence will hold once started."""
+        if seq.parked is not None:
+            tokens = len(seq.parked.token_ids) + min(DECODE_RESERVE, seq.generation.max_new_tokens)
+            return tokens * self.kv_bytes_per_token
+        return seq.kv_bytes
+
     # -------------------------------------------------------------- execution
     def _run_step(self, step: Step) -> None:
-        """Run what `schedule` decided: a plan's advance, or one forward pass."""
-        if step.advance:
-            if step.admit is not None:
-                self._start(step.admit)
-            t0 = time.perf_counter()
-            outcome = self._advance()
-            self.metrics.prefill_s += time.perf_counter() - t0
-            if outcome is not _Outcome.ROWS:  # a unit computed, or an end (a first token sampled): the
-                self._since_decode += 1  # next plan's first unit waits for a decode pass
-            return
-        if step.chunk is None and not step.decode:
-            if self._waiting:  # nothing runs and nothing could start: cannot happen
-                time.sleep(0.001)  # (admission always admits into an empty running set)
-            return
+        """Run what `schedule` decided: admissions, the plans' advances, then one forward pass of
+        the decode rows and the plans' work within the budget."""
+        t0 = time.perf_counter()
+        for item in step.admit:
+            self._start(item)
+        for slot in [*step.advance, *[s for s in self._prefilling if s not in step.plans]]:
+            if slot in self._prefilling:
+                self._advance(slot)
+        if step.background and self._bg is None and self._background is not None:
+            plan = self._background.background_plan()
+            if plan is not None:
+                self._bg = _Slot(None, plan, background=True)
+        if self._bg is not None and not self._bg.wants():
+            self._advance(self._bg)
+        planning_s = time.perf_counter() - t0
         for seq in step.preempt:
             self._preempt(seq)
         for seq, capacity in step.grow:
             assert seq.cache is not None
             seq.cache.ensure_capacity(capacity)
         self.metrics.peak_active_kv = max(self.metrics.peak_active_kv, self.active_kv_bytes())
-        t0 = time.perf_counter()
-        self._forward(step.chunk, step.decode)
-        if step.chunk is not None:
-            self.metrics.prefill_s += time.perf_counter() - t0
-        else:
-            self.metrics.decode_s += time.perf_counter() - t0
-        self._since_decode = 0
+        decode = tuple(s for s in step.decode if s in self._running)
+        items: list[Rows] = [Rows(torch.tensor([s.generation.pending]), s.cache, s.cache.length) for s in decode]
+        taken: list[tuple[_Slot, int, int]] = []  # (slot, first item, count) of each plan's work in `items`
+        left = step.budget
+        others = bool(decode)
+        order = [s for s in self._prefilling if s.wants()]
+        if step.background and self._bg is not None and self._bg.wants():
+            order.append(self._bg)
+        spent_bg = spent = 0
+        for slot in order:
+            if left is not None and left <= 0:
+                break
+            assert slot.cursor is not None
+            try:
+                want = slot.cursor.want(left, ready_only=others or bool(taken) or len(order) > 1)
+            except Exception as err:  # noqa: BLE001 - its plan hears it at its next advance
+                slot.error, slot.cursor = err, None
+                continue
+            if not want:
+                continue
+            work = cost(want)
+            if left is not None and taken and work > left:  # the budget is spent: it waits its turn
+                break  # (an unused want is forgotten: the next want asks again)
+            taken.append((slot, len(items), len(want)))
+            items.extend(want)
+            spent += work
+            spent_bg += work if slot.background else 0
+            left = None if left is None else left - work
+        if not items:
+            self._busy_s += planning_s if not self._idle() else 0.0
+            if not step.admit and not step.advance and not self._prefilling and self._bg is None:
+                time.sleep(0.001)  # nothing ran and nothing could: cannot happen
+            elif not taken and any(s.wants() for s in self._prefilling):
+                self._wait_loads()
+            return
+        t1 = time.perf_counter()
+        outs = self.runner.forward(items)
+        step_s = time.perf_counter() - t1
+        for slot, first, count in taken:
+            try:
+                slot.cursor.take(outs[first:first + count])
+            except Exception as err:  # noqa: BLE001 - thrown into its plan at its next advance
+                slot.error, slot.cursor = err, None
+        rows_cost = len(decode) * self.runner.num_layers + spent
+        bg_s = step_s * spent_bg / rows_cost if rows_cost else 0.0
+        if spent_bg:
+            self.metrics.background_steps += 1
+            self.metrics.background_s += bg_s
+        if not (spent_bg and spent_bg == spent and not decode):
+            self._busy_s += step_s + planning_s - bg_s
+        if taken:
+            self.metrics.prefill_chunks += 1
+            self.metrics.decode_rows_in_prefill_steps += len(decode)
+            self.metrics.shared_steps += len({id(s) for s, _, _ in taken if not s.background}) > 1
+            self.metrics.prefill_s += step_s * (spent - spent_bg) / rows_cost + planning_s
+        self.metrics.decode_s += step_s * len(decode) * self.runner.num_layers / rows_cost
+        self._emit(decode, outs[: len(decode)], with_plans=bool(taken))
+
+    def _wait_loads(self) -> None:
+        """Nothing could run this step but plans waiting for their loads: a short wait, not a spin."""
+        time.sleep(0.0005)
 
     def _start(self, head: Sequence | Task) -> None:
-        """Move `head` from the queue into the prefill slot and make its plan's steps."""
+        """Move `head` from the queue into the plans under way and make its plan's steps."""
         with self._cond:
             self._waiting.remove(head)
         now = time.monotonic()
@@ -413,53 +477,64 @@ class Scheduler:
             else:
                 head.started = now
                 head.steps = self.plans.steps(head)
-        self._current = head
-
-    def _estimate(self, seq: Sequence) -> int:
-        """KV bytes a waiting sequence will hold once started."""
-        if seq.parked is not None:
-            tokens = len(seq.parked.token_ids) + min(DECODE_RESERVE, seq.generation.max_new_tokens)
-            return tokens * self.kv_bytes_per_token
-        return seq.kv_bytes
+        self._prefilling.append(_Slot(head, head.steps))
 
     # ------------------------------------------------------------------ prefill
-    def _advance(self, error: Exception | None = None) -> _Outcome:
-        """The current item's plan runs to its next pause (`error`: thrown into it, e.g. its
-        loads stalled in the executor): it asks for rows (`Rows`: run by `_forward`),
-        computed a unit itself (None), or ended (its prefill's value: the sequence joins the
-        running set; a task ends)."""
-        item = self._current
-        assert item is not None and item.steps is not None
-        self.metrics.prefill_steps += 1
-        reply, self._reply = self._reply, None
+    def _advance(self, slot: _Slot) -> None:
+        """A plan runs to its next want (what its last work gave back, or the error its work
+        raised, sent into it): it asks for model work (`Rows`, a list of them, or a `Cursor`),
+        computed a unit itself (None), or ended (its value: a sequence samples its first token and
+        joins the running set; a task ends)."""
+        self.metrics.prefill_steps += not slot.background
+        reply, error = slot.reply, slot.error
+        if isinstance(slot.cursor, RowsCursor) and slot.cursor.done and error is None:
+            reply = slot.cursor.value()
+        slot.reply, slot.error, slot.cursor = None, None, None
         try:
-            request = item.steps.send(reply) if error is None else item.steps.throw(error)
+            asked = slot.steps.send(reply) if error is None else slot.steps.throw(error)
         except StopIteration as done:
-            value = done.value
+            self._ended(slot, value=done.value)
+            return
         except Exception as err:  # noqa: BLE001 - handed to the caller, which raises it
-            self._current = None
-            self._end(item, error=err)
-            return _Outcome.ENDED
-        else:
-            if request is None:
-                return _Outcome.UNIT
-            if not isinstance(request, Rows):
-                err = TypeError(f"a plan yielded {type(request).__name__}, not Rows or None")
-                self._current = None
-                item.steps.close()
-                self._end(item, error=err)
-                return _Outcome.ENDED
-            self._rows, self._rows_done, self._rows_logits = request, 0, []
-            return _Outcome.ROWS
-        self._current = None
-        if isinstance(item, Task):
+            self._ended(slot, error=err)
+            return
+        if asked is None:
+            return
+        if isinstance(asked, (Rows, list)):
+            if isinstance(asked, list) and not all(isinstance(r, Rows) for r in asked):
+                asked = TypeError("a plan yielded a list of something other than Rows")
+            else:
+                slot.cursor = RowsCursor(asked, self.config.prefill_chunk_tokens)
+                return
+        elif hasattr(asked, "want") and hasattr(asked, "take"):
+            slot.cursor = asked
+            return
+        err = asked if isinstance(asked, Exception) else TypeError(
+            f"a plan yielded {type(asked).__name__}, not Rows, a list of Rows, a Cursor or None")
+        slot.steps.close()
+        self._ended(slot, error=err)
+
+    def _ended(self, slot: _Slot, *, value: Any = None, error: Exception | None = None) -> None:
+        """A plan ended (returned, or raised `error`)."""
+        if slot.background:
+            self._bg = None
+            if error is not None:  # the work is optional: the entry stays as it was
+                log.warning("background work failed (%s: %s); the harvested entry stays", type(error).__name__,
+                            str(error).splitlines()[0][:200] if str(error) else "")
+            return
+        if slot in self._prefilling:
+            self._prefilling.remove(slot)
+        item = slot.item
+        assert item is not None
+        if error is not None:
+            self._end(item, error=error)
+        elif isinstance(item, Task):
             self._end(item, value=value)
-            return _Outcome.ENDED
-        try:
-            self._join(item, value)
-        except Exception as err:  # noqa: BLE001 - this sequence fails alone: its caller gets the error
-            self._fail(item, err)
-        return _Outcome.ENDED
+        else:
+            try:
+                self._join(item, value)
+            except Exception as err:  # noqa: BLE001 - this sequence fails alone: its caller gets the error
+                self._fail(item, err)
 
     def _join(self, seq: Sequence, value: Any) -> None:
         """A sequence whose prefill ended: its first token sampled and emitted, then it joins the
@@ -487,49 +562,23 @@ class Scheduler:
             seq.handle.emit(delta)
 
     # ------------------------------------------------------------------- decode
-    def _forward(self, chunk: tuple[int, int] | None, decode: tuple[Sequence, ...]) -> None:
-        """One forward pass (`Runner.forward`): rows a..b of the rows the plan asked for
-        (`chunk`) and the next token of every sequence in `decode`, the linear layers once over
-        every row, attention per sequence; each decoding sequence samples with its own
-        parameters. When the chunk ends the rows, their logits go back into the plan at its
-        next advance. A failure here is the plan's (its loads stalled, its rows were refused):
-        thrown into it; nothing was emitted, and the decode rows run again next step (their
-        slots are rewritten)."""
-        items = [Rows(torch.tensor([s.generation.pending]), s.cache, s.cache.length) for s in decode]
-        rows = self._rows
-        if chunk is not None:
-            assert rows is not None
-            a, b = chunk
-            items.insert(0, rows if (a, b) == (0, len(rows)) else rows.chunk(a, b))
-        try:
-            out = self.runner.forward(items)  # per item: (rows, vocab)
-        except Exception as err:  # noqa: BLE001 - see above; a pure decode step's failure fails every item
-            if chunk is None:
-                raise
-            self._rows = None
-            self._advance(error=err)
-            return
-        if chunk is not None:
-            assert rows is not None
-            self._rows_logits.append(out.pop(0))
-            self._rows_done = chunk[1]
-            self.metrics.prefill_chunks += 1
-            self.metrics.decode_rows_in_prefill_steps += len(decode)
-            if self._rows_done == len(rows):
-                logits, self._rows, self._rows_logits = self._rows_logits, None, []
-                self._reply = logits[0] if len(logits) == 1 else torch.cat(logits)
+    def _emit(self, decode: tuple[Sequence, ...], outs: list[Output], with_plans: bool) -> None:
+        """Each decoding sequence samples its next token from its row's logits (its own parameters)."""
         size = len(decode)
         if not size:
             return
-        if chunk is None:
+        if not with_plans:
             self.metrics.decode_steps += 1
             self.metrics.batch_sizes[size] += 1
         self.metrics._recent.append((time.monotonic(), size))
-        for b, seq in enumerate(decode):
+        for seq, out in zip(decode, outs, strict=True):
+            if out.error is not None:  # a decode row failed alone (cannot happen short of a bug)
+                self._fail(seq, out.error)
+                continue
             seq.decode_steps += 1
             seq.batch_total += size
             try:
-                self._emit_token(seq, out[b][0])
+                self._emit_token(seq, out.logits[0])
                 if seq.generation.done:
                     self._end(seq)
             except Exception as err:  # noqa: BLE001 - this sequence fails alone; the batch goes on
@@ -550,7 +599,7 @@ class Scheduler:
         with self._cond:
             self._waiting.appendleft(seq)
 
-    def _resume(self, seq: Sequence) -> Generator[Rows | None, Any, None]:
+    def _resume(self, seq: Sequence) -> Generator[Any, Any, None]:
         """Restore a preempted sequence's cache from the tiers, or recompute it: its prefill's
         plan again, then the tokens it had decoded as rows of their own (chunked like any)."""
         t0 = time.perf_counter()
@@ -583,13 +632,13 @@ class Scheduler:
                 self._waiting.remove(item)
         for item in gone:
             self._end(item, cancelled=True)
-        current = self._current
-        if current is not None and current.handle.stopped() and not isinstance(current, Task):
-            self._current = None  # a task (an ingest) sees its stop itself, between documents
-            self._rows, self._reply = None, None
-            if current.steps is not None:
-                current.steps.close()
-            self._end(current, cancelled=True)
+        for slot in list(self._prefilling):
+            item = slot.item
+            # a task (an ingest) sees its stop itself, between documents
+            if item is not None and item.handle.stopped() and not isinstance(item, Task):
+                self._prefilling.remove(slot)
+                slot.steps.close()
+                self._end(item, cancelled=True)
         for seq in [s for s in self._running if s.handle.stopped()]:
             self._end(seq, cancelled=True)
 
@@ -638,6 +687,11 @@ class Scheduler:
         self.metrics.finished += 1
         seq.handle.emit(Finished(value=result, queued_s=queued_s, run_s=run_s))
 
+    def _close_background(self) -> None:
+        if self._bg is not None:
+            self._bg.steps.close()
+            self._bg = None
+
     def _fail(self, seq: Sequence, err: Exception) -> None:
         """One sequence failed outside the batched model call (e.g. sampling from logits that are not
         finite): it ends with the error, its slot and memory freed; the others go on."""
@@ -654,9 +708,9 @@ class Scheduler:
         with self._cond:
             waiting = list(self._waiting)
             self._waiting.clear()
-        current, self._current = self._current, None
-        self._rows, self._reply = None, None
-        items: list[Sequence | Task] = [*waiting, *([current] if current is not None else []), *self._running]
+        slots, self._prefilling = self._prefilling, []
+        self._close_background()
+        items: list[Sequence | Task] = [*waiting, *[s.item for s in slots if s.item is not None], *self._running]
         for item in items:
             self._end(item, error=err if isinstance(err, Exception) else RuntimeError(str(err)))
         self._running.clear()

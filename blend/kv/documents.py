@@ -23,10 +23,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from blend.kv.loader import Placement
 from blend.kv.prefix import EntryMaker, pack_groups
 from blend.model.cache import KVCache
+from blend.model.runner import Rows, drive
 from blend.prompt.builder import Prompt, Segment
 from blend.stats import LookupTally
 from storage.dtypes import dtype_bytes
@@ -40,7 +42,7 @@ BACKGROUND_DOCUMENTS = 256  # harvested documents waiting for their standalone r
 
 @dataclass
 class BackgroundCounts:
-    """The standalone recompute of harvested documents (DocumentCache.background_step)."""
+    """The standalone recompute of harvested documents (DocumentCache.background_plan)."""
 
     queued: int = 0  # documents queued (a harvested document not already waiting)
     done: int = 0  # recomputed and queued for the store
@@ -194,7 +196,7 @@ class DocumentCache:
         return 2 * r.kv_heads * tokens * r.head_dim * dtype_bytes(self.maker.kv_dtype)
 
     def compute_misses(self, resolution: Resolution, only: Sequence[int] | None = None
-                       ) -> Generator[None, None, None]:
+                       ) -> Generator[list[Rows], Any, None]:
         """Compute the documents that missed (`only`: those at these indices of
         `resolution.looked`), one forward pass per step (those after the same context together,
         `EntryMaker.document_passes`; a repeated document once). Their entries are kept in the
@@ -212,7 +214,6 @@ class DocumentCache:
                 for rebuild in rebuilds:
                     rebuild.seed(entries)
                     self._computed(rebuild.block_list)
-            yield
 
     def harvest(self, resolution: Resolution, indices: Sequence[int], cache: KVCache) -> int:
         """The missing documents at these indices of `resolution.looked` cut out of a prompt's
@@ -255,15 +256,20 @@ class DocumentCache:
         """Whether a harvested document waits for its standalone recompute."""
         return bool(self._background)
 
-    def background_step(self) -> None:
-        """Recompute the oldest waiting harvested document on its own (one forward pass) and queue
-        its standalone entries for the store, replacing the harvested ones. Scheduler thread only."""
+    def background_plan(self) -> Generator[list[Rows], Any, None] | None:
+        """The oldest waiting harvested document recomputed on its own, as a plan of the scheduler
+        (its passes as steps, `EntryMaker.document_passes`), its standalone entries then queued for
+        the store over the harvested ones; None when none waits. Scheduler thread only."""
         if not self._background:
-            return
-        t0 = time.perf_counter()
+            return None
         (context, ids), blocks = self._background.popitem(last=False)
-        entries = self.compute(list(ids), list(context), blocks)
-        for b, entry in zip(blocks, entries, strict=True):
+        return self._standalone(list(context), list(ids), blocks)
+
+    def _standalone(self, context: list[int], ids: list[int], blocks: list[Block]
+                    ) -> Generator[list[Rows], Any, None]:
+        t0 = time.perf_counter()
+        made = yield from self.maker.document_passes([(ids, [(b.start, b.end) for b in blocks])], context)
+        for b, entry in zip(blocks, made[0], strict=True):
             self.store.put(b.key, entry)
         self.background.done += 1
         self.background.seconds += time.perf_counter() - t0
@@ -308,21 +314,15 @@ class DocumentCache:
         if raw_only and any(loc is not None and not loc.header.codec.raw
                             for looked in resolution.looked for loc in looked.found):
             return None
-        for _ in self.compute_misses(resolution):
-            pass
+        drive(self.maker.runner, self.compute_misses(resolution))
         return self.placements(resolution, tally)
 
     def ingest(self, prompt: Prompt, stop: Callable[[], bool] | None = None) -> list[StoredSegment]:
         """`ingest_steps` run to the end."""
-        steps = self.ingest_steps(prompt, stop)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return drive(self.maker.runner, self.ingest_steps(prompt, stop))
 
     def ingest_steps(self, prompt: Prompt, stop: Callable[[], bool] | None = None
-                     ) -> Generator[None, None, list[StoredSegment]]:
+                     ) -> Generator[list[Rows], Any, list[StoredSegment]]:
         """Compute and store every block of every cacheable segment of `prompt` that is
         not stored yet; returns what was found for each document segment, in order.
 
@@ -378,7 +378,6 @@ class DocumentCache:
                     for i in todo:
                         self.store.put(found[n][3][i].key, made[i])
                     done.add(n)
-                yield  # between passes: the scheduler decodes running sequences
         return stored()
 
 

@@ -21,6 +21,7 @@ import logging
 import threading
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from blend.kv.documents import Block, DocumentCache, IngestStopped
 from blend.prompt.builder import Prompt, PromptBuilder
@@ -111,7 +112,7 @@ class Ingestor:
         return IngestJob(docs, prompt)
 
     def steps(self, job: IngestJob, sync: bool, stop: Callable[[], bool]
-              ) -> Generator[None, None, list[IngestedDocument]]:
+              ) -> Generator[Any, Any, list[IngestedDocument]]:
         """The ingest as scheduler steps (one forward pass each); returns one `IngestedDocument`
         per document given. `stop` is asked before each pass: then `IngestStopped`, after the
         blocks stored so far are recorded under their ids (a delete finds them). With `sync`

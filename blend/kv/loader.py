@@ -430,6 +430,12 @@ class LayerLoader:
                           layers_loaded=self.layers_done, read_s_by_tier=dict(self.read_s_by_tier), place_s=place_s,
                           recomputed_starts=rebuilt, computed_bytes=self.computed_bytes)
 
+    def ready(self, layer: int) -> bool:
+        """Whether `wait(layer)` would not block: the layer is placed (or not loaded), or the
+        load failed (then `wait` raises at once)."""
+        event = self._ready.get(layer)
+        return event is None or layer in self._waited or event.is_set() or self._error is not None
+
     def wait(self, layer: int) -> None:
         """Block until `layer` is placed in the cache (no-op for layers not loaded).
 

@@ -19,7 +19,7 @@ import torch
 
 from blend.kv.loader import LayerLoader, Placement
 from blend.model.cache import KVCache
-from blend.model.runner import Rows, Runner
+from blend.model.runner import Rows, Runner, drive
 from blend.stats import LoadReport
 from storage.entry import Expected, KVEntry
 from storage.keys import prefix_block_key
@@ -83,35 +83,36 @@ class EntryMaker:
                           context: Sequence[int]) -> list[list[KVEntry]]:
         """`compute_blocks` for several documents after the same context: per document its
         token ids and block bounds; returns per document its block entries. Documents are
-        prefilled together (`Runner.prefill_packed`: each sees the context and itself only)
-        in passes of `pack_groups`; a document over the budget alone."""
-        steps = self.document_passes(documents, context)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        computed together (`document_passes`: each an item of one `Runner.forward` step, seeing
+        the context and itself only) in passes of `pack_groups`."""
+        return drive(self.runner, self.document_passes(documents, context))
 
     def document_passes(self, documents: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
-                        context: Sequence[int]) -> Generator[None, None, list[list[KVEntry]]]:
-        """`compute_documents` one forward pass at a time: yields after each pass (the
-        scheduler decodes running sequences in between) and returns the entries."""
+                        context: Sequence[int]) -> Generator[list[Rows], list[torch.Tensor], list[list[KVEntry]]]:
+        """`compute_documents` one forward pass at a time: yields each pass's items (one per
+        document: its rows in a cache of its own after the context's K/V, only their K/V wanted)
+        for the executor to run (the scheduler decodes running sequences in the same steps), and
+        returns the entries. A document's rows see the context and themselves only, and the
+        executor's rows never depend on the other items of a step: an entry has the same bits
+        whatever it was computed with."""
         out: list[list[KVEntry]] = []
         start = len(context)
         kept = self.context_kv(context) if start else None
         for group in pack_groups([len(ids) for ids, _ in documents], start):
-            if len(group) == 1:
-                ids, bounds = documents[group[0]]
-                out.append(self.compute_blocks(ids, context, bounds))
-            else:
-                packed = self.runner.prefill_packed([documents[i][0] for i in group], kept, start)
-                slot = 0
-                for i in group:
-                    ids, bounds = list(documents[i][0]), documents[i][1]
-                    out.append([self.from_slots(packed, ids[a:b], slot + a, start + a) for a, b in bounds])
-                    slot += len(ids)
-            if len(out) < len(documents):
-                yield
+            caches = []
+            for i in group:
+                cache = self.runner.new_cache(start + len(documents[i][0]))
+                if kept is not None:
+                    for layer in range(self.runner.num_layers):
+                        cache.k[layer][:, :start] = kept.k[layer][:, :start]
+                        cache.v[layer][:, :start] = kept.v[layer][:, :start]
+                    cache.length = start
+                caches.append(cache)
+            yield [Rows(torch.tensor(list(documents[i][0])), cache, start, ()) for i, cache in zip(group, caches,
+                                                                                              strict=True)]
+            for i, cache in zip(group, caches, strict=True):
+                ids, bounds = list(documents[i][0]), documents[i][1]
+                out.append([self.from_cache(cache, ids[a:b], start + a) for a, b in bounds])
         return out
 
     def context_kv(self, context: Sequence[int]) -> KVCache:

@@ -214,6 +214,93 @@ class Output:
     error: Exception | None = None
 
 
+def cost(items: Sequence[Rows]) -> int:
+    """Row-layers of work: each item's rows times the layers it runs (a step's budget unit)."""
+    return sum(len(it) * (it.span()[1] - it.span()[0]) for it in items)
+
+
+class Cursor(Protocol):
+    """A plan's model work as data, driven a step at a time (blend.engine.scheduler; alone:
+    `drive`): `want` gives the items of its next step within `budget` row-layers (at least its
+    smallest piece; None: no bound; `ready_only`: only work whose loads have arrived, [] when none
+    has), `take` gets their outputs (raising an item's error: the plan falls back or fails)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def want(self, budget: int | None = None, *, ready_only: bool = False) -> list[Rows]: ...
+
+    def take(self, outs: list[Output]) -> None: ...
+
+
+class RowsCursor:
+    """Token rows a plan asked for (one `Rows`, or several items: a pass of documents), computed
+    in pieces cut at multiples of `chunk` positions (the cut `Runner.forward` makes), item after
+    item in order. `value`: the logits of the wanted rows (rows, vocab) (one item), or a list of
+    them per item."""
+
+    def __init__(self, items: Rows | Sequence[Rows], chunk: int):
+        self.single = isinstance(items, Rows)
+        self.items: list[Rows] = [items] if isinstance(items, Rows) else list(items)
+        self.chunk = chunk
+        self._done = [0] * len(self.items)  # rows of each item computed
+        self._logits: list[list[torch.Tensor]] = [[] for _ in self.items]
+        self._asked: list[tuple[int, int, int]] = []  # (item, a, b) of the pieces `want` gave
+
+    @property
+    def done(self) -> bool:
+        return all(d == len(it) for d, it in zip(self._done, self.items, strict=True))
+
+    def want(self, budget: int | None = None, *, ready_only: bool = False) -> list[Rows]:
+        out: list[Rows] = []
+        self._asked, spent = [], 0
+        for i, it in enumerate(self.items):
+            a, n = self._done[i], len(it)
+            layers = it.span()[1] - it.span()[0]
+            while a < n:
+                b = min(n, ((it.start + a) // self.chunk + 1) * self.chunk - it.start)
+                if budget is not None and out and spent + (b - a) * layers > budget:
+                    return out
+                out.append(it if (a, b) == (0, n) else it.chunk(a, b))
+                self._asked.append((i, a, b))
+                spent, a = spent + (b - a) * layers, b
+        return out
+
+    def take(self, outs: list[Output]) -> None:
+        asked, self._asked = self._asked, []
+        for (i, _a, b), out in zip(asked, outs, strict=True):
+            if out.error is not None:
+                raise out.error
+            self._logits[i].append(out.logits)
+            self._done[i] = b
+
+    def value(self) -> torch.Tensor | list[torch.Tensor]:
+        per_item = [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in self._logits]
+        return per_item[0] if self.single else per_item
+
+
+@torch.inference_mode()
+def drive(runner: Runner, steps: Any) -> Any:
+    """Run a plan's steps alone to its end and return its value: a `Rows` or a list of them it
+    yields is computed (`RowsCursor`: its logits sent back), a `Cursor` is driven to its end (None
+    sent back), None (a unit it computed itself) continues it."""
+    reply, error = None, None
+    while True:
+        try:
+            asked = steps.send(reply) if error is None else steps.throw(error)
+        except StopIteration as done:
+            return done.value
+        reply, error = None, None
+        try:
+            cursor = RowsCursor(asked, runner.chunk_tokens) if isinstance(asked, (Rows, list)) else asked
+            while cursor is not None and not cursor.done:
+                cursor.take(runner.forward(cursor.want()))
+            if isinstance(cursor, RowsCursor):
+                reply = cursor.value()
+        except Exception as err:  # noqa: BLE001 - delivered into the plan, as the scheduler does
+            error = err
+
+
 def rows4(fn: Any, x: torch.Tensor) -> torch.Tensor:
     """fn(x) for a row-wise product over rows x (T, in). On a CPU, float32 products (MKL) of fewer
     than 12 rows run other kernels for the rows past the last multiple of 4 (measured: 1-3, 5-7
@@ -224,6 +311,39 @@ def rows4(fn: Any, x: torch.Tensor) -> torch.Tensor:
     if n < 12 and n % 4 and x.dtype == torch.float32 and x.device.type == "cpu":
         return fn(torch.cat([x, x.new_zeros((4 - n % 4, *x.shape[1:]))]))[:n]
     return fn(x)
+
+
+CHUNK_TOKENS = 256  # the default of engine.prefill_chunk_tokens (the engine sets its own)
+
+
+def _pieces(it: Rows, chunk: int, num_layers: int) -> list[Rows]:
+    """Contiguous token rows through every layer cut at multiples of `chunk` positions (the same cut
+    whatever else runs); other items whole."""
+    n = len(it)
+    if it.token_ids is None or it.positions is not None or it.needs is not None or n < 2 or \
+            it.span() != (0, num_layers):
+        return [it]
+    cuts = [it.start + n] if (it.start + n - 1) // chunk == it.start // chunk else \
+        [*range((it.start // chunk + 1) * chunk, it.start + n, chunk), it.start + n]
+    if len(cuts) == 1:
+        return [it]
+    out, a = [], 0
+    for end in cuts:
+        b = end - it.start
+        out.append(it.chunk(a, b))
+        a = b
+    return out
+
+
+def _merged(parts: list[Output]) -> Output:
+    """The outputs of one item's pieces as the item's."""
+    if len(parts) == 1:
+        return parts[0]
+    positions = torch.cat([p.positions for p in parts])
+    for p in parts:
+        if p.error is not None:
+            return Output(positions, error=p.error)
+    return Output(positions, logits=torch.cat([p.logits for p in parts]))
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -275,6 +395,9 @@ class Runner:
         # (the engine's warm-up and the benches' warm-ups absorb it); elsewhere a fixed rule
         self.autotune = self.device.type == "cuda"
         self.tuner = AttentionTuner(cuda_event_timer if self.autotune else wall_timer)
+        # token rows of a prefill are cut at multiples of this many positions into items of their own
+        # (`forward`): a row's attention then never depends on how many rows shared its step
+        self.chunk_tokens = CHUNK_TOKENS
         self.strategies: Counter[str] = Counter()  # attention calls per strategy run
         # the linear layers as few, prepacked products (bfloat16 on a CPU; None: the modules as they are)
         self.projections: Projections | None = projections_for(lm.model)
@@ -698,10 +821,16 @@ class Runner:
         the others their rows' hidden states. A row's numbers depend on its item only: never on
         the other items of the step (tests/test_executor.py). An item that fails alone (its loads
         stalled, its needs raised) gets its `error` and drops out of the step; the others go on.
-        Contiguous items that reach the last layer set their cache's length to their end.
+        Contiguous items that reach the last layer set their cache's length to their end. Token rows
+        of a prefill are cut at multiples of `chunk_tokens` positions into items of their own (their
+        K/V written and read in order at each layer): the same cut alone, in chunks or beside others.
         """
         if not items:
             raise ValueError("forward needs at least one item")
+        pieces = [_pieces(it, self.chunk_tokens, self.num_layers) for it in items]
+        if any(len(p) > 1 for p in pieces):
+            outs = iter(self.forward([p for ps in pieces for p in ps]))
+            return [_merged([next(outs) for _ in ps]) for ps in pieces]
         work = [_Item(self, it) for it in items]
         members: list[_Item] = []  # the items whose rows make up `h` (in step order)
         h = cos = sin = torch.empty(0)

@@ -1,60 +1,49 @@
-"""CacheBlend's selective recompute: plan which rows each layer computes, then run the
-layers over the loaded KV.
+"""CacheBlend's selective recompute as a cursor of the one executor: which rows each layer
+computes over the loaded KV, asked of `Runner.forward` a layer range at a time.
 
-`plan_recompute` fixes, before any compute, which context rows are candidates (those
-whose cached KV is not exact at its prompt position: not the system part, nor a
-document computed after exactly the tokens that precede it), the rows always
-recomputed (`forced`: the first `sink_tokens` of each candidate document), how many
-candidates are recomputed (`ceil(r x context tokens)`, at most every candidate, nested
-under gradual filtering) and the first layer that needs loaded KV. `run_layers` runs one
-of two algorithms.
+`plan_recompute` (blend.recompute.plan) fixes, before any compute, the candidate rows (those
+whose cached KV is not exact at its prompt position), the rows always recomputed (`forced`),
+how many candidates are recomputed at each selection and the first layer that reads loaded
+KV. A `BlendPass` runs that plan as passes, each one item of a step (`Rows` with a layer range
+and `LayerNeeds`), all its rows layer-synchronous (they finish layer l before any reads layer
+l+1's corrections), so a step advances a blend by whole layers, never by a subset of its rows:
 
-Check-layer policies (deviation, hybrid, attention):
+Check-layer policies (deviation, hybrid, attention): one pass over every layer.
 
-    for each layer:
-        wait until the loader has placed this layer's cached K/V
-        compute q/k/v for the active rows (all rows before the first check layer)
-        at a check layer: rank the active candidates (selector.select), keep the top ones
-        write the fresh K/V of the active rows into the cache at their positions
-        attend the active rows over the merged K/V (exact causal mask by position)
-        finish the layer (o_proj, MLP) for the active rows only
-    logits of the last row
+    wait until the loader has placed this layer's cached K/V          LayerNeeds.wait
+    compute q/k/v of the active rows (all rows before the first check layer)
+    correct the stale rows' K/V and bias from the recomputed ones     LayerNeeds.before_write
+    write the active rows' K/V; at a check layer rank the candidates   LayerNeeds.keep
+        (selector.select) and keep the top ones
+    attend the kept rows over the merged K/V (causal by position), finish the layer
 
-Query-driven selection (`query`), no full early layers:
+Query-driven selection (`query`), no full early layers: a query pass (the query rows, and the
+split's computed prefix, through layers 0..query_layers-1 over the loaded K/V, each key's
+attention from the query summed: `LayerNeeds.summed`), the top-scored candidates kept
+(selector.select_top), then the recompute pass over every layer (with `query_pool` > 1 the
+pool narrowed at the check layers by query attention x KV deviation).
 
-    query pass: for each layer, wait for its loaded K/V, run the query rows only over it
-        (a reuse pass) and add their attention to the context (selector.QueryAttention)
-    keep the forced rows and the top-scored candidates
-    for each layer from 0: the same loop over the selected rows plus the query rows
-        (with `query_pool` > 1 the query pass keeps a larger pool, narrowed at the check
-        layers by query attention x KV deviation)
-
-The query pass waits for the loads of the layers it runs before layer 0 is recomputed;
-they overlap the query pass layer by layer, the rest of their time is exposed
-(LoadReport). With `query_layers` < the model's layers, the query pass stops early and
-the loads of the later layers overlap the recompute.
-
-`reuse` is the loop with no selection (only the query rows are computed); a plan that
-recomputes every candidate (ratio 1) is a full prefill with no loads.
+`reuse` is a pass with no selection (only the query rows computed); a plan that recomputes
+every candidate (ratio 1) is a full prefill with no loads. The loads of layer l+1 overlap the
+compute of layer l: a pass asks only for layers whose loads have arrived while other work can
+run (`want(ready_only=True)`), so a slow tier never holds another sequence's step.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
 
 import torch
 
 from blend.kv.loader import LayerLoader
 from blend.model.cache import KVCache
-from blend.model.runner import Runner
+from blend.model.runner import LayerNeeds, Output, Rows, Runner
 from blend.recompute.plan import RecomputePlan
 from blend.recompute.selector import (
     CheckLayerKV,
     QueryAttention,
     deviation,
     normalised,
-    query_probs,
     select,
     select_top,
 )
@@ -62,252 +51,267 @@ from blend.recompute.stale import StaleKeys
 from blend.stats import SelectionReport
 
 
-class Pacer:
-    """Where a layer loop pauses: once `rows_per_step` rows were computed (summed over its
-    layers) or `step_s` seconds passed since it last resumed, a step ends (the generator
-    yields) so the scheduler can run other sequences' decode steps between; None never
-    pauses. The pauses split the loop, never its numbers."""
-
-    def __init__(self, rows_per_step: int | None, step_s: float | None = None):
-        self.budget, self.step_s, self.spent, self.pauses = rows_per_step, step_s, 0, 0
-        self.paused_s = 0.0  # time between a pause and the resumption (other sequences' work)
-        self._since = time.perf_counter()
-
-    def pause(self) -> Generator[None, None, None]:
-        t0 = time.perf_counter()
-        yield
-        self._since = time.perf_counter()
-        self.paused_s += self._since - t0
-
-    def due(self, rows: int) -> bool:
-        """Count `rows` computed (a layer's); whether the step is full."""
-        if self.budget is None:
-            return False
-        self.spent += rows
-        timed_out = self.step_s is not None and time.perf_counter() - self._since >= self.step_s
-        if self.spent < self.budget and not timed_out:
-            return False
-        self.spent, self.pauses = 0, self.pauses + 1
-        return True
-
-
 def run_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
                *, policy: str, deviation_kind: str, value_weighted: bool = False, stale_bias: bool = False,
                stale_shift: bool = False) -> tuple[torch.Tensor, SelectionReport]:
-    """`layer_steps` run to the end in one go."""
-    return runner.run(layer_steps(runner, cache, token_ids, plan, loader, policy=policy, deviation_kind=deviation_kind,
-                                  value_weighted=value_weighted, stale_bias=stale_bias, stale_shift=stale_shift))
+    """A `BlendPass` run alone to its end, each pass in one step. Returns the last row's logits
+    (vocab,) and what was selected."""
+    cursor = BlendPass(runner, cache, token_ids, plan, loader, policy=policy, deviation_kind=deviation_kind,
+                       value_weighted=value_weighted, stale_bias=stale_bias, stale_shift=stale_shift)
+    with torch.inference_mode():
+        while not cursor.done:
+            cursor.take(runner.forward(cursor.want()))
+    return cursor.result()
 
 
-@torch.inference_mode()
-def layer_steps(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan, loader: LayerLoader,
-                *, policy: str, deviation_kind: str, value_weighted: bool = False, stale_bias: bool = False,
-                stale_shift: bool = False, pacer: Pacer | None = None
-                ) -> Generator[None, None, tuple[torch.Tensor, SelectionReport]]:
-    """Run every layer over `cache` (filled by `loader`) computing only the planned rows,
-    pausing (a yield) where `pacer` says a step is full.
+class BlendPass:
+    """A blend's selective recompute as data: the pass under way (query pass, recompute pass or
+    the check-layer pass), the next layer, the rows going on and their hidden states. The
+    scheduler asks `want` for the next layer range and hands the step's `Output` to `take`; by
+    hand, `run_layers` does the same. Side effects: writes the computed rows' K/V (and the stale
+    rows' corrections) into `cache`."""
 
-    `stale_shift`, `stale_bias`: correct the K/V and the scores of the keys left stale
-    (`StaleKeys`). Returns the last row's logits (vocab,) and what was selected.
-    """
-    pacer = pacer or Pacer(None)
-    stale = StaleKeys(plan.cand_rows, plan.n, runner.device, stale_bias and not plan.full,
-                      shift=stale_shift and not plan.full)
-    if plan.query_pass:
-        return (yield from _run_query_driven(runner, cache, token_ids, plan, loader, value_weighted, deviation_kind,
-                                             stale, pacer))
-    return (yield from _run_check_layers(runner, cache, token_ids, plan, loader, policy, deviation_kind, stale, pacer))
-
-
-def _run_check_layers(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan,
-                      loader: LayerLoader, policy: str, deviation_kind: str, stale: StaleKeys, pacer: Pacer
-                      ) -> Generator[None, None, tuple[torch.Tensor, SelectionReport]]:
-    n, dev = plan.n, runner.device
-    is_cand = torch.zeros(n, dtype=torch.bool)
-    is_cand[plan.cand_rows] = True
-    is_forced = torch.zeros(n, dtype=torch.bool)
-    is_forced[plan.forced_rows] = True
-    cos_all, sin_all = runner.rope(torch.arange(n))
-    active = plan.first_active  # (T,) prompt rows computed at this layer, sorted
-    h = runner.embed(token_ids[active])  # (T, hidden)
-    selected: list[torch.Tensor] = []
-    recomputed, selection_s = 0, 0.0
-    # the active rows change only at check layers: their device copy, RoPE rows and attention
-    # plan (runner.attend caches it for this `active` tensor) are made once per change
-    rows = active.to(dev)
-    cos, sin = cos_all[rows], sin_all[rows]
-    computed: list[int] = []  # rows whose q/k/v each layer computes
-    for layer in range(runner.num_layers):
-        loader.wait(layer)
-        computed.append(int(active.numel()))
-        q, k, v = runner.qkv(layer, h, cos, sin)  # (H, T, D), (Hkv, T, D) x2
-        if stale.rows.numel():  # rows were dropped at an earlier check layer
-            rec = is_cand[active].to(dev)  # (T,) the recomputed candidates among the active rows
-            q_idx = torch.searchsorted(active, plan.query_rows).to(dev)
-            stale.correct(runner, cache, layer, q[:, q_idx], k[:, rec], v[:, rec], rows[rec])
+    def __init__(self, runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan,
+                 loader: LayerLoader, *, policy: str, deviation_kind: str, value_weighted: bool = False,
+                 stale_bias: bool = False, stale_shift: bool = False):
+        self.runner, self.cache, self.ids, self.plan, self.loader = runner, cache, token_ids, plan, loader
+        self.policy, self.deviation_kind, self.value_weighted = policy, deviation_kind, value_weighted
+        self.stale = StaleKeys(plan.cand_rows, plan.n, runner.device, stale_bias and not plan.full,
+                               shift=stale_shift and not plan.full)
+        self.selected: list[torch.Tensor] = []
+        self.selection_s = 0.0  # scoring and choosing (with a query pass: the query pass's steps too)
+        self.computed: list[int] = []  # rows whose q/k/v each layer of the (recompute) loop computed
+        self.passed: list[int] = []  # ... each layer of the query pass
+        self.steps = 0
+        self._logits: torch.Tensor | None = None
+        self._asked: tuple[int, int] | None = None
+        self._asked_at = 0.0
+        self.layer = 0
+        self.hidden: torch.Tensor | None = None
+        if plan.query_pass:
+            self.phase = "query"
+            self.positions = torch.cat([plan.fresh_rows, plan.query_rows])  # (F+Q,)
+            self.end = plan.query_layers
+            self.fused = QueryAttention(int(plan.query_rows[0]), value_weighted=value_weighted)
+            self.needs: LayerNeeds = _QueryPassNeeds(self)
         else:
-            stale.skip()
-        changed = False
-        if layer in plan.check_layers:
-            t0 = time.perf_counter()
-            cand = is_cand[active]  # (T,) which active rows are candidates
-            cand_rows = active[cand]
-            count = plan.counts[plan.check_layers.index(layer)]
-            if count < cand_rows.numel():
-                cand_dev = cand.to(dev)
-                rows_dev = cand_rows.to(dev)
-                prior = (cache.k[layer][:, rows_dev], cache.v[layer][:, rows_dev])  # copies, before overwriting
-                cache.write(layer, rows, k, v, n)
-                q_rows = torch.searchsorted(active, plan.query_rows).to(dev)
-                kv = CheckLayerKV(k[:, cand_dev], v[:, cand_dev], *prior, q[:, q_rows], cache.k[layer][:, :n],
-                                  runner.scaling, runner.windows[layer])
-                chosen = select(policy, kv, rows_dev, count, deviation_kind, is_forced[cand_rows]).cpu()
-            else:  # every candidate kept: no scores needed
-                cache.write(layer, rows, k, v, n)
-                chosen = cand_rows.clone()
-            selected.append(chosen)
-            recomputed = int(chosen.numel())
-            # exact rows stay active until the loads start (their cached K/V is placed from load_from on)
-            others = active[~cand] if layer < plan.load_from else torch.cat([plan.fresh_rows, plan.query_rows])
-            keep = torch.searchsorted(active, torch.cat([chosen, others]).unique(sorted=True))
-            keep_dev = keep.to(dev)
-            q, h, active, changed = q[:, keep_dev], h[keep_dev], active[keep], True
-            selection_s += time.perf_counter() - t0
-            if layer >= plan.load_from:  # from the next layer on, the dropped candidates are stale
-                stale.update(active)
+            self.phase = "layers"
+            self.positions = plan.first_active  # (T,) sorted
+            self.end = runner.num_layers
+            self.needs = _CheckLayerNeeds(self)
+
+    @property
+    def done(self) -> bool:
+        return self._logits is not None
+
+    def rows(self) -> int:
+        """Rows its next layer range computes (its cost per layer)."""
+        return int(self.positions.numel())
+
+    def want(self, budget: int | None = None, *, ready_only: bool = False) -> list[Rows]:
+        """The next layer range of the pass under way, all its rows: as many layers as `budget`
+        row-layers allow (at least one; None: to the pass's end). `ready_only`: only layers whose
+        loads have arrived ([] when the next one has not: other work runs meanwhile)."""
+        if self.done:
+            raise RuntimeError("this blend pass has ended")
+        first, n = self.layer, self.rows()
+        end = self.end if budget is None else min(self.end, first + max(1, budget // max(1, n)))
+        if ready_only:
+            ready = first
+            while ready < end and self._loaded(ready):
+                ready += 1
+            if ready == first:
+                return []
+            end = ready
+        self._asked, self._asked_at = (first, end), time.perf_counter()
+        final = end == self.runner.num_layers
+        return [Rows(self.ids[self.positions] if first == 0 else None, self.cache, positions=self.positions,
+                     hidden=self.hidden if first > 0 else None, layers=(first, end), needs=self.needs,
+                     logit_rows=() if final and self.phase == "query" else None)]
+
+    def _loaded(self, layer: int) -> bool:
+        if self.phase == "recompute" and layer < self.plan.query_layers:
+            return True  # the query pass waited for these
+        return self.loader.ready(layer)
+
+    def take(self, outs: list[Output]) -> None:
+        """The step's output for the range `want` gave: its rows' hidden states (or the logits).
+        Raises the item's error (its loads stalled or failed: the plan falls back)."""
+        if self._asked is None:
+            raise RuntimeError("take without want")
+        (_first, end), self._asked = self._asked, None
+        (out,) = outs
+        self.steps += 1
+        if self.phase == "query":
+            self.selection_s += time.perf_counter() - self._asked_at
+        if out.error is not None:
+            raise out.error
+        self.layer, self.hidden, self.positions = end, out.hidden, out.positions
+        if end < self.end:
+            return
+        if self.phase == "query":
+            self._select()
         else:
-            cache.write(layer, rows, k, v, n)
-        if layer == runner.num_layers - 1:  # only the last row's output is needed
-            q, h, active, changed = q[:, -1:], h[-1:], active[-1:], True
-        attn = runner.attend(q, active, cache.k[layer][:, :n], cache.v[layer][:, :n],  # host positions: no sync
-                             bias=cache.layer_bias(layer, n), window=runner.windows[layer])
-        h = runner.finish(layer, h, attn)
-        if changed:
-            rows = active.to(dev)
-            cos, sin = cos_all[rows], sin_all[rows]
-        if layer < runner.num_layers - 1 and pacer.due(computed[-1]):
-            yield from pacer.pause()
-    if plan.full:
-        recomputed = int(plan.ctx_rows.numel())
-    report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), recomputed,
-                             selection_s, tuple(selected), key_bias=stale.per_layer(), layer_rows=tuple(computed))
-    return runner.logits(h[-1:])[0], report
+            assert out.logits is not None
+            self._logits = out.logits[-1]
 
+    def _select(self) -> None:
+        """After the query pass: the top-scored candidates (and the forced rows) and the query rows
+        start the recompute pass at layer 0."""
+        t0 = time.perf_counter()
+        plan = self.plan
+        self.scores = self.fused.scores().cpu()  # (q_start,)
+        cand = plan.cand_rows
+        self.forced = torch.zeros(plan.n, dtype=torch.bool)
+        self.forced[plan.forced_rows] = True
+        self.chosen = select_top(self.scores[cand], cand, plan.counts[0], self.forced[cand])
+        self.selected.append(self.chosen)
+        self.positions = torch.cat([self.chosen, plan.query_rows])  # sorted: context rows precede the query
+        self.stale.update(self.positions)
+        self.phase, self.layer, self.end, self.hidden = "recompute", 0, self.runner.num_layers, None
+        self.needs = _RecomputeNeeds(self)
+        self.selection_s += time.perf_counter() - t0
 
-
-def query_pass_steps(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan,
-                     loader: LayerLoader, value_weighted: bool = False, computed: list[int] | None = None,
-                     pacer: Pacer | None = None) -> Generator[None, None, torch.Tensor]:
-    """Run the query rows through layers 0..plan.query_layers-1 over the loaded K/V
-    (waiting for each layer's loads) and return the fused attention score of every
-    context position 0..q_start-1, (q_start,) float32.
-
-    The split's fresh rows (a prefix, `plan.fresh_rows`) run along: they see only each
-    other, so their K/V is exact here and written for every layer (the plan then runs the
-    query pass over every layer). Side effect: writes the query rows' K/V (of this
-    approximate pass) and the fresh rows' K/V into the cache.
-    """
-    n, dev = plan.n, runner.device
-    fresh = plan.fresh_rows  # (F,) host positions 0..F-1
-    nf = fresh.numel()
-    rows = torch.cat([fresh, plan.query_rows])  # (F+Q,)
-    rows_dev = rows.to(dev)
-    q_start = int(plan.query_rows[0])
-    cos, sin = runner.rope(rows)
-    h = runner.embed(token_ids[rows])  # (F+Q, hidden)
-    fused = QueryAttention(q_start, value_weighted=value_weighted)
-    if computed is not None:
-        computed.extend([int(rows.numel())] * plan.query_layers)
-    for layer in range(plan.query_layers):
-        loader.wait(layer)
-        q, k, v = runner.qkv(layer, h, cos, sin)  # (H, F+Q, D), (Hkv, F+Q, D) x2
-        cache.write(layer, rows_dev, k, v, n)
-        keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]
-        # a CPU's native kernel: the query rows' output and each key's summed probability in one call
-        both = runner.attend_with_sums(q[:, nf:], plan.query_rows, keys, values, runner.windows[layer])
-        if both is not None:
-            out, sums = both  # (Q, H*D), (Hkv, N)
-            fused.add_sums(layer, sums, values)
+    def result(self) -> tuple[torch.Tensor, SelectionReport]:
+        """The last row's logits (vocab,) and what was selected."""
+        if self._logits is None:
+            raise RuntimeError("this blend pass has not ended")
+        plan = self.plan
+        if plan.query_pass:
+            report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in self.selected),
+                                     int(self.chosen.numel()), self.selection_s, tuple(self.selected), query_pass=True,
+                                     key_bias=self.stale.per_layer(), pass_rows=tuple(self.passed),
+                                     layer_rows=tuple(self.computed))
         else:
-            probs = query_probs(q[:, nf:], keys, runner.scaling, q_start, runner.windows[layer])  # (Hkv, g*Q, N)
-            fused.add(layer, probs, values)
-        if layer < plan.query_layers - 1:
-            if both is None:
-                heads, tq, d = q[:, nf:].shape
-                out = (probs.to(values.dtype) @ values).reshape(heads, tq, d)  # (H, Q, D)
-                out = out.transpose(0, 1).reshape(tq, -1)  # (Q, H*D)
-            if nf:
-                out = torch.cat([runner.attend(q[:, :nf], fresh, keys[:, :nf], values[:, :nf],
-                                               window=runner.windows[layer]), out])
-            h = runner.finish(layer, h, out)
-            if pacer is not None and pacer.due(int(rows.numel())):
-                yield from pacer.pause()
-    return fused.scores()
+            recomputed = int(plan.ctx_rows.numel()) if plan.full else \
+                (int(self.selected[-1].numel()) if self.selected else 0)
+            report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in self.selected), recomputed,
+                                     self.selection_s, tuple(self.selected), key_bias=self.stale.per_layer(),
+                                     layer_rows=tuple(self.computed))
+        return self._logits, report
 
 
+class _QueryPassNeeds(LayerNeeds):
+    """The query pass: each layer waits for its loads; the query rows' attention to each key is
+    summed (selector.QueryAttention); the split's fresh rows run along (they see each other
+    only, so their K/V is exact and written at every layer)."""
 
-def _run_query_driven(runner: Runner, cache: KVCache, token_ids: torch.Tensor, plan: RecomputePlan,
-                      loader: LayerLoader, value_weighted: bool, deviation_kind: str, stale: StaleKeys, pacer: Pacer
-                      ) -> Generator[None, None, tuple[torch.Tensor, SelectionReport]]:
-    t0 = time.perf_counter()
-    passed: list[int] = []  # rows each layer of the query pass computes
-    scores = (yield from query_pass_steps(runner, cache, token_ids, plan, loader, value_weighted, passed,
-                                          pacer)).cpu()  # (q_start,)
-    cand = plan.cand_rows
-    forced = torch.zeros(plan.n, dtype=torch.bool)
-    forced[plan.forced_rows] = True
-    chosen = select_top(scores[cand], cand, plan.counts[0], forced[cand])
-    selected = [chosen]
-    selection_s = time.perf_counter() - t0 - pacer.paused_s  # not the time other sequences' steps took
-    n, dev = plan.n, runner.device
-    # the fresh rows were computed in the query pass, at every layer
-    active = torch.cat([chosen, plan.query_rows])  # (T,) sorted: context rows precede the query
-    rows = active.to(dev)
-    cos, sin = runner.rope(active)  # (T, D), kept for the rows that stay active
-    h = runner.embed(token_ids[active])  # (T, hidden)
-    last = runner.num_layers - 1
-    nq = plan.query_rows.numel()
-    stale.update(active)
-    computed: list[int] = []  # rows whose q/k/v each layer computes
-    for layer in range(runner.num_layers):
-        if layer >= plan.query_layers:  # layers the query pass did not wait for
-            loader.wait(layer)
-        computed.append(int(active.numel()))
-        q, k, v = runner.qkv(layer, h, cos, sin)
-        m = active.numel() - nq  # the recomputed context rows come first
-        stale.correct(runner, cache, layer, q[:, m:], k[:, :m], v[:, :m], rows[:m])
+    def __init__(self, bp: BlendPass):
+        self.bp = bp
+        nf, nq = bp.plan.fresh_rows.numel(), bp.plan.query_rows.numel()
+        self._summed = torch.arange(nf, nf + nq)
+
+    def wait(self, layer: int) -> None:
+        self.bp.loader.wait(layer)
+
+    def before_write(self, layer, positions, q, k, v) -> None:
+        self.bp.passed.append(int(positions.numel()))
+
+    def summed(self, layer: int) -> torch.Tensor:
+        return self._summed
+
+    def take_sums(self, layer: int, sums: torch.Tensor, values: torch.Tensor) -> None:
+        self.bp.fused.add_sums(layer, sums, values)
+
+
+class _RecomputeNeeds(LayerNeeds):
+    """The recompute pass after a query pass: the layers the query pass did not run wait for their
+    loads; the stale rows are corrected from the recomputed ones; at the refinement check layers
+    the pool narrows (query attention x KV deviation)."""
+
+    def __init__(self, bp: BlendPass):
+        self.bp = bp
+        self._keep: torch.Tensor | None = None
+
+    def wait(self, layer: int) -> None:
+        if layer >= self.bp.plan.query_layers:
+            self.bp.loader.wait(layer)
+
+    def before_write(self, layer, positions, q, k, v) -> None:
+        bp, plan = self.bp, self.bp.plan
+        bp.computed.append(int(positions.numel()))
+        m = int(positions.numel()) - plan.query_rows.numel()  # the recomputed context rows come first
+        rows_dev = positions[:m].to(bp.runner.device)
+        bp.stale.correct(bp.runner, bp.cache, layer, q[:, m:], k[:, :m], v[:, :m], rows_dev)
+        self._keep = None
         if layer in plan.check_layers[1:]:  # refine the pool: query attention x KV deviation
-            t1 = time.perf_counter()
-            pool = active[: chosen.numel()]
-            pool_dev = rows[: pool.numel()]  # the same positions, already on the device
-            prior = (cache.k[layer][:, pool_dev], cache.v[layer][:, pool_dev])  # copies, before overwriting
-            dev_score = deviation(k[:, :m], v[:, :m], *prior, deviation_kind).cpu()
-            score = normalised(dev_score) * normalised(scores[pool])
-            chosen = select_top(score, pool, plan.counts[plan.check_layers.index(layer)], forced[pool])
-            selected.append(chosen)
-            cache.write(layer, rows, k, v, n)
-            keep = torch.searchsorted(active, torch.cat([chosen, plan.query_rows]))
-            keep_dev = keep.to(dev)
-            active, rows = active[keep], rows[keep_dev]
-            q, h, cos, sin = q[:, keep_dev], h[keep_dev], cos[keep_dev], sin[keep_dev]
-            selection_s += time.perf_counter() - t1
-            narrowed = True
-        else:
-            cache.write(layer, rows, k, v, n)
-            narrowed = False
-        keys, values = cache.k[layer][:, :n], cache.v[layer][:, :n]
-        bias, window = cache.layer_bias(layer, n), runner.windows[layer]
-        if layer == last:  # only the last row's output is needed
-            h = runner.finish(layer, h[-1:], runner.attend(q[:, -1:], active[-1:], keys, values, bias=bias,
-                                                           window=window))
-        else:  # host positions: no sync; the plan is reused while `active` stays the same tensor
-            h = runner.finish(layer, h, runner.attend(q, active, keys, values, bias=bias, window=window))
-        if narrowed:  # the pool was narrowed: the dropped rows are stale from the next layer on
-            stale.update(active)
-        if layer < last and pacer.due(computed[-1]):
-            yield from pacer.pause()
-    report = SelectionReport(plan.check_layers, tuple(int(c.numel()) for c in selected), int(chosen.numel()),
-                             selection_s, tuple(selected), query_pass=True, key_bias=stale.per_layer(),
-                             pass_rows=tuple(passed), layer_rows=tuple(computed))
-    return runner.logits(h[-1:])[0], report
+            t0 = time.perf_counter()
+            pool = positions[:m]
+            prior = (bp.cache.k[layer][:, rows_dev], bp.cache.v[layer][:, rows_dev])  # copies, before overwriting
+            dev_score = deviation(k[:, :m], v[:, :m], *prior, bp.deviation_kind).cpu()
+            score = normalised(dev_score) * normalised(bp.scores[pool])
+            bp.chosen = select_top(score, pool, plan.counts[plan.check_layers.index(layer)], bp.forced[pool])
+            bp.selected.append(bp.chosen)
+            self._keep = torch.searchsorted(positions, torch.cat([bp.chosen, plan.query_rows]))
+            bp.selection_s += time.perf_counter() - t0
 
+    def keep(self, layer, positions, q, k, v) -> torch.Tensor | None:
+        keep, self._keep = self._keep, None
+        if keep is not None:  # the dropped rows are stale from the next layer on
+            self.bp.stale.update(positions[keep])
+        return keep
+
+
+class _CheckLayerNeeds(LayerNeeds):
+    """The check-layer pass: layers from `load_from` wait for their loads; once rows were dropped
+    the stale ones are corrected; at each check layer the active candidates are ranked
+    (selector.select) and the top ones kept."""
+
+    def __init__(self, bp: BlendPass):
+        self.bp = bp
+        plan = bp.plan
+        self.is_cand = torch.zeros(plan.n, dtype=torch.bool)
+        self.is_cand[plan.cand_rows] = True
+        self.is_forced = torch.zeros(plan.n, dtype=torch.bool)
+        self.is_forced[plan.forced_rows] = True
+        self._prior: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def wait(self, layer: int) -> None:
+        self.bp.loader.wait(layer)
+
+    def before_write(self, layer, positions, q, k, v) -> None:
+        bp, plan, dev = self.bp, self.bp.plan, self.bp.runner.device
+        bp.computed.append(int(positions.numel()))
+        if bp.stale.rows.numel():  # rows were dropped at an earlier check layer
+            rec = self.is_cand[positions]  # (T,) the recomputed candidates among the active rows
+            q_idx = torch.searchsorted(positions, plan.query_rows).to(dev)
+            rec_dev = rec.to(dev)
+            bp.stale.correct(bp.runner, bp.cache, layer, q[:, q_idx], k[:, rec_dev], v[:, rec_dev],
+                             positions[rec].to(dev))
+        else:
+            bp.stale.skip()
+        self._prior = None
+        if layer in plan.check_layers:
+            cand_rows = positions[self.is_cand[positions]]
+            if plan.counts[plan.check_layers.index(layer)] < cand_rows.numel():
+                rows_dev = cand_rows.to(dev)
+                self._prior = (bp.cache.k[layer][:, rows_dev], bp.cache.v[layer][:, rows_dev])  # before the write
+
+    def keep(self, layer, positions, q, k, v) -> torch.Tensor | None:
+        bp, plan = self.bp, self.bp.plan
+        if layer not in plan.check_layers:
+            return None
+        t0 = time.perf_counter()
+        dev = bp.runner.device
+        cand = self.is_cand[positions]  # (T,) which active rows are candidates
+        cand_rows = positions[cand]
+        count = plan.counts[plan.check_layers.index(layer)]
+        if self._prior is not None:
+            cand_dev = cand.to(dev)
+            q_rows = torch.searchsorted(positions, plan.query_rows).to(dev)
+            n = int(positions[-1]) + 1
+            kv = CheckLayerKV(k[:, cand_dev], v[:, cand_dev], *self._prior, q[:, q_rows], bp.cache.k[layer][:, :n],
+                              bp.runner.scaling, bp.runner.windows[layer])
+            chosen = select(bp.policy, kv, cand_rows.to(dev), count, bp.deviation_kind,
+                            self.is_forced[cand_rows]).cpu()
+            self._prior = None
+        else:  # every candidate kept: no scores needed
+            chosen = cand_rows.clone()
+        bp.selected.append(chosen)
+        # exact rows stay active until the loads start (their cached K/V is placed from load_from on)
+        others = positions[~cand] if layer < plan.load_from else torch.cat([plan.fresh_rows, plan.query_rows])
+        keep = torch.searchsorted(positions, torch.cat([chosen, others]).unique(sorted=True))
+        if layer >= plan.load_from:  # from the next layer on, the dropped candidates are stale
+            bp.stale.update(positions[keep])
+        bp.selection_s += time.perf_counter() - t0
+        return keep
