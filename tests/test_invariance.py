@@ -1,0 +1,144 @@
+"""A row's numbers never depend on its step (issues 46 and 49): whatever else shares a
+`Runner.forward` step (decode rows, chunks of other prefills, a blend's layer range), an item's
+outputs and the K/V it writes are the same bits, in bfloat16 as in float32, on llama and Gemma 3
+shapes; and through the engine, greedy requests run together answer as each runs alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from blend.engine.engine import BlendEngine
+from blend.model.cache import KVCache
+from blend.model.runner import Rows, Runner
+from tests.models import smollm2_tokenizer, tiny_model
+from tests.test_scheduler import DOCS, QUESTIONS, make_engine
+
+
+def _runner(arch: str, dtype: str) -> Runner:
+    lm = tiny_model(arch, vocab_size=512)
+    lm.model.to(getattr(torch, dtype))
+    return Runner(lm)
+
+
+def _filled(runner: Runner, seed: int, n: int, capacity: int) -> KVCache:
+    g = torch.Generator().manual_seed(seed)
+    cache = runner.new_cache(capacity)
+    runner.prefill(torch.randint(0, 512, (n,), generator=g), cache, logit_rows=())
+    return cache
+
+
+def _item(runner: Runner, kind: str, seed: int) -> Rows:
+    """A fresh item of `kind` (its own cache, made the same way for the same seed)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    if kind == "decode":
+        cache = _filled(runner, seed, 20 + seed % 7, 64)
+        return Rows(torch.randint(0, 512, (1,), generator=g), cache, cache.length)
+    if kind == "chunk":  # the second chunk of a prefill (positions 24..37)
+        cache = _filled(runner, seed, 24, 64)
+        return Rows(torch.randint(0, 512, (14,), generator=g), cache, 24)
+    if kind == "blend":  # a blend's layer range: scattered rows entering layer 1 as hidden states
+        cache = _filled(runner, seed, 34, 64)
+        positions = torch.tensor([2, 5, 9, 10, 11, 12, 30, 31, 32, 33])
+        hidden = torch.randn((10, runner.lm.model.config.hidden_size), generator=g).to(runner.dtype)
+        return Rows(None, cache, positions=positions, hidden=hidden, layers=(1, 3))
+    raise ValueError(kind)
+
+
+def _record(runner: Runner, item: Rows, out) -> list[torch.Tensor]:
+    """What an item leaves: its output and its cache's K/V at every layer."""
+    assert out.error is None
+    got = [out.logits if out.logits is not None else out.hidden]
+    for layer in range(runner.num_layers):
+        got += [item.cache.k[layer].clone(), item.cache.v[layer].clone()]
+    return got
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["decode", "chunk", "blend"])
+def test_an_item_is_the_same_bits_beside_0_1_3_and_7_other_items(kind, arch, dtype):
+    runner = _runner(arch, dtype)
+    kinds = ["decode", "chunk", "blend", "decode", "decode", "chunk", "decode"]
+    reference = None
+    for others in (0, 1, 3, 7):
+        subject = _item(runner, kind, 0)
+        rest = [_item(runner, kinds[i], i + 1) for i in range(others)]
+        at = others // 2
+        items = [*rest[:at], subject, *rest[at:]]
+        got = _record(runner, subject, runner.forward(items)[at])
+        if reference is None:
+            reference = got
+            continue
+        for a, b in zip(reference, got, strict=True):
+            assert torch.equal(a, b), f"{kind} beside {others} other items differs"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefill_gives_the_same_bits_whole_in_chunks_or_beside_others(dtype):
+    """A 300-token prefill at once, in pieces of 37 rows (cut where the step's budget ends), or
+    beside decode rows: the runner cuts prefills at multiples of `chunk_tokens` itself, so the
+    K/V and last logits are the same bits."""
+    runner = _runner("llama", dtype)
+    runner.chunk_tokens = 64
+    ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(3))
+    whole = runner.new_cache(300)
+    expected = runner.prefill(ids, whole)
+    pieces = runner.new_cache(300)
+    rows = Rows(ids, pieces, 0)
+    for a in range(0, 300, 37):
+        others = [_item(runner, "decode", 5)] if a % 2 else []
+        out = runner.forward([*others, rows.chunk(a, min(300, a + 37))])[-1]
+    assert torch.equal(out.logits, expected)
+    for layer in range(runner.num_layers):
+        assert torch.equal(whole.k[layer], pieces.k[layer]) and torch.equal(whole.v[layer], pieces.v[layer])
+
+
+@pytest.fixture(scope="module")
+def bf16_lm():
+    lm = tiny_model("llama", tokenizer=smollm2_tokenizer())
+    lm.model.to(torch.bfloat16)
+    return lm
+
+
+def _spec(i: int) -> dict:
+    modes = ["full", "blend", "reuse", "prefix", "blend", "full", "blend", "reuse"]
+    return {"query": QUESTIONS[i], "documents": DOCS[: 1 + i % len(DOCS)], "mode": modes[i],
+            "recompute_ratio": 0.3, "max_new_tokens": 10, "logprobs": True}
+
+
+def _generate(engine: BlendEngine, spec: dict):
+    args = {k: v for k, v in spec.items() if k not in ("query", "documents")}
+    return engine.generate(spec["query"], spec["documents"], **args)
+
+
+def test_eight_concurrent_greedy_requests_answer_as_each_alone_in_bfloat16(bf16_lm):
+    """Eight requests of four modes at once (bfloat16, chunks of 8 rows: prefills, blends and
+    decode rows share steps) against the same requests one by one: the same tokens, and every
+    step's log-probs bitwise equal."""
+    specs = [_spec(i) for i in range(8)]
+    with make_engine(bf16_lm, prefill_chunk_tokens=8) as engine:
+        engine.ingest(DOCS)
+        for spec in specs:
+            if spec["mode"] == "prefix":  # its blocks stored before either run
+                _generate(engine, spec)
+        alone = [_generate(engine, spec) for spec in specs]
+        results: list = [None] * 8
+        barrier = threading.Barrier(8)
+
+        def run(i: int) -> None:
+            barrier.wait()
+            results[i] = _generate(engine, specs[i])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        shared = engine.scheduler.metrics.shared_steps
+    for a, b in zip(alone, results, strict=True):
+        assert b is not None and a.token_ids == b.token_ids
+        assert torch.equal(a.token_logprobs, b.token_logprobs)
+    assert shared > 0  # two plans' work shared steps
