@@ -15,10 +15,19 @@
  * (at most MAX_M query vectors: the g query heads of up to MAX_M / g rows, all scored
  * against one read of each key), and each row block walks its keys in blocks of BK keys,
  * keeping per query vector its running maximum, sum of exponentials and weighted sum of
- * values (online softmax, float32). Work items are (head, row block, range of keys): where
- * the row blocks are too few for the threads, a row block's keys are cut into ranges whose
- * partial results are merged by their log-sum-exp at the end. Masks are computed, never
- * stored: a key block that every row of a block sees whole takes no mask at all.
+ * values (online softmax, float32). Work items are (head, row block, range of keys): a row
+ * block's keys are cut at the multiples of RANGE (so that a few rows over many keys still
+ * keep every thread busy), and the ranges' partial results are merged by their log-sum-exp
+ * at the end, in key order. Masks are computed, never stored: a key block that every row of
+ * a block sees whole takes no mask at all.
+ *
+ * Batch-invariant: key blocks start at the multiples of BK and ranges at the multiples of
+ * RANGE, whatever rows share the call and however many threads run it; each query vector's
+ * scores, online softmax and weighted sums are its own (a key it does not see adds an exact
+ * zero, a block or range it does not see is skipped), and each merge runs in key order on
+ * one thread. So a row's output is the same bits alone or among any other rows, on any
+ * number of threads, and the column sums the same bits on any number of threads
+ * (tests/test_kernel_invariance.py).
  *
  * Before the row blocks, each head's keys are packed once for the dot products (shared by
  * every row block of the head): with AVX-512 BF16, bfloat16 keys as pairs of dimensions
@@ -38,14 +47,11 @@
 #include <string.h>
 
 #include "kernel_math.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #define BK 64           /* keys per key block */
 #define MAX_M 64        /* query vectors per row block */
 #define BLEND_MAX_D 256 /* head dimension */
-#define MIN_RANGE 512   /* keys per range at least, when a row block's keys are cut */
+#define RANGE 512       /* key ranges start at the multiples of this (a multiple of BK) */
 
 enum { BKIND_F32 = 0, BKIND_BF16 = 1 };
 
@@ -292,6 +298,17 @@ typedef struct {
 
 static inline long lo_of(const call_t *C, long p) {
     return C->window > 0 && p - C->window + 1 > 0 ? p - C->window + 1 : 0;
+}
+
+/* The first key block a row at p reads: its first visible key rounded down to a multiple of
+ * BK. Key blocks start at the multiples of BK whatever rows share the call, so a row walks
+ * the same blocks (and sums the same lanes) alone or in any row block. */
+static inline long key_block_start(const call_t *C, long p) { return lo_of(C, p) / BK * BK; }
+
+/* How many key ranges the row block of rows at first..last (positions) takes: its keys cut
+ * at the multiples of RANGE; 1 with column sums (their normalisation needs every key). */
+static inline long ranges_of(const call_t *C, long first, long last, int sums) {
+    return sums ? 1 : last / RANGE - key_block_start(C, first) / RANGE + 1;
 }
 
 /* The query vectors of rows r0..r1-1 of head h as a packed matrix (row-major, vector
@@ -552,7 +569,7 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     C.kind = kind, C.hkv = hkv, C.g = g, C.d = d, C.tq = tq, C.window = window, C.scale = scale, C.pos = pos;
     C.q = (const char *)q, C.q_head = q_head, C.q_row = q_row, C.out = (char *)out, C.out_row = out_row;
     C.pairs = PACK_PAIRS && kind == BKIND_BF16;
-    C.kmin = lo_of(&C, pos[0]);
+    C.kmin = key_block_start(&C, pos[0]);
     const long kend = pos[tq - 1] + 1;
     C.tpad = ((kend - C.kmin + BK - 1) / BK) * BK;
     /* row blocks: at most MAX_M / g rows; in a sliding layer spanning under half a window */
@@ -567,20 +584,10 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
         r = e;
     }
     starts[nblocks] = tq;
-    /* key ranges: cut where head x row blocks are too few for the threads */
-#ifdef _OPENMP
-    const int threads = omp_get_max_threads();
-#else
-    const int threads = 1;
-#endif
-    const long want = 4L * threads;
-    long cuts = 1;
-    if (!colsum && (long)hkv * nblocks < want) cuts = (want + (long)hkv * nblocks - 1) / ((long)hkv * nblocks);
+    /* key ranges: each row block's keys cut at the multiples of RANGE (none with column sums) */
     long nitems = 0, nparts = 0;
     for (int b = 0; b < nblocks; b++) {
-        const long span = pos[starts[b + 1] - 1] + 1 - lo_of(&C, pos[starts[b]]);
-        long c = cuts < (span + MIN_RANGE - 1) / MIN_RANGE ? cuts : (span + MIN_RANGE - 1) / MIN_RANGE;
-        c = c < 1 ? 1 : c;
+        const long c = ranges_of(&C, pos[starts[b]], pos[starts[b + 1] - 1], colsum != NULL);
         nitems += hkv * c;
         if (c > 1) nparts += hkv * c;
     }
@@ -612,15 +619,13 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     long n = 0, np = 0, groups = 0;
     for (int b = nblocks - 1; b >= 0; b--) {
         const int r0 = starts[b], r1 = starts[b + 1];
-        const long k0 = lo_of(&C, pos[r0]), k1 = pos[r1 - 1] + 1, span = k1 - k0;
-        long c = cuts < (span + MIN_RANGE - 1) / MIN_RANGE ? cuts : (span + MIN_RANGE - 1) / MIN_RANGE;
-        c = c < 1 ? 1 : c;
-        const long width = ((span + c - 1) / c + BK - 1) / BK * BK;
+        const long k0 = key_block_start(&C, pos[r0]), k1 = pos[r1 - 1] + 1;
+        const long c = ranges_of(&C, pos[r0], pos[r1 - 1], colsum != NULL);
         for (int h = 0; h < hkv; h++) {
             block_of[groups++] = n;
-            for (long x = 0; x < c; x++) {
-                const long a = k0 + x * width, e = a + width < k1 ? a + width : k1;
-                if (a >= e) break;
+            for (long x = 0; x < c; x++) { /* in key order: the merge's order */
+                const long a = x ? (k0 / RANGE + x) * RANGE : k0;
+                const long e = c == 1 || x == c - 1 ? k1 : (k0 / RANGE + x + 1) * RANGE;
                 items[n++] = (item_t){h, r0, r1, a, e, c > 1 ? np++ : -1};
             }
         }
