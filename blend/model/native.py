@@ -204,10 +204,9 @@ def _clear_leftovers(directory: Path) -> None:
     now = time.time()
     for path in entries:
         try:
-            if ".bad-" in path.name:
+            stale = path.name.startswith((".build-", ".load-")) and now - path.lstat().st_mtime > STALE_BUILD_S
+            if ".bad-" in path.name or stale:
                 shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-            elif path.name.startswith((".build-", ".load-")) and now - path.lstat().st_mtime > STALE_BUILD_S:
-                shutil.rmtree(path)
         except OSError:
             pass
 
