@@ -20,8 +20,17 @@ name and renamed, so concurrent builds are safe and a later run loads it in mill
 Beside each library, `<name>.sha256` holds its digest and size, written by the build: a
 library is loaded only if it is a regular file of this user whose bytes match it (an ELF
 file), so a truncated, replaced or foreign file in the cache (a directory, a FIFO, half a
-library) is set aside and built again, never `dlopen`ed. Build directories a killed build
-left behind are removed by the next build.
+library) is set aside and built again, never `dlopen`ed; so is one that loads but lacks the
+kernel's functions (another valid library with a matching record). A library this process
+built is opened through a new link to it (`_open_new`): `dlopen` of a path already loaded
+hands back the old handle, and the run that rebuilds must run the rebuild. Build
+directories and load links a killed process left behind are removed by the next build.
+
+Both kernels are batch-invariant: they split their work by fixed sizes tied to key
+positions (decode: blocks of 256 keys; blended attention: key blocks of 64 and ranges of
+512 at their multiples) and merge in key order, so a row's output is the same bits
+whatever other rows or sequences share the call and however many threads run it
+(tests/test_kernel_invariance.py).
 
 The libraries are linked against torch's own libgomp: their parallel regions then run on
 the same per-thread pool as torch's ops (a second OpenMP runtime would add a second pool,
