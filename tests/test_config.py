@@ -353,7 +353,7 @@ FLAT = """engine:
   active_budget: 2MiB
   max_num_seqs: 3
   max_active_kv: 1GiB
-  prefills_between_decodes: 2
+  background_share: 0.2
 """
 GROUPED = """engine:
   blend:
@@ -381,7 +381,7 @@ GROUPED = """engine:
   scheduler:
     max_num_seqs: 3
     max_active_kv: 1GiB
-    prefills_between_decodes: 2
+    background_share: 0.2
     prefill_chunk_tokens: 128
 """
 
@@ -394,7 +394,7 @@ def test_every_engine_key_lives_in_one_group():
 
 def test_the_grouped_layout_reads_typed_sections(tmp_path):
     cfg = load_config(write(tmp_path, GROUPED)).engine
-    assert cfg.scheduler == SchedulerSettings(max_num_seqs=3, max_active_kv=1 << 30, prefills_between_decodes=2,
+    assert cfg.scheduler == SchedulerSettings(max_num_seqs=3, max_active_kv=1 << 30, background_share=0.2,
                                               prefill_chunk_tokens=128)
     assert cfg.sessions == SessionSettings(sessions_dir=str(tmp_path / "s"), idle_seconds=5.0, active_budget=2 << 20)
     assert cfg.generation == GenerationSettings(max_new_tokens=7, temperature=0.5, top_p=0.9)

@@ -51,8 +51,9 @@ def _record(runner: Runner, item: Rows, out) -> list[torch.Tensor]:
     """What an item leaves: its output and its cache's K/V at every layer."""
     assert out.error is None
     got = [out.logits if out.logits is not None else out.hidden]
-    for layer in range(runner.num_layers):
-        got += [item.cache.k[layer].clone(), item.cache.v[layer].clone()]
+    end = int(item.positions[-1]) + 1 if item.positions is not None else item.start + len(item)
+    for layer in range(runner.num_layers):  # the slots written so far (the rest was never set)
+        got += [item.cache.k[layer][:, :end].clone(), item.cache.v[layer][:, :end].clone()]
     return got
 
 
@@ -78,22 +79,32 @@ def test_an_item_is_the_same_bits_beside_0_1_3_and_7_other_items(kind, arch, dty
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_prefill_gives_the_same_bits_whole_in_chunks_or_beside_others(dtype):
-    """A 300-token prefill at once, in pieces of 37 rows (cut where the step's budget ends), or
-    beside decode rows: the runner cuts prefills at multiples of `chunk_tokens` itself, so the
-    K/V and last logits are the same bits."""
+    """A 300-token prefill at once, or as the scheduler runs it (`RowsCursor`: pieces cut at
+    multiples of the chunk, one or two chunks' worth per step, decode rows beside some steps): the
+    runner cuts a whole prefill at the same positions itself, so the K/V and the last logits are
+    the same bits."""
+    from blend.model.runner import RowsCursor
+
     runner = _runner("llama", dtype)
     runner.chunk_tokens = 64
+    layers = runner.num_layers
     ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(3))
     whole = runner.new_cache(300)
     expected = runner.prefill(ids, whole)
-    pieces = runner.new_cache(300)
-    rows = Rows(ids, pieces, 0)
-    for a in range(0, 300, 37):
-        others = [_item(runner, "decode", 5)] if a % 2 else []
-        out = runner.forward([*others, rows.chunk(a, min(300, a + 37))])[-1]
-    assert torch.equal(out.logits, expected)
-    for layer in range(runner.num_layers):
-        assert torch.equal(whole.k[layer], pieces.k[layer]) and torch.equal(whole.v[layer], pieces.v[layer])
+    for budget in (64 * layers, 128 * layers, 50 * layers):
+        pieces = runner.new_cache(300)
+        cursor = RowsCursor(Rows(ids, pieces, 0), 64)
+        step = 0
+        while not cursor.done:
+            want = cursor.want(budget)
+            others = [_item(runner, "decode", 5)] if step % 2 else []
+            cursor.take(runner.forward([*want, *others])[: len(want)])
+            step += 1
+        assert step == (5 if budget != 128 * layers else 3)
+        assert torch.equal(cursor.value(), expected)
+        for layer in range(layers):
+            assert torch.equal(whole.k[layer][:, :300], pieces.k[layer][:, :300])
+            assert torch.equal(whole.v[layer][:, :300], pieces.v[layer][:, :300])
 
 
 @pytest.fixture(scope="module")

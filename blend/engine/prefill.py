@@ -172,7 +172,20 @@ class Prefiller:
                      ) -> Generator[Rows | None, Any, Prefilled]:
         tally = LookupTally(self.tier_names)
         cached = [i for i, s in enumerate(prompt.segments) if s.kind != "query"]
+        blocks = blocks if blocks is not None else self.documents.segment_blocks(prompt)
+        while self.documents.computing([b.key for i in cached for b in blocks[i]]):
+            yield  # another plan under way computes some of these documents: their entries, not a second pass
         resolution = self.documents.lookup(prompt, cached, blocks, submitted)
+        claimed = [b.key for looked in resolution.looked if looked.missed for b in looked.rebuild.block_list]
+        self.documents.claim(claimed)
+        try:
+            return (yield from self._resolved_steps(prompt, resolution, tally, ratio, capacity, mode, selection, split))
+        finally:
+            self.documents.release(claimed)
+
+    def _resolved_steps(self, prompt: Prompt, resolution: Resolution, tally: LookupTally, ratio: float,
+                        capacity: int, mode: str, selection: Selection, split: str | None
+                        ) -> Generator[Any, Any, Prefilled]:
         report = MissReport(deduplicated=resolution.deduplicated)
         plan = None
         yield from self._calibrated(split)

@@ -112,6 +112,7 @@ class SchedulerMetrics:
     shared_steps: int = 0  # steps whose plans' work came from two plans or more
     background_steps: int = 0  # steps that ran background work (a harvested document recomputed standalone)
     background_s: float = 0.0  # their share of step time (by row-layers)
+    background_busy_steps: int = 0  # ... of them, steps while requests were under way (its share of busy time)
     _recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096), repr=False)
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
@@ -321,8 +322,8 @@ class Scheduler:
             if isinstance(head, Sequence):
                 if seqs and seqs >= self.config.max_num_seqs:
                     break
-                if seqs:
-                    kv = self.active_kv_bytes() if kv is None else kv
+                if seqs:  # the running set's KV and what the sequences prefilling will hold
+                    kv = self._planned_kv() if kv is None else kv
                     if kv + self._estimate(head) > self.config.max_active_kv:
                         break
                     kv += self._estimate(head)
@@ -355,7 +356,7 @@ class Scheduler:
             assert cache is not None
             if cache.length < cache.capacity:
                 continue
-            active = self.active_kv_bytes() if active is None else active
+            active = self._planned_kv() if active is None else active
             limit = len(seq.prompt_ids) + seq.generation.max_new_tokens
             grown = min(max(cache.capacity + GROW_MIN, cache.capacity * 5 // 4), max(limit, cache.length + 1))
             extra = cache.growth_bytes(grown)  # per layer type: a sliding layer's ring does not grow
@@ -369,6 +370,14 @@ class Scheduler:
                 grow.append((seq, grown))
                 active += extra
         return tuple(grow), tuple(preempt)
+
+    def _planned_kv(self) -> int:
+        """KV bytes the running set holds and the sequences prefilling will hold once started."""
+        held = sum(s.cache.allocated_bytes() for s in self._running if s.cache is not None)
+        for slot in self._prefilling:
+            if isinstance(slot.item, Sequence):
+                held += slot.item.cache.allocated_bytes() if slot.item.cache is not None else self._estimate(slot.item)
+        return held
 
     def _estimate(self, seq: Sequence) -> int:
         """KV bytes a waiting sequence will hold once started."""
@@ -448,6 +457,7 @@ class Scheduler:
         if spent_bg:
             self.metrics.background_steps += 1
             self.metrics.background_s += bg_s
+            self.metrics.background_busy_steps += bool(decode or spent > spent_bg or self._prefilling or self._waiting)
         if not (spent_bg and spent_bg == spent and not decode):
             self._busy_s += step_s + planning_s - bg_s
         if taken:
@@ -552,7 +562,10 @@ class Scheduler:
             self._end(seq)
         else:
             seq.status = Status.RUNNING
+            over = self._running and self.active_kv_bytes() + pre.cache.allocated_bytes() > self.config.max_active_kv
             self._running.append(seq)
+            if over:  # the running set grew while it prefilled: the newest (it) is parked until there is room
+                self._preempt(seq)
             self.metrics.peak_active_kv = max(self.metrics.peak_active_kv, self.active_kv_bytes())
 
     def _emit_token(self, seq: Sequence, logits: torch.Tensor) -> None:

@@ -119,6 +119,7 @@ class DocumentCache:
         # request submitted before then that finds them was served by that computation
         self._computed_at: OrderedDict[str, float] = OrderedDict()
         self._computed_lock = threading.Lock()
+        self._claimed: dict[str, int] = {}  # block keys a plan under way computes (claims of each)
         # harvested documents to recompute on their own when the scheduler is idle: (context, ids) -> blocks
         self._background: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], list[Block]] = OrderedDict()
         self.background = BackgroundCounts()
@@ -167,6 +168,28 @@ class DocumentCache:
                 self._computed_at.move_to_end(b.key)
             while len(self._computed_at) > COMPUTED_KEYS_KEPT:
                 self._computed_at.popitem(last=False)
+
+    def claim(self, keys: Sequence[str]) -> None:
+        """A plan computes these blocks (its misses) until `release`: another plan that needs any
+        of them waits for their entries rather than computing them a second time (`computing`)."""
+        with self._computed_lock:
+            for key in keys:
+                self._claimed[key] = self._claimed.get(key, 0) + 1
+
+    def release(self, keys: Sequence[str]) -> None:
+        """The blocks a plan claimed are computed and queued for the store (or it ended)."""
+        with self._computed_lock:
+            for key in keys:
+                left = self._claimed.get(key, 0) - 1
+                if left > 0:
+                    self._claimed[key] = left
+                else:
+                    self._claimed.pop(key, None)
+
+    def computing(self, keys: Sequence[str]) -> bool:
+        """Whether a plan under way computes one of these blocks."""
+        with self._computed_lock:
+            return any(key in self._claimed for key in keys)
 
     def lookup(self, prompt: Prompt, segments: Sequence[int], blocks: dict[int, list[Block]] | None = None,
                submitted: float | None = None) -> Resolution:
