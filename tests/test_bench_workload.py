@@ -224,6 +224,7 @@ def test_a_second_pass_on_the_same_store_hits_more_and_reports_how_misses_were_p
                     "miss_plans"):
             assert key in row, key
         assert row["background_s"] >= 0.0 and row["background_steps"] >= 0 and row["completed"] == 14
+        assert 0 <= row["harvested_left"] <= row["harvested"] or row["pass"] > 1
     assert sum(cold["miss_plans"].values()) > 0 and cold["miss_compute_s"] > 0  # every plan spends some
     assert sum(cold["write_s"].values()) > 0 and cold["bytes_written"]["cpu"] > 0
     # the second pass's store counters are its own: it writes only what it missed

@@ -220,6 +220,23 @@ def test_schedule_decides_from_plain_data(lm):
         step = sched.schedule()
         assert step.preempt == (seqs[1],) and step.decode == (seqs[0],) and step.grow[0][0] is seqs[0]
         assert [s.cache.capacity for s in seqs] == [8, 8] and sched.metrics.preemptions == 0
+        for seq in seqs:
+            seq.cache.length = 4
+        sched.config = dataclasses.replace(sched.config, max_active_kv=1 << 30, background_share=0.1)
+
+        class Pending:  # background work waits
+            def background_pending(self) -> bool:
+                return True
+
+        sched._background = Pending()
+        sched._busy_s, sched.metrics.background_s = 10.0, 0.5
+        assert sched.schedule().background  # busy, under its share (0.5 s of 10 s)
+        sched.metrics.background_s = 1.5
+        assert not sched.schedule().background  # busy, over its share: only the requests' work
+        running, sched._running, sched._prefilling = sched._running, [], []
+        assert sched.schedule() == Step(background=True)  # idle: all of it
+        sched._running = running
+        sched._background = None
         sched._running, sched._prefilling = [], []
 
 
@@ -307,6 +324,113 @@ def test_a_stall_in_the_executor_reaches_the_plan_closes_its_loader_and_runs_the
         monkeypatch.setattr(LayerLoader, "wait", stalls)
         busy = _busy(engine, 2)  # the rows run in the scheduler's forward passes, in chunks
         got = engine.generate(question, DOCS[:2], mode="prefix", max_new_tokens=3, logprobs=True)
+        for handle in busy:
+            handle.cancel()
+    assert got.stats.stalled_tiers == ("cpu",) and got.stats.mode == "full"
+    assert got.token_ids == full.token_ids
+    assert (got.token_logprobs - full.token_logprobs).abs().max().item() <= 1e-4
+    assert loaders and all(loader._stop for loader in loaders if loader.placements)
+
+
+# ------------------------------------------------------- issue 46: blends in the one executor
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_step_holds_blends_a_chunk_and_decode_rows_and_each_answers_as_alone(arch):
+    """Three sequences decode while four blends and a full prefill arrive at once: steps hold
+    several blends' passes (a query pass beside another blend's layer range), a prefill's chunk and
+    the decode rows together; every request's first-token log-probs within 1e-5 of it run alone
+    (float32) and the same greedy tokens."""
+    from blend.recompute import layers
+
+    lm = tiny_model(arch, tokenizer=smollm2_tokenizer())
+    specs = [{"mode": m, "recompute_ratio": 0.3, "max_new_tokens": 6, "logprobs": True}
+             for m in ("blend", "blend", "full", "blend", "blend")]
+    with make_engine(lm, prefill_chunk_tokens=64) as engine:
+        engine.ingest(DOCS)
+        alone = [engine.generate(QUESTIONS[i], DOCS[i % 3:], **spec) for i, spec in enumerate(specs)]
+        steps: list[tuple[int, int, int]] = []  # per step: blend items, other multi-row items, decode rows
+        forward = engine.runner.forward
+
+        def recording(items):
+            blends = sum(isinstance(it.needs, (layers._QueryPassNeeds, layers._RecomputeNeeds,
+                                               layers._CheckLayerNeeds)) for it in items)
+            decodes = sum(it.decodes() for it in items)
+            steps.append((blends, len(items) - blends - decodes, decodes))
+            return forward(items)
+
+        engine.runner.forward = recording
+        busy = _busy(engine, 3)
+        handles = [engine.submit(engine.request(QUESTIONS[i], DOCS[i % 3:], **{k: v for k, v in spec.items()
+                                                                             if k != "logprobs"}), logprobs=True)
+                   for i, spec in enumerate(specs)]
+        got = [h.result() for h in handles]
+        for handle in busy:
+            handle.cancel()
+    for a, b in zip(alone, got, strict=True):
+        assert a.token_ids == b.token_ids
+        assert (a.first_token_logprobs - b.first_token_logprobs).abs().max().item() <= 1e-5
+    assert any(blends >= 2 and decodes >= 3 for blends, _, decodes in steps)  # two blends' passes in one step
+    assert any(blends >= 1 and chunks >= 1 and decodes >= 3 for blends, chunks, decodes in steps)
+
+
+def test_a_blend_cursor_driven_by_hand_gives_what_the_scheduler_gives(lm, monkeypatch):
+    """The `BlendPass` a blend request's plan yields, made again by hand over the same plan and
+    the same stored entries and driven alone (`run_layers`), gives the scheduler's logits bit for
+    bit."""
+    import blend.engine.prefill as prefill
+    from blend.kv.loader import LayerLoader
+    from blend.recompute.layers import run_layers
+
+    made = []
+    cursor_of = prefill.BlendPass
+
+    def recording(runner, cache, ids, plan, loader, **kwargs):
+        made.append((cache.capacity, ids.clone(), plan, list(loader.placements), kwargs))
+        return cursor_of(runner, cache, ids, plan, loader, **kwargs)
+
+    monkeypatch.setattr(prefill, "BlendPass", recording)
+    with make_engine(lm, prefill_chunk_tokens=8) as engine:
+        engine.ingest(DOCS)
+        engine.store.flush()
+        busy = _busy(engine, 2)  # the blend runs in steps beside decode rows
+        prompt = engine.build_prompt(QUESTIONS[3], DOCS)
+        pre = engine.prefill(prompt, mode="blend", ratio=0.3)
+        for handle in busy:
+            handle.cancel()
+        capacity, ids, plan, placements, kwargs = made[-1]
+        runner = engine.runner
+        cache = runner.new_cache(capacity)
+        cache.length = plan.n
+        with LayerLoader(engine.store, runner, cache, placements, range(plan.load_from, runner.num_layers), 2) as loader:
+            logits, report = run_layers(runner, cache, ids, plan, loader, **kwargs)
+    assert torch.equal(logits, pre.logits)
+    assert report.recomputed_tokens == pre.stats.selection.recomputed_tokens
+
+
+def test_a_load_stall_mid_blend_runs_the_full_plan_and_answers_as_full_prefill(lm, monkeypatch):
+    """A blend whose loads stall at layer 2 inside the executor's step (decode rows beside it): the
+    stall reaches its plan, the loader is closed, and the full plan of the same tokens answers."""
+    from blend.kv.loader import LayerLoader, LoadStalled
+
+    question = QUESTIONS[4]
+    with make_engine(lm, prefill_chunk_tokens=8) as engine:
+        engine.ingest(DOCS)
+        full = engine.generate(question, DOCS[:3], mode="full", max_new_tokens=4, logprobs=True)
+        loaders: list[LayerLoader] = []
+        init, wait = LayerLoader.__init__, LayerLoader.wait
+
+        def tracked(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            loaders.append(self)
+
+        def stalls(self, layer):
+            if self.placements and layer == 2:
+                raise LoadStalled("layer 2 did not arrive (test)", ("cpu",))
+            wait(self, layer)
+
+        monkeypatch.setattr(LayerLoader, "__init__", tracked)
+        monkeypatch.setattr(LayerLoader, "wait", stalls)
+        busy = _busy(engine, 2)
+        got = engine.generate(question, DOCS[:3], mode="blend", recompute_ratio=0.3, max_new_tokens=4, logprobs=True)
         for handle in busy:
             handle.cancel()
     assert got.stats.stalled_tiers == ("cpu",) and got.stats.mode == "full"

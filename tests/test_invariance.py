@@ -153,3 +153,42 @@ def test_eight_concurrent_greedy_requests_answer_as_each_alone_in_bfloat16(bf16_
         assert b is not None and a.token_ids == b.token_ids
         assert torch.equal(a.token_logprobs, b.token_logprobs)
     assert shared > 0  # two plans' work shared steps
+
+
+def test_four_threads_of_mixed_modes_beside_a_cpu_bound_process_answer_as_sequentially(bf16_lm):
+    """Four threads at once on one engine (full, reuse, blend, prefix; bfloat16), three rounds, a
+    CPU-bound child process beside them (threads preempted at any point): every first-token
+    log-prob bitwise equal to the same request run alone, the same tokens. Asserted, not timed."""
+    import subprocess
+    import sys
+
+    modes = ["full", "reuse", "blend", "prefix"]
+    specs = [{"query": QUESTIONS[i], "documents": DOCS[: 2 + i % 2], "mode": m, "recompute_ratio": 0.3,
+              "max_new_tokens": 6} for i, m in enumerate(modes)]
+    with make_engine(bf16_lm, prefill_chunk_tokens=8) as engine:
+        engine.ingest(DOCS)
+        for spec in specs:
+            if spec["mode"] == "prefix":
+                _generate(engine, spec)
+        alone = [_generate(engine, spec) for spec in specs]
+        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            for _ in range(3):
+                results: list = [None] * 4
+                barrier = threading.Barrier(4)
+
+                def run(i: int, barrier: threading.Barrier = barrier, results: list = results) -> None:
+                    barrier.wait()
+                    results[i] = _generate(engine, specs[i])
+
+                threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(120)
+                for a, b in zip(alone, results, strict=True):
+                    assert b is not None and a.token_ids == b.token_ids
+                    assert torch.equal(a.first_token_logprobs, b.first_token_logprobs)
+        finally:
+            hog.kill()
+            hog.wait()

@@ -49,6 +49,11 @@ class BackgroundCounts:
     dropped: int = 0  # the oldest waiting ones dropped when more than BACKGROUND_DOCUMENTS waited
     seconds: float = 0.0
 
+    @property
+    def left(self) -> int:
+        """Documents whose stored entries are still the harvested ones (waiting, or dropped)."""
+        return self.queued - self.done
+
 
 class IngestStopped(RuntimeError):
     """An ingest was asked to stop (`stop()` turned true) before its last document; the

@@ -31,8 +31,10 @@ counters), its hit rate and latencies those of that pass's requests. Blend rows 
 misses were paid (blend.planning.misses): `miss_compute_s` (compute spent on misses on the
 requests' own paths), `harvested` (documents stored from the requests' own prefills), `miss_plans`
 (requests per plan), `deduplicated` (misses served by another request's computation), and
-`background_s` (the scheduler's idle-time recompute of harvested documents during that pass,
-`background_steps` of them), beside `write_s` (seconds the store's writer spent encoding and
+`background_s` (the scheduler's recompute of harvested documents during that pass: all idle
+time and `engine.scheduler.background_share` of busy time; `background_steps` of them) and
+`harvested_left` (documents whose entries are still the harvested ones when the pass ends: waiting
+for their standalone recompute, or dropped from its queue), beside `write_s` (seconds the store's writer spent encoding and
 writing, per tier) and `bytes_written`.
 
 `EngineGate` counts the requests submitted and can also hold them to one at a time in arrival order
@@ -354,7 +356,7 @@ def store_delta(after: dict[str, dict], before: dict[str, dict] | None) -> dict[
 
 def summarize_run(trace: RunTrace, *, mode: str, codec: str, ratio: float | None, store: dict[str, dict],
                   io_block_bytes: dict[str, int], kv_block_tokens: int, window: int, pass_: int = 1,
-                  background: tuple[int, float] = (0, 0.0)) -> dict[str, Any]:
+                  background: tuple[int, float] = (0, 0.0), harvested_left: int = 0) -> dict[str, Any]:
     """One row of `results`: the run's (or one pass's) counters (from its requests and its store)
     and latencies."""
     done = [r for r in trace.records if r.error is None]
@@ -388,6 +390,7 @@ def summarize_run(trace: RunTrace, *, mode: str, codec: str, ratio: float | None
         "write_s": {n: round(s["write_s"] or 0.0, 4) for n, s in tiers.items()},
         "miss_compute_s": sum(r.miss_compute_s for r in done), "harvested": sum(r.harvested for r in done),
         "deduplicated": sum(r.deduplicated for r in done), "miss_plans": plans, "background_steps": background[0], "background_s": background[1],
+        "harvested_left": harvested_left,
         "evictions": sum(s["evictions"] or 0 for s in tiers.values()),
         "write_queue_max": max((d for _, d in trace.write_queue), default=0),
         "queue_depth_max": max((d for _, d in trace.queue_depth), default=0),
@@ -554,7 +557,8 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
                                             kv_block_tokens=config.engine.blend.chunk_tokens,
                                             window=max(5, len(stream) // 10), pass_=pass_,
                                             background=(metrics.background_steps - idle_before[0],
-                                                        metrics.background_s - idle_before[1]))
+                                                        metrics.background_s - idle_before[1]),
+                                            harvested_left=engine.document_kv.background.left)
                         before, idle_before = after, (metrics.background_steps, metrics.background_s)
                         rows.append(row)
                         log_line(f"{mode:>6} {row['codec']:<10} pass {pass_} hit rate {_fmt(row['hit_rate'])}  TTFT "
