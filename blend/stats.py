@@ -77,12 +77,10 @@ class LoadReport:
     load_s: float = 0.0  # time the loader spent fetching, converting, placing (CUDA: first copy to last layer placed)
     exposed_load_s: float = 0.0  # time compute waited for a layer (CUDA: GPU time the compute stream idled)
     bytes_by_tier: Mapping[str, int] = field(default_factory=dict)
-    recomputed_segments: int = 0  # segments whose stored layers were unreadable and were recomputed
     copies: int = 0  # copy operations that moved KV into the cache or onto the device
     layers_loaded: int = 0
     read_s_by_tier: Mapping[str, float] = field(default_factory=dict)  # host time spent in tier reads
     place_s: float = 0.0  # time spent moving bytes into the cache (CUDA: device time)
-    recomputed_starts: tuple[int, ...] = ()  # prompt starts of the stored segments recomputed (unreadable)
     computed_bytes: int = 0  # bytes of entries in hand (computed in this request) placed with the loaded ones
 
 
@@ -226,7 +224,7 @@ class RequestStats:
                                ("prefix_blocks", self.prefix_blocks))},
             "hits_by_tier": dict(self.hits_by_tier), "misses_by_tier": dict(self.misses_by_tier),
             "load_s": self.load.load_s, "exposed_load_s": self.load.exposed_load_s,
-            "bytes_loaded": dict(self.load.bytes_by_tier), "recomputed_segments": self.load.recomputed_segments,
+            "bytes_loaded": dict(self.load.bytes_by_tier),
             "check_layers": list(self.selection.check_layers),
             "selected_per_layer": list(self.selection.selected_per_layer),
             "selection_s": self.selection.selection_s,

@@ -373,7 +373,7 @@ def _placements(runner, store, specs):
                           head_dim=runner.head_dim, kv_dtype="float16", pos_start=pos_start)
         located = store.lookup(key, exp)
         assert located is not None
-        out.append((Placement(n + 3, length, pos_start, located, None, lambda e=entry: e), entry))
+        out.append((Placement(n + 3, length, pos_start, located, None), entry))
         n += length
     return out, n + 3
 
@@ -416,26 +416,28 @@ def test_the_loader_decodes_on_both_paths_alike_and_close_to_the_stored_kv(tmp_p
             assert (host.v[layer][:, p.start:p.start + p.length] - want_v).abs().max() <= tolerance * want_v.abs().max()
 
 
-def test_an_unreadable_encoded_layer_is_recomputed_on_both_paths(tmp_path, tiny_runner, monkeypatch):
+def test_an_unreadable_encoded_layer_fails_the_load_on_both_paths_and_drops_the_entry(tmp_path, tiny_runner):
+    """A corrupt layer of an encoded entry: no model work in the loader; the wait for that layer
+    raises `LoadFailed` (a `LoadStalled`: the plan computes without the store) and the entry is
+    deleted, a miss for the next request."""
+    from blend.kv.loader import LoadFailed
+
     runner = tiny_runner
     cfg = StoreConfig(tiers=(DiskTierConfig(path=str(tmp_path / "disk"), codec="int4"),))
     for staged in (False, True):
         with TieredStore.from_config(cfg) as store:
             store.clear()
             made, n = _placements(runner, store, [(20, 0), (33, 5)])
-            path = store.tiers[0]._file(made[1][0].located.key)
+            key = made[1][0].located.key
+            path = store.tiers[0]._file(key)
             data = bytearray(path.read_bytes())
             data[-10] ^= 0xFF  # the last layer's V part
             path.write_bytes(bytes(data))
             placements = [p for p, _ in made]
-            cache, report = _load(runner, store, placements, n, staged=staged)
-        assert report.recomputed_segments == 1
-        p, entry = made[1]
-        last = runner.num_layers - 1
-        # the recomputed (exact) KV, rotated from its own pos_start; earlier layers decoded
-        want = runner.rerotate(entry.layers[last][0].float(), p.start - p.pos_start)
-        assert torch.allclose(cache.k[last][:, p.start:p.start + p.length], want, atol=1e-3)
-        assert torch.equal(cache.v[last][:, p.start:p.start + p.length], entry.layers[last][1].float())
+            with pytest.raises(LoadFailed, match="unreadable") as err:
+                _load(runner, store, placements, n, staged=staged)
+            assert err.value.tiers == ("disk",)
+            assert not path.exists() and key not in list(store.keys())
 
 
 # ------------------------------------------------------------------------ the engine

@@ -73,10 +73,12 @@ def test_rows_chunks_keep_the_wanted_logits_and_refuse_rows_outside():
     assert [g.shape[0] for g in got] == [1, 0, 1, 1]  # rows 3, 11 and 19 fall in chunks 0, 2 and 3
     assert (torch.cat(got) - expected).abs().max().item() < 1e-4
     assert runner.forward([Rows(ids[:4], runner.new_cache(4), 0, ())])[0].logits.shape == (0, expected.shape[1])
+    refused = runner.forward([Rows(ids[:4], runner.new_cache(4), 0, (4,)), Rows(ids[:0], runner.new_cache(4), 0),
+                              Rows(ids[:4], runner.new_cache(4), 0)])  # refused items fail alone
+    assert "outside" in str(refused[0].error) and "empty prompt" in str(refused[1].error)
+    assert refused[2].error is None and refused[2].logits.shape == (1, expected.shape[1])
     with pytest.raises(ValueError, match="outside"):
-        runner.forward([Rows(ids[:4], runner.new_cache(4), 0, (4,))])
-    with pytest.raises(ValueError, match="empty prompt"):
-        runner.forward([Rows(ids[:0], runner.new_cache(4), 0)])
+        runner.prefill(ids[:4], runner.new_cache(4), logit_rows=(4,))
 
 
 # ------------------------------------------------------------- the scheduler

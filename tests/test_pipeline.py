@@ -148,13 +148,13 @@ def _placements(runner: Runner, store: TieredStore, maker: EntryMaker, tokens: i
     for i, entry in enumerate(entries):
         start = i * tokens
         if i == 2:
-            out.append(Placement(start, tokens, 0, None, entry, lambda e=entry: e))
+            out.append(Placement(start, tokens, 0, None, entry))
             continue
         key = f"seg{i}-{seed}-{tokens}"
         store.tiers[i].put(key, entry)
         located = store.lookup(key, Expected.matching(entry.header))
         assert located is not None and located.tier_index == i
-        out.append(Placement(start, tokens, 0, located, None, lambda e=entry: e))
+        out.append(Placement(start, tokens, 0, located, None))
     return out, ids
 
 

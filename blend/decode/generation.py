@@ -37,6 +37,7 @@ class Prefilled:
     cache: KVCache
     stats: RequestStats
     token_ids: tuple[int, ...] = ()  # the prompt's ids (what the cache's positions hold)
+    follow_logprobs: torch.Tensor | None = None  # teacher forcing after the prefill (`follow`), (F, vocab)
 
 
 class Generation:

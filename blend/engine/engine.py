@@ -37,7 +37,7 @@ from blend.decode.generation import Prefilled
 from blend.decode.result import GenerationResult, TextDelta
 from blend.engine.layout import NO_FORCING, Forcing, LaidOut
 from blend.engine.parts import build_parts
-from blend.engine.prefill import ForcedOutputs, PromptWork
+from blend.engine.prefill import PromptWork
 from blend.engine.request import ChatOptions, GenerationRequest, RequestOptions
 from blend.engine.sequence import Handle, Task, results, unwrap
 from blend.engine.sequence import Sequence as ScheduledSequence
@@ -230,7 +230,6 @@ class BlendEngine:
         out = out or self.layout.lay_out(req, forcing)
         seq = ScheduledSequence(out.work, out.generation, handle, kv_bytes=out.kv_bytes, mode=req.mode,
                                 warnings=out.warnings)
-        seq.forced = ForcedOutputs()
         return seq
 
     def warmup(self) -> float:

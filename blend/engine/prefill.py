@@ -66,14 +66,6 @@ class PromptWork:
     submitted: float = field(default_factory=time.monotonic)  # when the request was made (deduplication counts)
 
 
-@dataclass
-class ForcedOutputs:
-    """What teacher forcing after the prefill gave (set by `Prefiller.steps`)."""
-
-    answer_nll: float | None = None
-    follow_logprobs: torch.Tensor | None = None
-
-
 @dataclass(frozen=True)
 class FullPlan:
     """Every token computed: the reference, a harvest, every fallback. One `Rows` of the whole
@@ -133,8 +125,10 @@ class Prefiller:
         self._warm = False  # set after the first prefill (not a cost sample: see `_observe`)
 
     # ------------------------------------------------------------- entry points
-    def steps(self, work: PromptWork, forced: ForcedOutputs | None = None) -> Generator[Rows | None, Any, Prefilled]:
-        """The prefill of a `generate` request, step by step (see the module docstring)."""
+    def steps(self, work: PromptWork) -> Generator[Rows | None, Any, Prefilled]:
+        """The prefill of a `generate` request, step by step (see the module docstring); teacher
+        forcing (`answer`, `follow`) comes back in the result (`stats.answer_nll`,
+        `Prefilled.follow_logprobs`)."""
         prompt, mode = work.prompt, work.mode
         capacity = max(work.capacity, len(prompt))
         if mode == "full":
@@ -147,12 +141,11 @@ class Prefiller:
             selection = self.config.blend.selection.with_policy(work.selection)
             pre = yield from self._blend_steps(prompt, work.blocks, ratio, capacity, mode, selection, work.submitted,
                                                work.split)
-        if forced is not None and (work.answer is not None or work.follow):
-            if work.answer is not None:
-                forced.answer_nll = answer_nll(self.runner, self.tokenizer, pre.cache, pre.logits, work.answer)
-                pre.stats = pre.stats.replace(answer_nll=forced.answer_nll)
-            if work.follow:
-                forced.follow_logprobs = forced_logprobs(self.runner, pre.cache, pre.logits, work.follow).cpu()
+        if work.answer is not None:
+            pre.stats = pre.stats.replace(answer_nll=answer_nll(self.runner, self.tokenizer, pre.cache, pre.logits,
+                                                                work.answer))
+        if work.follow:
+            pre.follow_logprobs = forced_logprobs(self.runner, pre.cache, pre.logits, work.follow).cpu()
         return pre
 
     def turn_steps(self, turn: Turn, work: PromptWork | None) -> Generator[Rows | None, Any, Prefilled]:

@@ -556,13 +556,14 @@ class Scheduler:
         pre = value  # blend.decode.generation.Prefilled
         pre.cache.compact_()  # sliding-window layers: rings of their window from here on (memory bounded)
         seq.cache, seq.stats, seq.prompt_ids = pre.cache, pre.stats, pre.token_ids
+        seq.follow_logprobs = pre.follow_logprobs
         seq.ttft_s = time.monotonic() - (seq.started or time.monotonic())
         self._emit_token(seq, pre.logits)
         if seq.generation.done:
             self._end(seq)
         else:
             seq.status = Status.RUNNING
-            over = self._running and self.active_kv_bytes() + pre.cache.allocated_bytes() > self.config.max_active_kv
+            over = bool(self._running) and self.active_kv_bytes() + pre.cache.allocated_bytes() > self.config.max_active_kv
             self._running.append(seq)
             if over:  # the running set grew while it prefilled: the newest (it) is parked until there is room
                 self._preempt(seq)

@@ -182,7 +182,7 @@ class Sequence:
         self.prompt_ids: tuple[int, ...] = ()  # what the cache's first positions hold
         self.cache: KVCache | None = None
         self.stats: RequestStats | None = None
-        self.forced: Any = None  # blend.engine.prefill.ForcedOutputs: teacher forcing after the prefill
+        self.follow_logprobs: Any = None  # teacher forcing after the prefill (Prefilled.follow_logprobs)
         self.started: float | None = None  # first prefill step (monotonic)
         self.ttft_s = 0.0  # prefill start to the first token's logits
         self.decode_steps = 0
@@ -199,7 +199,6 @@ class Sequence:
         stats = stats.replace(ttft_s=self.ttft_s, total_s=total_s, new_tokens=len(gen.tokens), queued_s=queued,
                               batch_size_mean=self.batch_total / self.decode_steps if self.decode_steps else 0.0,
                               preempted=self.preemptions, resume_s=self.resume_s)
-        follow = getattr(self.forced, "follow_logprobs", None)
-        result = gen.result(stats, self.ttft_s, follow_logprobs=follow)
+        result = gen.result(stats, self.ttft_s, follow_logprobs=self.follow_logprobs)
         result.warnings = self.warnings
         return result

@@ -59,7 +59,7 @@ class Plans:
         """`item`'s plan as steps: each asks for rows, or computes a unit, or returns its value."""
         work = item.work
         if isinstance(work, PromptWork):
-            return self.prefiller.steps(work, item.forced if isinstance(item, Sequence) else None)
+            return self.prefiller.steps(work)
         if isinstance(work, TurnWork):
             return self.prefiller.turn_steps(work.turn, work.blend)
         if isinstance(work, IngestWork):

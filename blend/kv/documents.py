@@ -305,10 +305,10 @@ class DocumentCache:
     def placements(self, resolution: Resolution, tally: LookupTally, skip: Sequence[int] = ()) -> list[Placement]:
         """Placements of every looked-up block, in prompt order; counts each segment's hit or
         miss in `tally` and queues the missed blocks' writes (their entries computed by
-        `compute_misses`, or now if it did not run). A block that turns out unreadable while
-        loading is rebuilt by recomputing its document (once per document). The segments at
-        indices `skip` (missing documents this request computes in place and harvests) are
-        counted but get no placement and no write here."""
+        `compute_misses`, which ran first: no model work here). A block that turns out unreadable
+        while loading fails the load (`LoadFailed`). The segments at indices `skip` (missing
+        documents this request computes in place and harvests) are counted but get no placement
+        and no write here."""
         queued: set[str] = set()
         placements: list[Placement] = []
         for index, looked in enumerate(resolution.looked):
@@ -320,16 +320,14 @@ class DocumentCache:
                 continue
             if not looked.missed:
                 tally.hit(kind, max(loc.tier_index for loc in found))
-                for i, (b, loc) in enumerate(zip(blocks, found, strict=True)):
-                    placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, loc, None,
-                                                rebuild.block(i)))
+                for b, loc in zip(blocks, found, strict=True):
+                    placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, loc, None))
                 continue
             tally.miss(kind)
             entries = rebuild.entries()
             self._write_missed(looked, entries, queued)
-            for i, (b, entry) in enumerate(zip(blocks, entries, strict=True)):
-                placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, None, entry,
-                                            rebuild.block(i)))
+            for b, entry in zip(blocks, entries, strict=True):
+                placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, None, entry))
         return placements
 
     def resolve(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally, *,
@@ -416,7 +414,8 @@ def _chunks(jobs: list, lengths: list[int], context: int) -> list[list]:
 
 
 class _Rebuild:
-    """Recomputes one document's block entries on demand, at most once."""
+    """A missed document: what to compute (its ids after its context, its blocks) and, once its
+    pass ran (`DocumentCache.compute_misses`), its block entries."""
 
     def __init__(self, cache: DocumentCache, ids: list[int], context: list[int], blocks: list[Block]):
         self.cache, self.ids, self.context, self.block_list = cache, ids, context, blocks
@@ -424,12 +423,11 @@ class _Rebuild:
 
     def entries(self) -> list[KVEntry]:
         if self._entries is None:
-            self._entries = self.cache.compute(self.ids, self.context, self.block_list)
+            raise RuntimeError("a missed document's entries are read before its pass ran (compute_misses)")
         return self._entries
 
     def seed(self, entries: list[KVEntry]) -> None:
         """Entries computed elsewhere (with other documents, in one pass)."""
         self._entries = entries
 
-    def block(self, index: int):
-        return lambda: self.entries()[index]
+

@@ -5,9 +5,9 @@ to the segment's prompt positions.
 
 The compute path calls `wait(layer)` before it needs a layer; only the time it waits
 there is exposed load time. A segment whose layer cannot be read (entry vanished, partly
-evicted or corrupt) is recomputed standalone once, in the loader thread, and the request
-goes on; the recomputed entry is written back (`TieredStore.repair`), so the next request
-hits a whole entry instead of recomputing again.
+evicted or corrupt) fails the load (`LoadFailed`): its entry is deleted from the store (the next
+request misses it and computes it the usual way) and the request computes without the store
+(its plan's full fallback). No model work ever runs inside a load or its wait.
 
 Two ways to place a layer, chosen by the cache's device:
 
@@ -43,14 +43,12 @@ Both produce the same cache contents (bit-identical in float32).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -81,8 +79,7 @@ class Placement:
     """One cached segment to place into the request's cache.
 
     Exactly one of `located` (read from the store) and `entry` (already in memory, e.g.
-    computed on a miss during this request) is set. `recompute` rebuilds the entry when
-    a stored layer turns out to be unreadable.
+    computed on a miss during this request) is set.
     """
 
     start: int  # prompt position of the first token
@@ -90,7 +87,6 @@ class Placement:
     pos_start: int  # the positions the stored keys were rotated at start here
     located: Located | None
     entry: KVEntry | None
-    recompute: Callable[[], KVEntry]
     # the cache layers the entry holds, in its layer order (None: every layer, entry layer i =
     # cache layer i); a hybrid model's session entries hold one layer type each (blend.kv.windowed)
     layers: tuple[int, ...] | None = None
@@ -117,15 +113,6 @@ class Placement:
     def layer_nbytes(self) -> int:
         """Bytes one layer of its entry reads (as stored)."""
         return self.header.layer_nbytes
-
-
-class _RebuildJob:
-    """An entry to rebuild on the compute side's thread (its stored layer was unreadable)."""
-
-    def __init__(self, placement: Placement):
-        self.placement = placement
-        self.done = threading.Event()
-        self.error: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -261,6 +248,12 @@ class LoadStalled(RuntimeError):
         self.tiers = tiers
 
 
+class LoadFailed(LoadStalled):
+    """A stored layer was unreadable (vanished, partly evicted, corrupt): its entry was deleted
+    from the store (a miss for the next request) and this request computes without the store,
+    as after a stall. `tiers`: the tier it was read from."""
+
+
 class LayerLoader:
     """Background loader for one request. Use as a context manager or call close().
 
@@ -273,9 +266,7 @@ class LayerLoader:
                  layers: Sequence[int], depth: int = 2, *, staged: bool | None = None,
                  stall_s: float | None = None):
         self.store, self.runner, self.cache = store, runner, cache
-        # its own copies: a placement whose stored layer turns out unreadable gets its recomputed
-        # entry here, never in the caller's placement (the report lists which were)
-        self.placements = [dataclasses.replace(p) for p in sorted(placements, key=lambda p: p.start)]
+        self.placements = sorted(placements, key=lambda p: p.start)
         self.layers = list(layers)
         self.device = cache.k[0].device
         self._cuda = self.device.type == "cuda"
@@ -299,13 +290,8 @@ class LayerLoader:
         self.place_s = 0.0  # time spent moving bytes into the cache (device time on CUDA)
         self.computed_bytes = 0  # bytes of entries in hand (computed, not read) placed beside the loaded ones
         self.copies = 0  # copy operations into the cache or onto the device
-        self.recomputed_segments = 0
         self.layers_done = 0
-        # entries whose stored layers were unreadable, rebuilt on the compute side's thread (in `wait`):
-        # the model runs on one thread only, the scheduler's
-        self._rebuilds: queue.SimpleQueue[_RebuildJob] = queue.SimpleQueue()
         self._waited: set[int] = set()
-        self._rebuild_s = 0.0  # time the last wait spent rebuilding
         dtypes = {p.header.dtype for p in self.placements}
         if staged is None:
             staged = self._cuda if FORCE_STAGED is None else FORCE_STAGED
@@ -328,41 +314,22 @@ class LayerLoader:
         self.bytes_by_tier[p.source] += nbytes
         self.read_s_by_tier[p.source] += seconds
 
-    def _recompute(self, p: Placement, layer: int) -> KVEntry:
-        """The in-memory entry of `p`, recomputed when a stored layer was unreadable: asked of
-        the compute side, which rebuilds it on its own thread while it waits for a layer
-        (`wait`); this thread waits for it (or for the loader to be stopped)."""
-        if self._stop:  # closed or abandoned: nobody waits for this layer any more
-            raise LoadStalled("the loader was stopped", ())
-        if p.entry is None:
-            assert p.located is not None
-            log.warning("cached layer %d of %s unreadable; recomputing that chunk", layer, p.located.key[:16])
-            job = _RebuildJob(p)
-            self._rebuilds.put(job)
-            while not job.done.wait(0.05):
-                if self._stop:
-                    raise LoadStalled("the loader was stopped", ())
-            if job.error is not None:
-                raise job.error
-            self.recomputed_segments += 1
-            if p.located is not None and self.store is not None:
-                self.store.repair(p.located, p.entry)
-        return p.entry
-
-    def _serve_rebuilds(self) -> float:
-        """Rebuild the entries the loader asked for, here (the compute side's thread); the
-        seconds it took."""
-        t0 = time.perf_counter()
-        while True:
+    def _unreadable(self, p: Placement, layer: int) -> KVEntry:
+        """The in-memory entry of `p` (computed in this request); a stored layer that could not be
+        read fails the load: its entry is deleted (the next request misses it) and `LoadFailed`
+        reaches the compute side in `wait`."""
+        if p.entry is not None:
+            return p.entry
+        assert p.located is not None
+        key, tier = p.located.key, p.located.tier_name
+        log.warning("cached layer %d of %s unreadable in %s; the entry is dropped and the request computes "
+                    "without the store", layer, key[:16], tier)
+        if self.store is not None:
             try:
-                job = self._rebuilds.get_nowait()
-            except queue.Empty:
-                return time.perf_counter() - t0
-            try:
-                job.placement.entry = job.placement.recompute()
-            except BaseException as err:  # noqa: BLE001 - handed to the loader, which fails the load with it
-                job.error = err
-            job.done.set()
+                self.store.delete(key)
+            except Exception as err:  # noqa: BLE001 - the tier that failed the read may fail the delete too
+                log.warning("could not delete the unreadable entry %s: %s", key[:16], err)
+        raise LoadFailed(f"cached layer {layer} of {key[:16]} unreadable in {tier}", (tier,))
 
     def _begin_span(self) -> None:
         """Mark where this layer's device work (copies, placement) starts on the copy stream."""
@@ -425,10 +392,9 @@ class LayerLoader:
         if self._cuda and self._stalls:
             self._stalls[-1][1].synchronize()
             exposed = sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3
-        rebuilt = tuple(p.start for p in self.placements if p.entry is not None and p.located is not None)
-        return LoadReport(load_s, exposed, dict(self.bytes_by_tier), self.recomputed_segments, copies=self.copies,
+        return LoadReport(load_s, exposed, dict(self.bytes_by_tier), copies=self.copies,
                           layers_loaded=self.layers_done, read_s_by_tier=dict(self.read_s_by_tier), place_s=place_s,
-                          recomputed_starts=rebuilt, computed_bytes=self.computed_bytes)
+                          computed_bytes=self.computed_bytes)
 
     def ready(self, layer: int) -> bool:
         """Whether `wait(layer)` would not block: the layer is placed (or not loaded), or the
@@ -450,7 +416,7 @@ class LayerLoader:
             before.record()
         if not event.is_set():
             t0 = time.perf_counter()
-            if not self._wait_serving(event):
+            if not self._wait_for(event):
                 self._abandoned = self._stop = True
                 with _shared_lock:
                     _abandoned.difference_update([t for t in _abandoned if not t.is_alive()])
@@ -462,7 +428,7 @@ class LayerLoader:
                     self.store.suspend(tiers, str(stalled))  # skipped for a while (where a tier has a backoff)
                 raise stalled
             if not self._cuda:
-                self.exposed_load_s += time.perf_counter() - t0 - self._rebuild_s
+                self.exposed_load_s += time.perf_counter() - t0
         if self._error is not None:
             raise self._error
         self._waited.add(layer)
@@ -474,21 +440,9 @@ class LayerLoader:
                 self._stalls.append((before, after))
         self._slots.release()
 
-    def _wait_serving(self, event: threading.Event) -> bool:
-        """Wait for `event`, rebuilding unreadable entries meanwhile (their time is neither
-        load time nor counted against `stall_s`); False after `stall_s` of waiting."""
-        self._rebuild_s = 0.0
-        waited = 0.0
-        while True:
-            step = 0.005 if self.stall_s is None else min(0.005, max(self.stall_s - waited, 0.0))
-            if event.wait(step):
-                return True
-            waited += step
-            self._rebuild_s += self._serve_rebuilds()
-            if event.is_set():
-                return True
-            if self.stall_s is not None and waited >= self.stall_s:
-                return False
+    def _wait_for(self, event: threading.Event) -> bool:
+        """Wait for `event`; False after `stall_s` of waiting."""
+        return event.wait(self.stall_s)
 
     def close(self) -> None:
         """Stop the loader thread; on CUDA, order the compute stream after every copy issued and
@@ -545,7 +499,7 @@ class _HostPlacer:
                 if kv is not None:
                     ld._count_read(p, header.layer_nbytes, time.perf_counter() - t0)
                     return header, kv[0], kv[1]
-        entry = ld._recompute(p, layer)
+        entry = ld._unreadable(p, layer)
         k, v = entry.layers[layer]
         ld.computed_bytes += k.numel() * k.element_size() + v.numel() * v.element_size()
         return entry.header, k, v
@@ -814,7 +768,7 @@ class _StagedPlacer:
         for i in fill:
             if ok.get(i):
                 continue
-            entry = ld._recompute(ld.placements[i], layer)  # in memory: computed this request
+            entry = ld._unreadable(ld.placements[i], layer)  # in memory: computed this request
             k, v = entry.layers[layer]
             if sizes[i] != self.numel[i] * self.elem:  # its encoded bytes were to come here
                 computed[i] = (k, v)

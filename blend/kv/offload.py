@@ -139,7 +139,7 @@ class KVParking:
             if located is None:
                 log.info("parked KV block %s is gone from the tiers; the sequence is recomputed", key[:20])
                 return None
-            placements.append(Placement(start, end - start, start, located, None, _unrecoverable, layers=layers))
+            placements.append(Placement(start, end - start, start, located, None, layers=layers))
         cache = self.runner.new_cache(max(capacity, len(ids)), ring=parked.split is not None)
         cache.length = len(ids)
         try:
@@ -147,7 +147,7 @@ class KVParking:
                              self.prefetch_depth, stall_s=self.stall_s) as loader:
                 for layer in range(self.runner.num_layers):
                     loader.wait(layer)
-        except (LoadStalled, _Unrecoverable, StoreUnavailable, OSError) as err:
+        except (LoadStalled, StoreUnavailable, OSError) as err:
             log.info("parked KV could not be read back (%s); the sequence is recomputed", err)
             return None
         if parked.bias is not None and parked.split is None:
@@ -168,10 +168,3 @@ class KVParking:
             except (OSError, StoreUnavailable) as err:  # pragma: no cover - a tier gone mid-delete
                 log.debug("parked block %s not deleted: %s", key[:20], err)
 
-
-class _Unrecoverable(RuntimeError):
-    """A parked block's layer was unreadable: parked KV cannot be recomputed from its tokens."""
-
-
-def _unrecoverable():
-    raise _Unrecoverable("a parked layer was unreadable")

@@ -239,8 +239,7 @@ class PrefixCache:
         located = self.store.lookup(self.key(ids, start, end), self.maker.expected(ids[start:end], start), budget)
         if located is None:
             return None
-        return Placement(start, end - start, start, located, None,
-                         lambda: self.maker.compute(ids[start:end], ids[:start]))
+        return Placement(start, end - start, start, located, None)
 
     # ------------------------------------------------------------------- store
     def store_blocks(self, token_ids: Sequence[int], cache: KVCache, *, skip_below: int = 0,
@@ -305,12 +304,11 @@ class PrefixCache:
 
 
 def intact_end(chain: Sequence[Placement], load: LoadReport) -> int:
-    """End of the leading blocks of `chain` that were loaded from the store, not recomputed
-    on a bad read (`load`: the loader's report)."""
+    """End of the leading blocks of `chain` that were loaded from the store (`load`: the loader's
+    report; an unreadable block fails the load instead)."""
     end = 0
-    rebuilt = set(load.recomputed_starts)
     for pl in chain:
-        if pl.entry is not None or pl.start in rebuilt:
+        if pl.entry is not None:
             break
         end = pl.start + pl.length
     return end

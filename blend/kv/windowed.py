@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from blend.kv.loader import Placement
 from blend.kv.prefix import PrefixCache
 from blend.model.cache import KVCache
@@ -155,23 +153,14 @@ class WindowedChain:
         if located is None:
             return None
         layers = self.full_layers if kind == "full" else self.sliding_layers
-        return Placement(start, end - start, start, located, None, lambda: self._recompute(kind, ids, start, end),
-                         layers=layers)
-
-    def _recompute(self, kind: str, ids: list[int], start: int, end: int) -> KVEntry:
-        """An unreadable entry rebuilt exactly: every token up to `end` prefilled."""
-        cache = self.runner.new_cache(end)
-        with torch.inference_mode():
-            self.runner.prefill(torch.tensor(ids[:end]), cache, logit_rows=())
-        return self._entry(kind, cache, ids, start, end)
+        return Placement(start, end - start, start, located, None, layers=layers)
 
     def intact_end(self, chain: Sequence[Placement], load: LoadReport) -> int:
-        """End of the leading global blocks loaded from the store, not recomputed on a bad read
-        (the window entry is not a block of the chain)."""
-        rebuilt = set(load.recomputed_starts)
+        """End of the leading global blocks loaded from the store (the window entry is not a block
+        of the chain; an unreadable block fails the load instead)."""
         end = 0
         for pl in chain:
-            if pl.layers != self.full_layers or pl.start != end or pl.entry is not None or pl.start in rebuilt:
+            if pl.layers != self.full_layers or pl.start != end or pl.entry is not None:
                 break
             end = pl.start + pl.length
         return end

@@ -831,7 +831,17 @@ class Runner:
         if any(len(p) > 1 for p in pieces):
             outs = iter(self.forward([p for ps in pieces for p in ps]))
             return [_merged([next(outs) for _ in ps]) for ps in pieces]
-        work = [_Item(self, it) for it in items]
+        work, refused = [], {}
+        for i, it in enumerate(items):
+            try:
+                work.append(_Item(self, it))
+            except ValueError as err:  # rows refused (past the positions, empty, bad logit rows): that item only
+                refused[i] = err
+        if refused:
+            outs = iter(self.forward([it for i, it in enumerate(items) if i not in refused])
+                        if len(refused) < len(items) else ())
+            return [Output(torch.empty(0, dtype=torch.long), error=refused[i]) if i in refused else next(outs)
+                    for i in range(len(items))]
         members: list[_Item] = []  # the items whose rows make up `h` (in step order)
         h = cos = sin = torch.empty(0)
         for layer in range(min(w.first for w in work), max(w.end for w in work)):

@@ -463,19 +463,14 @@ class SessionManager:
         # a hybrid model: sliding layers are rings holding the loaded window, then the new tokens
         cache = runner.new_cache(capacity, ring=windowed is not None)
         logits, load = yield from self.prefix.prefill_steps(ids, chain, cache)
-        # a block whose stored layers were unreadable was recomputed by the loader (exactly,
-        # with all tokens before it as context) and deleted by its tier: count it as
-        # computed and store it again
-        rebuilt = set(load.recomputed_starts)
+        # (a block whose stored layers were unreadable failed the load: LoadFailed, the turn computed in full)
         if windowed is not None:  # positions loaded: the global chain's (the window lies inside it)
-            loaded = sum(pl.length for pl in chain
-                         if pl.entry is None and pl.start not in rebuilt and pl.layers == windowed.full_layers)
-            if any(pl.layers == windowed.sliding_layers and (pl.entry is not None or pl.start in rebuilt)
-                   for pl in chain):
-                loaded = 0  # the window was recomputed from the whole conversation
+            loaded = sum(pl.length for pl in chain if pl.entry is None and pl.layers == windowed.full_layers)
+            if any(pl.layers == windowed.sliding_layers and pl.entry is not None for pl in chain):
+                loaded = 0  # the window was computed from the whole conversation
             turn.stored_end = windowed.intact_end(chain, load)
         else:
-            loaded = sum(pl.length for pl in chain if pl.entry is None and pl.start not in rebuilt)
+            loaded = sum(pl.length for pl in chain if pl.entry is None)
             turn.stored_end = intact_end(chain, load)
         pre = Prefilled(logits, cache, stats("store" if loaded else "computed", loaded, load=load,
                                              **tally_fields(tally)), tuple(ids))

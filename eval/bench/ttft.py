@@ -87,22 +87,28 @@ def layer_times_full(engine, prompt) -> tuple[float, list[float]]:
     cuda = runner.device.type == "cuda"
     marks: list[float] = []
 
-    def mark(_layer: int) -> None:
-        _sync(runner.device)
-        marks.append(time.perf_counter())
+    class Marks:  # a LayerWaiter: the time each layer starts (once per layer, whatever pieces the prompt is cut in)
+        def __init__(self) -> None:
+            self.seen: set[int] = set()
 
-    def timed(hook) -> tuple[float, float]:
+        def wait(self, layer: int) -> None:
+            if layer not in self.seen:
+                self.seen.add(layer)
+                _sync(runner.device)
+                marks.append(time.perf_counter())
+
+    def timed(hook: Marks | None) -> tuple[float, float]:
         cache = runner.new_cache(len(prompt))
         _sync(runner.device)
         t0 = time.perf_counter()
-        runner.prefill(ids, cache, before_layer=hook)
+        runner.prefill(ids, cache, loads=hook)
         _sync(runner.device)
         return t0, time.perf_counter()
 
-    t0, end = timed(mark if not cuda else None)
+    t0, end = timed(Marks() if not cuda else None)
     ttft = end - t0
     if cuda:
-        _, end = timed(mark)
+        _, end = timed(Marks())
     marks.append(end)
     return ttft, [b - a for a, b in zip(marks, marks[1:], strict=False)]
 
