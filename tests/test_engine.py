@@ -223,7 +223,7 @@ def test_corrupt_entry_is_recomputed(tmp_path):
         split="off")  # a tiny model computes faster than it loads: the split would compute it whole
     with BlendEngine(cfg, model=lm) as engine:
         again = engine.generate(QUESTION, DOCS, mode="blend", recompute_ratio=0.3, max_new_tokens=3)
-        assert again.stats.load.recomputed_segments > 0 or again.stats.documents.misses > 0
+        assert again.stats.documents.misses > 0  # dropped at the failed load, computed on their own
         corrupt = engine.store.stats()
     assert maxdiff(reference.first_token_logprobs, again.first_token_logprobs) < 1e-5
     assert again.token_ids == reference.token_ids

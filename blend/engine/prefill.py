@@ -33,7 +33,7 @@ from blend.config import BlendConfig, Selection
 from blend.decode.forcing import answer_nll, forced_logprobs
 from blend.decode.generation import Prefilled
 from blend.kv.documents import Block, DocumentCache, Resolution
-from blend.kv.loader import LayerLoader, LoadStalled, Placement
+from blend.kv.loader import LayerLoader, LoadFailed, LoadStalled, Placement
 from blend.kv.prefix import PrefixCache
 from blend.model.runner import Rows, Runner
 from blend.planning.misses import HARVEST, MIXED, plan_misses
@@ -166,25 +166,37 @@ class Prefiller:
         tally = LookupTally(self.tier_names)
         cached = [i for i, s in enumerate(prompt.segments) if s.kind != "query"]
         blocks = blocks if blocks is not None else self.documents.segment_blocks(prompt)
-        while self.documents.computing([b.key for i in cached for b in blocks[i]]):
-            yield  # another plan under way computes some of these documents: their entries, not a second pass
-        resolution = self.documents.lookup(prompt, cached, blocks, submitted)
-        claimed = [b.key for looked in resolution.looked if looked.missed for b in looked.rebuild.block_list]
-        self.documents.claim(claimed)
-        try:
-            return (yield from self._resolved_steps(prompt, resolution, tally, ratio, capacity, mode, selection, split))
-        finally:
-            self.documents.release(claimed)
+        failed: LoadFailed | None = None
+        for _attempt in range(2):
+            while self.documents.computing([b.key for i in cached for b in blocks[i]]):
+                yield  # another plan under way computes some of these documents: their entries, not a second pass
+            # after a failed load, nothing of the store is trusted: every document computed again on its own
+            resolution = self.documents.lookup(prompt, cached, blocks, submitted, use_store=failed is None)
+            claimed = [b.key for looked in resolution.looked if looked.missed for b in looked.rebuild.block_list]
+            self.documents.claim(claimed)
+            try:
+                # after an unreadable entry (dropped by the loader) the plan again, every document a miss computed
+                # on its own as its entry was: the answer intact entries give, and every entry rewritten
+                return (yield from self._resolved_steps(prompt, resolution, tally, ratio, capacity, mode, selection,
+                                                        split, "standalone" if failed is not None else None))
+            except LoadFailed as err:
+                failed, tally = err, LookupTally(self.tier_names)
+            finally:
+                self.documents.release(claimed)
+        assert failed is not None
+        pre = yield from self._timed(FullPlan(prompt.token_ids, capacity, self._stats(prompt, "full")))
+        pre.stats = pre.stats.replace(stalled_tiers=failed.tiers)
+        return pre
 
     def _resolved_steps(self, prompt: Prompt, resolution: Resolution, tally: LookupTally, ratio: float,
-                        capacity: int, mode: str, selection: Selection, split: str | None
-                        ) -> Generator[Any, Any, Prefilled]:
+                        capacity: int, mode: str, selection: Selection, split: str | None,
+                        miss_policy: str | None = None) -> Generator[Any, Any, Prefilled]:
         report = MissReport(deduplicated=resolution.deduplicated)
         plan = None
         yield from self._calibrated(split)
         if resolution.misses:  # priced (blend.planning.misses), then paid as the cheapest plan runs
-            plan = plan_misses(self.config.blend.miss_policy, self.splitter.cost_model(split), prompt, resolution,
-                               self.documents, ratio, selection, self.runner.num_layers)
+            plan = plan_misses(miss_policy or self.config.blend.miss_policy, self.splitter.cost_model(split), prompt,
+                               resolution, self.documents, ratio, selection, self.runner.num_layers)
             report = MissReport(plan.kind, plan.reason, resolution.misses, len(plan.standalone), len(plan.harvested),
                                 resolution.deduplicated, 0.0, dict(plan.predicted))
             if plan.kind == HARVEST:  # one full prefill; the missing documents cut out of it
@@ -231,8 +243,8 @@ class Prefiller:
         try:
             pre = yield from clock.relay(self.run(plan) if not isinstance(plan, Generator) else plan)
         except LoadStalled as err:
-            if fallback is None:
-                raise
+            if fallback is None or (isinstance(err, LoadFailed) and isinstance(plan, BlendPlan)):
+                raise  # (an unreadable entry of a blend: planned again, it is a miss: `_blend_steps`)
             pre = yield from clock.relay(self.run(fallback))
             pre.stats = pre.stats.replace(stalled_tiers=err.tiers)
         if pre.logits.device.type == "cuda":  # timed to the logits, as TTFT is

@@ -197,11 +197,12 @@ class DocumentCache:
             return any(key in self._claimed for key in keys)
 
     def lookup(self, prompt: Prompt, segments: Sequence[int], blocks: dict[int, list[Block]] | None = None,
-               submitted: float | None = None) -> Resolution:
+               submitted: float | None = None, *, use_store: bool = True) -> Resolution:
         """Look up every block of the segments at these indices of `prompt` (blocks: from
         `segment_blocks`, computed if not given); nothing is computed or written. `submitted`
         (time.monotonic() of the request's submission): found segments computed for another
-        request since then are counted as `deduplicated`."""
+        request since then are counted as `deduplicated`. `use_store=False`: nothing is looked up,
+        every segment a miss (a plan again after one of its loads failed)."""
         blocks = blocks if blocks is not None else self.segment_blocks(prompt)
         budget = LookupBudget(self.stall_s)
         looked = []
@@ -210,7 +211,7 @@ class DocumentCache:
             ids, context = list(seg.token_ids), self.context(seg, prompt)
             seg_blocks = blocks[i]
             looked.append(_Looked(seg, _Rebuild(self, ids, context, seg_blocks),
-                                  [self._find(ids, b, budget) for b in seg_blocks]))
+                                  [self._find(ids, b, budget) if use_store else None for b in seg_blocks]))
         shared = 0
         if submitted is not None:
             with self._computed_lock:
@@ -296,9 +297,14 @@ class DocumentCache:
     def _standalone(self, context: list[int], ids: list[int], blocks: list[Block]
                     ) -> Generator[list[Rows], Any, None]:
         t0 = time.perf_counter()
-        made = yield from self.maker.document_passes([(ids, [(b.start, b.end) for b in blocks])], context)
-        for b, entry in zip(blocks, made[0], strict=True):
-            self.store.put(b.key, entry)
+        keys = [b.key for b in blocks]
+        self.claim(keys)  # a request meanwhile waits for these entries rather than meeting a rewrite
+        try:
+            made = yield from self.maker.document_passes([(ids, [(b.start, b.end) for b in blocks])], context)
+            for b, entry in zip(blocks, made[0], strict=True):
+                self.store.put(b.key, entry)
+        finally:
+            self.release(keys)
         self.background.done += 1
         self.background.seconds += time.perf_counter() - t0
 
