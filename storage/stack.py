@@ -21,6 +21,13 @@ its device; `storage.entry.decode_layer`). A hit in
 a lower tier is promoted: the layers the request reads are collected and, once all are
 seen, written to the tiers above in the background; `flush` (or overflow of the pending
 table) completes partially read promotions by reading the remaining layers.
+A delete wins over every write of its key planned before it: `delete` records when the key
+was deleted, drops a queued write of it, and every write carries the time it was planned
+(`put(planned=)`: by default when `put` is called; a request's document blocks pass the time
+their keys were laid out, a repair or a promotion the time the entry was found); the writer
+skips a write planned before the key's last delete and, when the delete came while the write
+was under way, deletes what it wrote. So nothing deleted comes back from a write queued or
+planned before the delete, however late it runs.
 Tiers are built for the store's namespace: listing, stats, clearing and budgets never
 reach another namespace's entries.
 """
@@ -50,6 +57,9 @@ from storage.tier import Layer, StoreUnavailable, Tier, tier_class
 log = logging.getLogger("kvblend.storage")
 
 MAX_PENDING_PROMOTIONS = 16
+# keys whose delete time is remembered (writes planned before it are dropped); past this, the
+# oldest are forgotten and every write planned before the newest forgotten delete is dropped
+DELETES_KEPT = 65536
 # at interpreter exit, queued writes are flushed for at most this long; what is still queued
 # then is dropped (with a warning): a process never hangs at exit on a store that stopped answering
 EXIT_FLUSH_S = 30.0
@@ -89,12 +99,14 @@ class LookupBudget:
 
 @dataclass(frozen=True)
 class Located:
-    """Where `lookup` found an entry: the tier and the verified header."""
+    """Where `lookup` found an entry: the tier and the verified header. `found_at`
+    (time.monotonic): when; a repair or promotion of it is a write planned then."""
 
     key: str
     tier_index: int
     tier_name: str
     header: EntryHeader
+    found_at: float = field(default_factory=time.monotonic, compare=False)
 
 
 @dataclass
@@ -107,16 +119,16 @@ _STOP = object()
 
 
 class _Put:
-    """One queued `put`: its write, and the event a lookup of its key waits on (set once it
-    is written, failed or dropped)."""
+    """One queued `put`: its write (planned at `planned`, time.monotonic), and the event a
+    lookup of its key waits on (set once it is written, failed or dropped)."""
 
-    def __init__(self, store: TieredStore, key: str, entry: KVEntry, exact: bool):
-        self.store, self.key, self.entry, self.exact = store, key, entry, exact
+    def __init__(self, store: TieredStore, key: str, entry: KVEntry, exact: bool, planned: float):
+        self.store, self.key, self.entry, self.exact, self.planned = store, key, entry, exact, planned
         self.done = threading.Event()
 
     def __call__(self) -> None:
         try:
-            self.store._write(self.key, self.entry, self.exact)
+            self.store._write(self.key, self.entry, self.exact, self.planned)
         finally:
             self.drop()
 
@@ -178,6 +190,9 @@ class TieredStore:
         self._error: BaseException | None = None
         self._pending: OrderedDict[str, _Promotion] = OrderedDict()
         self._queued: dict[str, _Put] = {}  # the last queued put of each key not yet written
+        self._deleted: OrderedDict[str, float] = OrderedDict()  # key -> time.monotonic() of its last delete
+        self._deleted_floor = float("-inf")  # the newest delete time forgotten (DELETES_KEPT)
+        self.puts_superseded = 0  # writes dropped because their key was deleted after they were planned
         self._lock = threading.Lock()
         self._counts: dict[str, Counter] = {t.name: Counter() for t in self.tiers}
         self.puts_deduplicated = 0  # puts of a key whose write was already queued (not queued again)
@@ -344,7 +359,7 @@ class TieredStore:
         self._count(located.tier_index, repairs=1)
         with self._lock:
             self._pending.pop(located.key, None)  # the broken entry is not worth promoting
-        self.put(located.key, entry)
+        self.put(located.key, entry, planned=located.found_at)
 
     def get(self, located: Located) -> KVEntry | None:
         """The whole located entry, or None if any layer is gone."""
@@ -385,6 +400,8 @@ class TieredStore:
         located = promotion.located
 
         def job() -> None:
+            if self.deleted_since(located.key, located.found_at):
+                return  # deleted after it was found: never written back
             missing = [i for i in range(located.header.num_layers) if i not in promotion.layers]
             if missing:
                 source = self.tiers[located.tier_index]
@@ -396,6 +413,7 @@ class TieredStore:
             for i in range(located.tier_index):  # as it is: never encoded twice, exact entries stay exact
                 self.tiers[i].put(located.key, entry)
                 self._count(i, promotions=1)
+            self._undo_if_deleted(located.key, located.found_at)
 
         self._ensure_writer()
         try:
@@ -404,9 +422,14 @@ class TieredStore:
             self._count(located.tier_index, promotions_dropped=1)
 
     # ------------------------------------------------------------------ writes
-    def put(self, key: str, entry: KVEntry, *, sync: bool = False, exact: bool = False) -> None:
+    def put(self, key: str, entry: KVEntry, *, sync: bool = False, exact: bool = False,
+            planned: float | None = None) -> None:
         """Write `entry` under `key` to every tier, encoded in each tier's codec: `exact_codec`
         for a prefix block's key (`storage.keys.key_kind`), `codec` for any other.
+
+        `planned` (time.monotonic; None: now): when the write was decided, e.g. when a request
+        laid out the block's key. A write planned before the key's last `delete` is dropped
+        (counted in `puts_superseded`), here or when the writer reaches it.
 
         sync=False (default) queues the write for the background writer and returns;
         it blocks while the queue (write_queue jobs) is full. Do not modify `entry`
@@ -416,11 +439,16 @@ class TieredStore:
         or for background writes at the next put/flush.
         """
         self._raise_background_error()
+        planned = time.monotonic() if planned is None else planned
+        if self.deleted_since(key, planned):
+            with self._lock:
+                self.puts_superseded += 1
+            return
         if sync:
-            self._write(key, entry, exact)
+            self._write(key, entry, exact, planned)
             return
         self._ensure_writer()
-        job = _Put(self, key, entry, exact)
+        job = _Put(self, key, entry, exact, planned)
         with self._lock:
             queued = self._queued.get(key)
             if queued is not None and not exact and queued.entry.header.origin == entry.header.origin:
@@ -429,9 +457,14 @@ class TieredStore:
             self._queued[key] = job
         self._queue.put(job)
 
-    def _write(self, key: str, entry: KVEntry, exact: bool = False) -> None:
+    def _write(self, key: str, entry: KVEntry, exact: bool = False, planned: float | None = None) -> None:
         """Put `entry` into every tier, encoded in the tier's codec for the key's kind (once per
-        codec; not when `exact`) and sealed."""
+        codec; not when `exact`) and sealed; nothing when the key was deleted after `planned`,
+        and what was written is deleted again when the delete came while it was written."""
+        if planned is not None and self.deleted_since(key, planned):
+            with self._lock:
+                self.puts_superseded += 1
+            return
         ready: dict[Codec, KVEntry] = {}
         codecs = self.exact_codecs if key_kind(key) == "prefix" else self.codecs
         for i, (tier, codec) in enumerate(zip(self.tiers, codecs, strict=True)):
@@ -443,6 +476,22 @@ class TieredStore:
                 tier.put(key, ready[codec])
             finally:
                 self._count(i, write_s=time.monotonic() - t0)
+        if planned is not None:
+            self._undo_if_deleted(key, planned)
+
+    def deleted_since(self, key: str, planned: float) -> bool:
+        """Whether `key` was deleted after `planned` (time.monotonic): a write planned then is void."""
+        with self._lock:
+            return planned < self._deleted_floor or self._deleted.get(key, float("-inf")) > planned
+
+    def _undo_if_deleted(self, key: str, planned: float) -> None:
+        """After a write planned at `planned`: when `key` was deleted meanwhile (the delete may have
+        reached the tiers before this write did), delete it again."""
+        if self.deleted_since(key, planned):
+            with self._lock:
+                self.puts_superseded += 1
+            for tier in self.tiers:
+                tier.delete(key)
 
     def _seal(self, key: str, entry: KVEntry) -> KVEntry:
         """`entry` with a tag for `key` when the store has a secret (sha256 checksums: ~1.4 GB/s)."""
@@ -558,9 +607,18 @@ class TieredStore:
 
     def delete(self, key: str) -> list[str]:
         """Remove `key` from every tier; returns the names of the tiers that could not be
-        reached (the entry may stay there)."""
+        reached (the entry may stay there). Wins over every write of `key` planned before it:
+        a queued one is dropped, one under way is undone, a later one planned earlier is
+        skipped (see `put`). Does not wait for the writer."""
         with self._lock:
+            self._deleted[key] = time.monotonic()
+            self._deleted.move_to_end(key)
+            while len(self._deleted) > DELETES_KEPT:
+                self._deleted_floor = max(self._deleted_floor, self._deleted.popitem(last=False)[1])
             self._pending.pop(key, None)
+            queued = self._queued.pop(key, None)
+        if queued is not None:
+            queued.done.set()  # a lookup waiting for it goes on to the tiers (the writer skips it)
         return [tier.name for tier in self.tiers if not tier.delete(key)]
 
     def clear(self) -> list[str]:

@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from blend.engine.engine import BlendEngine
+from blend.prompt.document import Document
 from tests.models import smollm2_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -691,7 +692,7 @@ def test_document_ids_round_trip_through_the_url_path_or_are_refused_at_ingest(s
         reply = httpx.post(server.url + "/v1/documents", json={"documents": [{"id": bad, "text": "Some text."}]},
                            timeout=120)
         assert reply.status_code == 400, (bad, reply.text)
-        assert "a document id is 1 to 256 characters without '/'" in reply.json()["error"]["message"]
+        assert "a document id is 1 to 256 characters, not all whitespace, without '/'" in reply.json()["error"]["message"]
     for path in ["/v1/documents/.", "/v1/documents/..", "/v1/documents/%2e%2e", "/v1/documents/%2E",
                  "/v1/documents/a%0Ab", "/v1/documents/a%2Fb", "/v1/documents/", "/v1/documents/never-seen"]:
         assert raw_status(server.url, "DELETE", path) == 404, path
@@ -716,3 +717,45 @@ def test_inter_token_latency_is_the_gaps_between_a_stream_s_chunks():
     assert level.summary()["decode_rows_in_prefill_steps"] == 21
     assert Level(clients=1, samples=[Sample(True, ttft_s=0.1, e2e_s=0.1, tokens=1)], wall_s=1.0).summary()[
         "itl_p50_s"] is None
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.15])
+def test_a_document_deleted_right_after_a_harvesting_request_stays_deleted(setup, tmp_path, delay):
+    """Issue 49, item 1, through `kvblend serve`: a chat whose documents all miss harvests them
+    (their writes queued, their standalone recompute waiting for the idle engine); DELETE of
+    every id right after it removes them for good: seconds later no tier holds them, and a second
+    DELETE is 404 because nothing of them is left, not while their data is back on disk."""
+    root, _ = setup
+    config = tmp_path / "harvest.yaml"
+    config.write_text(f"""
+model: {root / "model"}
+device: cpu
+engine:
+  blend: {{chunk_tokens: 16, split: "off", miss_policy: harvest}}
+  generation: {{max_new_tokens: 4}}
+  sessions: {{sessions_dir: {tmp_path / "sessions"}}}
+store:
+  kv_dtype: float32
+  tiers:
+    - {{kind: disk, path: {tmp_path / "disk"}, budget: 64MiB, codec: none}}
+""")
+    docs = [d for d in DOCS if "id" in d]
+    server = Server(config, tmp_path, "--no-warmup")
+    try:
+        reply = httpx.post(server.url + "/v1/chat/completions", json=chat_body(QUESTIONS[0], docs=docs), timeout=120)
+        assert reply.status_code == 200 and reply.json()["kvblend"]["miss_plan"]["plan"] == "harvest"
+        time.sleep(delay)
+        for doc in docs:
+            assert httpx.delete(f"{server.url}/v1/documents/{doc['id']}", timeout=60).status_code == 200
+        time.sleep(2.5)  # the engine idle: its background recompute would have run
+        for doc in docs:
+            assert httpx.delete(f"{server.url}/v1/documents/{doc['id']}", timeout=60).status_code == 404
+    finally:
+        assert server.stop() == 0, server.log.read_text()[-3000:]  # its queued writes flushed
+    with BlendEngine.from_config(config) as engine:
+        prompt = engine.build_prompt(QUESTIONS[0], [Document(d["text"], id=d["id"], title=d.get("title"))
+                                                    for d in docs])
+        keys = [key for seg in prompt.documents for key in engine.document_kv.keys(seg, prompt)]
+        system = engine.document_kv.keys(prompt.prefix, prompt)
+        assert keys and all(engine.store.contains(key) is None for key in keys), "a deleted document came back"
+        assert all(engine.store.contains(key) is not None for key in system)  # what was not deleted stays

@@ -155,7 +155,9 @@ class BlendEngine:
         """Remove a document this engine ingested (or served with an explicit id) from every tier;
         returns the keys deleted (blocks another known document uses are kept). KeyError if the id
         is unknown to this engine; StoreUnavailable (the id stays known) if a tier could not be
-        reached. Waits for queued writes first (blend.kv.ingest.Ingestor.delete)."""
+        reached. The delete wins over every write of those blocks planned before it (queued, under
+        way, a request in flight, the background recompute of a harvested document): nothing
+        deleted is stored again but by a request or ingest made after it (blend.kv.ingest.Ingestor.delete)."""
         if not isinstance(doc_id, str):
             raise TypeError(f"document id must be a str, got {type(doc_id).__name__}")
         self._check_open()

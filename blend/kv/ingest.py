@@ -169,15 +169,16 @@ class Ingestor:
         """Remove a known document's blocks from every tier (those another known document also
         uses are kept); returns the keys deleted. KeyError if the id is unknown.
 
-        Side effects: waits for queued writes first, so no write lands after the delete. A
-        tier that cannot be reached keeps its copy: then the id stays known (a retry deletes
-        again) and StoreUnavailable names the tier."""
+        Side effects: the delete wins over every write of these keys planned before it (queued,
+        under way, or still to come from a request in flight or the background recompute of a
+        harvested document: `TieredStore.delete`), and those documents leave the background
+        queue; nothing waits for the store's writer. A tier that cannot be reached keeps its
+        copy: then the id stays known (a retry deletes again) and StoreUnavailable names the tier."""
         try:
             keys = self.index.own_keys(doc_id)
         except KeyError:
             raise KeyError(f"document id {doc_id!r} is unknown to this engine (ids live in the process that "
                            "ingested or served them); nothing deleted") from None
-        self.store.flush()
         unreached: set[str] = set()
         for key in keys:
             unreached.update(self.store.delete(key))
@@ -185,5 +186,6 @@ class Ingestor:
             raise StoreUnavailable(f"document {doc_id!r}: tier {', '.join(sorted(unreached))} could not be reached, "
                                    "so its blocks may stay there (the other tiers dropped them); retry the delete "
                                    "once it is back: the id stays known")
+        self.cache.forget(keys)
         self.index.forget(doc_id)
         return keys
