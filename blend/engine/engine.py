@@ -147,7 +147,9 @@ class BlendEngine:
         if stop is not None and not callable(stop):
             raise TypeError(f"stop must be a callable returning a bool, got {type(stop).__name__}")
         job = self.ingestor.prepare(documents, self.layout.builder(template), self.runner.max_positions)
-        handle = Handle(sink, deadline)
+        # sync: the writes awaited on a thread of the handle's, never on the scheduler's (a hung store
+        # write would hold every request there)
+        handle = Handle(sink, deadline, then=self.ingestor.confirm if sync else None)
         self.scheduler.submit(Task("ingest", IngestWork(job, sync, stop), handle))
         return handle
 
