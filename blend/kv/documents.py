@@ -161,6 +161,12 @@ class DocumentCache:
         """Prefill the whole document after `context` once; one entry per block (storage dtype)."""
         return self.maker.compute_blocks(ids, context, [(b.start, b.end) for b in blocks])
 
+    def store_block(self, block: Block, entry: KVEntry) -> None:
+        """Queue the write of one block's entry, planned when the block was (`Block.planned`): a
+        delete of its key since then wins (the write is dropped). Every document write goes
+        through here (a request's misses, a harvest, the background recompute, an ingest)."""
+        self.store.put(block.key, entry, planned=block.planned)
+
     def segment_blocks(self, prompt: Prompt) -> dict[int, list[Block]]:
         """The blocks (and their keys, hashed here once) of every cacheable segment of
         `prompt`, by segment index: what a request looks up and what a document id records.
@@ -248,7 +254,7 @@ class DocumentCache:
         """Queue the writes of a missed segment's blocks that no tier holds (each key once per request)."""
         for b, loc, entry in zip(looked.rebuild.block_list, looked.found, entries, strict=True):
             if loc is None and b.key not in queued:
-                self.store.put(b.key, entry, planned=b.planned)
+                self.store_block(b, entry)
                 queued.add(b.key)
 
     # ------------------------------------------------------ background recompute
@@ -293,7 +299,7 @@ class DocumentCache:
         t0 = time.perf_counter()
         entries = self.compute(list(ids), list(context), blocks)
         for b, entry in zip(blocks, entries, strict=True):
-            self.store.put(b.key, entry, planned=b.planned)
+            self.store_block(b, entry)
         self.background.done += 1
         self.background.seconds += time.perf_counter() - t0
 
@@ -406,7 +412,7 @@ class DocumentCache:
                 for (n, todo), made in zip(pack, entries, strict=True):
                     for i in todo:
                         block = found[n][3][i]
-                        self.store.put(block.key, made[i], planned=block.planned)
+                        self.store_block(block, made[i])
                     done.add(n)
                 yield  # between passes: the scheduler decodes running sequences
         return stored()
