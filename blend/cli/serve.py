@@ -26,6 +26,7 @@ from blend.cli.common import (
     config_arg,
     emit_json,
     json_arg,
+    non_negative_float,
     positive_float,
     positive_int,
     positive_ints,
@@ -66,7 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = BlendEngine.from_config(args.config, **overrides)
         settings = ServerSettings(served_model_name=args.served_model_name or engine.config.model,
                                   queue_size=args.queue_size, request_timeout_s=args.request_timeout,
-                                  warmup=not args.no_warmup, max_body_bytes=args.max_body)
+                                  warmup=not args.no_warmup, max_body_bytes=args.max_body,
+                                  shutdown_grace_s=args.shutdown_grace)
     except BaseException:
         sock.close()
         raise
@@ -98,6 +100,10 @@ def register(subparsers: Any) -> None:
                    "alongside (default: the config's engine.prefill_chunk_tokens, $KVBLEND_PREFILL_CHUNK_TOKENS)")
     p.add_argument("--request-timeout", type=arg_type(positive_float), default=300.0,
                    help="seconds from acceptance to the last token before a request is cancelled (default 300)")
+    p.add_argument("--shutdown-grace", type=arg_type(non_negative_float), default=20.0,
+                   help="seconds the requests in flight or queued have to finish after SIGTERM / SIGINT; then "
+                   "each ends with an error (503) and the server exits after at most 10 s for the step under "
+                   "way and 10 s for the queued cache writes (default 20)")
     p.add_argument("--max-body", type=arg_type(_body_bytes), default=16 << 20,
                    help="largest request body, e.g. 16MiB (default); larger ones get 413 before parsing")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the config's model)")

@@ -165,10 +165,10 @@ def check_library(target: Path) -> str | None:
     `.sha256` file. "missing" when nothing is there."""
     try:
         st = os.lstat(target)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no library there (or no directory: the build says why)
         return "missing"
     except OSError as err:
-        return f"cannot be read: {err}"
+        return f"unreadable ({err})"
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
     try:
@@ -215,8 +215,11 @@ def _build(cc: str, libgomp: str, target: Path, spec: KernelSpec = DECODE) -> No
     """Compile `spec` into `target` (atomically: a temporary file renamed) with its digest beside it."""
     try:
         _compile(cc, libgomp, target, spec)
-    except OSError as err:  # the cache directory: not writable, full
-        raise NativeBuildError(f"building the {spec.title} into {target.parent} failed: {err}") from None
+    except OSError as err:  # the cache directory: not a directory, not writable, full
+        from blend.config import HOME_ENV
+
+        raise NativeBuildError(f"building the {spec.title} into {target.parent} failed ({err.strerror or err}); "
+                               f"set {HOME_ENV} to a writable directory") from None
 
 
 def _compile(cc: str, libgomp: str, target: Path, spec: KernelSpec = DECODE) -> None:

@@ -24,7 +24,7 @@ from blend.engine.sequence import Handle
 from blend.prompt.document import check_document_id, check_documents, render_document
 from blend.server import schemas
 from blend.server.errors import ApiError, bad_request, job_error, timed_out
-from blend.server.jobs import Finished, Job, next_event, run_job, submit, watch_disconnect
+from blend.server.jobs import Finished, Job, cancelled_error, next_event, run_job, submit, watch_disconnect
 from blend.server.metrics import CONTENT_TYPE
 from blend.server.state import ServerState, server_state
 from blend.server.stream import Reply, stream
@@ -87,9 +87,10 @@ async def complete(reply: Reply, request: Request) -> Response:
             status = known.status if known is not None else 500
             raise known or event.error
         result = event.value
-        if not isinstance(result, GenerationResult):  # cancelled: the client is gone, or the deadline
-            status = 504 if job.stopped() and not job.cancelled else 499
-            raise ApiError(status, "the request was cancelled", "cancelled")
+        if not isinstance(result, GenerationResult):  # cancelled: the client is gone, the deadline, a shutdown
+            refusal = cancelled_error(state, job)
+            status = refusal.status
+            raise refusal
         status = 200
         state.metrics.finished(result.stats, result.prompt_tokens, time.monotonic() - reply.accepted, event.queued_s)
         build = schemas.chat_completion if reply.chat else schemas.completion
