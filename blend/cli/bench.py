@@ -209,7 +209,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     batches = positive_ints(args.batch, "--batch")
     from blend.config import load_config
 
-    overrides = {name: getattr(args, name) for name in ("model", "dtype", "device") if getattr(args, name)}
+    overrides = {name: getattr(args, name) for name in ("model", "dtype", "device", "weights") if getattr(args, name)}
     config = load_config(args.config, **overrides)  # a bad config fails here, before the model loads
     from eval.bench.decode import DecodeSettings, run_decode_bench
 
@@ -293,6 +293,8 @@ def _register_decode(sub: Any) -> None:
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES, help="override the compute dtype (auto: "
                    "bfloat16 where the CPU or GPU computes it natively)")
     p.add_argument("--device", default=None, help="override the device: auto, cpu, cuda, cuda:<index>")
+    p.add_argument("--weights", default=None, choices=("auto", "quantized", "dequantized"),
+                   help="override which weights the linear layers read (config `weights`)")
     json_arg(p)
     p.set_defaults(func=cmd_decode)
 

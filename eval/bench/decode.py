@@ -178,7 +178,7 @@ def run_decode_bench(config: Any, settings: DecodeSettings, log: Callable[[str],
 
     watch = LoadWatch.begin()
     steady = Steadiness.begin()
-    lm = load_model(config.model, device=config.device, dtype=config.dtype)
+    lm = load_model(config.model, device=config.device, dtype=config.dtype, weights=config.weights)
     settings.check(lm.dims.max_positions)
     runner = Runner(lm)
     rows = measure_decode(runner, settings, log)

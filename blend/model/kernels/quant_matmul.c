@@ -61,6 +61,10 @@ typedef struct {
     int64_t type, n, w, row_bytes;
 } kvb_segment;
 
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float f16_to_f32(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+#else
 static inline float f16_to_f32(const uint8_t *p) {
     const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -83,6 +87,7 @@ static inline float f16_to_f32(const uint8_t *p) {
     c.u = bits;
     return c.f;
 }
+#endif
 
 static inline uint32_t read_u32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -256,6 +261,16 @@ static inline __m512i dot16(__m512i acc, __m512i w, __m512i x) {
 #endif
 }
 
+/* [a x8 | b x8] and [c x8 | d x8] from the float16 pairs (a, c) at pa and (b, d) at pb */
+static inline void halves_f16(const uint8_t *pa, const uint8_t *pb, __m512 *ac, __m512 *bd) {
+    uint32_t ua, ub;
+    memcpy(&ua, pa, 4);
+    memcpy(&ub, pb, 4);
+    const __m512 v = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)((uint64_t)ua | ((uint64_t)ub << 32)))));
+    *ac = _mm512_permutexvar_ps(_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0), v);
+    *bd = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1), v);
+}
+
 static inline __m512 halves(float a, float b) {
     return _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(a), _mm512_set1_ps(b));
 }
@@ -291,13 +306,13 @@ static inline __attribute__((always_inline)) void unpack512(int type, const uint
             *lo = _mm512_sub_epi16(*lo, sixteen);
             *hi = _mm512_sub_epi16(*hi, sixteen);
         }
-        *ws = halves(f16_to_f32(a), f16_to_f32(b));
-        *wm = type == T_Q4_1 ? halves(f16_to_f32(a + 2), f16_to_f32(b + 2)) : _mm512_setzero_ps();
+        halves_f16(a, b, ws, wm); /* d and m (Q4_1) or d and the first quants (ignored) */
+        if (type != T_Q4_1) *wm = _mm512_setzero_ps();
     } else if (type == T_Q8_0) {
         const uint8_t *a = row + 2 * p * 34, *b = a + 34;
         *lo = _mm512_cvtepi8_epi16(two(a + 2, b + 2));
         *hi = _mm512_cvtepi8_epi16(two(a + 18, b + 18));
-        *ws = halves(f16_to_f32(a), f16_to_f32(b));
+        halves_f16(a, b, ws, wm);
         *wm = _mm512_setzero_ps();
     } else if (type == T_Q4_K) {
         const uint8_t *blk = row + (p / 4) * 144;
@@ -340,8 +355,9 @@ static inline __attribute__((always_inline)) void unpack512(int type, const uint
 /* nr rows (constant in each instantiation) x one weight row: out[r] = the dot products */
 static inline __attribute__((always_inline)) void column512(int type, int nr, const uint8_t *wrow, long pairs,
                                                              const xrow_t *xs, float *out) {
-    __m512 acc[GROUP];
-    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    /* per row: even and odd pairs' sums apart (two chains of FMA latency), minimums apart */
+    __m512 acc[GROUP][2], accm[GROUP];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = accm[r] = _mm512_setzero_ps();
     for (long p = 0; p < pairs; p++) {
         __m512i lo, hi;
         __m512 ws, wm;
@@ -351,11 +367,12 @@ static inline __attribute__((always_inline)) void column512(int type, int nr, co
             const __m512i s = dot16(dot16(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq)), hi,
                                     _mm512_loadu_si512(xq + 32));
             const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(xs[r].sxv + 16 * p));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
-            if (has_min(type)) acc[r] = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xs[r].xsv + 16 * p), acc[r]);
+            acc[r][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r][p & 1]);
+            if (has_min(type)) accm[r] = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xs[r].xsv + 16 * p), accm[r]);
         }
     }
-    for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < nr; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), accm[r]));
 }
 
 #define COLUMN_CASE(T, N) \
