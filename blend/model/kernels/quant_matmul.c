@@ -31,7 +31,7 @@
  * Batch and thread invariance: each output (row, column) is computed by the same
  * sequence of operations whatever the number of rows in the call, which rows share it,
  * and which thread runs it: the work items are fixed blocks of output columns, the rows
- * are walked in groups of up to 8 that share each unpacked weight pair, and a row's
+ * are walked in groups of up to 4 that share each unpacked weight pair, and a row's
  * accumulator sees its pairs in k order alone (its x blocks are quantized from that row
  * only). tests/test_quant_kernel.py checks it bitwise.
  *
@@ -52,7 +52,7 @@
 
 enum { KIND_F32 = 0, KIND_BF16 = 1 };
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 }; /* GGML type ids */
-#define GROUP 8       /* rows sharing one unpacked weight pair */
+#define GROUP 4       /* rows sharing one unpacked weight pair */
 #define ITEM_COLS 16  /* output columns per work item */
 #define XQ_MAX 32767.0f
 
@@ -356,23 +356,31 @@ static inline __attribute__((always_inline)) void unpack512(int type, const uint
 static inline __attribute__((always_inline)) void column512(int type, int nr, const uint8_t *wrow, long pairs,
                                                              const xrow_t *xs, float *out) {
     /* per row: even and odd pairs' sums apart (two chains of FMA latency), minimums apart */
-    __m512 acc[GROUP][2], accm[GROUP];
-    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = accm[r] = _mm512_setzero_ps();
-    for (long p = 0; p < pairs; p++) {
-        __m512i lo, hi;
-        __m512 ws, wm;
-        unpack512(type, wrow, p, &lo, &hi, &ws, &wm);
-        for (int r = 0; r < nr; r++) {
-            const int16_t *xq = xs[r].xq + 64 * p;
-            const __m512i s = dot16(dot16(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq)), hi,
-                                    _mm512_loadu_si512(xq + 32));
-            const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(xs[r].sxv + 16 * p));
-            acc[r][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r][p & 1]);
-            if (has_min(type)) accm[r] = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xs[r].xsv + 16 * p), accm[r]);
-        }
+    __m512 acc0[GROUP], acc1[GROUP], accm[GROUP];
+    for (int r = 0; r < nr; r++) acc0[r] = acc1[r] = accm[r] = _mm512_setzero_ps();
+#define PAIR_STEP(ACC, P)                                                                                       \
+    {                                                                                                           \
+        __m512i lo, hi;                                                                                         \
+        __m512 ws, wm;                                                                                          \
+        unpack512(type, wrow, (P), &lo, &hi, &ws, &wm);                                                         \
+        for (int r = 0; r < nr; r++) {                                                                          \
+            const int16_t *xq = xs[r].xq + 64 * (P);                                                            \
+            const __m512i s = dot16(dot16(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq)), hi,             \
+                                    _mm512_loadu_si512(xq + 32));                                               \
+            const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(xs[r].sxv + 16 * (P)));                      \
+            ACC[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, ACC[r]);                                     \
+            if (has_min(type)) accm[r] = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xs[r].xsv + 16 * (P)), accm[r]);  \
+        }                                                                                                       \
     }
+    long p = 0;
+    for (; p + 1 < pairs; p += 2) {
+        PAIR_STEP(acc0, p)
+        PAIR_STEP(acc1, p + 1)
+    }
+    if (p < pairs) PAIR_STEP(acc0, p)
+#undef PAIR_STEP
     for (int r = 0; r < nr; r++)
-        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), accm[r]));
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), accm[r]));
 }
 
 #define COLUMN_CASE(T, N) \
@@ -380,8 +388,7 @@ static inline __attribute__((always_inline)) void column512(int type, int nr, co
 #define COLUMN_TYPE(T)                                                                                       \
     static void column_##T(int nr, const uint8_t *wrow, long pairs, const xrow_t *xs, float *out) {          \
         switch (nr) {                                                                                        \
-            COLUMN_CASE(T, 1) COLUMN_CASE(T, 2) COLUMN_CASE(T, 3) COLUMN_CASE(T, 4) COLUMN_CASE(T, 5)        \
-            COLUMN_CASE(T, 6) COLUMN_CASE(T, 7) COLUMN_CASE(T, 8)                                            \
+            COLUMN_CASE(T, 1) COLUMN_CASE(T, 2) COLUMN_CASE(T, 3) COLUMN_CASE(T, 4)        \
         }                                                                                                    \
     }
 COLUMN_TYPE(T_Q4_0)
