@@ -402,8 +402,8 @@ class EngineConfig:
     device: Annotated[StrictStr, AfterValidator(_device)] = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: ComputeDType = "auto"  # compute dtype; auto: bfloat16 where the CPU / GPU computes it natively (auto_dtype)
     # which weights the linear layers read (blend.model.projections): auto: a GGUF model's quantized blocks for
-    # decode rows (on a CPU, native kernel), the dequantized weights for prefill; quantized: the blocks for every
-    # row (an error where there are none); dequantized: never the blocks
+    # decode rows (bfloat16 on a CPU, native kernel), the dequantized weights for prefill and in float32;
+    # quantized: the blocks for every row (an error where there are none); dequantized: never the blocks
     weights: WeightsPolicy = "auto"
     engine: Annotated[BlendConfig, Section] = Field(default_factory=BlendConfig)
     store: Annotated[StoreConfig, Section] = Field(default_factory=default_store)

@@ -611,10 +611,11 @@ def load_model(name_or_path: str, *, device: str | None = "auto", dtype: str | t
     """Load an alias, a local model or a `random:<shape>` model for the layerwise runner.
 
     `weights` (the config's `weights`): which weights the linear layers read. `auto`: a GGUF
-    model's quantized blocks (`LoadedModel.blocks`, blend.model.quantized) for decode rows on
-    a CPU where the native kernel builds, the dequantized weights elsewhere; `quantized`: the
-    blocks for every row (ValueError where there are none: not a GGUF, not a CPU, the kernel
-    switched off); `dequantized`: never the blocks (not read).
+    model's quantized blocks (`LoadedModel.blocks`, blend.model.quantized) for decode rows
+    where the model computes in bfloat16 on a CPU and the native kernel builds, the
+    dequantized weights elsewhere (float32 stays the exact reference); `quantized`: the blocks
+    for every row, in either dtype (ValueError where there are none: not a GGUF, not a CPU,
+    the kernel switched off); `dequantized`: never the blocks (not read).
 
     Side effects: reads the weights; the first load of a GGUF file converts it into a
     safetensors copy under cache_home() and (weights not `dequantized`) writes its blocks
@@ -700,7 +701,8 @@ def _load_model(name_or_path: str, *, device: str | None, dtype: str | torch.dty
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolve_dtype(dtype, target))
     model.to(target)
     loaded = wrap_model(model, tokenizer, source, weights_digest)
-    if weights != "dequantized" and target.type == "cpu":
+    # auto: the blocks where the dense path computes in bfloat16 (float32 stays the exact reference)
+    if target.type == "cpu" and (weights == "quantized" or (weights == "auto" and loaded.dtype == torch.bfloat16)):
         from blend.model.native import quant_kernel
 
         blocks = _read_blocks(name_or_path, directory, weights_digest)
