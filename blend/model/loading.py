@@ -651,6 +651,18 @@ def quantized_why_not(loaded: LoadedModel) -> str:
     return "no layer in a block type the kernel reads"
 
 
+def gguf_path(name_or_path: str) -> Path | None:
+    """The GGUF file of an alias or a .gguf path (a chunked alias assembled), None for any
+    other model (a directory, `random:<shape>`)."""
+    if name_or_path.startswith(RANDOM_PREFIX) or is_shape_alias(name_or_path):
+        return None
+    try:
+        directory, gguf_file = resolve_model(name_or_path)
+    except ValueError:
+        return None
+    return Path(directory) / gguf_file if gguf_file else None
+
+
 def _read_blocks(name_or_path: str, directory: str, digest: str | None) -> QuantizedWeights | None:
     """The quantized blocks of a GGUF model (alias or file) whose converted copy is
     `directory`: read from its `blocks.safetensors`, written there once from the GGUF (a
