@@ -133,10 +133,6 @@ def cmd_ttft(args: argparse.Namespace) -> int:
         f"({summary['model']}, {summary['dtype']}, {summary['device_name']}); CPU probe "
         f"{summary['probe_gflops_start']} -> {summary['probe_gflops_end']} GFLOP/s, widest spread of repeats "
         f"{summary['widest_spread']:.0%}")
-    resident = summary["weights_resident_bytes"]
-    say(f"weights: {summary['weights']} (kernel {summary['quant_kernel']}), {summary['weights_bytes_read_per_token'] / 1e6:.1f} "
-        f"MB read a batch-1 token; resident {resident['total'] / 1e6:.0f} MB (model {resident['model'] / 1e6:.0f}, "
-        f"dense copies {resident['dense_copies'] / 1e6:.0f}, blocks {resident['blocks'] / 1e6:.0f})")
     return _timings_done(args, say, summary)
 
 
@@ -227,6 +223,10 @@ def cmd_decode(args: argparse.Namespace) -> int:
         f"projections {summary['projections']}, decode kernel {summary['decode_kernel']}); CPU probe "
         f"{summary['probe_gflops_start']} -> {summary['probe_gflops_end']} GFLOP/s, widest spread of rounds "
         f"{summary['widest_spread']:.0%}")
+    resident = summary["weights_resident_bytes"]
+    say(f"weights: {summary['weights']} (kernel {summary['quant_kernel']}), {summary['weights_bytes_read_per_token'] / 1e6:.1f} "
+        f"MB read a batch-1 token; resident {resident['total'] / 1e6:.0f} MB (model {resident['model'] / 1e6:.0f}, "
+        f"dense copies {resident['dense_copies'] / 1e6:.0f}, blocks {resident['blocks'] / 1e6:.0f})")
     return _timings_done(args, say, summary)
 
 
