@@ -6,10 +6,10 @@ Four engines over the same GGUF model, each with its own memory-only store:
 
 - `float32`: dtype float32, `weights: dequantized` (the reference: the GGUF dequantized once);
 - `bfloat16`: dtype bfloat16, `weights: dequantized` (the dense path kvblend ran before blocks);
-- `quantized`: dtype bfloat16, `weights: quantized` (every product, prefill too, from the blocks:
-  its first token measures the blocks' products);
-- `auto`: dtype bfloat16, `weights: auto` (prefill dense, decode rows from the blocks: what a
-  default deployment runs; its first token is the bfloat16 path's by construction).
+- `quantized`: dtype float32, `weights: quantized` (every product, prefill too, from the blocks,
+  the rest as the reference: its first-token KL is the quantized products' own error);
+- `auto`: dtype bfloat16, `weights: auto` (what a default deployment runs: decode rows and
+  prefill chunks of at most 3 rows from the blocks, longer chunks dense).
 
 Per question and mode (full prefill, blend at `--ratio`): the first-token KL(float32 || path)
 and the greedy answer (`--max-new-tokens`); an answer's `kept` is the length of its common prefix
@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 
 PATHS = {"float32": ("float32", "dequantized"), "bfloat16": ("bfloat16", "dequantized"),
-         "quantized": ("bfloat16", "quantized"), "auto": ("bfloat16", "auto")}  # name: (dtype, weights)
+         "quantized": ("float32", "quantized"), "auto": ("bfloat16", "auto")}  # name: (dtype, weights)
 
 
 @dataclass(frozen=True)
