@@ -625,30 +625,17 @@ def load_model(name_or_path: str, *, device: str | None = "auto", dtype: str | t
 
     Runs in a thread of its own (`in_own_thread`): no OpenMP pool stays on the caller's thread.
     """
-    from blend.model.projections import WEIGHTS
+    from blend.model.quantized import WEIGHTS
 
     if weights not in WEIGHTS:
         raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
     loaded = in_own_thread(lambda: _load_model(name_or_path, device=device, dtype=dtype, weights=weights),
                            "kvblend-load-model")
-    if weights == "quantized" and loaded.weights != "quantized":
-        raise ValueError(f"weights: quantized needs a GGUF model's quantized blocks read by the native kernel on a "
-                         f"CPU; {loaded.source} on {loaded.device} has none ({quantized_why_not(loaded)}); "
-                         "use weights: auto or dequantized")
+    if weights == "quantized" and loaded.blocks is None:
+        where = "a GPU" if loaded.device.type != "cpu" else "a model not loaded from a GGUF file"
+        raise ValueError(f"weights: quantized reads a GGUF model's quantized blocks on a CPU; {loaded.source} on "
+                         f"{loaded.device} has none ({where}); use weights: auto or dequantized")
     return loaded
-
-
-def quantized_why_not(loaded: LoadedModel) -> str:
-    """Why `loaded` reads no quantized blocks (for messages)."""
-    from blend.model.native import kernel_mode, quant_kernel
-
-    if loaded.blocks is None:
-        return "not loaded from a GGUF file" if loaded.weights != "dequantized" else "weights: dequantized"
-    if loaded.device.type != "cpu":
-        return f"the blocks are read on a CPU only, not {loaded.device}"
-    if quant_kernel() is None:
-        return f"the native kernel is off or did not build (KVBLEND_DECODE_KERNEL={kernel_mode()})"
-    return "no layer in a block type the kernel reads"
 
 
 def gguf_path(name_or_path: str) -> Path | None:
@@ -715,10 +702,8 @@ def _load_model(name_or_path: str, *, device: str | None, dtype: str | torch.dty
     loaded = wrap_model(model, tokenizer, source, weights_digest)
     # auto: the blocks where the dense path computes in bfloat16 (float32 stays the exact reference)
     if target.type == "cpu" and (weights == "quantized" or (weights == "auto" and loaded.dtype == torch.bfloat16)):
-        from blend.model.native import quant_kernel
-
         blocks = _read_blocks(name_or_path, directory, weights_digest)
-        if blocks is not None and quant_kernel() is not None and blocks.matrices:
+        if blocks is not None and blocks.matrices:  # read by the kernel where it builds (projections_for)
             loaded.blocks, loaded.weights = blocks, weights
     log.info("loaded %s (%s, %d layers) fingerprint %s", source, loaded.dims.arch, loaded.dims.num_layers, loaded.fingerprint)
     return loaded

@@ -33,15 +33,14 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from blend.model.quantized import QuantizedProduct, QuantizedWeights
+from blend.model.native import KINDS, QUANT, quant_kernel
+from blend.model.quantized import WEIGHTS, QuantizedMatrix, QuantizedWeights
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,69 @@ PACKED_MAX_ROWS = 256  # more rows than this: F.linear on the model's weights be
 # at most this many rows: the quantized blocks beat the packed bfloat16 product (measured on SmolLM2's 30
 # layers and Gemma 3's 18, AMD EPYC 2 cores, avx512_vnni: README "Quantized decode")
 QUANTIZED_MAX_ROWS = 3
-WEIGHTS = ("auto", "quantized", "dequantized")  # the model's `weights` policy (blend.config)
+
+
+class QuantizedProduct:
+    """y = x W^T + b with W several `QuantizedMatrix` of one input width stacked along the
+    outputs, by one native call (prepared once: its segment table, its bias)."""
+
+    def __init__(self, matrices: Sequence[QuantizedMatrix], bias: torch.Tensor | None):
+        self.matrices = tuple(matrices)
+        self.in_features = self.matrices[0].in_features
+        self.out_features = sum(m.out_features for m in self.matrices)
+        self.bias = bias.detach().float().contiguous() if bias is not None else None  # (out,)
+        table = []
+        for m in self.matrices:
+            table += (m.block_type.ggml_id, m.out_features, m.blocks.data_ptr(), m.blocks.stride(0))
+        self._segments = torch.tensor(table, dtype=torch.int64)  # (n, 4): the kernel's kvb_segment records
+        lib = quant_kernel()
+        self._call = getattr(lib, QUANT.functions[0][0]) if lib is not None else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.matrices)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in) float32 or bfloat16 -> (T, out) in x's dtype; does not modify x. Each
+        output row depends on its own x row only (bitwise, whatever T and the threads)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        kind = KINDS.get(x.dtype)
+        if (self._call is None or kind is None or x.dim() != 2 or x.shape[1] != self.in_features
+                or x.device.type != "cpu"):
+            raise ValueError(f"the quantized product takes (T, {self.in_features}) float32 or bfloat16 rows on a CPU "
+                             f"with its native kernel, not {tuple(x.shape)} {x.dtype} on {x.device}")
+        if x.shape[0] == 0:
+            return out
+        done = self._call(kind, x.shape[0], self.in_features, x.data_ptr(), x.stride(0), out.data_ptr(),
+                          out.stride(0), self.bias.data_ptr() if self.bias is not None else None,
+                          len(self.matrices), self._segments.data_ptr())
+        if done != 0:
+            raise RuntimeError(f"the quantized product kernel failed ({done}) on {tuple(x.shape)} rows")
+        return out
+
+
+def product(matrices: Sequence[QuantizedMatrix | None], biases: Iterable[torch.Tensor | None],
+            what: str) -> QuantizedProduct | None:
+    """The `QuantizedProduct` of `matrices` stacked, or None (one log line naming `what` and
+    why) where one of them is missing or is something the kernel cannot take: those layers
+    then run on the dequantized weights."""
+    if any(m is None for m in matrices) or quant_kernel() is None:
+        return None
+    found = [m for m in matrices if m is not None]
+    problems = [p for p in (m.problem() for m in found) if p]
+    if not problems and len({m.in_features for m in found}) != 1:
+        problems.append("the stacked matrices differ in input width")
+    if problems:
+        log.info("%s runs on the dequantized weights: %s", what, problems[0])
+        return None
+    parts = list(biases)
+    bias = None
+    if any(b is not None for b in parts):
+        bias = torch.cat([b.detach().float() if b is not None else torch.zeros(m.out_features)
+                          for b, m in zip(parts, found, strict=True)])
+    return QuantizedProduct(found, bias)
 
 
 class Linear:
@@ -213,8 +274,6 @@ def _blocks_for(blocks: QuantizedWeights | None, model: torch.nn.Module, names: 
     """The product of the blocks named `names`, checked against the model's own weights (a few
     rows dequantized must equal them in the model's dtype: a mapping, a permutation or a block
     that does not decode the same is declined, with one log line), or None."""
-    from blend.model.quantized import QuantizedMatrix, product
-
     if blocks is None:
         return None
     found = [blocks.get(n) for n in names]
@@ -266,6 +325,17 @@ def build_projections(model: torch.nn.Module, *, dense: str = PACKED, blocks: Qu
     return Projections(tuple(layers), head, dense, weights if any_blocks else "dequantized")
 
 
+def quantized_why_not(device: torch.device) -> str:
+    """Why the blocks cannot be read on `device` (for messages)."""
+    from blend.model.native import kernel_mode
+
+    if device.type != "cpu":
+        return f"the blocks are read on a CPU only, not {device}"
+    if quant_kernel() is None:
+        return f"the native kernel is off or did not build (KVBLEND_DECODE_KERNEL={kernel_mode()})"
+    return "the model computes in neither float32 nor bfloat16"
+
+
 _built: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, Projections]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -278,8 +348,6 @@ def projections_for(model: torch.nn.Module, blocks: QuantizedWeights | None = No
     (the model's GGUF blocks, `LoadedModel.blocks`) are read under `weights` (`WEIGHTS`). A
     model moved, cast or with weights changed in place since (each parameter's version
     counter), or asked for with other blocks or policy, is built again."""
-    from blend.model.native import quant_kernel
-
     if weights not in WEIGHTS:
         raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
     params = list(model.parameters())
@@ -287,6 +355,9 @@ def projections_for(model: torch.nn.Module, blocks: QuantizedWeights | None = No
     layout = projection_layout(device, dtype)
     use_blocks = (blocks is not None and weights != "dequantized" and device.type == "cpu"
                   and dtype in (torch.float32, torch.bfloat16) and quant_kernel() is not None)
+    if weights == "quantized" and blocks is not None and not use_blocks:
+        raise ValueError(f"weights: quantized needs the native quantized kernel on a CPU ({quantized_why_not(device)}); "
+                         "use weights: auto or dequantized")
     if layout is None and not use_blocks:
         return None
     state = (layout, device, dtype, tuple(p.data_ptr() for p in params), tuple(p._version for p in params),

@@ -13,17 +13,15 @@ bfloat16 copy is ~3.4x (Q4_1) the bytes, and at batch 1 a token costs its bytes.
   (out of a GGUF file: names mapped, llama's Q/K rows put back in transformers' order,
   unsupported types left out) and `save` / `load_weights` (a `blocks.safetensors` file beside
   the converted copy, written once: parsing a GGUF's metadata takes ~20 s for Gemma 3).
-- `QuantizedProduct`: several matrices of one input width stacked along the outputs (Q, K
-  and V), multiplied by one native call; `None` from `product` where the kernel cannot
-  take them (a damaged or unsupported block, a width it does not take: one log line, the
-  dequantized weights run instead).
+- The products themselves (`QuantizedProduct`, `product`) live in blend/model/projections.py,
+  beside the dense ones.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 BLOCKS_FILE = "blocks.safetensors"
+WEIGHTS = ("auto", "quantized", "dequantized")  # the config's `weights` policy (blend.model.projections)
 _FORMAT = "kvblend-blocks-1"
 
 
@@ -208,72 +207,3 @@ def read_blocks(gguf_path: Path, source: str = "") -> QuantizedWeights:
         log.info("%s: %s tensors are not in a block type the kernel reads; they run dequantized", gguf_path.name,
                  ", ".join(f"{n} {k}" for k, n in sorted(skipped.items())))
     return QuantizedWeights(matrices, source)
-
-
-class QuantizedProduct:
-    """y = x W^T + b with W several `QuantizedMatrix` of one input width stacked along the
-    outputs, by one native call (prepared once: its segment table, its bias)."""
-
-    def __init__(self, matrices: Sequence[QuantizedMatrix], bias: torch.Tensor | None):
-        from blend.model.native import QUANT, quant_kernel
-
-        self.matrices = tuple(matrices)
-        self.in_features = self.matrices[0].in_features
-        self.out_features = sum(m.out_features for m in self.matrices)
-        self.bias = bias.detach().float().contiguous() if bias is not None else None  # (out,)
-        table = []
-        for m in self.matrices:
-            table += (m.block_type.ggml_id, m.out_features, m.blocks.data_ptr(), m.blocks.stride(0))
-        self._segments = torch.tensor(table, dtype=torch.int64)  # (n, 4): the kernel's kvb_segment records
-        lib = quant_kernel()
-        self._call = getattr(lib, QUANT.functions[0][0]) if lib is not None else None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.matrices)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, in) float32 or bfloat16 -> (T, out) in x's dtype; does not modify x. Each
-        output row depends on its own x row only (bitwise, whatever T and the threads)."""
-        from blend.model.native import KINDS
-
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
-        kind = KINDS.get(x.dtype)
-        if (self._call is None or kind is None or x.dim() != 2 or x.shape[1] != self.in_features
-                or x.device.type != "cpu"):
-            raise ValueError(f"the quantized product takes (T, {self.in_features}) float32 or bfloat16 rows on a CPU "
-                             f"with its native kernel, not {tuple(x.shape)} {x.dtype} on {x.device}")
-        if x.shape[0] == 0:
-            return out
-        done = self._call(kind, x.shape[0], self.in_features, x.data_ptr(), x.stride(0), out.data_ptr(),
-                          out.stride(0), self.bias.data_ptr() if self.bias is not None else None,
-                          len(self.matrices), self._segments.data_ptr())
-        if done != 0:
-            raise RuntimeError(f"the quantized product kernel failed ({done}) on {tuple(x.shape)} rows")
-        return out
-
-
-def product(matrices: Sequence[QuantizedMatrix | None], biases: Iterable[torch.Tensor | None],
-            what: str) -> QuantizedProduct | None:
-    """The `QuantizedProduct` of `matrices` stacked, or None (one log line naming `what` and
-    why) where one of them is missing or is something the kernel cannot take: those layers
-    then run on the dequantized weights."""
-    from blend.model.native import quant_kernel
-
-    if any(m is None for m in matrices) or quant_kernel() is None:
-        return None
-    found = [m for m in matrices if m is not None]
-    problems = [p for p in (m.problem() for m in found) if p]
-    if not problems and len({m.in_features for m in found}) != 1:
-        problems.append("the stacked matrices differ in input width")
-    if problems:
-        log.info("%s runs on the dequantized weights: %s", what, problems[0])
-        return None
-    parts = list(biases)
-    bias = None
-    if any(b is not None for b in parts):
-        bias = torch.cat([b.detach().float() if b is not None else torch.zeros(m.out_features)
-                          for b, m in zip(parts, found, strict=True)])
-    return QuantizedProduct(found, bias)
