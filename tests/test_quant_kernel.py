@@ -209,3 +209,42 @@ def test_float32_auto_and_dequantized_read_no_blocks():
     assert lm.blocks is None and projections_for(lm.model, lm.blocks, lm.weights) is None
     with pytest.raises(ValueError, match="weights"):
         load_model("smollm2-135m-instruct", device="cpu", weights="blocks")
+
+
+def test_the_llama_cpp_peer_is_run_and_read(tmp_path):
+    """`--peer-llamacpp`: llama-bench's arguments and JSON read into PeerRows; a path that is not an
+    executable, a failing run and output that is not its JSON are one-line errors."""
+    from eval.bench.decode import check_peer, run_llama_bench
+
+    fake = tmp_path / "llama-bench"
+    fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n'
+                    'echo \'[{"n_depth": 1024, "n_threads": 2, "n_gen": 16, "avg_ns": 160000000, "avg_ts": 100.0, '
+                    '"stddev_ts": 1.5}, {"n_depth": 4096, "n_threads": 2, "n_gen": 16, "avg_ns": 320000000, '
+                    '"avg_ts": 50.0, "stddev_ts": 0.5}]\'\n')
+    fake.chmod(0o755)
+    check_peer(str(fake))
+    rows = run_llama_bench(str(fake), tmp_path / "m.gguf", (1024, 4096), 2, 16, 3)
+    assert [(r.context_tokens, r.ms_per_token, r.tokens_per_s) for r in rows] == [(1024, 10.0, 100.0), (4096, 20.0, 50.0)]
+    assert (tmp_path / "args").read_text().split() == ["-m", str(tmp_path / "m.gguf"), "-t", "2", "-p", "0", "-n", "16",
+                                                       "-d", "1024,4096", "-fa", "1", "-r", "3", "-o", "json"]
+    with pytest.raises(ValueError, match="not an executable"):
+        check_peer(str(tmp_path / "m.gguf"))
+    fake.write_text("#!/bin/sh\necho 'model not found' >&2\nexit 3\n")
+    with pytest.raises(ValueError, match="exited 3: model not found"):
+        run_llama_bench(str(fake), tmp_path / "m.gguf", (1024,), 2, 16, 3)
+    fake.write_text("#!/bin/sh\necho '| markdown |'\n")
+    with pytest.raises(ValueError, match="JSON"):
+        run_llama_bench(str(fake), tmp_path / "m.gguf", (1024,), 2, 16, 3)
+
+
+def test_bench_decode_reports_the_weights_read_and_resident(fresh_kernel):
+    """A runner on blocks: a batch-1 step reads the blocks, a batch of 8 the dense weights; resident by form."""
+    from eval.bench.decode import resident_bytes, step_weight_bytes
+
+    lm = load_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16", weights="auto")
+    runner = Runner(lm)
+    blocks = lm.blocks.nbytes
+    assert step_weight_bytes(runner, 1) == blocks == runner.projections.quantized_nbytes()
+    assert step_weight_bytes(runner, 8) == sum(lin.dense_read_bytes() for lin in runner.projections.linears())
+    held = resident_bytes(runner)
+    assert held["blocks"] == blocks and held["total"] == held["model"] + held["dense_copies"] + blocks
