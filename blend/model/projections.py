@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 PACKED = "packed"  # dense products: oneDNN's prepacked bfloat16 copies (up to PACKED_MAX_ROWS rows)
 MODULES = "modules"  # dense products: F.linear on the model's own weights
 PACKED_MAX_ROWS = 256  # more rows than this: F.linear on the model's weights beats the packed product
-# at most this many rows: the quantized blocks beat the packed bfloat16 product (measured on SmolLM2's 30
-# layers and Gemma 3's 18, AMD EPYC 2 cores, avx512_vnni: README "Quantized decode")
+# at most this many rows: the quantized blocks beat the packed bfloat16 product (measured on SmolLM2-shaped
+# Q4_1 products, 30 layers, AMD EPYC 2 cores, avx512_vnni: README "Quantized decode")
 QUANTIZED_MAX_ROWS = 3
 
 
