@@ -76,7 +76,7 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None, store: T
     """Every part of an engine (`model`, `store`: given ones are used, else loaded / opened
     from the config). Starts the scheduler's thread."""
     cfg = config.engine
-    lm = model or load_model(config.model, device=config.device, dtype=config.dtype)
+    lm = model or load_model(config.model, device=config.device, dtype=config.dtype, weights=config.weights)
     cfg.check_model_layers(lm.dims.num_layers)
     # the store first: its settings are checked against the model's entry size before anything is built
     entry_bytes = lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * cfg.blend.chunk_tokens

@@ -6,6 +6,8 @@ machine by the system's C compiler into a library of its own and loaded with cty
 - blended attention (kernels/blend_attention.c): query rows at scattered, sorted positions
   over every key up to their own (a sliding layer's window), plus an additive bias per
   (KV head, key): CacheBlend's recomputed rows and its query pass (`native_blend_attention`).
+- quantized products (kernels/quant_matmul.c): y = x W^T for a few rows straight from a
+  GGUF's quantized blocks (`native_quant_matmul`; blend/model/quantized.py holds the blocks).
 
 Why: torch's CPU kernels give decode attention over bfloat16 keys either a widened float32
 copy of them or a fraction of memory speed, and give blended attention (a float mask per
@@ -84,6 +86,10 @@ BLEND = KernelSpec("blend attention kernel", KERNEL_DIR / "blend_attention.c", (
                              _PTR, _LONG, _PTR, _LONG, _PTR)),  # bias, out, column sums
     ("kvb_shift_rows", (_INT, _INT, _INT, _LONG, _PTR, _PTR, _LONG, _LONG, _PTR, _LONG, _LONG,  # ..k, v
                         _PTR, _PTR, _PTR, _PTR)),  # dk, dv, cos, sin
+))
+QUANT = KernelSpec("quantized product kernel", KERNEL_DIR / "quant_matmul.c", (
+    ("kvb_quant_matmul", (_INT, _LONG, _LONG, _PTR, _LONG, _PTR, _LONG, _PTR, _INT, _PTR)),  # kind..segments
+    ("kvb_quant_path", ()),
 ))
 SOURCE = DECODE.source
 
@@ -295,8 +301,8 @@ def _kernel(spec: KernelSpec) -> ctypes.CDLL | None:
         if mode == "native":
             raise NativeBuildError(f"{err} ({KERNEL_ENV}=native asks for the native kernel: fix the build, "
                                    f"or set {KERNEL_ENV}=auto to fall back to torch's)") from None
-        log.warning("%s runs on torch's kernels: %s", "decode attention" if spec is DECODE else "blended attention",
-                    err)
+        what = {DECODE: "decode attention", BLEND: "blended attention"}.get(spec, "the linear layers")
+        log.warning("%s run%s on torch's kernels: %s", what, "" if spec is QUANT else "s", err)
         return None
 
 
@@ -311,6 +317,54 @@ def decode_kernel() -> ctypes.CDLL | None:
 def blend_kernel() -> ctypes.CDLL | None:
     """The native blended attention library (as `decode_kernel`)."""
     return _kernel(BLEND)
+
+
+@cache
+def quant_kernel() -> ctypes.CDLL | None:
+    """The native quantized-product library (as `decode_kernel`)."""
+    return _kernel(QUANT)
+
+
+QUANT_PATHS = ("plain C", "AVX2 + FMA", "AVX-512", "AVX-512 VNNI")
+
+
+def quant_kernel_path() -> str | None:
+    """Which code path the quantized-product build runs here (`QUANT_PATHS`), None without one."""
+    lib = quant_kernel()
+    return QUANT_PATHS[lib.kvb_quant_path()] if lib is not None else None
+
+
+def native_quant_matmul(x: torch.Tensor, segments: Sequence[tuple[int, int, torch.Tensor]], out: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> bool:
+    """out = x W^T + bias by the native kernel, W the `segments` stacked along the outputs,
+    each (GGML type id, outputs n, blocks (n, row bytes) uint8, rows contiguous) read as the
+    GGUF stores them; False (nothing written) where it does not apply: no kernel, not a CPU,
+    a dtype, type or shape it does not take.
+
+    x (T, k) float32 or bfloat16, rows contiguous; out (T, sum n) in x's dtype, rows
+    contiguous; bias (sum n,) float32 or None. k a multiple of 64 (of 256 with a K-quant).
+    Each output row depends on its own x row only, bitwise, whatever T and the threads.
+    """
+    lib = quant_kernel()
+    kind = KINDS.get(x.dtype)
+    if lib is None or kind is None or x.dim() != 2 or out.dim() != 2 or not segments:
+        return False
+    rows, k = x.shape
+    n = sum(seg[1] for seg in segments)
+    if (rows < 1 or x.device.type != "cpu" or out.device.type != "cpu" or out.dtype != x.dtype
+            or x.stride(1) != 1 or out.stride(1) != 1 or tuple(out.shape) != (rows, n)):
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or tuple(bias.shape) != (n,)):
+        return False
+    table = []
+    for gtype, width, blocks in segments:
+        if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[0] != width or blocks.stride(1) != 1
+                or blocks.device.type != "cpu"):
+            return False
+        table += (gtype, width, blocks.data_ptr(), blocks.stride(0))
+    segs = torch.tensor(table, dtype=torch.int64)  # (nseg, 4): the kernel's kvb_segment records
+    return lib.kvb_quant_matmul(kind, rows, k, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
+                                bias.data_ptr() if bias is not None else None, len(segments), segs.data_ptr()) == 0
 
 
 def decode_kernel_name() -> str:
