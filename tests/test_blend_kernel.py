@@ -266,7 +266,7 @@ def test_a_damaged_library_is_set_aside_and_rebuilt_never_loaded(fresh_kernel, m
             - _exact(q[:, pos], pos, k, v, bias, 0.125, None)).abs().max() < 2e-5
 
 
-def test_a_killed_build_s_directory_is_removed_by_the_next_build(fresh_kernel, monkeypatch, tmp_path):
+def test_a_killed_build_s_directory_and_load_link_are_removed_by_the_next_build(fresh_kernel, monkeypatch, tmp_path):
     monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
     kernels = tmp_path / "kernels"
     left = kernels / ".build-killed"
@@ -276,8 +276,11 @@ def test_a_killed_build_s_directory_is_removed_by_the_next_build(fresh_kernel, m
     os.utime(left, (old, old))
     recent = kernels / ".build-running"  # another process's build in progress: left alone
     recent.mkdir()
+    link = kernels / ".load-killed-blend_attention.so"  # a load link a killed process left
+    link.write_bytes(b"\x7fELF")
+    os.utime(link, (old, old))
     assert blend_kernel() is not None
-    assert not left.exists() and recent.exists()
+    assert not left.exists() and recent.exists() and not link.exists()
     assert not [p for p in kernels.iterdir() if ".bad-" in p.name]
 
 

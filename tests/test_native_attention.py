@@ -5,8 +5,13 @@ failures as misses with a reason; one OpenMP runtime in the process."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import platform
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,6 +206,53 @@ def test_a_damaged_build_in_the_cache_is_built_again(fresh_kernel, monkeypatch, 
     target.write_bytes(b"not a shared library")
     assert decode_kernel() is not None
     assert target.read_bytes()[:4] == b"\x7fELF"
+
+
+# one decode and one blend call through whichever kernels the process loads; prints their names
+_PROBE = """
+import torch
+from blend.model import native
+q, k = torch.randn(3, 3, 64), torch.randn(3, 100, 64)
+ran = native.native_decode_attention(q, k, k, None, torch.empty(3, 3, 64))
+ran &= native.native_blend_attention(torch.randn(9, 4, 64), torch.arange(96, 100), k, k, None, 0.125, None,
+                                     torch.empty(4, 576))
+print(native.decode_kernel_name(), native.blend_kernel_name(), ran)
+"""
+
+
+@has_compiler
+@pytest.mark.parametrize("mode", ["native", "auto"])
+def test_a_forged_library_with_a_matching_record_is_rebuilt_and_the_rebuild_runs(tmp_path, mode):
+    """Each cached kernel replaced by another valid shared library (the other kernel's: an ELF
+    file without its functions) with a build record that matches it: the run that finds it
+    sets it aside, rebuilds it and runs on the rebuild (a process that had loaded a library
+    from a path gets that handle back for the path: the rebuild is opened under a new name),
+    the next run loads the rebuild as it is."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "KVBLEND_HOME": str(tmp_path), "KVBLEND_DECODE_KERNEL": mode, "PYTHONPATH": str(root)}
+
+    def probe() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _PROBE], env=env, cwd=root, capture_output=True, text=True,
+                              timeout=600)
+
+    first = probe()
+    assert first.returncode == 0 and first.stdout.split() == ["native", "native", "True"], first.stderr
+    libs = {p.name.split("-")[0]: p for p in (tmp_path / "kernels").glob("*.so")}
+    decode, blend = libs["decode_attention"], libs["blend_attention"]
+    forged = {decode: blend.read_bytes(), blend: decode.read_bytes()}
+    for lib, data in forged.items():
+        lib.unlink()
+        lib.write_bytes(data)
+        native._digest_path(lib).write_text(f"{hashlib.sha256(data).hexdigest()} {len(data)}\n")
+        assert native.check_library(lib) is None  # the record checks: only loading it shows the forgery
+    rebuilt = probe()
+    assert rebuilt.returncode == 0 and rebuilt.stdout.split() == ["native", "native", "True"], rebuilt.stderr
+    for lib, data in forged.items():
+        assert native.check_library(lib) is None and lib.read_bytes() != data
+    assert not [p for p in (tmp_path / "kernels").iterdir() if p.name.startswith(".load-")]
+    again = probe()
+    assert again.returncode == 0 and again.stdout.split() == ["native", "native", "True"], again.stderr
+    assert "rebuilding" not in again.stderr
 
 
 @has_compiler

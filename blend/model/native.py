@@ -22,15 +22,28 @@ name and renamed, so concurrent builds are safe and a later run loads it in mill
 Beside each library, `<name>.sha256` holds its digest and size, written by the build: a
 library is loaded only if it is a regular file of this user whose bytes match it (an ELF
 file), so a truncated, replaced or foreign file in the cache (a directory, a FIFO, half a
-library) is set aside and built again, never `dlopen`ed. Build directories a killed build
-left behind are removed by the next build.
+library) is set aside and built again, never `dlopen`ed; so is one that loads but lacks the
+kernel's functions (another valid library with a matching record). A library this process
+built is opened through a new link to it (`_open_new`): `dlopen` of a path already loaded
+hands back the old handle, and the run that rebuilds must run the rebuild. Build
+directories and load links a killed process left behind are removed by the next build.
+
+All three kernels are batch-invariant: a row's output is the same bits whatever other
+rows or sequences share the call and however many threads run it. The attention kernels
+split their work by fixed sizes tied to key positions (decode: blocks of 256 keys; blended
+attention: key blocks of 64 and ranges of 512 at their multiples) and merge in key order
+on one thread (tests/test_kernel_invariance.py); the quantized products split by fixed
+blocks of 16 output columns, and each row's accumulator sees its blocks in k order, alone
+(tests/test_quant_kernel.py).
 
 The libraries are linked against torch's own libgomp: their parallel regions then run on
 the same per-thread pool as torch's ops (a second OpenMP runtime would add a second pool,
 which on a 2-core machine makes every small op wait on wake-ups: storage/openmp.py).
 
-`KVBLEND_DECODE_KERNEL` chooses for both: `auto` (default: native where it builds, torch
-else), `native` (a build failure is an error that says why), `torch` (never native).
+`KVBLEND_DECODE_KERNEL` chooses for all three: `auto` (default: native where it builds,
+torch else), `native` (a build failure is an error that says why), `torch` (never native;
+under `weights: auto` the linear layers then read the dequantized weights, `weights:
+quantized` is refused at load).
 """
 
 from __future__ import annotations
@@ -63,7 +76,7 @@ BUILD_TIMEOUT_S = 120
 STALE_BUILD_S = 4 * BUILD_TIMEOUT_S  # a build directory older than this was left by a killed build
 MAX_LIBRARY_BYTES = 64 << 20
 MAX_QUERY_ROWS = 16  # the decode kernel's MAX_G: query heads per KV head
-MAX_HEAD_DIM = 256  # both kernels' largest head dimension
+MAX_HEAD_DIM = 256  # both attention kernels' largest head dimension
 BLEND_MAX_GROUP = 64  # the blend kernel's MAX_M: query heads per KV head at most
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # K/V dtypes the kernels read (their KIND_*)
 _LONG, _INT, _PTR = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
@@ -201,7 +214,8 @@ def _set_aside(target: Path) -> bool:
 
 
 def _clear_leftovers(directory: Path) -> None:
-    """Remove entries set aside as bad and build directories a killed build left behind."""
+    """Remove entries set aside as bad, and build directories and load links a killed
+    process left behind."""
     try:
         entries = list(directory.iterdir())
     except OSError:
@@ -209,10 +223,9 @@ def _clear_leftovers(directory: Path) -> None:
     now = time.time()
     for path in entries:
         try:
-            if ".bad-" in path.name:
+            stale = path.name.startswith((".build-", ".load-")) and now - path.lstat().st_mtime > STALE_BUILD_S
+            if ".bad-" in path.name or stale:
                 shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-            elif path.name.startswith(".build-") and now - path.lstat().st_mtime > STALE_BUILD_S:
-                shutil.rmtree(path)
         except OSError:
             pass
 
@@ -252,11 +265,34 @@ def _compile(cc: str, libgomp: str, target: Path, spec: KernelSpec = DECODE) -> 
         os.replace(record, _digest_path(target))
 
 
+def _fresh_name(target: Path) -> Path:
+    return target.with_name(f"{target.stem}-{uuid.uuid4().hex[:8]}.so")
+
+
+def _open_new(target: Path) -> ctypes.CDLL:
+    """`dlopen` the library just built at `target` through a new name (a link to it, removed
+    once open). A process that has loaded a library from a path gets that same handle back
+    for the path (the loader matches loaded objects by name), even after the file there was
+    set aside and rebuilt: a library that did not load, or an earlier build, would answer
+    instead of the rebuild."""
+    alias = target.with_name(f".load-{uuid.uuid4().hex[:8]}-{target.name}")
+    try:
+        try:
+            os.link(target, alias)
+        except OSError:  # a file system without hard links
+            shutil.copyfile(target, alias)
+        return ctypes.CDLL(str(alias))
+    finally:
+        alias.unlink(missing_ok=True)
+
+
 @cache
 def _load(spec: KernelSpec = DECODE) -> ctypes.CDLL:
     """The built library of `spec` with its function's signature set (NativeBuildError when
     it can't be). A library that does not check (`check_library`) is set aside and built
-    again; one that checks but does not load is built again once."""
+    again; one that checks but does not load (not the kernel: a valid library without its
+    functions) is set aside and built again once. A library this call built is opened
+    under a new name (`_open_new`), so that the process runs the rebuild."""
     from storage.openmp import libgomp_paths
 
     cc, libgomp = _compiler(), _torch_libgomp()
@@ -264,24 +300,27 @@ def _load(spec: KernelSpec = DECODE) -> ctypes.CDLL:
     before = set(libgomp_paths())
     for attempt in range(2):
         problem = check_library(target)
-        if problem is not None:
+        built = problem is not None
+        if built:
             if problem != "missing":
                 log.warning("rebuilding the %s: %s is %s", spec.title, target, problem)
                 if not _set_aside(target):  # it stays: build under a fresh name
-                    target = target.with_name(f"{target.stem}-{uuid.uuid4().hex[:8]}.so")
+                    target = _fresh_name(target)
             _build(cc, libgomp, target, spec)
             log.info("built the native %s: %s", spec.title, target)
             problem = check_library(target)
             if problem is not None:
                 raise NativeBuildError(f"the {spec.title} just built at {target} is {problem}")
         try:
-            lib = ctypes.CDLL(str(target))
+            lib = _open_new(target) if built else ctypes.CDLL(str(target))
             fns = [(getattr(lib, name), argtypes) for name, argtypes in spec.functions]
             break
         except (OSError, AttributeError) as err:
             if attempt:
                 raise NativeBuildError(f"loading {target} failed: {err}") from None
-            _set_aside(target)
+            log.warning("rebuilding the %s: %s does not load (%s)", spec.title, target, err)
+            if not _set_aside(target):
+                target = _fresh_name(target)
     if set(libgomp_paths()) - before:
         raise NativeBuildError(f"{target} brought a second OpenMP runtime; delete it and rebuild, or set "
                                "KVBLEND_DECODE_KERNEL=torch")

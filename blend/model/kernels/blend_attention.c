@@ -15,10 +15,21 @@
  * (at most MAX_M query vectors: the g query heads of up to MAX_M / g rows, all scored
  * against one read of each key), and each row block walks its keys in blocks of BK keys,
  * keeping per query vector its running maximum, sum of exponentials and weighted sum of
- * values (online softmax, float32). Work items are (head, row block, range of keys): where
- * the row blocks are too few for the threads, a row block's keys are cut into ranges whose
- * partial results are merged by their log-sum-exp at the end. Masks are computed, never
- * stored: a key block that every row of a block sees whole takes no mask at all.
+ * values (online softmax, float32). A row block's keys are cut into ranges at the
+ * multiples of RANGE, and the ranges' partial results are folded by their log-sum-exp in
+ * key order. Work items are whole (head, row block)s, each thread folding a block's ranges
+ * in its own buffers, where there are enough of them for the threads; else single ranges,
+ * folded by whichever thread finishes a block's last one (so that a few rows over many keys
+ * still keep every thread busy). Masks are computed, never stored: a key block that every
+ * row of a block sees whole takes no mask at all.
+ *
+ * Batch-invariant: key blocks start at the multiples of BK and ranges at the multiples of
+ * RANGE, whatever rows share the call and however many threads run it; each query vector's
+ * scores, online softmax and weighted sums are its own (a key it does not see adds an exact
+ * zero, a block or range it does not see is skipped), and the fold runs in key order on one
+ * thread; the thread count only chooses who runs a range. So a row's output is the same bits
+ * alone or among any other rows, on any number of threads, and the column sums the same bits
+ * on any number of threads (tests/test_kernel_invariance.py).
  *
  * Before the row blocks, each head's keys are packed once for the dot products (shared by
  * every row block of the head): with AVX-512 BF16, bfloat16 keys as pairs of dimensions
@@ -45,7 +56,7 @@
 #define BK 64           /* keys per key block */
 #define MAX_M 64        /* query vectors per row block */
 #define BLEND_MAX_D 256 /* head dimension */
-#define MIN_RANGE 512   /* keys per range at least, when a row block's keys are cut */
+#define RANGE 512       /* key ranges start at the multiples of this (a multiple of BK) */
 
 enum { BKIND_F32 = 0, BKIND_BF16 = 1 };
 
@@ -273,6 +284,7 @@ typedef struct {
     int h, r0, r1;  /* KV head, rows r0..r1-1 */
     long k0, k1;    /* keys k0..k1-1 (absolute) */
     long part;      /* index of its partial result, -1: writes the output itself */
+    long group, ranges; /* its (head, row block): items group..group + ranges - 1, its key ranges */
 } item_t;
 
 typedef struct {
@@ -292,6 +304,17 @@ typedef struct {
 
 static inline long lo_of(const call_t *C, long p) {
     return C->window > 0 && p - C->window + 1 > 0 ? p - C->window + 1 : 0;
+}
+
+/* The first key block a row at p reads: its first visible key rounded down to a multiple of
+ * BK. Key blocks start at the multiples of BK whatever rows share the call, so a row walks
+ * the same blocks (and sums the same lanes) alone or in any row block. */
+static inline long key_block_start(const call_t *C, long p) { return lo_of(C, p) / BK * BK; }
+
+/* How many key ranges the row block of rows at first..last (positions) takes: its keys cut
+ * at the multiples of RANGE; 1 with column sums (their normalisation needs every key). */
+static inline long ranges_of(const call_t *C, long first, long last, int sums) {
+    return sums ? 1 : last / RANGE - key_block_start(C, first) / RANGE + 1;
 }
 
 /* The query vectors of rows r0..r1-1 of head h as a packed matrix (row-major, vector
@@ -327,7 +350,8 @@ static void run_pass(const call_t *C, const item_t *it, const void *qbuf, int pa
 /* One work item: rows r0..r1-1 of head h over keys k0..k1-1. Leaves per query vector the
  * running maximum mx[m], sum l[m] and unnormalised weighted values o[m][d]; with `colsum`
  * (tpad floats, indexed by packed key), o normalised (l = 1) and the column sums added. */
-static void run_item(const call_t *C, const item_t *it, float *mx, float *l, float *o, float *colsum) {
+static __attribute__((noinline)) void run_item(const call_t *C, const item_t *it, float *mx, float *l, float *o,
+                                               float *colsum) {
     _Alignas(64) float qbuf[MAX_M * BLEND_MAX_D]; /* float32, or bfloat16 in its first half */
     load_queries(C, it->h, it->r0, it->r1, qbuf);
     const int nm = (it->r1 - it->r0) * C->g;
@@ -505,6 +529,39 @@ static void write_rows(const call_t *C, int h, int r0, int r1, const float *l, c
         }
 }
 
+/* Fold one key range's partial result (rmx, rl, ro: per query vector its maximum, sum of
+ * exponentials and unnormalised values) into a row block's running one (mx, l, o; mx -inf:
+ * nothing yet, which takes the range as it is). A row block's ranges are folded in key
+ * order, whichever thread runs them; one compiled copy (noinline), so every fold is the same
+ * arithmetic. */
+static __attribute__((noinline)) void fold_range(int nm, int d, float *mx, float *l, float *o, const float *rmx,
+                                                 const float *rl, const float *ro) {
+    for (int m = 0; m < nm; m++) {
+        if (rmx[m] == -INFINITY) continue; /* a range this vector sees nothing of */
+        float *om = o + (long)m * d;
+        const float *rm = ro + (long)m * d;
+        if (mx[m] == -INFINITY) {
+            mx[m] = rmx[m], l[m] = rl[m];
+            memcpy(om, rm, (size_t)d * sizeof(float));
+            continue;
+        }
+        const float top = rmx[m] > mx[m] ? rmx[m] : mx[m];
+        const float a = exp_nonpositive(mx[m] - top), b = exp_nonpositive(rmx[m] - top);
+        l[m] = a * l[m] + b * rl[m];
+        for (int x = 0; x < d; x++) om[x] = a * om[x] + b * rm[x];
+        mx[m] = top;
+    }
+}
+
+/* Range x of the ranges of a row block's item `it` (keys it->k0..it->k1-1 cut at the
+ * multiples of RANGE). */
+static item_t range_of(const item_t *it, long x) {
+    item_t r = *it;
+    r.k0 = x ? (it->k0 / RANGE + x) * RANGE : it->k0;
+    r.k1 = x == it->ranges - 1 ? it->k1 : (it->k0 / RANGE + x + 1) * RANGE;
+    return r;
+}
+
 /* Pack head h's keys k0..k1-1 (absolute) for the dot products and widen its values. */
 static void pack_keys(const call_t *C, int h, const char *k, long k_head, long k_row, const char *v, long v_head,
                       long v_row, const float *bias, long bias_head, long tk, long k0, long k1, float *vwide,
@@ -552,7 +609,7 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     C.kind = kind, C.hkv = hkv, C.g = g, C.d = d, C.tq = tq, C.window = window, C.scale = scale, C.pos = pos;
     C.q = (const char *)q, C.q_head = q_head, C.q_row = q_row, C.out = (char *)out, C.out_row = out_row;
     C.pairs = PACK_PAIRS && kind == BKIND_BF16;
-    C.kmin = lo_of(&C, pos[0]);
+    C.kmin = key_block_start(&C, pos[0]);
     const long kend = pos[tq - 1] + 1;
     C.tpad = ((kend - C.kmin + BK - 1) / BK) * BK;
     /* row blocks: at most MAX_M / g rows; in a sliding layer spanning under half a window */
@@ -567,22 +624,23 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
         r = e;
     }
     starts[nblocks] = tq;
-    /* key ranges: cut where head x row blocks are too few for the threads */
+    /* key ranges: each row block's keys cut at the multiples of RANGE (none with column sums).
+     * Work items: whole row blocks (a thread runs a block's ranges one after the other and
+     * folds them in its own buffers) where heads x row blocks give each thread several,
+     * else single ranges (their partial results kept in `parts`, folded by the thread that
+     * finishes a block's last range). Only who runs a range depends on the threads: its
+     * arithmetic and the order of the fold do not. */
 #ifdef _OPENMP
     const int threads = omp_get_max_threads();
 #else
     const int threads = 1;
 #endif
-    const long want = 4L * threads;
-    long cuts = 1;
-    if (!colsum && (long)hkv * nblocks < want) cuts = (want + (long)hkv * nblocks - 1) / ((long)hkv * nblocks);
+    const int whole = colsum || (long)hkv * nblocks >= 4L * threads;
     long nitems = 0, nparts = 0;
     for (int b = 0; b < nblocks; b++) {
-        const long span = pos[starts[b + 1] - 1] + 1 - lo_of(&C, pos[starts[b]]);
-        long c = cuts < (span + MIN_RANGE - 1) / MIN_RANGE ? cuts : (span + MIN_RANGE - 1) / MIN_RANGE;
-        c = c < 1 ? 1 : c;
-        nitems += hkv * c;
-        if (c > 1) nparts += hkv * c;
+        const long c = ranges_of(&C, pos[starts[b]], pos[starts[b + 1] - 1], colsum != NULL);
+        nitems += whole ? hkv : hkv * c;
+        if (!whole && c > 1) nparts += hkv * c;
     }
     item_t *items = malloc((size_t)nitems * sizeof(item_t));
     const int vwiden = kind == BKIND_BF16;
@@ -592,9 +650,9 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     const size_t pbytes = (size_t)nparts * MAX_M * (d + 2) * 4;
     const size_t cbytes = colsum ? (size_t)nitems * C.tpad * 4 : 0; /* each item's column sums */
     char *pool = malloc(kbytes + vbytes + bbytes + pbytes + cbytes + 64);
-    long *block_of = malloc((size_t)(nitems + 1) * sizeof(long)); /* first item of each (head, block) */
-    if (!items || !pool || !block_of) {
-        free(items), free(pool), free(block_of), free(starts);
+    long *left = malloc((size_t)(nitems + 1) * sizeof(long)); /* per (head, row block): ranges not done */
+    if (!items || !pool || !left) {
+        free(items), free(pool), free(left), free(starts);
         return -1;
     }
     C.kpack = pool;
@@ -609,23 +667,24 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
         C.vbase = (const float *)v + C.kmin * v_row, C.v_head = v_head, C.v_row = v_row;
     }
     /* items, the latest row blocks (the most keys) first */
-    long n = 0, np = 0, groups = 0;
+    long n = 0, np = 0;
     for (int b = nblocks - 1; b >= 0; b--) {
         const int r0 = starts[b], r1 = starts[b + 1];
-        const long k0 = lo_of(&C, pos[r0]), k1 = pos[r1 - 1] + 1, span = k1 - k0;
-        long c = cuts < (span + MIN_RANGE - 1) / MIN_RANGE ? cuts : (span + MIN_RANGE - 1) / MIN_RANGE;
-        c = c < 1 ? 1 : c;
-        const long width = ((span + c - 1) / c + BK - 1) / BK * BK;
+        const long k0 = key_block_start(&C, pos[r0]), k1 = pos[r1 - 1] + 1;
+        const long c = ranges_of(&C, pos[r0], pos[r1 - 1], colsum != NULL);
         for (int h = 0; h < hkv; h++) {
-            block_of[groups++] = n;
-            for (long x = 0; x < c; x++) {
-                const long a = k0 + x * width, e = a + width < k1 ? a + width : k1;
-                if (a >= e) break;
-                items[n++] = (item_t){h, r0, r1, a, e, c > 1 ? np++ : -1};
+            const item_t block = {h, r0, r1, k0, k1, -1, n, c};
+            if (whole || c == 1) {
+                items[n++] = block;
+                continue;
+            }
+            left[n] = c;
+            for (long x = 0; x < c; x++) { /* in key order: the fold's order */
+                items[n] = range_of(&block, x);
+                items[n++].part = np++;
             }
         }
     }
-    block_of[groups] = n;
     /* pack every head's keys (and widen bfloat16 values) once */
     const long chunk = 256, chunks = (C.tpad + chunk - 1) / chunk;
 #pragma omp parallel for schedule(static) if ((long)hkv * C.tpad * d >= 65536)
@@ -639,50 +698,36 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     for (long i = 0; i < n; i++) work += (items[i].k1 - items[i].k0) * (items[i].r1 - items[i].r0);
 #pragma omp parallel if (n > 1 && work * g * d >= 65536)
     {
-        _Alignas(64) float mx[MAX_M], l[MAX_M];
-        float *o = malloc((size_t)MAX_M * d * sizeof(float));
+        _Alignas(64) float mx[MAX_M], l[MAX_M], fmx[MAX_M], fl[MAX_M];
+        float *o = malloc((size_t)MAX_M * d * sizeof(float) * 2), *fo = o + (long)MAX_M * d;
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < n; i++) {
             const item_t *it = &items[i];
-            if (it->part < 0) {
-                run_item(&C, it, mx, l, o, sums ? sums + i * C.tpad : NULL);
-                write_rows(&C, it->h, it->r0, it->r1, l, o);
-            } else {
+            const int nm = (it->r1 - it->r0) * g;
+            if (it->part >= 0) { /* one range: the thread that finishes its row block's last one folds them */
                 float *p = parts + it->part * MAX_M * (d + 2);
                 run_item(&C, it, p, p + MAX_M, p + 2 * MAX_M, NULL);
+                if (__atomic_sub_fetch(&left[it->group], 1, __ATOMIC_ACQ_REL)) continue;
+                for (int m = 0; m < nm; m++) fmx[m] = -INFINITY;
+                for (long x = it->group; x < it->group + it->ranges; x++) {
+                    const float *px = parts + items[x].part * MAX_M * (d + 2);
+                    fold_range(nm, d, fmx, fl, fo, px, px + MAX_M, px + 2 * MAX_M);
+                }
+                write_rows(&C, it->h, it->r0, it->r1, fl, fo);
+            } else if (it->ranges == 1) { /* a row block within one range */
+                run_item(&C, it, mx, l, o, sums ? sums + i * C.tpad : NULL);
+                write_rows(&C, it->h, it->r0, it->r1, l, o);
+            } else { /* a whole row block: its ranges one after the other, folded here */
+                for (int m = 0; m < nm; m++) fmx[m] = -INFINITY;
+                for (long x = 0; x < it->ranges; x++) {
+                    const item_t r = range_of(it, x);
+                    run_item(&C, &r, mx, l, o, NULL);
+                    fold_range(nm, d, fmx, fl, fo, mx, l, o);
+                }
+                write_rows(&C, it->h, it->r0, it->r1, fl, fo);
             }
         }
         free(o);
-    }
-    if (np) { /* merge the ranges of each cut (head, row block) by log-sum-exp */
-#pragma omp parallel for schedule(static)
-        for (long b = 0; b < groups; b++) {
-            const long i0 = block_of[b], i1 = block_of[b + 1];
-            const item_t *it = &items[i0];
-            if (it->part < 0) continue;
-            const int nm = (it->r1 - it->r0) * g;
-            float *first = parts + it->part * MAX_M * (d + 2);
-            for (int m = 0; m < nm; m++) {
-                float top = -INFINITY;
-                for (long i = i0; i < i1; i++) {
-                    const float mi = parts[items[i].part * MAX_M * (d + 2) + m];
-                    top = mi > top ? mi : top;
-                }
-                float total = 0.0f, acc[BLEND_MAX_D];
-                for (int x = 0; x < d; x++) acc[x] = 0.0f;
-                for (long i = i0; i < i1; i++) {
-                    const float *p = parts + items[i].part * MAX_M * (d + 2);
-                    if (p[m] == -INFINITY) continue;
-                    const float w = exp_nonpositive(p[m] - top);
-                    total += w * p[MAX_M + m];
-                    const float *om = p + 2 * MAX_M + (long)m * d;
-                    for (int x = 0; x < d; x++) acc[x] += w * om[x];
-                }
-                first[MAX_M + m] = total;
-                memcpy(first + 2 * MAX_M + (long)m * d, acc, (size_t)d * sizeof(float));
-            }
-            write_rows(&C, it->h, it->r0, it->r1, first + MAX_M, first + 2 * MAX_M);
-        }
     }
     if (colsum) { /* each head's column sums over its row blocks, at the keys' own indices */
         memset(colsum, 0, (size_t)hkv * tk * sizeof(float));
@@ -693,7 +738,7 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
             for (long j = 0; j < upto; j++) dst[j] += src[j];
         }
     }
-    free(items), free(pool), free(block_of), free(starts);
+    free(items), free(pool), free(left), free(starts);
     return 0;
 }
 

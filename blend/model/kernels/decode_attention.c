@@ -13,11 +13,17 @@
  * head dimensions that are multiples of 64 / 32), plain C elsewhere.
  *
  * One call takes a whole decode batch (kvb_decode_attention_batch): each sequence's keys
- * are split into blocks of at most BLOCK rows, and every (sequence, head, block) is one
- * work item, shared among the calling thread's OpenMP threads (the library is linked
+ * are split into blocks of BLOCK keys from its key 0, and every (sequence, head, block) is
+ * one work item, shared among the calling thread's OpenMP threads (the library is linked
  * against torch's own libgomp, so it uses the same thread pool as torch's ops on that
  * thread). Each block keeps its own maximum, sum of exponentials and weighted sum of
- * values; a head's blocks are merged at the end, the same arithmetic as flash-decoding.
+ * values; a head's blocks are merged at the end in key order, the same arithmetic as
+ * flash-decoding.
+ *
+ * Batch-invariant: the blocks are fixed by key position, never by the number of sequences
+ * or threads in the call, and each merge runs in key order on one thread, so a sequence's
+ * output is the same bits alone or beside any others, on any number of threads
+ * (tests/test_kernel_invariance.py).
  *
  * Built and loaded by blend/model/native.py; tests/test_native_attention.py holds it to a
  * float64 reference and to the torch path.
@@ -27,9 +33,6 @@
 #include <string.h>
 
 #include "kernel_math.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #define BLOCK 256 /* key rows per work item */
 #define MAX_G 16  /* query rows per KV head */
@@ -334,26 +337,15 @@ int kvb_decode_attention_batch(int kind, int hkv, int g, int d, int n, const kvb
     for (int s = 0; s < n; s++)
         if (seqs[s].t < 1) return -1;
     const int es = kind == KIND_F32 ? 4 : 2;
-    long *blocks = malloc((size_t)n * 3 * sizeof(long));
+    long *blocks = malloc((size_t)n * 2 * sizeof(long));
     if (!blocks) return -1;
-    long *span = blocks + n, *first = blocks + 2 * n; /* keys per block; each sequence's first item */
+    long *first = blocks + n; /* each sequence's first item */
     long items = 0, work = 0;
-#ifdef _OPENMP
-    const long want = (2L * omp_get_max_threads() + n - 1) / n; /* items per sequence for two per thread */
-#else
-    const long want = 1;
-#endif
     for (int s = 0; s < n; s++) {
         const long t = seqs[s].t;
-        /* blocks of at most BLOCK keys; more, shorter ones (down to 16 keys) where the heads
-         * have too few for every thread to get two work items (a 512-key window, one head) */
-        long b = (t + BLOCK - 1) / BLOCK;
-        if (hkv * b < want) {
-            const long most = (t + 15) / 16;
-            b = (want + hkv - 1) / hkv < most ? (want + hkv - 1) / hkv : most;
-        }
-        span[s] = (t + b - 1) / b;
-        blocks[s] = (t + span[s] - 1) / span[s];
+        /* blocks of BLOCK keys from key 0 (the last one shorter): fixed by position, never by
+         * how many sequences or threads share the call, so a sequence's arithmetic is its own */
+        blocks[s] = (t + BLOCK - 1) / BLOCK;
         first[s] = items;
         items += hkv * blocks[s];
         work += t * hkv * d;
@@ -374,7 +366,7 @@ int kvb_decode_attention_batch(int kind, int hkv, int g, int d, int n, const kvb
         const int sq = seq_of[it];
         const kvb_seq *S = &seqs[sq];
         const long local = it - first[sq], h = local / blocks[sq], blk = local % blocks[sq];
-        const long lo = blk * span[sq], hi = lo + span[sq] < S->t ? lo + span[sq] : S->t;
+        const long lo = blk * BLOCK, hi = lo + BLOCK < S->t ? lo + BLOCK : S->t;
         float *p = part + it * per_item;
         const float *qh = (const float *)(intptr_t)S->q + h * g * d;
         const float *bh = S->bias ? (const float *)(intptr_t)S->bias + h * S->bias_head : NULL;
