@@ -171,18 +171,23 @@ class RequestLayout:
         (the exact check, on tokens, follows when the prompt is built)."""
         self.builder(req.template).check_text_fits(req.query, req.documents, self.runner.max_positions)
 
-    # ---------------------------------------------------------------- layout
-    def lay_out(self, req: GenerationRequest, forcing: Forcing = NO_FORCING) -> LaidOut:
-        """The request's prompt built and checked against the positions (ValueError saying
-        what to shorten), its block keys hashed, its documents noted."""
+    def checked_prompt(self, req: GenerationRequest, *new_tokens: int) -> Prompt:
+        """The request's prompt, refused (ValueError saying what to shorten) when its text or its
+        tokens plus each of `new_tokens` cannot fit the model's positions."""
         self.check_fits(req)
         prompt = self.builder(req.template).build(req.query, req.documents)
         shorten = "use fewer or shorter documents" if isinstance(req.query, str) else (
             "shorten the conversation (fewer or shorter messages)"
             + (" or use fewer or shorter documents" if req.documents else ""))
-        self.runner.check_length(len(prompt), req.max_new_tokens, shorten)
-        if forcing.follow:
-            self.runner.check_length(len(prompt), len(forcing.follow), shorten)
+        for n in new_tokens or (0,):
+            self.runner.check_length(len(prompt), n, shorten)
+        return prompt
+
+    # ---------------------------------------------------------------- layout
+    def lay_out(self, req: GenerationRequest, forcing: Forcing = NO_FORCING) -> LaidOut:
+        """The request's prompt built and checked against the positions (ValueError saying
+        what to shorten), its block keys hashed, its documents noted."""
+        prompt = self.checked_prompt(req, req.max_new_tokens, len(forcing.follow or ()))
         has_ids = any(isinstance(d, Document) and d.id is not None for d in req.documents)
         blocks = self.documents.segment_blocks(prompt) if req.mode != "full" or has_ids else None
         kept = sum(1 for d in req.documents if render_document(d))
