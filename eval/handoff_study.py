@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         def first_token(prepared) -> torch.Tensor:  # (vocab,) log-probs of transformers' last position
             def run() -> torch.Tensor:
                 with torch.no_grad():
-                    out = model(prepared.input_ids[:, -1:], past_key_values=prepared.past_key_values)
+                    out = model(prepared.input_ids[:, -1:], cache=prepared.past_key_values)
                 return torch.log_softmax(out.logits[0, -1].float(), -1).cpu()
 
             return engine.run_exclusive(run, "handoff study")

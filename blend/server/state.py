@@ -16,6 +16,8 @@ from fastapi import FastAPI, Request
 from blend.engine.engine import BlendEngine
 from blend.server.metrics import Metrics
 
+COMPLETIONS_PROMPTS = ("question", "raw")  # what /v1/completions' prompt is (ServerSettings.completions_prompt)
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -26,12 +28,18 @@ class ServerSettings:
     request_timeout_s: float = 300.0  # from acceptance to the last token
     warmup: bool = True  # run engine.warmup() before accepting requests
     max_body_bytes: int = 16 << 20  # larger request bodies get 413 before they are parsed
+    # /v1/completions' prompt: "question" (the question of the engine's RAG prompt) or "raw" (the
+    # whole prompt as text, as OpenAI-style servers take it: modes full and prefix, full by default)
+    completions_prompt: str = "question"
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"the request body limit must be >= 1 byte, got {self.max_body_bytes}")
         if self.queue_size < 1:
             raise ValueError(f"queue size must be >= 1, got {self.queue_size}")
+        if self.completions_prompt not in COMPLETIONS_PROMPTS:
+            raise ValueError(f"completions prompt must be one of {', '.join(COMPLETIONS_PROMPTS)}, "
+                             f"got {self.completions_prompt!r}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request timeout must be > 0 seconds, got {self.request_timeout_s}")
 
