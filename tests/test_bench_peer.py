@@ -59,8 +59,8 @@ def row(server: str, mode: str | None, clients: int, tokens: float, ttft: float,
 def test_the_readme_section_names_the_cpu_and_who_wins(tmp_path):
     rows = [row("kvblend", "full", 1, 30.0, 0.5, 0.03), row("kvblend", "blend", 1, 35.0, 0.2, 0.03),
             row("llama-server", None, 1, 60.0, 0.3, 0.01)]
-    assert wins(rows) == ["1 client: tokens/s: llama-server (60); TTFT p50: kvblend blend (0.2); "
-                          "ITL p50: llama-server (0.01)"]
+    assert wins(rows) == ["1 client: tokens/s: llama-server (60.00); TTFT p50: kvblend blend (0.20 s); "
+                          "ITL p50: llama-server (10.00 ms)"]
     result = {"date": "2026-12-05 10:00", "cpu": "AMD EPYC 9B14, 2 cores, no AMX", "load_average_start": 0.5,
               "load_average_peak": 1.5, "contended": False, "shared": True, "requests": 4, "pool": 7,
               "docs_per_request": 3, "max_tokens": 8, "config": "configs/default.yaml", "model": "bench",
@@ -69,13 +69,13 @@ def test_the_readme_section_names_the_cpu_and_who_wins(tmp_path):
     section = readme_table(result)
     assert section.startswith(README_BEGIN) and section.endswith(README_END)
     assert "AMD EPYC 9B14, 2 cores, no AMX" in section and "shared machine: indicative only" in section
-    assert "| llama-server | 1 | 60 | 0.3 / 0.6 | 10 / 10 | 0 | 3/4 | - | 0/4 |" in section
+    assert "| llama-server | 1 | 60.00 | 0.30 / 0.60 | 10 / 10 | 0 | 3/4 | - | 0/4 |" in section
     readme = tmp_path / "README.md"
     readme.write_text("# title\n\ntext\n")
     write_readme(readme, section)
-    write_readme(readme, section.replace("60", "61"))  # the second run replaces the first
+    write_readme(readme, section.replace("60.00", "61.00"))  # the second run replaces the first
     text = readme.read_text()
-    assert text.count(README_BEGIN) == 1 and "| llama-server | 1 | 61 |" in text and text.startswith("# title\n\ntext\n")
+    assert text.count(README_BEGIN) == 1 and "| llama-server | 1 | 61.00 |" in text and text.startswith("# title\n\ntext\n")
 
 
 @pytest.mark.parametrize("clients", ["0", "a", ""])

@@ -182,7 +182,7 @@ class LlamaServer:
         """Its own settings, for the rows."""
         return {"threads": THREADS, "np": self.slots, "ctx_size": CTX_PER_SLOT * self.slots, "cache_prompt": True,
                 "cache_reuse": CACHE_REUSE, "gguf": self.gguf.name, "sdist": f"{SDIST}=={SDIST_VERSION}",
-                "args": " ".join(a if a != str(self.gguf) else self.gguf.name for a in self.args)}
+                "args": " ".join(a if a != str(self.gguf) else self.gguf.name for a in self.args[:-4])}  # no host/port
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -214,8 +214,10 @@ def cpu_name() -> str:
     return f"{name}, {os.cpu_count()} cores, {'AMX' if 'amx_tile' in flags else 'no AMX'}"
 
 
-def _f(value: Any, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+def _f(value: Any) -> str:
+    if not isinstance(value, float):
+        return "-" if value is None else str(value)
+    return f"{value:.2f}" if abs(value) < 100 else f"{value:.0f}"
 
 
 def row_name(row: dict[str, Any]) -> str:
@@ -230,12 +232,13 @@ def wins(rows: list[dict[str, Any]]) -> list[str]:
         if not level:
             continue
         parts = []
-        for key, best, what in (("tokens_per_s", max, "tokens/s"), ("ttft_p50_s", min, "TTFT p50"),
-                                ("itl_p50_s", min, "ITL p50")):
+        for key, best, what, unit, scale in (("tokens_per_s", max, "tokens/s", "", 1), ("ttft_p50_s", min, "TTFT p50",
+                                                                                    " s", 1),
+                                             ("itl_p50_s", min, "ITL p50", " ms", 1000)):
             known = [r for r in level if r[key] is not None]
             if known:
                 top = best(known, key=lambda r, key=key: r[key])
-                parts.append(f"{what}: {row_name(top)} ({_f(top[key])})")
+                parts.append(f"{what}: {row_name(top)} ({_f(top[key] * scale)}{unit})")
         out.append(f"{n} client{'s' if n != 1 else ''}: " + "; ".join(parts))
     return out
 
@@ -310,7 +313,7 @@ def run(config: str | None, clients: list[int], requests: int, max_tokens: int, 
     template = dict(settings, args_template=settings["args"].replace(f"-np {clients[-1]}", "-np N").replace(
         f"-c {CTX_PER_SLOT * clients[-1]}", f"-c {CTX_PER_SLOT}xN"))
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(), "config": config,
-              "model": runs[0]["model"], "requests": requests, "pool": runs[0]["pool"], "docs_per_request": 3,
+              "model": load_config(config).model, "requests": requests, "pool": runs[0]["pool"], "docs_per_request": 3,
               "max_tokens": max_tokens, "clients": clients, "peer_settings": template, "shared": shared,
               "load_average_start": runs[0]["load_average_start"],
               "load_average_peak": max(r["load_average_peak"] for r in runs),
