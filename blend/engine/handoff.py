@@ -32,27 +32,40 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers import DynamicCache
 
+from blend.decode.generation import Prefilled
+from blend.engine.layout import RequestLayout
+from blend.engine.request import GenerationRequest
 from blend.model.cache import KVCache
-from blend.prompt.builder import PromptTemplate
+from blend.model.loading import LoadedModel
+from blend.prompt.builder import Prompt, PromptTemplate
 from blend.prompt.conversation import Message
 from blend.prompt.document import Document
 from blend.stats import RequestStats
-
-if TYPE_CHECKING:
-    from blend.engine.engine import BlendEngine
 
 ATTENTION = "kvblend_sdpa"  # the attention implementation name registered with transformers
 
 # the bias (Hkv, K) of the keys a KVBlendCache returned to an attention call, keyed by that key
 # tensor itself: the attention function finds the bias of exactly the keys it is given
 _KEY_BIAS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class Engine(Protocol):
+    """What the hand-off uses of a `BlendEngine` (blend.engine.engine imports this module)."""
+
+    lm: LoadedModel
+    layout: RequestLayout
+
+    def request(self, query: object, documents: object = (), **kwargs: Any) -> GenerationRequest: ...
+
+    def prefill(self, prompt: Prompt, *, mode: str, ratio: float = ..., capacity: int | None = ...,
+                selection: str | None = ...) -> Prefilled: ...
 
 
 @dataclass(frozen=True)
@@ -131,7 +144,7 @@ def use_kvblend_attention(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def transformers_model(engine: BlendEngine) -> torch.nn.Module:
+def transformers_model(engine: Engine) -> torch.nn.Module:
     """The engine's transformers model (its weights, eval mode) with `ATTENTION` as its attention."""
     return use_kvblend_attention(engine.lm.model)
 
@@ -156,7 +169,7 @@ def to_transformers_cache(cache: KVCache, n: int, config: Any, *, carry_bias: bo
     return out
 
 
-def prepare(engine: BlendEngine, query: str | Sequence[Message | dict], documents: Sequence[Document | str], *,
+def prepare(engine: Engine, query: str | Sequence[Message | dict], documents: Sequence[Document | str], *,
             mode: str = "blend", recompute_ratio: float | None = None, selection: str | None = None,
             template: PromptTemplate | None = None, carry_bias: bool = True) -> Prepared:
     """The prompt of `query` over `documents` prefilled in `mode` on the engine's scheduler (misses
