@@ -361,6 +361,9 @@ def run_serve_bench(config: str | None, *, clients: list[int], requests: int, po
                     peer: Peer | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The benchmark; returns the summary (see the module docstring). `mode`: one mode or several
     (a row per mode, the same requests); `peer`: the same requests to an OpenAI-compatible server."""
+    if peer is not None:  # a peer that does not answer fails now, not after kvblend's levels
+        with httpx.Client(timeout=30) as http:
+            peer_model(http, peer.url)
     watch = LoadWatch.begin()
     steady = Steadiness.begin()  # before the server starts: its threads would share the cores
     pool = document_pool(pool_size, doc_chars)
