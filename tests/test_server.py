@@ -840,3 +840,93 @@ store:
         prompt = engine.build_prompt(QUESTIONS[1], [Document(d["text"], id=d["id"]) for d in unseen])
         keys = [key for seg in prompt.documents for key in engine.document_kv.keys(seg, prompt)]
         assert keys and all(engine.store.contains(key) is not None for key in keys)
+
+
+def test_bench_serve_peer_is_a_second_server_given_prompts_as_text(server, setup, engine, tmp_path):
+    """--peer: the same requests, as prompt texts (then as token ids), to another `kvblend serve`
+    (raw completions): kvblend's rows (two modes) and the peer's side by side, the peer's answers
+    compared with kvblend's full-prefill ones."""
+    from blend.model.loading import load_tokenizer
+    from blend.prompt.conversation import encode
+    from blend.prompt.document import Document
+    from eval.bench.peer import Peer, prompt_texts
+    from eval.bench.sample import same_answer
+    from eval.bench.serve import LEVELS_PLOT, bench_requests, document_pool, run_serve_bench, write_report
+
+    root, config = setup
+    twin = Server(config, root, "--completions-prompt", "raw", "--no-warmup")
+    bench = dict(requests=3, pool_size=3, docs_per_request=2, max_tokens=4, doc_chars=150, ratio=0.3, url=server.url,
+                 compare=False, log=lambda _: None)
+    try:
+        summary = run_serve_bench(str(config), clients=[1, 2], mode=["full", "blend"],
+                                  peer=Peer(twin.url, "twin", {"launched_by": "test"}), **bench)
+        served = sample(twin.metrics(), "kvblend_requests_total", endpoint="completions", mode="full", status="200")
+        as_ids = run_serve_bench(str(config), clients=[2], mode="full", peer=Peer(twin.url, "twin", prompt="ids"),
+                                 **bench)
+    finally:
+        assert twin.stop() == 0, twin.log.read_text()[-3000:]
+    rows = summary["levels"]
+    assert [(r["server"], r["mode"], r["clients"]) for r in rows] == [
+        ("kvblend", "full", 1), ("kvblend", "full", 2), ("kvblend", "blend", 1), ("kvblend", "blend", 2),
+        ("twin", None, 1), ("twin", None, 2)]
+    assert served == 2 + 3 + 3  # its warm-up, then each level's requests, all as raw completions in full
+    for row in rows:
+        assert row["ok"] == 3 and row["lost"] == 0 and row["tokens_per_s"] > 0 and row["ttft_p50_s"] > 0, row
+    for row in rows[:4]:
+        assert row["answers_equal_alone"] == 3 and row["peer_settings"] is None and row["prompt_tokens_equal"] is None
+    assert rows[0]["answers_equal_full"] == rows[1]["answers_equal_full"] == 3  # full is the reference
+    for row in rows[4:]:
+        assert row["answers_equal_alone"] is None and row["peer_settings"] == {"launched_by": "test"}
+        assert row["max_num_seqs"] is None and row["hit_rate"] is None
+    # the peer tokenized each text itself: its answers are kvblend's full prefill of that text, which
+    # equal kvblend's own full answers where the ids came back the same (or the answer did not move)
+    reqs = bench_requests(3, document_pool(3, 150), 2)
+    prompts = prompt_texts(str(config), reqs)
+    assert all(t.startswith("<|im_start|>system") and reqs[i].question in t for i, t in enumerate(prompts.texts))
+    tokenizer = load_tokenizer(str(root / "model"))
+    same_ids = sum(len(encode(tokenizer, t)) == n for t, n in zip(prompts.texts, prompts.tokens, strict=True))
+    expected = 0
+    for req, text in zip(reqs, prompts.texts, strict=True):
+        full = engine.generate([{"role": "user", "content": req.question}],
+                               [Document(d["text"], id=d["id"]) for d in req.documents], mode="full", max_new_tokens=4)
+        expected += same_answer(engine.generate(text, mode="full", raw=True, max_new_tokens=4).text, full.text)
+    for row in rows[4:]:
+        assert row["prompt_tokens_equal"] == same_ids and row["answers_equal_full"] == expected
+    # as kvblend's own ids: the same tokens, the same answers
+    peer_row = as_ids["levels"][-1]
+    assert (peer_row["server"], peer_row["answers_equal_full"], peer_row["prompt_tokens_equal"]) == ("twin", 3, 3)
+    assert summary["peer"] == {"name": "twin", "url": twin.url, "prompt": "text"} and summary["modes"] == ["full", "blend"]
+    write_report(summary, tmp_path)
+    assert (tmp_path / LEVELS_PLOT).stat().st_size > 0 and (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_answers_equal_counts_the_same_answers():
+    from eval.bench.serve import Level, Sample
+
+    level = Level(clients=2, samples=[Sample(True, tokens=1, index=0, text=" Maud Tillery"),
+                                      Sample(True, tokens=1, index=1, text="Ostend"),
+                                      Sample(True, tokens=1, index=2, text="1871"),
+                                      Sample(False, error="HTTP 503", index=3, text="lost")], wall_s=1.0)
+    reference = {0: "Maud Tillery", 1: "Ostend.", 2: "1871", 3: "lost"}
+    row = level.summary(full=reference, alone={0: "Maud Tillery"})
+    assert row["answers_equal_full"] == 2 and row["answers_equal_alone"] == 1  # the failed one is never equal
+    assert level.summary()["answers_equal_full"] is None and row["server"] == "kvblend"
+
+
+def test_raw_completions_take_the_whole_prompt_as_text(setup, engine):
+    """A raw prompt is tokenized as it is: the text of a prompt kvblend built (no documents, so the
+    ids come back the same) answers as that prompt; documents or a blend are refused."""
+    from blend.prompt.builder import prompt_text
+
+    messages = [{"role": "user", "content": "Who built the lighthouse?"}]
+    text = prompt_text(engine.lm.tokenizer, engine.build_prompt(messages, []))
+    built = engine.generate(messages, [], mode="full", max_new_tokens=4)
+    raw = engine.generate(text, mode="full", raw=True, max_new_tokens=4)
+    assert raw.token_ids == built.token_ids and raw.prompt_tokens == built.prompt_tokens
+    assert engine.generate(text, mode="prefix", raw=True, max_new_tokens=4).token_ids == built.token_ids
+    with pytest.raises(ValueError, match="no documents to blend"):
+        engine.generate(text, raw=True, max_new_tokens=4)
+    with pytest.raises(ValueError, match="pass no documents"):
+        engine.generate(text, ["a document"], mode="full", raw=True)
+    with pytest.raises(TypeError, match="one str"):
+        engine.generate(messages, mode="full", raw=True)

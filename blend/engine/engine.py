@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from blend.config import EngineConfig, load_config, naming_config
 from blend.decode.generation import Prefilled
@@ -52,6 +52,11 @@ from blend.prompt.document import Document, IngestedDocument
 from storage.exit_hooks import ClosedAtExit
 from storage.stack import EXIT_FLUSH_S, TieredStore
 
+if TYPE_CHECKING:  # blend.engine.handoff imports transformers: only when it is used
+    import torch
+
+    from blend.engine.handoff import Prepared
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # at interpreter exit, an engine not closed is closed: its requests cancelled, then at most this
@@ -66,9 +71,8 @@ _OPEN_ENGINES: ClosedAtExit[BlendEngine] = ClosedAtExit(
 
 
 class BlendEngine:
-    """The Python API (see the module docstring). Thread-safe: every call that runs the model
-    is queued on the engine's scheduler; `chat` rejects a second concurrent turn on the same
-    session with `SessionBusy`."""
+    """The Python API (see the module docstring). Thread-safe: every call that runs the model is
+    queued on the engine's scheduler; `chat` rejects a second concurrent turn with `SessionBusy`."""
 
     def __init__(self, config: EngineConfig, *, model: LoadedModel | None = None, store: TieredStore | None = None):
         self.config, self._closed = config, False
@@ -131,12 +135,11 @@ class BlendEngine:
     # -------------------------------------------------------------- documents
     def ingest(self, documents: Sequence[Document | str], *, sync: bool = True, stop: Callable[[], bool] | None = None,
                template: PromptTemplate | None = None) -> list[IngestedDocument]:
-        """Precompute each document's KV (after `template`'s fixed part; None: the configured one)
-        and store it block by block, on the scheduler between decode steps. Per document: its id,
-        block keys, whether every block was cached before and (sync: writes awaited) whether some
-        tier holds every block now. Idempotent; empty documents skipped; ids remembered. `stop` is
-        asked before each forward pass (True: `IngestStopped`, what was computed stays stored). A
-        document no request could use is refused with ValueError before any work (blend.kv.ingest)."""
+        """Precompute each document's KV (after `template`'s fixed part; None: the configured one) and
+        store it block by block, between decode steps. Per document: its id, block keys, whether every
+        block was cached before and (sync: writes awaited) whether a tier holds every block now.
+        Idempotent; empty documents skipped; ids remembered. `stop` is asked before each pass (True:
+        `IngestStopped`, what was computed stays stored); a document no request could use: ValueError."""
         finished = self.submit_ingest(documents, sync=sync, stop=stop, template=template).finished_event()
         if finished.cancelled:
             raise IngestStopped("ingest stopped before it finished; the documents computed stay stored", [])
@@ -256,9 +259,8 @@ class BlendEngine:
 
     def run_exclusive(self, fn: Callable[[], T], name: str = "exclusive") -> T:
         """`fn()` run on the scheduler's thread between two steps, its value returned: torch work of
-        your own beside the engine. A thread of yours would keep its own OpenMP pool (libgomp), and
-        with more pool threads than cores the scheduler's small ops ran slower for the process's
-        life (2 cores: blend@0.05 +25%, reuse +17%, full prefill +4%)."""
+        your own beside the engine (a thread of yours keeps its own OpenMP pool, and more pool
+        threads than cores slow the scheduler's small ops: 2 cores, blend@0.05 +25%)."""
         self._check_open()
         handle = Handle()
         self.scheduler.submit(Task(name, ExclusiveWork(fn), handle))
@@ -273,6 +275,20 @@ class BlendEngine:
         handle = Handle()
         self.scheduler.submit(Task("prefill", work, handle))
         return handle.result()
+
+    def prepare(self, query: str | Sequence[Message | dict], documents: Sequence[Document | str] = (),
+                **options: Any) -> Prepared:
+        """The prompt prefilled in `mode` (default blend) as ids and a transformers cache to continue
+        from (options: mode, recompute_ratio, selection, template, carry_bias; blend.engine.handoff)."""
+        from blend.engine.handoff import prepare
+
+        return prepare(self, query, documents, **options)
+
+    def transformers_model(self) -> torch.nn.Module:
+        """The transformers model with the engine's weights, reading `prepare`'s caches."""
+        from blend.engine.handoff import transformers_model
+
+        return transformers_model(self)
 
     # ------------------------------------------------------------------- chat
     def chat(self, session_id: str, message: str, *, documents: Sequence[Document | str] = (),

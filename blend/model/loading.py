@@ -856,6 +856,16 @@ def shipped_tokenizer_dir() -> str:
     return _local_model(DEFAULT_ALIAS)[0]
 
 
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of an alias, a local model or a `random:<shape>` name (the shipped one),
+    without its weights (an alias or a GGUF file: its converted copy, converted once if needed)."""
+    from transformers import AutoTokenizer
+
+    if name_or_path.startswith(RANDOM_PREFIX) or is_shape_alias(name_or_path):
+        return AutoTokenizer.from_pretrained(shipped_tokenizer_dir())
+    return AutoTokenizer.from_pretrained(_local_model(name_or_path)[0])
+
+
 def load_random_model(shape: str, *, device: str | torch.device | None = "auto",
                       dtype: str | torch.dtype = "float32", seed: int = 0) -> LoadedModel:
     """Build `shape` (see RANDOM_SHAPES) with random weights directly on `device`.

@@ -40,11 +40,16 @@ def check_model(state: ServerState, name: str | None) -> None:
 
 
 async def generate(endpoint: str, body: schemas._Generation, query: Any, request: Request) -> Response:
-    """The path of /v1/chat/completions and /v1/completions: check, queue, answer (JSON or SSE)."""
+    """The path of /v1/chat/completions and /v1/completions: check, queue, answer (JSON or SSE).
+    A raw /v1/completions (`completions_prompt: raw`) runs its prompt in full unless it names a mode."""
     state = server_state(request)
     check_model(state, body.model)
     kwargs = body.engine_kwargs()
-    mode = body.kvblend.mode
+    if endpoint == "completions" and state.settings.completions_prompt == "raw":
+        kwargs["raw"] = True
+        if "mode" not in body.kvblend.model_fields_set:
+            kwargs["mode"] = "full"
+    mode = kwargs["mode"]
     try:  # bad arguments: 400 before queueing (the text's fit is checked when it is queued: 400 too)
         docs = [d.to_document() for d in body.documents]
         req = GenerationRequest.create(state.engine.config.engine, query, docs, **kwargs)
@@ -111,7 +116,13 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
 
 
 async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-    return await generate("completions", body, body.question(), request)
+    prompt = body.question()
+    state = server_state(request)
+    if not isinstance(prompt, str) and state.settings.completions_prompt != "raw":
+        state.metrics.request("completions", body.kvblend.mode, 400)
+        raise bad_request(ValueError("a prompt of token ids needs a raw prompt (`kvblend serve --completions-prompt "
+                                     "raw`); this server takes the question as text"))
+    return await generate("completions", body, prompt, request)
 
 
 # ------------------------------------------------------------------- documents

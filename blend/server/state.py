@@ -16,6 +16,8 @@ from fastapi import FastAPI, Request
 from blend.engine.engine import BlendEngine
 from blend.server.metrics import Metrics
 
+COMPLETIONS_PROMPTS = ("question", "raw")  # what /v1/completions' prompt is (ServerSettings.completions_prompt)
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -29,12 +31,18 @@ class ServerSettings:
     # after SIGTERM / SIGINT, in-flight and queued requests have this long to finish; then each still
     # there ends with an error (503), the engine stops and its queued writes are flushed (SHUTDOWN_STOP_S)
     shutdown_grace_s: float = 20.0
+    # /v1/completions' prompt: "question" (the question of the engine's RAG prompt) or "raw" (the
+    # whole prompt as text, as OpenAI-style servers take it: modes full and prefix, full by default)
+    completions_prompt: str = "question"
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"the request body limit must be >= 1 byte, got {self.max_body_bytes}")
         if self.queue_size < 1:
             raise ValueError(f"queue size must be >= 1, got {self.queue_size}")
+        if self.completions_prompt not in COMPLETIONS_PROMPTS:
+            raise ValueError(f"completions prompt must be one of {', '.join(COMPLETIONS_PROMPTS)}, "
+                             f"got {self.completions_prompt!r}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request timeout must be > 0 seconds, got {self.request_timeout_s}")
         if not self.shutdown_grace_s >= 0:
