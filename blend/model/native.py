@@ -428,10 +428,12 @@ DecodeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | No
 
 def native_decode_attention_batch(seqs: Sequence[DecodeInputs]) -> bool:
     """`native_decode_attention` of several sequences (q, k, v, bias, out) in one call: the
-    threads share every sequence's (head, block of keys) work items, so short contexts
-    still keep both cores busy and the call costs one crossing, not one per sequence. The
-    sequences share the dtype and q's shape; each has its own keys. False (nothing written)
-    where any of them is not something the kernel reads."""
+    threads share every sequence's (head, block of 256 keys from its key 0) work items, so
+    short contexts still keep both cores busy and the call costs one crossing, not one per
+    sequence; a sequence's blocks are merged in key order, so its output is the same bits
+    whatever other sequences share the call and however many threads run it. The sequences
+    share the dtype and q's shape; each has its own keys. False (nothing written) where any
+    of them is not something the kernel reads."""
     lib = decode_kernel()
     if lib is None or not seqs:
         return False
@@ -478,6 +480,10 @@ def native_blend_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor
     (None: 0 .. p). out (Tq, H*D) in q's dtype, rows contiguous. colsum (Hkv, Tk) float32,
     contiguous, or None: filled with each key's attention probabilities summed over the query
     rows and the query heads of its KV head.
+
+    Batch-invariant: a row's output depends on its own query, position and keys only (key
+    blocks of 64 and ranges of 512 at their multiples, merged in key order), not on the other
+    rows in the call or the thread count; colsum is the same bits on any number of threads.
     """
     lib = blend_kernel()
     if lib is None:
