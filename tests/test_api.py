@@ -326,9 +326,22 @@ def test_bad_queries_ingests_and_messages(lm, tmp_path):
 @pytest.mark.parametrize("bad", [".", "..", "a/b", "/", "line\nbreak", "tab\there", "nul\x00", "del\x7f",
                                  "c1\x85", "\ud800", "x" * 257, " ", ""])
 def test_a_document_id_that_cannot_round_trip_through_a_url_path_is_refused_naming_the_rule(bad):
-    with pytest.raises(ValueError, match=r"Document\.id .*a document id is 1 to 256 characters without '/', "
-                                         r"control characters or unpaired surrogates, and is not '\.' or '\.\.'"):
+    with pytest.raises(ValueError, match=r"Document\.id .*a document id is 1 to 256 characters, not all whitespace, "
+                                         r"without '/', control characters or unpaired surrogates, and is not "
+                                         r"'\.' or '\.\.'"):
         Document("text", id=bad)
+
+
+@pytest.mark.parametrize("blank", [" ", "   ", "\u2003", "\u00a0 "])
+def test_a_blank_id_is_refused_by_the_rule_it_breaks_not_called_empty(blank):
+    """The rule states what the check refuses: an id of spaces is 1 character or more, so it is
+    refused as all whitespace (a rule of its own), not as 'empty'."""
+    from blend.prompt.document import ID_RULE
+
+    with pytest.raises(ValueError) as refused:
+        Document("text", id=blank)
+    assert "is all whitespace" in str(refused.value) and "is empty" not in str(refused.value)
+    assert "not all whitespace" in ID_RULE
 
 
 def test_document_ids_within_the_rule_are_taken_as_they_are():

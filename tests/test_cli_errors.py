@@ -168,6 +168,15 @@ CASES: list[tuple[str, list[str], dict[str, str | bytes], dict[str, str]]] = [
     ("bench-serve-url-not-a-url", ["bench", "serve", "--url", "notaurl", "--no-compare"], {}, {}),
     ("bench-serve-url-refused", ["bench", "serve", "--url", "http://127.0.0.1:1", "--clients", "1", "--requests", "1",
                                 "--no-compare", "--json"], {}, {}),
+    ("bench-serve-mode-list", ["bench", "serve", "--mode", "full,fast", "--no-compare"], {}, {}),
+    ("bench-serve-peer-not-a-url", ["bench", "serve", "--peer", "llama", "--no-compare"], {}, {}),
+    ("bench-serve-peer-refused", ["bench", "serve", "--peer", "http://127.0.0.1:1", "--clients", "1", "--requests", "1",
+                                 "--no-compare", "--json"], {}, {}),
+    ("bench-serve-peer-name-alone", ["bench", "serve", "--peer-name", "x", "--no-compare"], {}, {}),
+    ("bench-serve-peer-setting", ["bench", "serve", "--peer", "http://127.0.0.1:1", "--peer-setting", "np",
+                                  "--no-compare"], {}, {}),
+    ("bench-serve-peer-name-kvblend", ["bench", "serve", "--peer", "http://127.0.0.1:1", "--peer-name", "kvblend",
+                                       "--no-compare"], {}, {}),
     ("bench-load-size-negative", ["bench", "load", "--size-mb", "-5"], {}, {}),
     ("bench-load-size-beyond-memory", ["bench", "load", "--tier", "cpu", "--size-mb", "1e12"], {}, {}),
     ("bench-resume-disk-path-file", ["bench", "resume", "--tiers", "disk", "--disk-path", "{tmp}/f.txt"],
@@ -357,3 +366,22 @@ def test_a_huge_document_file_is_refused_on_its_size_before_it_is_read(tmp_path,
         out, err = capsys.readouterr()
         assert not out and err.count("\n") == 1
         assert f"document '{big}' is 1GiB: more text than the model's 2048 positions can hold" in err, err
+
+
+def test_a_kvblend_home_that_is_a_file_is_one_line_with_native_kernels(tmp_path, model_dir):
+    """$KVBLEND_HOME a regular file and KVBLEND_DECODE_KERNEL=native: the kernels cannot be built
+    there; the command says so in one line naming the setting (it printed a 'rebuilding ... is
+    cannot be read' warning before it). A real process: the kernels are built once per process."""
+    home = tmp_path / "home"
+    home.write_text("not a directory\n")
+    (tmp_path / "c.yaml").write_text(f"model: '{model_dir}'\ndevice: cpu\n{CPU_STORE}")
+    (tmp_path / "d.txt").write_text("The lighthouse was built in 1871.")
+    env = {k: v for k, v in os.environ.items() if k not in ENV} | {
+        "PYTHONPATH": str(ROOT), "KVBLEND_HOME": str(home), "KVBLEND_DECODE_KERNEL": "native"}
+    proc = subprocess.run([sys.executable, "-m", "blend.cli", "ask", "--config", str(tmp_path / "c.yaml"), "--doc",
+                           str(tmp_path / "d.txt"), "--question", "When?", "--mode", "full", "--max-new-tokens", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("warning: load average")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvblend: error: ") and "KVBLEND_HOME" in lines[0], proc.stderr
+    assert home.read_text() == "not a directory\n"

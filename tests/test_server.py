@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from blend.engine.engine import BlendEngine
+from blend.prompt.document import Document
 from tests.models import smollm2_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -555,18 +556,21 @@ def test_timeout_and_graceful_shutdown(setup):
         server.stop()
 
 
-def test_a_second_interrupt_stops_at_once_and_says_so(setup):
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_interrupt_stops_at_once_and_says_so(setup, second):
+    """A second signal of either kind forces the exit (uvicorn itself forces only on a second
+    SIGINT: a second SIGTERM did nothing, issue 49)."""
     root, config = setup
-    server = Server(config, root, "--no-warmup")
+    server = Server(config, root, "--no-warmup", "--shutdown-grace", "300")
     try:
         body = chat_body("Go.", max_tokens=LONG, stream=True)
         with httpx.Client(timeout=120) as http, http.stream("POST", server.url + "/v1/chat/completions",
                                                             json=body) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-            server.proc.send_signal(signal.SIGINT)  # graceful: would wait for this request
+            server.proc.send_signal(signal.SIGTERM)  # graceful: would wait for this request
             time.sleep(0.5)
-            server.proc.send_signal(signal.SIGINT)  # forced
+            server.proc.send_signal(second)  # forced
             assert server.proc.wait(60) == 130
         assert "stopped at once by a second signal" in server.log.read_text()
     finally:
@@ -691,7 +695,7 @@ def test_document_ids_round_trip_through_the_url_path_or_are_refused_at_ingest(s
         reply = httpx.post(server.url + "/v1/documents", json={"documents": [{"id": bad, "text": "Some text."}]},
                            timeout=120)
         assert reply.status_code == 400, (bad, reply.text)
-        assert "a document id is 1 to 256 characters without '/'" in reply.json()["error"]["message"]
+        assert "a document id is 1 to 256 characters, not all whitespace, without '/'" in reply.json()["error"]["message"]
     for path in ["/v1/documents/.", "/v1/documents/..", "/v1/documents/%2e%2e", "/v1/documents/%2E",
                  "/v1/documents/a%0Ab", "/v1/documents/a%2Fb", "/v1/documents/", "/v1/documents/never-seen"]:
         assert raw_status(server.url, "DELETE", path) == 404, path
@@ -716,3 +720,213 @@ def test_inter_token_latency_is_the_gaps_between_a_stream_s_chunks():
     assert level.summary()["decode_rows_in_prefill_steps"] == 21
     assert Level(clients=1, samples=[Sample(True, ttft_s=0.1, e2e_s=0.1, tokens=1)], wall_s=1.0).summary()[
         "itl_p50_s"] is None
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.15])
+def test_a_document_deleted_right_after_a_harvesting_request_stays_deleted(setup, tmp_path, delay):
+    """Issue 49, item 1, through `kvblend serve`: a chat whose documents all miss harvests them
+    (their writes queued, their standalone recompute waiting for the idle engine); DELETE of
+    every id right after it removes them for good: seconds later no tier holds them, and a second
+    DELETE is 404 because nothing of them is left, not while their data is back on disk."""
+    root, _ = setup
+    config = tmp_path / "harvest.yaml"
+    config.write_text(f"""
+model: {root / "model"}
+device: cpu
+engine:
+  blend: {{chunk_tokens: 16, split: "off", miss_policy: harvest}}
+  generation: {{max_new_tokens: 4}}
+  sessions: {{sessions_dir: {tmp_path / "sessions"}}}
+store:
+  kv_dtype: float32
+  tiers:
+    - {{kind: disk, path: {tmp_path / "disk"}, budget: 64MiB, codec: none}}
+""")
+    docs = [d for d in DOCS if "id" in d]
+    server = Server(config, tmp_path, "--no-warmup")
+    try:
+        reply = httpx.post(server.url + "/v1/chat/completions", json=chat_body(QUESTIONS[0], docs=docs), timeout=120)
+        assert reply.status_code == 200 and reply.json()["kvblend"]["miss_plan"]["plan"] == "harvest"
+        time.sleep(delay)
+        for doc in docs:
+            assert httpx.delete(f"{server.url}/v1/documents/{doc['id']}", timeout=60).status_code == 200
+        time.sleep(2.5)  # the engine idle: its background recompute would have run
+        for doc in docs:
+            assert httpx.delete(f"{server.url}/v1/documents/{doc['id']}", timeout=60).status_code == 404
+    finally:
+        assert server.stop() == 0, server.log.read_text()[-3000:]  # its queued writes flushed
+    with BlendEngine.from_config(config) as engine:
+        prompt = engine.build_prompt(QUESTIONS[0], [Document(d["text"], id=d["id"], title=d.get("title"))
+                                                    for d in docs])
+        keys = [key for seg in prompt.documents for key in engine.document_kv.keys(seg, prompt)]
+        system = engine.document_kv.keys(prompt.prefix, prompt)
+        assert keys and all(engine.store.contains(key) is None for key in keys), "a deleted document came back"
+        assert all(engine.store.contains(key) is not None for key in system)  # what was not deleted stays
+
+
+def test_sigterm_during_chunked_prefills_ends_every_request_and_exits_within_the_grace(setup, tmp_path):
+    """Issue 49, item 3: a decoding stream C, then a full-mode stream A over documents and a blend
+    stream B over documents never seen, prefills in chunks of 8 rows beside C's decode rows; SIGTERM
+    right after. Every request gets a whole answer: its tokens then `[DONE]`, or an error (503, or
+    an error event saying the server shut down, then `[DONE]`); the process exits 0 within the
+    shutdown grace (and the bounded stop after it), and what was computed is stored (B's documents)."""
+    root, _ = setup
+    config = tmp_path / "chunked.yaml"
+    config.write_text(f"""
+model: {root / "model"}
+device: cpu
+engine:
+  blend: {{chunk_tokens: 16, split: "off"}}
+  sessions: {{sessions_dir: {tmp_path / "sessions"}}}
+store:
+  kv_dtype: float32
+  tiers:
+    - {{kind: disk, path: {tmp_path / "disk"}, budget: 64MiB, codec: none}}
+""")
+    unseen = [{"id": f"unseen-{i}", "text": f"Unseen passage {i}: the ferry to Lenwick left at {i + 5} o'clock, "
+               "carrying mail, coal and the harbour master's cat."} for i in range(3)]
+    grace = 3.0
+    server = Server(config, tmp_path, "--no-warmup", "--prefill-chunk-tokens", "8", "--shutdown-grace", str(grace),
+                    "--request-timeout", "600")
+    answers: dict[str, tuple[int, list[str]]] = {}
+
+    def send(name: str, body: dict, started: threading.Event | None = None) -> None:
+        try:
+            with httpx.Client(timeout=120) as http, http.stream("POST", server.url + "/v1/chat/completions",
+                                                                json=body) as r:
+                lines = []
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        if started is not None:
+                            started.set()
+                answers[name] = (r.status_code, lines)
+        except httpx.HTTPError as err:  # a connection closed without an answer
+            answers[name] = (0, [repr(err)])
+
+    try:
+        decoding = threading.Event()
+        threads = [threading.Thread(target=send, args=("C", chat_body("Go.", docs=[], max_tokens=LONG, stream=True),
+                                                       decoding))]
+        threads[0].start()
+        assert decoding.wait(60)
+        threads += [threading.Thread(target=send, args=("A", chat_body(QUESTIONS[0], max_tokens=LONG, stream=True,
+                                                                       kvblend={"mode": "full"}))),
+                    threading.Thread(target=send, args=("B", chat_body(QUESTIONS[1], docs=unseen, max_tokens=LONG,
+                                                                       stream=True, kvblend={"mode": "blend"})))]
+        for t in threads[1:]:
+            t.start()
+        time.sleep(0.3)
+        server.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        try:
+            code = server.proc.wait(grace + 25)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not exit {grace + 25:g} s after SIGTERM (shutdown grace {grace:g} s)")
+        assert code == 0 and time.monotonic() - t0 < grace + 25, server.log.read_text()[-3000:]
+        for t in threads:
+            t.join(30)
+        assert sorted(answers) == ["A", "B", "C"]
+        for name, (status, lines) in answers.items():
+            assert status in (200, 503), (name, status, lines[-3:])  # an answer, not a dropped connection
+            if status == 200:
+                assert lines[-1] == "data: [DONE]", (name, lines[-3:])
+                last = json.loads(lines[-2][len("data: "):])
+                assert "shut down" in last.get("error", {}).get("message", "") or last["choices"][0]["finish_reason"]
+        assert "shut down" in json.loads(answers["C"][1][-2][len("data: "):])["error"]["message"]
+    finally:
+        server.stop()
+    with BlendEngine.from_config(config) as engine:  # what was computed was written
+        prompt = engine.build_prompt(QUESTIONS[1], [Document(d["text"], id=d["id"]) for d in unseen])
+        keys = [key for seg in prompt.documents for key in engine.document_kv.keys(seg, prompt)]
+        assert keys and all(engine.store.contains(key) is not None for key in keys)
+
+
+def test_bench_serve_peer_is_a_second_server_given_prompts_as_text(server, setup, engine, tmp_path):
+    """--peer: the same requests, as prompt texts (then as token ids), to another `kvblend serve`
+    (raw completions): kvblend's rows (two modes) and the peer's side by side, the peer's answers
+    compared with kvblend's full-prefill ones."""
+    from blend.model.loading import load_tokenizer
+    from blend.prompt.conversation import encode
+    from blend.prompt.document import Document
+    from eval.bench.peer import Peer, prompt_texts
+    from eval.bench.sample import same_answer
+    from eval.bench.serve import LEVELS_PLOT, bench_requests, document_pool, run_serve_bench, write_report
+
+    root, config = setup
+    twin = Server(config, root, "--completions-prompt", "raw", "--no-warmup")
+    bench = dict(requests=3, pool_size=3, docs_per_request=2, max_tokens=4, doc_chars=150, ratio=0.3, url=server.url,
+                 compare=False, log=lambda _: None)
+    try:
+        summary = run_serve_bench(str(config), clients=[1, 2], mode=["full", "blend"],
+                                  peer=Peer(twin.url, "twin", {"launched_by": "test"}), **bench)
+        served = sample(twin.metrics(), "kvblend_requests_total", endpoint="completions", mode="full", status="200")
+        as_ids = run_serve_bench(str(config), clients=[2], mode="full", peer=Peer(twin.url, "twin", prompt="ids"),
+                                 **bench)
+    finally:
+        assert twin.stop() == 0, twin.log.read_text()[-3000:]
+    rows = summary["levels"]
+    assert [(r["server"], r["mode"], r["clients"]) for r in rows] == [
+        ("kvblend", "full", 1), ("kvblend", "full", 2), ("kvblend", "blend", 1), ("kvblend", "blend", 2),
+        ("twin", None, 1), ("twin", None, 2)]
+    assert served == 2 + 3 + 3  # its warm-up, then each level's requests, all as raw completions in full
+    for row in rows:
+        assert row["ok"] == 3 and row["lost"] == 0 and row["tokens_per_s"] > 0 and row["ttft_p50_s"] > 0, row
+    for row in rows[:4]:
+        assert row["answers_equal_alone"] == 3 and row["peer_settings"] is None and row["prompt_tokens_equal"] is None
+    assert rows[0]["answers_equal_full"] == rows[1]["answers_equal_full"] == 3  # full is the reference
+    for row in rows[4:]:
+        assert row["answers_equal_alone"] is None and row["peer_settings"] == {"launched_by": "test"}
+        assert row["max_num_seqs"] is None and row["hit_rate"] is None
+    # the peer tokenized each text itself: its answers are kvblend's full prefill of that text, which
+    # equal kvblend's own full answers where the ids came back the same (or the answer did not move)
+    reqs = bench_requests(3, document_pool(3, 150), 2)
+    prompts = prompt_texts(str(config), reqs)
+    assert all(t.startswith("<|im_start|>system") and reqs[i].question in t for i, t in enumerate(prompts.texts))
+    tokenizer = load_tokenizer(str(root / "model"))
+    same_ids = sum(len(encode(tokenizer, t)) == n for t, n in zip(prompts.texts, prompts.tokens, strict=True))
+    expected = 0
+    for req, text in zip(reqs, prompts.texts, strict=True):
+        full = engine.generate([{"role": "user", "content": req.question}],
+                               [Document(d["text"], id=d["id"]) for d in req.documents], mode="full", max_new_tokens=4)
+        expected += same_answer(engine.generate(text, mode="full", raw=True, max_new_tokens=4).text, full.text)
+    for row in rows[4:]:
+        assert row["prompt_tokens_equal"] == same_ids and row["answers_equal_full"] == expected
+    # as kvblend's own ids: the same tokens, the same answers
+    peer_row = as_ids["levels"][-1]
+    assert (peer_row["server"], peer_row["answers_equal_full"], peer_row["prompt_tokens_equal"]) == ("twin", 3, 3)
+    assert summary["peer"] == {"name": "twin", "url": twin.url, "prompt": "text"} and summary["modes"] == ["full", "blend"]
+    write_report(summary, tmp_path)
+    assert (tmp_path / LEVELS_PLOT).stat().st_size > 0 and (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_answers_equal_counts_the_same_answers():
+    from eval.bench.serve import Level, Sample
+
+    level = Level(clients=2, samples=[Sample(True, tokens=1, index=0, text=" Maud Tillery"),
+                                      Sample(True, tokens=1, index=1, text="Ostend"),
+                                      Sample(True, tokens=1, index=2, text="1871"),
+                                      Sample(False, error="HTTP 503", index=3, text="lost")], wall_s=1.0)
+    reference = {0: "Maud Tillery", 1: "Ostend.", 2: "1871", 3: "lost"}
+    row = level.summary(full=reference, alone={0: "Maud Tillery"})
+    assert row["answers_equal_full"] == 2 and row["answers_equal_alone"] == 1  # the failed one is never equal
+    assert level.summary()["answers_equal_full"] is None and row["server"] == "kvblend"
+
+
+def test_raw_completions_take_the_whole_prompt_as_text(setup, engine):
+    """A raw prompt is tokenized as it is: the text of a prompt kvblend built (no documents, so the
+    ids come back the same) answers as that prompt; documents or a blend are refused."""
+    from blend.prompt.builder import prompt_text
+
+    messages = [{"role": "user", "content": "Who built the lighthouse?"}]
+    text = prompt_text(engine.lm.tokenizer, engine.build_prompt(messages, []))
+    built = engine.generate(messages, [], mode="full", max_new_tokens=4)
+    raw = engine.generate(text, mode="full", raw=True, max_new_tokens=4)
+    assert raw.token_ids == built.token_ids and raw.prompt_tokens == built.prompt_tokens
+    assert engine.generate(text, mode="prefix", raw=True, max_new_tokens=4).token_ids == built.token_ids
+    with pytest.raises(ValueError, match="no documents to blend"):
+        engine.generate(text, raw=True, max_new_tokens=4)
+    with pytest.raises(ValueError, match="pass no documents"):
+        engine.generate(text, ["a document"], mode="full", raw=True)
+    with pytest.raises(TypeError, match="one str"):
+        engine.generate(messages, mode="full", raw=True)

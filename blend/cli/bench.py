@@ -207,19 +207,26 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
     contexts = positive_ints(args.context_tokens, "--context-tokens")
     batches = positive_ints(args.batch, "--batch")
+    from eval.bench.decode import check_peer
+
+    check_peer(args.peer_llamacpp)
     from blend.config import load_config
 
-    overrides = {name: getattr(args, name) for name in ("model", "dtype", "device") if getattr(args, name)}
+    overrides = {name: getattr(args, name) for name in ("model", "dtype", "device", "weights") if getattr(args, name)}
     config = load_config(args.config, **overrides)  # a bad config fails here, before the model loads
     from eval.bench.decode import DecodeSettings, run_decode_bench
 
     settings = DecodeSettings(tuple(contexts), tuple(batches), args.steps, args.repeats, args.warmup)
     say = human(args)
-    summary = run_decode_bench(config, settings, log=say)
+    summary = run_decode_bench(config, settings, log=say, peer=args.peer_llamacpp)
     say(f"{summary['model']} ({summary['dtype']}, {summary['device']}, {summary['torch_threads']} threads, "
         f"projections {summary['projections']}, decode kernel {summary['decode_kernel']}); CPU probe "
         f"{summary['probe_gflops_start']} -> {summary['probe_gflops_end']} GFLOP/s, widest spread of rounds "
         f"{summary['widest_spread']:.0%}")
+    resident = summary["weights_resident_bytes"]
+    say(f"weights: {summary['weights']} (kernel {summary['quant_kernel']}), {summary['weights_bytes_read_per_token'] / 1e6:.1f} "
+        f"MB read a batch-1 token; resident {resident['total'] / 1e6:.0f} MB (model {resident['model'] / 1e6:.0f}, "
+        f"dense copies {resident['dense_copies'] / 1e6:.0f}, blocks {resident['blocks'] / 1e6:.0f})")
     return _timings_done(args, say, summary)
 
 
@@ -293,6 +300,10 @@ def _register_decode(sub: Any) -> None:
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES, help="override the compute dtype (auto: "
                    "bfloat16 where the CPU or GPU computes it natively)")
     p.add_argument("--device", default=None, help="override the device: auto, cpu, cuda, cuda:<index>")
+    p.add_argument("--weights", default=None, choices=("auto", "quantized", "dequantized"),
+                   help="override which weights the linear layers read (config `weights`)")
+    p.add_argument("--peer-llamacpp", default=None, metavar="PATH_TO_LLAMA_BENCH",
+                   help="also run llama.cpp's llama-bench on the same GGUF at the same depths and threads")
     json_arg(p)
     p.set_defaults(func=cmd_decode)
 

@@ -126,6 +126,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def directory(text: str) -> str:
     """A directory to create if missing: not empty, and not an existing non-directory."""
     if not text.strip():

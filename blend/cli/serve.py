@@ -26,6 +26,7 @@ from blend.cli.common import (
     config_arg,
     emit_json,
     json_arg,
+    non_negative_float,
     positive_float,
     positive_int,
     positive_ints,
@@ -66,7 +67,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = BlendEngine.from_config(args.config, **overrides)
         settings = ServerSettings(served_model_name=args.served_model_name or engine.config.model,
                                   queue_size=args.queue_size, request_timeout_s=args.request_timeout,
-                                  warmup=not args.no_warmup, max_body_bytes=args.max_body)
+                                  warmup=not args.no_warmup, max_body_bytes=args.max_body,
+                                  shutdown_grace_s=args.shutdown_grace,
+                                  completions_prompt=args.completions_prompt)
     except BaseException:
         sock.close()
         raise
@@ -98,46 +101,63 @@ def register(subparsers: Any) -> None:
                    "alongside (default: the config's engine.prefill_chunk_tokens, $KVBLEND_PREFILL_CHUNK_TOKENS)")
     p.add_argument("--request-timeout", type=arg_type(positive_float), default=300.0,
                    help="seconds from acceptance to the last token before a request is cancelled (default 300)")
+    p.add_argument("--shutdown-grace", type=arg_type(non_negative_float), default=20.0,
+                   help="seconds the requests in flight or queued have to finish after SIGTERM / SIGINT; then "
+                   "each ends with an error (503) and the server exits after at most 10 s for the step under "
+                   "way and 10 s for the queued cache writes (default 20)")
     p.add_argument("--max-body", type=arg_type(_body_bytes), default=16 << 20,
                    help="largest request body, e.g. 16MiB (default); larger ones get 413 before parsing")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the config's model)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
+    p.add_argument("--completions-prompt", choices=("question", "raw"), default="question",
+                   help="what /v1/completions' prompt is: the question of kvblend's RAG prompt (default), or raw: "
+                   "the whole prompt as text, tokenized as it is, run in full (or prefix) mode, as OpenAI-style "
+                   "servers take it (e.g. as the peer of `kvblend bench serve --peer`)")
     p.set_defaults(func=cmd_serve)
 
 
 # ------------------------------------------------------------ bench serve
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from blend.config import check_mode
-    from eval.bench.serve import REPORT_FILES, run_serve_bench, write_report
+    from eval.bench.peer import Peer
+    from eval.bench.serve import KVBLEND, REPORT_FILES, run_serve_bench, write_report
 
-    check_mode(args.mode)
+    modes = [check_mode(m.strip()) for m in args.mode.split(",")]
     check_out_dir(args.out, REPORT_FILES)
+    peer = None
+    if args.peer:
+        name = args.peer_name or "peer"
+        if not name.strip() or name == KVBLEND:
+            raise ValueError(f"--peer-name {name!r} must name the peer (not empty, not {KVBLEND!r})")
+        peer = Peer(_server_url(args.peer, "--peer"), name, dict(args.peer_setting or []), args.peer_prompt)
+    elif args.peer_name or args.peer_setting or args.peer_prompt != "text":
+        raise ValueError("--peer-name, --peer-setting and --peer-prompt describe a --peer; give --peer URL too")
     clients = positive_ints(args.clients, "--clients")
     settings = positive_ints(args.max_num_seqs, "--max-num-seqs") if args.max_num_seqs else [None]
-    url = _server_url(args.url) if args.url else None
+    url = _server_url(args.url, "--url") if args.url else None
     if url and args.max_num_seqs:
         raise ValueError("--max-num-seqs starts a server per setting; it cannot be used with --url (a running "
                          "server has its own setting)")
     say = (lambda _: None) if args.json else (lambda line: print(line, flush=True))
     summary = run_serve_bench(args.config, clients=clients, requests=args.requests, pool_size=args.pool,
                               docs_per_request=args.docs_per_request, max_tokens=args.max_tokens,
-                              doc_chars=args.doc_chars, mode=args.mode, ratio=args.ratio, url=url,
-                              compare=not args.no_compare, max_num_seqs=settings, log=say)
+                              doc_chars=args.doc_chars, mode=modes, ratio=args.ratio, url=url,
+                              compare=not args.no_compare, max_num_seqs=settings, peer=peer, log=say)
     pair = (summary["in_process"] or {}).get("pair_ratio")
     say(f"CPU probe {summary['probe_gflops_start']} -> {summary['probe_gflops_end']} GFLOP/s; load average "
         f"{summary['load_average_start']} at start, {summary['load_average_peak']} at its peak"
         + (f"; HTTP / in-process TTFT per request {pair['min']}-{pair['max']} (median {pair['median']})" if pair else ""))
     if args.out:
         write_report(summary, Path(args.out))
-        say(f"wrote {Path(args.out) / 'serve.json'} and serve.png")
+        say(f"wrote {Path(args.out) / 'serve.json'}, serve.png and serve-levels.png")
     for row in summary["speedups"]:
-        say(f"{row['clients']} clients: max_num_seqs {row['max_num_seqs']} vs {row['versus']}: tokens/s x"
+        say(f"{row['clients']} clients, {row['mode']}: max_num_seqs {row['max_num_seqs']} vs {row['versus']}: tokens/s x"
             f"{row['tokens_per_s_ratio']}, TTFT p50 x{row['ttft_p50_ratio']}")
     emit_json(summary)
     return 0
 
 
-def _server_url(text: str) -> str:
+def _server_url(text: str, flag: str) -> str:
     from urllib.parse import urlsplit
 
     try:
@@ -146,8 +166,15 @@ def _server_url(text: str) -> str:
     except ValueError:
         parts = None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"--url {text!r} is not a server URL; use e.g. http://127.0.0.1:8000")
+        raise ValueError(f"{flag} {text!r} is not a server URL; use e.g. http://127.0.0.1:8000")
     return text.rstrip("/")
+
+
+def _setting(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--peer-setting {text!r} is not KEY=VALUE; use e.g. threads=2")
+    return key.strip(), value.strip()
 
 
 def register_bench(sub: Any) -> None:
@@ -164,13 +191,24 @@ def register_bench(sub: Any) -> None:
     p.add_argument("--docs-per-request", type=arg_type(positive_int), default=3)
     p.add_argument("--doc-chars", type=arg_type(positive_int), default=None, help="cut each document to this many characters")
     p.add_argument("--max-tokens", type=arg_type(positive_int), default=16)
-    p.add_argument("--mode", default="blend", help="full | reuse | prefix | blend (default blend)")
+    p.add_argument("--mode", default="blend", help="full | reuse | prefix | blend, or several comma-separated "
+                   "(e.g. full,blend: a row per mode, the same requests; default blend)")
     p.add_argument("--ratio", type=RATIO, default=None, help="recompute ratio in [0, 1] (default: the config's)")
     p.add_argument("--max-num-seqs", default=None,
                    help="comma-separated scheduler settings (e.g. 1,8): the same requests under each, one server per "
                    "setting (default: the config's)")
     p.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
     p.add_argument("--no-compare", action="store_true", help="skip the in-process TTFT comparison at 1 client")
+    p.add_argument("--peer", default=None, metavar="URL",
+                   help="also send the same requests to this OpenAI-compatible server (llama-server, vLLM, SGLang, "
+                   "`kvblend serve --completions-prompt raw`): each prompt as kvblend builds it, as text, to its "
+                   "/v1/completions, greedy; its rows sit beside kvblend's")
+    p.add_argument("--peer-name", default=None, metavar="NAME", help="the peer's name in the rows (default: peer)")
+    p.add_argument("--peer-setting", action="append", type=arg_type(_setting), default=None, metavar="KEY=VALUE",
+                   help="one of the peer's own settings to record in its rows (repeatable), e.g. np=8")
+    p.add_argument("--peer-prompt", choices=("text", "ids"), default="text",
+                   help="how the peer gets each prompt: text (default: what users send; it tokenizes it itself) or "
+                   "ids (kvblend's own token ids: the same tokens, so only the numerics differ)")
     json_arg(p, "print only the JSON result line")
     p.add_argument("--out", default=None, help="directory for serve.json and serve.png")
     p.set_defaults(func=cmd_bench_serve)

@@ -27,10 +27,11 @@ argument is checked before any work (`blend.engine.request`).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from blend.config import EngineConfig, load_config, naming_config
 from blend.decode.generation import Prefilled
@@ -51,6 +52,11 @@ from blend.prompt.document import Document, IngestedDocument
 from storage.exit_hooks import ClosedAtExit
 from storage.stack import EXIT_FLUSH_S, TieredStore
 
+if TYPE_CHECKING:  # blend.engine.handoff imports transformers: only when it is used
+    import torch
+
+    from blend.engine.handoff import Prepared
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # at interpreter exit, an engine not closed is closed: its requests cancelled, then at most this
@@ -61,16 +67,16 @@ EXIT_STOP_S = 30.0
 # need: requests cancelled, the scheduler's step under way ended, loaders given up by stalled
 # requests awaited, then the store flushed; filled after the first store's registry, so it runs first
 _OPEN_ENGINES: ClosedAtExit[BlendEngine] = ClosedAtExit(
-    "engine", lambda engine: engine._close(stop_s=EXIT_STOP_S, flush_s=EXIT_FLUSH_S))
+    "engine", lambda engine: engine._close(stop_s=EXIT_STOP_S, flush_s=EXIT_FLUSH_S, cancel=True))
 
 
 class BlendEngine:
-    """The Python API (see the module docstring). Thread-safe: every call that runs the model
-    is queued on the engine's scheduler; `chat` rejects a second concurrent turn on the same
-    session with `SessionBusy`."""
+    """The Python API (see the module docstring). Thread-safe: every call that runs the model is
+    queued on the engine's scheduler; `chat` rejects a second concurrent turn with `SessionBusy`."""
 
     def __init__(self, config: EngineConfig, *, model: LoadedModel | None = None, store: TieredStore | None = None):
         self.config, self._closed = config, False
+        self._closing = threading.Lock()  # a second `close` waits for the first to end
         # built in a thread that ends with it: no OpenMP pool of the setup's torch work stays on
         # the caller's thread beside the scheduler's (see in_own_thread, run_exclusive)
         parts = in_own_thread(lambda: build_parts(config, model, store), "kvblend-engine-setup")
@@ -91,26 +97,30 @@ class BlendEngine:
         with naming_config(path):
             return cls(config)
 
-    def close(self) -> None:
-        """Let queued and running requests finish, flush pending writes, close the tiers; later
-        calls raise ValueError. An engine open at interpreter exit is closed by an exit hook: its
-        requests cancelled, the step under way ended (at most `EXIT_STOP_S`), queued writes flushed
-        (at most `storage.stack.EXIT_FLUSH_S`, the rest dropped with a warning)."""
-        self._close()
+    def close(self, timeout: float | None = None, *, cancel: bool = False) -> None:
+        """Let queued and running requests finish (`cancel`: end each now, its caller told it was
+        cancelled), flush pending writes, close the tiers; later calls raise ValueError.
+        `timeout` (seconds; None: as long as it takes) bounds the wait for the scheduler and,
+        again, the flush (the writes still queued then are dropped with a warning). An engine
+        open at interpreter exit is closed by an exit hook: its requests cancelled, the step under
+        way ended (at most `EXIT_STOP_S`), queued writes flushed (at most
+        `storage.stack.EXIT_FLUSH_S`)."""
+        self._close(stop_s=timeout, flush_s=timeout, cancel=cancel)
 
-    def _close(self, *, stop_s: float | None = None, flush_s: float | None = None) -> None:
-        """Stop in order: the scheduler (with `stop_s`: its items cancelled, its thread awaited that
-        long), loader threads given up by stalled requests, the store (its flush bounded by `flush_s`)."""
-        if self._closed:
-            return
-        self._closed = True
-        _OPEN_ENGINES.discard(self)
-        exiting = stop_s is not None
-        if not self.scheduler.stop(stop_s, cancel=exiting):
-            log.warning("the engine's scheduler is still in a step after %.0f s; closing the store beside it", stop_s)
-        if exiting:
-            join_abandoned(stop_s)
-        self.store.close(timeout=flush_s)
+    def _close(self, *, stop_s: float | None = None, flush_s: float | None = None, cancel: bool = False) -> None:
+        """Stop in order: the scheduler (`cancel`: its items cancelled; its thread awaited `stop_s`),
+        loader threads given up by stalled requests, the store (its flush bounded by `flush_s`)."""
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            _OPEN_ENGINES.discard(self)
+            if not self.scheduler.stop(stop_s, cancel=cancel):
+                log.warning("the engine's scheduler is still in a step after %.0f s; closing the store beside it",
+                            stop_s)
+            if stop_s is not None:
+                join_abandoned(stop_s)
+            self.store.close(timeout=flush_s)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -125,12 +135,11 @@ class BlendEngine:
     # -------------------------------------------------------------- documents
     def ingest(self, documents: Sequence[Document | str], *, sync: bool = True, stop: Callable[[], bool] | None = None,
                template: PromptTemplate | None = None) -> list[IngestedDocument]:
-        """Precompute each document's KV (after `template`'s fixed part; None: the configured one)
-        and store it block by block, on the scheduler between decode steps. Per document: its id,
-        block keys, whether every block was cached before and (sync: writes awaited) whether some
-        tier holds every block now. Idempotent; empty documents skipped; ids remembered. `stop` is
-        asked before each forward pass (True: `IngestStopped`, what was computed stays stored). A
-        document no request could use is refused with ValueError before any work (blend.kv.ingest)."""
+        """Precompute each document's KV (after `template`'s fixed part; None: the configured one) and
+        store it block by block, between decode steps. Per document: its id, block keys, whether every
+        block was cached before and (sync: writes awaited) whether a tier holds every block now.
+        Idempotent; empty documents skipped; ids remembered. `stop` is asked before each pass (True:
+        `IngestStopped`, what was computed stays stored); a document no request could use: ValueError."""
         finished = self.submit_ingest(documents, sync=sync, stop=stop, template=template).finished_event()
         if finished.cancelled:
             raise IngestStopped("ingest stopped before it finished; the documents computed stay stored", [])
@@ -147,7 +156,9 @@ class BlendEngine:
         if stop is not None and not callable(stop):
             raise TypeError(f"stop must be a callable returning a bool, got {type(stop).__name__}")
         job = self.ingestor.prepare(documents, self.layout.builder(template), self.runner.max_positions)
-        handle = Handle(sink, deadline)
+        # sync: the writes awaited on a thread of the handle's, never on the scheduler's (a hung store
+        # write would hold every request there)
+        handle = Handle(sink, deadline, then=self.ingestor.confirm if sync else None)
         self.scheduler.submit(Task("ingest", IngestWork(job, sync, stop), handle))
         return handle
 
@@ -155,7 +166,9 @@ class BlendEngine:
         """Remove a document this engine ingested (or served with an explicit id) from every tier;
         returns the keys deleted (blocks another known document uses are kept). KeyError if the id
         is unknown to this engine; StoreUnavailable (the id stays known) if a tier could not be
-        reached. Waits for queued writes first (blend.kv.ingest.Ingestor.delete)."""
+        reached. The delete wins over every write of those blocks planned before it (queued, under
+        way, a request in flight, the background recompute of a harvested document): nothing
+        deleted is stored again but by a request or ingest made after it (blend.kv.ingest.Ingestor.delete)."""
         if not isinstance(doc_id, str):
             raise TypeError(f"document id must be a str, got {type(doc_id).__name__}")
         self._check_open()
@@ -245,9 +258,8 @@ class BlendEngine:
 
     def run_exclusive(self, fn: Callable[[], T], name: str = "exclusive") -> T:
         """`fn()` run on the scheduler's thread between two steps, its value returned: torch work of
-        your own beside the engine. A thread of yours would keep its own OpenMP pool (libgomp), and
-        with more pool threads than cores the scheduler's small ops ran slower for the process's
-        life (2 cores: blend@0.05 +25%, reuse +17%, full prefill +4%)."""
+        your own beside the engine (a thread of yours keeps its own OpenMP pool, and more pool
+        threads than cores slow the scheduler's small ops: 2 cores, blend@0.05 +25%)."""
         self._check_open()
         handle = Handle()
         self.scheduler.submit(Task(name, ExclusiveWork(fn), handle))
@@ -262,6 +274,20 @@ class BlendEngine:
         handle = Handle()
         self.scheduler.submit(Task("prefill", work, handle))
         return handle.result()
+
+    def prepare(self, query: str | Sequence[Message | dict], documents: Sequence[Document | str] = (),
+                **options: Any) -> Prepared:
+        """The prompt prefilled in `mode` (default blend) as ids and a transformers cache to continue
+        from (options: mode, recompute_ratio, selection, template, carry_bias; blend.engine.handoff)."""
+        from blend.engine.handoff import prepare
+
+        return prepare(self, query, documents, **options)
+
+    def transformers_model(self) -> torch.nn.Module:
+        """The transformers model with the engine's weights, reading `prepare`'s caches."""
+        from blend.engine.handoff import transformers_model
+
+        return transformers_model(self)
 
     # ------------------------------------------------------------------- chat
     def chat(self, session_id: str, message: str, *, documents: Sequence[Document | str] = (),

@@ -27,8 +27,8 @@ from blend.engine.scheduler import DECODE_RESERVE
 from blend.kv.documents import DocumentCache
 from blend.kv.ingest import Ingestor
 from blend.model.runner import Runner
-from blend.prompt.builder import Prompt, PromptBuilder, PromptTemplate
-from blend.prompt.conversation import Message, check_messages
+from blend.prompt.builder import Prompt, PromptBuilder, PromptTemplate, Segment
+from blend.prompt.conversation import Message, check_messages, encode
 from blend.prompt.document import Document, check_documents, render_document
 from blend.session.manager import Turn
 
@@ -169,20 +169,34 @@ class RequestLayout:
     def check_fits(self, req: GenerationRequest) -> None:
         """Refuse a request whose text cannot fit the model's positions, without tokenizing it
         (the exact check, on tokens, follows when the prompt is built)."""
+        if req.raw and not isinstance(req.query, str):
+            return  # token ids: counted when the prompt is laid out
         self.builder(req.template).check_text_fits(req.query, req.documents, self.runner.max_positions)
+
+    def checked_prompt(self, req: GenerationRequest, *new_tokens: int) -> Prompt:
+        """The request's prompt, refused (ValueError saying what to shorten) when its text or its
+        tokens plus each of `new_tokens` cannot fit the model's positions."""
+        self.check_fits(req)
+        if req.raw:  # the whole prompt as text or ids: one query segment of its own tokens
+            ids = tuple(encode(self.tokenizer, req.query)) if isinstance(req.query, str) else req.query
+            vocab = self.runner.lm_head.weight.shape[0]
+            if ids and max(ids) >= vocab:
+                raise ValueError(f"token id {max(ids)} is not in the model's vocabulary of {vocab}")
+            prompt = Prompt(ids, (Segment("prefix", (), 0), Segment("query", ids, 0)))
+        else:
+            prompt = self.builder(req.template).build(req.query, req.documents)
+        shorten = "shorten the prompt" if req.raw else "use fewer or shorter documents" if isinstance(req.query, str) else (
+            "shorten the conversation (fewer or shorter messages)"
+            + (" or use fewer or shorter documents" if req.documents else ""))
+        for n in new_tokens or (0,):
+            self.runner.check_length(len(prompt), n, shorten)
+        return prompt
 
     # ---------------------------------------------------------------- layout
     def lay_out(self, req: GenerationRequest, forcing: Forcing = NO_FORCING) -> LaidOut:
         """The request's prompt built and checked against the positions (ValueError saying
         what to shorten), its block keys hashed, its documents noted."""
-        self.check_fits(req)
-        prompt = self.builder(req.template).build(req.query, req.documents)
-        shorten = "use fewer or shorter documents" if isinstance(req.query, str) else (
-            "shorten the conversation (fewer or shorter messages)"
-            + (" or use fewer or shorter documents" if req.documents else ""))
-        self.runner.check_length(len(prompt), req.max_new_tokens, shorten)
-        if forcing.follow:
-            self.runner.check_length(len(prompt), len(forcing.follow), shorten)
+        prompt = self.checked_prompt(req, req.max_new_tokens, len(forcing.follow or ()))
         has_ids = any(isinstance(d, Document) and d.id is not None for d in req.documents)
         blocks = self.documents.segment_blocks(prompt) if req.mode != "full" or has_ids else None
         kept = sum(1 for d in req.documents if render_document(d))

@@ -79,11 +79,14 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None, store: T
     """Every part of an engine (`model`, `store`: given ones are used, else loaded / opened
     from the config). Starts the scheduler's thread."""
     cfg = config.engine
-    lm = model or load_model(config.model, device=config.device, dtype=config.dtype)
+    lm = model or load_model(config.model, device=config.device, dtype=config.dtype, weights=config.weights)
     cfg.check_model_layers(lm.dims.num_layers)
     # the store first: its settings are checked against the model's entry size before anything is built
     entry_bytes = lm.dims.kv_bytes_per_token(dtype_bytes(config.store.kv_dtype)) * cfg.blend.chunk_tokens
-    store = store or TieredStore.from_config(config.store, min_entry_bytes=entry_bytes)
+    # a put waits at most load_stall_s for room in the write queue (then the write is dropped): a store
+    # whose writer hangs holds no request on the scheduler's thread
+    store = store or TieredStore.from_config(config.store, min_entry_bytes=entry_bytes,
+                                             put_wait_s=cfg.blend.load_stall_s or None)
     runner = Runner(lm)
     prompts = PromptBuilder(lm.tokenizer, cfg.prompt.system_prompt, cfg.prompt.query_template,
                             cfg.blend.max_document_tokens, lm.dims.max_positions)

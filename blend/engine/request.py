@@ -107,6 +107,12 @@ def check_query(query: object) -> str | tuple[Message, ...]:
     return check_messages(query)
 
 
+def _token_ids(value: object) -> bool:
+    """A non-empty sequence of ints >= 0 (not bools): token ids (their vocabulary is checked at layout)."""
+    return (isinstance(value, Sequence) and not isinstance(value, str | bytes) and len(value) > 0
+            and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in value))
+
+
 class ChatOptions(TypedDict, total=False):
     """A chat turn's keyword arguments (`BlendEngine.chat`; None: the config's default, mode:
     blend)."""
@@ -134,6 +140,7 @@ class RequestOptions(TypedDict, total=False):
     selection: str | None  # blend's token-selection policy (blend.modes.SELECTIONS)
     template: PromptTemplate | None  # this request's system instruction and query template
     split: str | None  # this request's load-or-compute split (blend.modes.SPLIT_MODES), e.g. "off"
+    raw: bool  # the query is the whole prompt, as text or token ids (no template, no documents; full, prefix)
 
 
 @dataclass(frozen=True)
@@ -142,9 +149,12 @@ class GenerationRequest:
     options of this request alone (eval compares modes under its own templates, unsplit):
     `template` (the system instruction and query template; None: the configured
     `engine.prompt` template) and `split` (the load-or-compute split, one of
-    SPLIT_MODES; None: the configured `engine.blend.split`)."""
+    SPLIT_MODES; None: the configured `engine.blend.split`). `raw`: the query is the
+    whole prompt, as an OpenAI-style /v1/completions takes it: text tokenized as it is
+    (special tokens' strings are control tokens, nothing added) or token ids; no documents,
+    and only the exact modes (full, prefix): there is nothing to blend."""
 
-    query: str | tuple[Message, ...]
+    query: str | tuple[Message, ...] | tuple[int, ...]  # a raw prompt: text or token ids
     documents: tuple[Document | str, ...]
     mode: str
     recompute_ratio: float
@@ -156,12 +166,14 @@ class GenerationRequest:
     selection: str | None
     template: PromptTemplate | None = None
     split: str | None = None
+    raw: bool = False
 
     @classmethod
     def create(cls, config: BlendConfig, query: object, documents: object = (), *, mode: object = "blend",
                recompute_ratio: object = None, max_new_tokens: object = None, temperature: object = None,
                top_p: object = None, seed: object = None, stop: object = None,
-               selection: object = None, template: object = None, split: object = None) -> GenerationRequest:
+               selection: object = None, template: object = None, split: object = None,
+               raw: object = False) -> GenerationRequest:
         """Check every argument (None: the config's default) and build the request."""
         if not isinstance(mode, str):
             raise TypeError(f"mode must be a str, got {type(mode).__name__}")
@@ -178,8 +190,16 @@ class GenerationRequest:
             raise TypeError(f"split must be a str or None, got {type(split).__name__}")
         if split is not None and split not in SPLIT_MODES:
             raise ValueError(f"unknown split {split!r}; valid splits are: {', '.join(SPLIT_MODES)} (None: engine.blend.split)")
+        if not isinstance(raw, bool):
+            raise TypeError(f"raw must be a bool, got {type(raw).__name__}")
+        if raw and not isinstance(query, str) and not _token_ids(query):
+            raise TypeError("a raw prompt is one str (the whole prompt as text) or a non-empty list of token ids")
+        if raw and documents:
+            raise ValueError("a raw prompt holds its documents as text already; pass no documents")
+        if raw and mode not in ("full", "prefix"):
+            raise ValueError(f"a raw prompt has no documents to blend: use mode full or prefix, not {mode!r}")
         return cls(
-            query=check_query(query),
+            query=tuple(query) if raw and not isinstance(query, str) else check_query(query),
             documents=check_documents(documents),
             mode=mode,
             recompute_ratio=check_fraction(config.blend.recompute_ratio if recompute_ratio is None else recompute_ratio),
@@ -192,4 +212,5 @@ class GenerationRequest:
             selection=selection,
             template=template,
             split=split,
+            raw=raw,
         )

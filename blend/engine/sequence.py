@@ -8,10 +8,14 @@ Events go to a thread-safe queue (`Handle()`: `events()` / `result()` block the 
 thread) or to any callable (`Handle(sink=...)`: the asyncio facade and the server hand the
 events to their event loop). `cancel()` (client gone) and the deadline are seen by the
 scheduler at its next step: a waiting item is dropped, a running sequence leaves the batch.
+`Handle(then=...)`: the work's value is finished off the scheduler's thread before the caller
+gets it (an ingest's writes awaited: nothing that waits for the store runs on the thread that
+serves every request).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -45,22 +49,40 @@ class Finished:
 
 
 class Handle:
-    """The caller's side of one scheduled item. Thread-safe."""
+    """The caller's side of one scheduled item. Thread-safe. `then`: applied to the value of a
+    `Finished` that holds one, on a thread of its own, before the caller gets it (its exception
+    becomes the event's error)."""
 
-    def __init__(self, sink: Callable[[Any], None] | None = None, deadline: float | None = None):
+    def __init__(self, sink: Callable[[Any], None] | None = None, deadline: float | None = None,
+                 then: Callable[[Any], Any] | None = None):
         self._queue: queue.SimpleQueue[Any] | None = queue.SimpleQueue() if sink is None else None
         self._sink = sink if sink is not None else self._queue.put  # type: ignore[union-attr]
         self._cancelled = threading.Event()
         self.deadline = deadline  # time.monotonic() after which the work is stopped
         self.submitted = time.monotonic()
         self._finished = False
+        self._then = then
 
     def emit(self, event: Any) -> None:
-        """Hand an event to the caller (never blocks); a sink that fails (its loop closed)
-        cancels the work: nobody is listening any more."""
+        """Hand an event to the caller (never blocks: `then` runs on a thread of its own); a sink
+        that fails (its loop closed) cancels the work: nobody is listening any more."""
         if self._finished:
             return
         self._finished = isinstance(event, Finished)
+        if self._finished and self._then is not None and event.error is None and not event.cancelled:
+            threading.Thread(target=self._finish, args=(self._then, event), name="kvblend-handle-then",
+                             daemon=True).start()
+            return
+        self._deliver(event)
+
+    def _finish(self, then: Callable[[Any], Any], event: Finished) -> None:
+        try:
+            event = dataclasses.replace(event, value=then(event.value))
+        except Exception as err:  # noqa: BLE001 - the caller gets it as the work's error
+            event = dataclasses.replace(event, value=None, error=err)
+        self._deliver(event)
+
+    def _deliver(self, event: Any) -> None:
         try:
             self._sink(event)
         except RuntimeError:

@@ -34,7 +34,8 @@ class TurnWork:
 
 @dataclass(frozen=True)
 class IngestWork:
-    """Documents computed and stored, one forward pass per step (`sync`: their writes awaited).
+    """Documents computed and stored, one forward pass per step (`sync`: their writes awaited by
+    the handle, off the scheduler's thread: `Ingestor.confirm`).
     `stop`: the caller's own stop (a server job's deadline), asked with the handle's."""
 
     job: IngestJob
@@ -64,7 +65,7 @@ class Plans:
             return self.prefiller.turn_steps(work.turn, work.blend)
         if isinstance(work, IngestWork):
             handle, own = item.handle, work.stop
-            return self.ingestor.steps(work.job, work.sync, lambda: handle.stopped() or (own is not None and own()))
+            return self.ingestor.steps(work.job, lambda: handle.stopped() or (own is not None and own()))
         if isinstance(work, ExclusiveWork):
             return _once(work.fn)
         raise TypeError(f"no plan for {type(work).__name__}: give PromptWork, TurnWork, IngestWork or ExclusiveWork")

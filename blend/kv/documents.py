@@ -12,7 +12,14 @@ entry records the position its keys were rotated at (`pos_start` = context lengt
 block start); the loader re-rotates them to the document's position in the prompt.
 
 The system part itself is cached the same way with no context (it is exact at position
-0). A block hit verifies the stored tokens and `pos_start`; entries of another layout
+0).
+
+A delete wins over every write planned before it (storage.stack.TieredStore.delete): each
+`Block` records when it was planned (`planned`: when a request laid out its key, or an ingest
+or lookup began) and every write of it here (a request's misses, a harvest, the background
+recompute of a harvested document) passes that time to the store, which drops the write when
+the key was deleted since; `forget` also takes deleted documents off the background queue.
+So a deleted document is stored again only by a request or ingest made after the delete. A block hit verifies the stored tokens and `pos_start`; entries of another layout
 (e.g. the 512-token independent chunks of layout 1) have other keys and are never hit.
 """
 
@@ -22,7 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from blend.kv.loader import Placement
@@ -108,6 +115,9 @@ class Block:
     start: int  # offset of the block's first token inside the document
     end: int
     pos_start: int  # position its keys are rotated at in the entry (context length + start)
+    # time.monotonic() when its key was laid out: every write of it is planned then (a delete of
+    # the key after this time wins over it: storage.stack.TieredStore.put)
+    planned: float = field(default_factory=time.monotonic, compare=False)
 
 
 class DocumentCache:
@@ -140,11 +150,12 @@ class DocumentCache:
         """The blocks of a document of token ids `ids` computed after `context`."""
         digest = tokens_digest(context) if context else ""
         fingerprint, kv_dtype = self.maker.fingerprint, self.maker.kv_dtype
+        planned = time.monotonic()
         out = []
         for start in range(0, len(ids), self.block_tokens):
             end = min(start + self.block_tokens, len(ids))
             key = document_block_key(fingerprint, ids[:end], kv_dtype, self.namespace, digest, start=start)
-            out.append(Block(key, start, end, len(context) + start))
+            out.append(Block(key, start, end, len(context) + start, planned))
         return out
 
     def keys(self, seg: Segment, prompt: Prompt) -> list[str]:
@@ -158,9 +169,17 @@ class DocumentCache:
         """Prefill the whole document after `context` once; one entry per block (storage dtype)."""
         return self.maker.compute_blocks(ids, context, [(b.start, b.end) for b in blocks])
 
+    def store_block(self, block: Block, entry: KVEntry) -> None:
+        """Queue the write of one block's entry, planned when the block was (`Block.planned`): a
+        delete of its key since then wins (the write is dropped). Every document write goes
+        through here (a request's misses, a harvest, the background recompute, an ingest)."""
+        self.store.put(block.key, entry, planned=block.planned)
+
     def segment_blocks(self, prompt: Prompt) -> dict[int, list[Block]]:
         """The blocks (and their keys, hashed here once) of every cacheable segment of
-        `prompt`, by segment index: what a request looks up and what a document id records."""
+        `prompt`, by segment index: what a request looks up and what a document id records.
+        Their writes are planned now: call it before the documents' ids are recorded, so a
+        delete of an id recorded by this request also wins over this request's writes."""
         return {i: self.blocks(list(seg.token_ids), self.context(seg, prompt))
                 for i, seg in enumerate(prompt.segments) if seg.kind != "query"}
 
@@ -265,21 +284,35 @@ class DocumentCache:
         """Queue the writes of a missed segment's blocks that no tier holds (each key once per request)."""
         for b, loc, entry in zip(looked.rebuild.block_list, looked.found, entries, strict=True):
             if loc is None and b.key not in queued:
-                self.store.put(b.key, entry)
+                self.store_block(b, entry)
                 queued.add(b.key)
 
     # ------------------------------------------------------ background recompute
     def _queue_standalone(self, rebuild: _Rebuild) -> None:
         """A harvested document (K/V computed after other documents) is recomputed on its own later,
-        when the scheduler is idle: harvested entries blend measurably worse (docs/EVAL.md)."""
+        when the scheduler is idle: harvested entries blend measurably worse (docs/EVAL.md). Its
+        writes keep the plan time of its blocks (the latest request's when it waits already)."""
         key = (tuple(rebuild.context), tuple(rebuild.ids))
-        if key in self._background:
+        waiting = self._background.get(key)
+        if waiting is not None:
+            if rebuild.block_list[0].planned > waiting[0].planned:
+                self._background[key] = rebuild.block_list
             return
         self._background[key] = rebuild.block_list
         self.background.queued += 1
         while len(self._background) > BACKGROUND_DOCUMENTS:
             self._background.popitem(last=False)
             self.background.dropped += 1
+
+    def forget(self, keys: Sequence[str]) -> int:
+        """Take the harvested documents holding any of these (deleted) block keys off the
+        background queue; returns how many. (Their writes would be dropped anyway: planned before
+        the delete.) Scheduler thread or any: the queue is only popped under the GIL."""
+        gone = set(keys)
+        doomed = [k for k, blocks in list(self._background.items()) if any(b.key in gone for b in blocks)]
+        for k in doomed:
+            self._background.pop(k, None)
+        return len(doomed)
 
     def background_pending(self) -> bool:
         """Whether a harvested document waits for its standalone recompute."""
@@ -288,10 +321,12 @@ class DocumentCache:
     def background_plan(self) -> Generator[list[Rows], Any, None] | None:
         """The oldest waiting harvested document recomputed on its own, as a plan of the scheduler
         (its passes as steps, `EntryMaker.document_passes`), its standalone entries then queued for
-        the store over the harvested ones; None when none waits. Scheduler thread only."""
-        if not self._background:
+        the store over the harvested ones (planned when the request that harvested it laid them
+        out: a delete since then wins); None when none waits. Scheduler thread only."""
+        try:
+            (context, ids), blocks = self._background.popitem(last=False)
+        except KeyError:  # empty (or emptied by `forget` meanwhile)
             return None
-        (context, ids), blocks = self._background.popitem(last=False)
         return self._standalone(list(context), list(ids), blocks)
 
     def _standalone(self, context: list[int], ids: list[int], blocks: list[Block]
@@ -302,7 +337,7 @@ class DocumentCache:
         try:
             made = yield from self.maker.document_passes([(ids, [(b.start, b.end) for b in blocks])], context)
             for b, entry in zip(blocks, made[0], strict=True):
-                self.store.put(b.key, entry)
+                self.store_block(b, entry)
         finally:
             self.release(keys)
         self.background.done += 1
@@ -408,7 +443,8 @@ class DocumentCache:
                     [(found[n][1], [(b.start, b.end) for b in found[n][3]]) for n, _ in pack], context)
                 for (n, todo), made in zip(pack, entries, strict=True):
                     for i in todo:
-                        self.store.put(found[n][3][i].key, made[i])
+                        block = found[n][3][i]
+                        self.store_block(block, made[i])
                     done.add(n)
         return stored()
 

@@ -5,8 +5,9 @@ knows by id.
                         request could use, too long for the positions with the prompt's fixed
                         part, refused): `IngestJob`
     `Ingestor.steps`    on the scheduler: `DocumentCache.ingest_steps` (one forward pass per
-                        step), the writes awaited (sync), one `IngestedDocument` per document,
-                        the ids recorded with their block keys (also after a stop)
+                        step), one `IngestedDocument` per document, the ids recorded with
+                        their block keys (also after a stop); nothing waits for the store
+    `Ingestor.confirm`  off the scheduler's thread (sync): the writes awaited, `stored` filled in
     `Ingestor.note`     a request's documents with ids recorded with their block keys; a
                         changed version under a known id is a warning
     `Ingestor.delete`   a known id's blocks removed from every tier (`delete_document`)
@@ -16,6 +17,7 @@ knows by id.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -111,12 +113,12 @@ class Ingestor:
         prompts.check_documents_fit(prompt, names)  # one no request could use: refused, nothing written
         return IngestJob(docs, prompt)
 
-    def steps(self, job: IngestJob, sync: bool, stop: Callable[[], bool]
-              ) -> Generator[Any, Any, list[IngestedDocument]]:
+    def steps(self, job: IngestJob, stop: Callable[[], bool]) -> Generator[Any, Any, list[IngestedDocument]]:
         """The ingest as scheduler steps (one forward pass each); returns one `IngestedDocument`
-        per document given. `stop` is asked before each pass: then `IngestStopped`, after the
-        blocks stored so far are recorded under their ids (a delete finds them). With `sync`
-        the queued writes are awaited and `stored` says whether some tier holds every block."""
+        per document given (`stored` None: `confirm` fills it in, off the scheduler's thread:
+        waiting for the writer there would hold every request). `stop` is asked before each
+        pass: then `IngestStopped`, after the blocks stored so far are recorded under their ids
+        (a delete finds them)."""
         kept = [d for d in job.documents if render_document(d)]
         keys: list[list[str]] = [[] for _ in kept]
         cached = [True] * len(kept)
@@ -128,21 +130,26 @@ class Ingestor:
         for stored in segments:
             keys[stored.segment.doc_index].extend(stored.keys)
             cached[stored.segment.doc_index] &= stored.cached
-        if sync:
-            self.store.flush()
         results, k = [], 0
         for doc in job.documents:
             doc_keys, was_cached = (), False
             if render_document(doc):
                 doc_keys, was_cached = tuple(keys[k]), cached[k]
                 k += 1
-            stored = bool(doc_keys) and all(self.store.contains(key) for key in doc_keys) if sync else None
-            results.append(IngestedDocument(document_id(doc), doc_keys, was_cached, stored))
+            results.append(IngestedDocument(document_id(doc), doc_keys, was_cached, None))
             if doc_keys:  # after a stop: the blocks stored so far, so that a delete finds them
                 self.index.record(document_id(doc), doc, doc_keys)
         if stopped is not None:
             raise stopped
         return results
+
+    def confirm(self, results: list[IngestedDocument]) -> list[IngestedDocument]:
+        """An ingest's `results` once the store's queued writes are done (`flush`: a required
+        tier's failure raised), each saying whether some tier holds every block (`stored`).
+        Blocks the caller's thread, never the scheduler's (`Handle(then=...)`)."""
+        self.store.flush()
+        return [dataclasses.replace(r, stored=bool(r.keys) and all(self.store.contains(key) for key in r.keys))
+                for r in results]
 
     def note(self, prompt: Prompt, documents: Sequence[Document | str],
              blocks: dict[int, list[Block]] | None) -> tuple[str, ...]:
@@ -170,15 +177,16 @@ class Ingestor:
         """Remove a known document's blocks from every tier (those another known document also
         uses are kept); returns the keys deleted. KeyError if the id is unknown.
 
-        Side effects: waits for queued writes first, so no write lands after the delete. A
-        tier that cannot be reached keeps its copy: then the id stays known (a retry deletes
-        again) and StoreUnavailable names the tier."""
+        Side effects: the delete wins over every write of these keys planned before it (queued,
+        under way, or still to come from a request in flight or the background recompute of a
+        harvested document: `TieredStore.delete`), and those documents leave the background
+        queue; nothing waits for the store's writer. A tier that cannot be reached keeps its
+        copy: then the id stays known (a retry deletes again) and StoreUnavailable names the tier."""
         try:
             keys = self.index.own_keys(doc_id)
         except KeyError:
             raise KeyError(f"document id {doc_id!r} is unknown to this engine (ids live in the process that "
                            "ingested or served them); nothing deleted") from None
-        self.store.flush()
         unreached: set[str] = set()
         for key in keys:
             unreached.update(self.store.delete(key))
@@ -186,5 +194,6 @@ class Ingestor:
             raise StoreUnavailable(f"document {doc_id!r}: tier {', '.join(sorted(unreached))} could not be reached, "
                                    "so its blocks may stay there (the other tiers dropped them); retry the delete "
                                    "once it is back: the id stays known")
+        self.cache.forget(keys)
         self.index.forget(doc_id)
         return keys

@@ -122,10 +122,7 @@ class KVParking:
         """A new cache of `capacity` positions holding the parked KV (and bias), or None when
         some block cannot be read back (the caller recomputes)."""
         ids = list(parked.token_ids)
-        try:
-            self.store.flush()  # the parked blocks may still be in the write-behind queue
-        except (OSError, StoreUnavailable) as err:
-            log.warning("parked KV: flushing the store failed (%s); recomputing", err)
+        # blocks still in the write-behind queue are read from it (TieredStore.lookup): no wait for the writer
         budget = LookupBudget(self.stall_s)
         placements = []
         linear, rings = parked.split if parked.split is not None else (None, ())

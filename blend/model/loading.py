@@ -24,11 +24,14 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from storage.dtypes import kv_bytes_per_token, torch_dtype
+
+if TYPE_CHECKING:
+    from blend.model.quantized import QuantizedWeights
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -154,6 +157,8 @@ class LoadedModel:
     fingerprint: str  # stable id of (architecture, dims, weights) for cache keys
     source: str  # what was loaded (path, or the random:<shape> name)
     random_weights: bool = False  # True for random:<shape> models (benchmarks only)
+    blocks: QuantizedWeights | None = None  # the GGUF's quantized linear layers (None: not a GGUF, or not read)
+    weights: str = "dequantized"  # which weights the linear layers read: auto | quantized | dequantized
 
     @property
     def device(self) -> torch.device:
@@ -601,20 +606,81 @@ def in_own_thread(fn: Callable[[], T], name: str = "kvblend-setup") -> T:
     return done[0]
 
 
-def load_model(name_or_path: str, *, device: str | None = "auto", dtype: str | torch.dtype = "float32") -> LoadedModel:
+def load_model(name_or_path: str, *, device: str | None = "auto", dtype: str | torch.dtype = "float32",
+               weights: str = "auto") -> LoadedModel:
     """Load an alias, a local model or a `random:<shape>` model for the layerwise runner.
 
+    `weights` (the config's `weights`): which weights the linear layers read. `auto`: a GGUF
+    model's quantized blocks (`LoadedModel.blocks`, blend.model.quantized) for decode rows
+    where the model computes in bfloat16 on a CPU and the native kernel builds, the
+    dequantized weights elsewhere (float32 stays the exact reference); `quantized`: the blocks
+    for every row, in either dtype (ValueError where there are none: not a GGUF, not a CPU,
+    the kernel switched off); `dequantized`: never the blocks (not read).
+
     Side effects: reads the weights; the first load of a GGUF file converts it into a
-    safetensors copy under cache_home(). `random:<shape>` builds random weights on the
-    device (seed 0; see `load_random_model`). Raises ValueError for unknown names, shapes
-    or devices and unsupported architectures.
+    safetensors copy under cache_home() and (weights not `dequantized`) writes its blocks
+    beside it (`blocks.safetensors`). `random:<shape>` builds random weights on the device
+    (seed 0; see `load_random_model`). Raises ValueError for unknown names, shapes or
+    devices and unsupported architectures.
 
     Runs in a thread of its own (`in_own_thread`): no OpenMP pool stays on the caller's thread.
     """
-    return in_own_thread(lambda: _load_model(name_or_path, device=device, dtype=dtype), "kvblend-load-model")
+    from blend.model.quantized import WEIGHTS
+
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
+    loaded = in_own_thread(lambda: _load_model(name_or_path, device=device, dtype=dtype, weights=weights),
+                           "kvblend-load-model")
+    if weights == "quantized" and loaded.blocks is None:
+        where = "a GPU" if loaded.device.type != "cpu" else "a model not loaded from a GGUF file"
+        raise ValueError(f"weights: quantized reads a GGUF model's quantized blocks on a CPU; {loaded.source} on "
+                         f"{loaded.device} has none ({where}); use weights: auto or dequantized")
+    return loaded
 
 
-def _load_model(name_or_path: str, *, device: str | None, dtype: str | torch.dtype) -> LoadedModel:
+def gguf_path(name_or_path: str) -> Path | None:
+    """The GGUF file of an alias or a .gguf path (a chunked alias assembled), None for any
+    other model (a directory, `random:<shape>`)."""
+    if name_or_path.startswith(RANDOM_PREFIX) or is_shape_alias(name_or_path):
+        return None
+    try:
+        directory, gguf_file = resolve_model(name_or_path)
+    except ValueError:
+        return None
+    return Path(directory) / gguf_file if gguf_file else None
+
+
+def _read_blocks(name_or_path: str, directory: str, digest: str | None) -> QuantizedWeights | None:
+    """The quantized blocks of a GGUF model (alias or file) whose converted copy is
+    `directory`: read from its `blocks.safetensors`, written there once from the GGUF (a
+    chunked alias assembled for it, then deleted). None for a model that is not a GGUF."""
+    from blend.model.quantized import BLOCKS_FILE, load_weights, read_blocks
+
+    shipped = ALIASES.get(name_or_path)
+    if shipped is None and (name_or_path.startswith(RANDOM_PREFIX) or Path(name_or_path).expanduser().is_dir()):
+        return None
+    path = Path(directory) / BLOCKS_FILE
+    found = load_weights(path)
+    if found is not None:
+        return found
+    if shipped is not None and shipped.parts:
+        gguf, assembled = assemble_gguf(name_or_path), True
+    else:
+        where, gguf_file = resolve_model(name_or_path)
+        if gguf_file is None:
+            return None
+        gguf, assembled = Path(where) / gguf_file, False
+    try:
+        log.info("reading the quantized blocks of %s once into %s", gguf.name, path)
+        blocks = read_blocks(gguf, digest or "")
+    finally:
+        if assembled:
+            gguf.unlink(missing_ok=True)
+    blocks.save(path)
+    return blocks
+
+
+def _load_model(name_or_path: str, *, device: str | None, dtype: str | torch.dtype, weights: str = "auto") -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path.startswith(RANDOM_PREFIX):
@@ -634,6 +700,11 @@ def _load_model(name_or_path: str, *, device: str | None, dtype: str | torch.dty
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolve_dtype(dtype, target))
     model.to(target)
     loaded = wrap_model(model, tokenizer, source, weights_digest)
+    # auto: the blocks where the dense path computes in bfloat16 (float32 stays the exact reference)
+    if target.type == "cpu" and (weights == "quantized" or (weights == "auto" and loaded.dtype == torch.bfloat16)):
+        blocks = _read_blocks(name_or_path, directory, weights_digest)
+        if blocks is not None and blocks.matrices:  # read by the kernel where it builds (projections_for)
+            loaded.blocks, loaded.weights = blocks, weights
     log.info("loaded %s (%s, %d layers) fingerprint %s", source, loaded.dims.arch, loaded.dims.num_layers, loaded.fingerprint)
     return loaded
 
@@ -783,6 +854,16 @@ def shipped_tokenizer_dir() -> str:
     if found:
         return str(found[0].parent)
     return _local_model(DEFAULT_ALIAS)[0]
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of an alias, a local model or a `random:<shape>` name (the shipped one),
+    without its weights (an alias or a GGUF file: its converted copy, converted once if needed)."""
+    from transformers import AutoTokenizer
+
+    if name_or_path.startswith(RANDOM_PREFIX) or is_shape_alias(name_or_path):
+        return AutoTokenizer.from_pretrained(shipped_tokenizer_dir())
+    return AutoTokenizer.from_pretrained(_local_model(name_or_path)[0])
 
 
 def load_random_model(shape: str, *, device: str | torch.device | None = "auto",

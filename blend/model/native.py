@@ -6,6 +6,8 @@ machine by the system's C compiler into a library of its own and loaded with cty
 - blended attention (kernels/blend_attention.c): query rows at scattered, sorted positions
   over every key up to their own (a sliding layer's window), plus an additive bias per
   (KV head, key): CacheBlend's recomputed rows and its query pass (`native_blend_attention`).
+- quantized products (kernels/quant_matmul.c): y = x W^T for a few rows straight from a
+  GGUF's quantized blocks (`native_quant_matmul`; blend/model/quantized.py holds the blocks).
 
 Why: torch's CPU kernels give decode attention over bfloat16 keys either a widened float32
 copy of them or a fraction of memory speed, and give blended attention (a float mask per
@@ -26,18 +28,22 @@ built is opened through a new link to it (`_open_new`): `dlopen` of a path alrea
 hands back the old handle, and the run that rebuilds must run the rebuild. Build
 directories and load links a killed process left behind are removed by the next build.
 
-Both kernels are batch-invariant: they split their work by fixed sizes tied to key
-positions (decode: blocks of 256 keys; blended attention: key blocks of 64 and ranges of
-512 at their multiples) and merge in key order, so a row's output is the same bits
-whatever other rows or sequences share the call and however many threads run it
-(tests/test_kernel_invariance.py).
+All three kernels are batch-invariant: a row's output is the same bits whatever other
+rows or sequences share the call and however many threads run it. The attention kernels
+split their work by fixed sizes tied to key positions (decode: blocks of 256 keys; blended
+attention: key blocks of 64 and ranges of 512 at their multiples) and merge in key order
+on one thread (tests/test_kernel_invariance.py); the quantized products split by fixed
+blocks of 16 output columns, and each row's accumulator sees its blocks in k order, alone
+(tests/test_quant_kernel.py).
 
 The libraries are linked against torch's own libgomp: their parallel regions then run on
 the same per-thread pool as torch's ops (a second OpenMP runtime would add a second pool,
 which on a 2-core machine makes every small op wait on wake-ups: storage/openmp.py).
 
-`KVBLEND_DECODE_KERNEL` chooses for both: `auto` (default: native where it builds, torch
-else), `native` (a build failure is an error that says why), `torch` (never native).
+`KVBLEND_DECODE_KERNEL` chooses for all three: `auto` (default: native where it builds,
+torch else), `native` (a build failure is an error that says why), `torch` (never native;
+under `weights: auto` the linear layers then read the dequantized weights, `weights:
+quantized` is refused at load).
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ BUILD_TIMEOUT_S = 120
 STALE_BUILD_S = 4 * BUILD_TIMEOUT_S  # a build directory older than this was left by a killed build
 MAX_LIBRARY_BYTES = 64 << 20
 MAX_QUERY_ROWS = 16  # the decode kernel's MAX_G: query heads per KV head
-MAX_HEAD_DIM = 256  # both kernels' largest head dimension
+MAX_HEAD_DIM = 256  # both attention kernels' largest head dimension
 BLEND_MAX_GROUP = 64  # the blend kernel's MAX_M: query heads per KV head at most
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # K/V dtypes the kernels read (their KIND_*)
 _LONG, _INT, _PTR = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
@@ -93,6 +99,10 @@ BLEND = KernelSpec("blend attention kernel", KERNEL_DIR / "blend_attention.c", (
                              _PTR, _LONG, _PTR, _LONG, _PTR)),  # bias, out, column sums
     ("kvb_shift_rows", (_INT, _INT, _INT, _LONG, _PTR, _PTR, _LONG, _LONG, _PTR, _LONG, _LONG,  # ..k, v
                         _PTR, _PTR, _PTR, _PTR)),  # dk, dv, cos, sin
+))
+QUANT = KernelSpec("quantized product kernel", KERNEL_DIR / "quant_matmul.c", (
+    ("kvb_quant_matmul", (_INT, _LONG, _LONG, _PTR, _LONG, _PTR, _LONG, _PTR, _INT, _PTR)),  # kind..segments
+    ("kvb_quant_path", ()),
 ))
 SOURCE = DECODE.source
 
@@ -174,10 +184,10 @@ def check_library(target: Path) -> str | None:
     `.sha256` file. "missing" when nothing is there."""
     try:
         st = os.lstat(target)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no library there (or no directory: the build says why)
         return "missing"
     except OSError as err:
-        return f"cannot be read: {err}"
+        return f"unreadable ({err})"
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
     try:
@@ -224,8 +234,11 @@ def _build(cc: str, libgomp: str, target: Path, spec: KernelSpec = DECODE) -> No
     """Compile `spec` into `target` (atomically: a temporary file renamed) with its digest beside it."""
     try:
         _compile(cc, libgomp, target, spec)
-    except OSError as err:  # the cache directory: not writable, full
-        raise NativeBuildError(f"building the {spec.title} into {target.parent} failed: {err}") from None
+    except OSError as err:  # the cache directory: not a directory, not writable, full
+        from blend.config import HOME_ENV
+
+        raise NativeBuildError(f"building the {spec.title} into {target.parent} failed ({err.strerror or err}); "
+                               f"set {HOME_ENV} to a writable directory") from None
 
 
 def _compile(cc: str, libgomp: str, target: Path, spec: KernelSpec = DECODE) -> None:
@@ -327,8 +340,8 @@ def _kernel(spec: KernelSpec) -> ctypes.CDLL | None:
         if mode == "native":
             raise NativeBuildError(f"{err} ({KERNEL_ENV}=native asks for the native kernel: fix the build, "
                                    f"or set {KERNEL_ENV}=auto to fall back to torch's)") from None
-        log.warning("%s runs on torch's kernels: %s", "decode attention" if spec is DECODE else "blended attention",
-                    err)
+        what = {DECODE: "decode attention", BLEND: "blended attention"}.get(spec, "the linear layers")
+        log.warning("%s run%s on torch's kernels: %s", what, "" if spec is QUANT else "s", err)
         return None
 
 
@@ -343,6 +356,54 @@ def decode_kernel() -> ctypes.CDLL | None:
 def blend_kernel() -> ctypes.CDLL | None:
     """The native blended attention library (as `decode_kernel`)."""
     return _kernel(BLEND)
+
+
+@cache
+def quant_kernel() -> ctypes.CDLL | None:
+    """The native quantized-product library (as `decode_kernel`)."""
+    return _kernel(QUANT)
+
+
+QUANT_PATHS = ("plain C", "AVX2 + FMA", "AVX-512", "AVX-512 VNNI")
+
+
+def quant_kernel_path() -> str | None:
+    """Which code path the quantized-product build runs here (`QUANT_PATHS`), None without one."""
+    lib = quant_kernel()
+    return QUANT_PATHS[lib.kvb_quant_path()] if lib is not None else None
+
+
+def native_quant_matmul(x: torch.Tensor, segments: Sequence[tuple[int, int, torch.Tensor]], out: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> bool:
+    """out = x W^T + bias by the native kernel, W the `segments` stacked along the outputs,
+    each (GGML type id, outputs n, blocks (n, row bytes) uint8, rows contiguous) read as the
+    GGUF stores them; False (nothing written) where it does not apply: no kernel, not a CPU,
+    a dtype, type or shape it does not take.
+
+    x (T, k) float32 or bfloat16, rows contiguous; out (T, sum n) in x's dtype, rows
+    contiguous; bias (sum n,) float32 or None. k a multiple of 64 (of 256 with a K-quant).
+    Each output row depends on its own x row only, bitwise, whatever T and the threads.
+    """
+    lib = quant_kernel()
+    kind = KINDS.get(x.dtype)
+    if lib is None or kind is None or x.dim() != 2 or out.dim() != 2 or not segments:
+        return False
+    rows, k = x.shape
+    n = sum(seg[1] for seg in segments)
+    if (rows < 1 or x.device.type != "cpu" or out.device.type != "cpu" or out.dtype != x.dtype
+            or x.stride(1) != 1 or out.stride(1) != 1 or tuple(out.shape) != (rows, n)):
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or tuple(bias.shape) != (n,)):
+        return False
+    table = []
+    for gtype, width, blocks in segments:
+        if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[0] != width or blocks.stride(1) != 1
+                or blocks.device.type != "cpu"):
+            return False
+        table += (gtype, width, blocks.data_ptr(), blocks.stride(0))
+    segs = torch.tensor(table, dtype=torch.int64)  # (nseg, 4): the kernel's kvb_segment records
+    return lib.kvb_quant_matmul(kind, rows, k, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
+                                bias.data_ptr() if bias is not None else None, len(segments), segs.data_ptr()) == 0
 
 
 def decode_kernel_name() -> str:
@@ -367,10 +428,12 @@ DecodeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | No
 
 def native_decode_attention_batch(seqs: Sequence[DecodeInputs]) -> bool:
     """`native_decode_attention` of several sequences (q, k, v, bias, out) in one call: the
-    threads share every sequence's (head, block of keys) work items, so short contexts
-    still keep both cores busy and the call costs one crossing, not one per sequence. The
-    sequences share the dtype and q's shape; each has its own keys. False (nothing written)
-    where any of them is not something the kernel reads."""
+    threads share every sequence's (head, block of 256 keys from its key 0) work items, so
+    short contexts still keep both cores busy and the call costs one crossing, not one per
+    sequence; a sequence's blocks are merged in key order, so its output is the same bits
+    whatever other sequences share the call and however many threads run it. The sequences
+    share the dtype and q's shape; each has its own keys. False (nothing written) where any
+    of them is not something the kernel reads."""
     lib = decode_kernel()
     if lib is None or not seqs:
         return False
@@ -417,6 +480,10 @@ def native_blend_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor
     (None: 0 .. p). out (Tq, H*D) in q's dtype, rows contiguous. colsum (Hkv, Tk) float32,
     contiguous, or None: filled with each key's attention probabilities summed over the query
     rows and the query heads of its KV head.
+
+    Batch-invariant: a row's output depends on its own query, position and keys only (key
+    blocks of 64 and ranges of 512 at their multiples, merged in key order), not on the other
+    rows in the call or the thread count; colsum is the same bits on any number of threads.
     """
     lib = blend_kernel()
     if lib is None:

@@ -400,7 +400,7 @@ class Runner:
         self.chunk_tokens = CHUNK_TOKENS
         self.strategies: Counter[str] = Counter()  # attention calls per strategy run
         # the linear layers as few, prepacked products (bfloat16 on a CPU; None: the modules as they are)
-        self.projections: Projections | None = projections_for(lm.model)
+        self.projections: Projections | None = projections_for(lm.model, lm.blocks, lm.weights)
         self.qk_norm = getattr(self.layers[0].self_attn, "q_norm", None) is not None  # Qwen3, Gemma 3
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's cos/sin (P, D) by position
         # CPU: the native kernels, built (once per machine) or loaded now, not inside the first request;

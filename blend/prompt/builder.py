@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from blend.prompt.conversation import (
+    TOKENIZER_LOCK,
     Message,
     encode,
     encode_with_holes,
@@ -128,6 +129,15 @@ class Prompt:
     @property
     def query(self) -> Segment:
         return self.segments[-1]
+
+
+def prompt_text(tokenizer, prompt: Prompt) -> str:
+    """The prompt as text: its ids decoded, special tokens as their strings (what an OpenAI-style
+    /v1/completions takes). Tokenized again as one text it may not give the same ids: kvblend
+    tokenizes each document alone, so a document's closing blank line and the next word can
+    split differently there (SmolLM2: "\\n\\n" + "The" becomes "\\n" + "\\n" + "The")."""
+    with TOKENIZER_LOCK:
+        return tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 class PromptBuilder:

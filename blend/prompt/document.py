@@ -16,8 +16,8 @@ passage always gives the same tokens and hits the same cache entries:
   every request that should reuse a titled ingest).
 - `id` is a handle (for `delete_document`, for the server's DELETE and to warn when a
   request's version of a document differs from the ingested one); it is never rendered.
-  It must round-trip through a URL path (`ID_RULE`: 1 to 256 characters, no '/', no control
-  characters, not '.' or '..'); `Document` refuses any other with ValueError.
+  It must round-trip through a URL path (`ID_RULE`: 1 to 256 characters, not all whitespace, no '/',
+  no control characters, not '.' or '..'); `Document` refuses any other with ValueError.
   Without one the id is the content digest of the rendered text (`document_id`).
 - Text is data, never structure: a lone surrogate becomes U+FFFD (the only change made
   to any character sequence), so every `str` can be tokenized.
@@ -57,16 +57,19 @@ class Document:
 
 
 MAX_ID_CHARS = 256
-ID_RULE = (f"a document id is 1 to {MAX_ID_CHARS} characters without '/', control characters or unpaired "
-           "surrogates, and is not '.' or '..' (it must round-trip through a URL path: DELETE /v1/documents/{id})")
+ID_RULE = (f"a document id is 1 to {MAX_ID_CHARS} characters, not all whitespace, without '/', control characters "
+           "or unpaired surrogates, and is not '.' or '..' (it must round-trip through a URL path: "
+           "DELETE /v1/documents/{id})")
 
 
 def check_document_id(value: str, what: str = "document id") -> str:
     """`value` when it is a valid document id (`ID_RULE`); ValueError naming the rule otherwise."""
-    if not value.strip():
+    if not value:
         raise ValueError(f"{what} is empty; leave it out (None) to use the content digest; {ID_RULE}")
     problem = None
-    if len(value) > MAX_ID_CHARS:
+    if not value.strip():
+        problem = "is all whitespace"
+    elif len(value) > MAX_ID_CHARS:
         problem = f"is {len(value)} characters long"
     elif "/" in value:
         problem = "holds a '/'"

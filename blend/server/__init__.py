@@ -5,13 +5,15 @@
   handlers.py  the endpoints (module-level functions over the ServerState)
   stream.py    a generation streamed as server-sent events
   jobs.py      an engine item as the event loop waits on it (queue full: 503, timeouts, disconnects)
+  shutdown.py  uvicorn's server with a bounded drain (GracefulServer)
   errors.py    every error as OpenAI's error object
   schemas.py   request bodies (pydantic) and response bodies (OpenAI's shapes)
   metrics.py   Prometheus metrics
 
 `listen_socket(host, port)` binds and listens first (one-line errors naming the fix, before
 the model loads; connections that arrive while it loads wait in the backlog); `serve(engine, settings, sock)` runs the app on it with uvicorn until
-SIGINT/SIGTERM, letting in-flight requests finish.
+SIGINT/SIGTERM, letting in-flight requests finish within the shutdown grace (then they end
+with an error), and exits within that grace plus SHUTDOWN_STOP_S twice.
 """
 
 from __future__ import annotations
@@ -60,20 +62,27 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(engine: BlendEngine, settings: ServerSettings, sock: socket.socket, log_level: str = "warning") -> bool:
-    """Serve `engine` over HTTP on `sock` (from `listen_socket`) until SIGINT or SIGTERM,
-    then stop accepting, let the in-flight requests finish (up to the request timeout),
-    close the engine and return False. A second signal stops at once (uvicorn's forced
-    exit: in-flight requests are dropped); the engine is still closed, so queued cache
-    writes are flushed, and it returns True."""
+    """Serve `engine` over HTTP on `sock` (from `listen_socket`) until SIGINT or SIGTERM, then
+    stop accepting and let the requests in flight or queued finish for up to
+    `settings.shutdown_grace_s`; those still there then end with an error (a stream: an error
+    event, then `[DONE]`; otherwise 503), the engine stops (the step under way finishes) and
+    its queued writes are flushed (each at most SHUTDOWN_STOP_S); returns False. A second
+    signal (SIGINT or SIGTERM) stops at once (uvicorn's forced exit: in-flight requests are
+    dropped); the engine is still closed the same way, and it returns True."""
     import signal
 
     import uvicorn
 
     from blend.server.app import create_app
+    from blend.server.shutdown import GracefulServer
+    from blend.server.state import SHUTDOWN_STOP_S, app_state
 
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(create_app(engine, settings), host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=settings.request_timeout_s, access_log=False)
+    app = create_app(engine, settings)
+    state = app_state(app)
+    # uvicorn's own limit only backs ours up: by then every request has ended (ServerState.shut_down)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=settings.shutdown_grace_s + 2 * SHUTDOWN_STOP_S + 5)
 
     def stopped(_signum: int, _frame: object) -> None:
         raise SystemExit(0)
@@ -81,15 +90,17 @@ def serve(engine: BlendEngine, settings: ServerSettings, sock: socket.socket, lo
     # uvicorn handles the signal (graceful shutdown), restores these handlers and raises
     # the signal again: the process then ends normally instead of dying from it
     previous = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
-    server = uvicorn.Server(config)
+    server = GracefulServer(config, settings.shutdown_grace_s, state.shut_down)
     try:
         server.run(sockets=[sock])
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             raise
     finally:
+        server.cancel_grace()
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        engine.close()  # idempotent; the lifespan's close may not have run after a forced exit
+        # idempotent (after the grace or the lifespan, a no-op); after a forced exit: requests ended, writes flushed
+        engine.close(SHUTDOWN_STOP_S, cancel=True)
     return bool(server.force_exit)

@@ -34,7 +34,7 @@ from blend.engine.engine import BlendEngine
 from blend.server import schemas
 from blend.server.errors import EXCEPTION_HANDLERS, ApiError
 from blend.server.handlers import ROUTES
-from blend.server.state import ServerSettings, ServerState, app_state
+from blend.server.state import SHUTDOWN_STOP_S, ServerSettings, ServerState, app_state
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ __all__ = ["ApiError", "BodyLimit", "ServerSettings", "ServerState", "create_app
 
 def create_app(engine: BlendEngine, settings: ServerSettings) -> FastAPI:
     """The application over `engine`. Its lifespan warms the engine up and, at shutdown,
-    after uvicorn has let the in-flight requests finish, closes the engine (the scheduler's
-    last items finish, queued cache writes are flushed)."""
+    after uvicorn has let the in-flight requests finish (or `ServerState.shut_down` ended them),
+    closes the engine (queued cache writes flushed, at most SHUTDOWN_STOP_S)."""
     app = FastAPI(title="kvblend", lifespan=lifespan)
     ServerState.create(engine, settings).attach(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
@@ -69,7 +69,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         state.ready.clear()
-        await loop.run_in_executor(None, state.engine.close)
+        await loop.run_in_executor(None, state.engine.close, SHUTDOWN_STOP_S)
 
 
 class BodyLimit:

@@ -24,7 +24,7 @@ from blend.engine.sequence import Handle
 from blend.prompt.document import check_document_id, check_documents, render_document
 from blend.server import schemas
 from blend.server.errors import ApiError, bad_request, job_error, timed_out
-from blend.server.jobs import Finished, Job, next_event, run_job, submit, watch_disconnect
+from blend.server.jobs import Finished, Job, cancelled_error, next_event, run_job, submit, watch_disconnect
 from blend.server.metrics import CONTENT_TYPE
 from blend.server.state import ServerState, server_state
 from blend.server.stream import Reply, stream
@@ -40,11 +40,16 @@ def check_model(state: ServerState, name: str | None) -> None:
 
 
 async def generate(endpoint: str, body: schemas._Generation, query: Any, request: Request) -> Response:
-    """The path of /v1/chat/completions and /v1/completions: check, queue, answer (JSON or SSE)."""
+    """The path of /v1/chat/completions and /v1/completions: check, queue, answer (JSON or SSE).
+    A raw /v1/completions (`completions_prompt: raw`) runs its prompt in full unless it names a mode."""
     state = server_state(request)
     check_model(state, body.model)
     kwargs = body.engine_kwargs()
-    mode = body.kvblend.mode
+    if endpoint == "completions" and state.settings.completions_prompt == "raw":
+        kwargs["raw"] = True
+        if "mode" not in body.kvblend.model_fields_set:
+            kwargs["mode"] = "full"
+    mode = kwargs["mode"]
     try:  # bad arguments: 400 before queueing (the text's fit is checked when it is queued: 400 too)
         docs = [d.to_document() for d in body.documents]
         req = GenerationRequest.create(state.engine.config.engine, query, docs, **kwargs)
@@ -87,9 +92,10 @@ async def complete(reply: Reply, request: Request) -> Response:
             status = known.status if known is not None else 500
             raise known or event.error
         result = event.value
-        if not isinstance(result, GenerationResult):  # cancelled: the client is gone, or the deadline
-            status = 504 if job.stopped() and not job.cancelled else 499
-            raise ApiError(status, "the request was cancelled", "cancelled")
+        if not isinstance(result, GenerationResult):  # cancelled: the client is gone, the deadline, a shutdown
+            refusal = cancelled_error(state, job)
+            status = refusal.status
+            raise refusal
         status = 200
         state.metrics.finished(result.stats, result.prompt_tokens, time.monotonic() - reply.accepted, event.queued_s)
         build = schemas.chat_completion if reply.chat else schemas.completion
@@ -110,7 +116,13 @@ async def chat_completions(body: schemas.ChatCompletionRequest, request: Request
 
 
 async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-    return await generate("completions", body, body.question(), request)
+    prompt = body.question()
+    state = server_state(request)
+    if not isinstance(prompt, str) and state.settings.completions_prompt != "raw":
+        state.metrics.request("completions", body.kvblend.mode, 400)
+        raise bad_request(ValueError("a prompt of token ids needs a raw prompt (`kvblend serve --completions-prompt "
+                                     "raw`); this server takes the question as text"))
+    return await generate("completions", body, prompt, request)
 
 
 # ------------------------------------------------------------------- documents

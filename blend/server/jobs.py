@@ -79,13 +79,24 @@ async def submit(state: ServerState, start: Callable[[Job], Handle]) -> Job:
     return job
 
 
+def cancelled_error(state: ServerState, job: Job) -> ApiError:
+    """The answer to a job that ended cancelled: 499 when its client left, 503 when the server
+    shut down before it finished (its shutdown grace ran out), else 504 (its deadline)."""
+    if job.cancelled:
+        return ApiError(499, "the request was cancelled", "cancelled")
+    if state.stopping.is_set():
+        return ApiError(503, f"the server shut down before this request finished (its shutdown grace of "
+                             f"{state.settings.shutdown_grace_s:g} s ran out); send it again", "server_shutdown")
+    return ApiError(504, "the request was cancelled", "cancelled")
+
+
 async def run_job(state: ServerState, start: Callable[[Job], Handle], request: Request) -> Finished:
     """Submit and wait for the end (cancelled if the client leaves or time runs out)."""
     job = await submit(state, start)
     async with watch_disconnect(request, job):
         finished = await wait_finished(job, job.deadline)
     if finished.cancelled:
-        raise ApiError(499, "the request was cancelled", "cancelled")
+        raise cancelled_error(state, job)
     if finished.error is not None:
         raise job_error(finished.error) or finished.error
     return finished
@@ -131,4 +142,5 @@ async def watch_disconnect(request: Request, job: Job) -> AsyncIterator[None]:
             await task
 
 
-__all__ = ["Finished", "Job", "next_event", "run_job", "submit", "wait_finished", "watch_disconnect"]
+__all__ = ["Finished", "Job", "cancelled_error", "next_event", "run_job", "submit", "wait_finished",
+           "watch_disconnect"]

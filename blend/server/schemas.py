@@ -130,10 +130,15 @@ class ChatCompletionRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+    # a text, a list of one text, or token ids (these only under `--completions-prompt raw`)
+    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)] | Annotated[
+        list[StrictInt], Field(min_length=1)]
 
-    def question(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def question(self) -> str | list[int]:
+        """The text (or the token ids) the prompt holds."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return self.prompt[0] if isinstance(self.prompt[0], str) else self.prompt
 
 
 class IngestRequest(BaseModel):

@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from blend.decode.result import GenerationResult, TextDelta
 from blend.server import schemas
 from blend.server.errors import ApiError, job_error, timed_out
-from blend.server.jobs import Finished, Job, next_event, watch_disconnect
+from blend.server.jobs import Finished, Job, cancelled_error, next_event, watch_disconnect
 from blend.server.state import ServerState
 
 
@@ -123,9 +123,8 @@ class Chunks:
                 else:  # Finished
                     result = event.value
                     if event.error is not None or not isinstance(result, GenerationResult):
-                        if event.error is None:
-                            known = ApiError(504 if not job.cancelled else 499, "the request was cancelled",
-                                             "cancelled")
+                        if event.error is None:  # cancelled: the client left, the deadline, a shutdown
+                            known = cancelled_error(reply.state, job)
                         else:
                             known = job_error(event.error) or ApiError(
                                 500, f"internal error ({type(event.error).__name__})", "internal_error")

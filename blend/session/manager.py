@@ -297,7 +297,10 @@ class SessionManager:
 
     def _offload(self, session: Session) -> None:
         if session.cache is not None:
-            self.prefix.store.flush()
+            # the queued blocks need not be written yet (a lookup is served from the write queue): only a
+            # store that failed a write keeps the device copy; never a wait for the writer (this runs on
+            # the scheduler's thread after a turn)
+            self.prefix.store.check()
             session.cache = None
             log.info("offloaded session %s", session.session_id)
 

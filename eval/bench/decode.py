@@ -12,6 +12,13 @@ context (when batch 1 is measured). `gb_per_s` prices one step as the bytes it m
 at least (the layers' and the LM head's weights once, every sequence's K/V) over its
 time: the memory bandwidth the step achieves.
 
+Weights: `weights_bytes_read_per_token` is what a batch-1 step reads of the weights (the
+quantized blocks where the runner reads them, else the dense copies), each row's
+`weights_bytes_per_step` what that batch's step reads; `weights_resident_bytes` is what the
+process holds in each form at the end (the model's own tensors, the dense copies built, the
+blocks). `--peer-llamacpp PATH` runs llama.cpp's `llama-bench` on the same GGUF at each
+context as its depth, with the same threads, after ours (`peer_llamacpp`).
+
 Hygiene: the load average at start, peak and end (`contended`), a fixed matrix product's
 rate at start and end and the widest spread of one setting's rounds (`unsteady`), as every
 bench here (eval/bench/common.py).
@@ -20,10 +27,13 @@ bench here (eval/bench/common.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -74,9 +84,81 @@ class DecodeRow:
     kv_bytes_per_step: int
     gb_per_s: float
     batch_speedup: float | None = None
+    weights_bytes_per_step: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class PeerRow:
+    """llama.cpp's `llama-bench` token generation at one depth (its tg: `steps` tokens after a
+    context of `context_tokens`, `threads` threads, flash attention, mean of `repeats`)."""
+
+    context_tokens: int
+    threads: int
+    ms_per_token: float
+    tokens_per_s: float
+    tokens_per_s_stddev: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PEER_TIMEOUT_S = 1800
+
+
+def run_llama_bench(binary: str, gguf: Path, contexts: Sequence[int], threads: int, steps: int, repeats: int
+                    ) -> list[PeerRow]:
+    """`binary -m gguf -t threads -p 0 -n steps -d N -fa 1 -r repeats -o json` for every N of
+    `contexts` in one run; ValueError saying what failed (not runnable, no JSON)."""
+    cmd = [binary, "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(steps),
+           "-d", ",".join(str(n) for n in contexts), "-fa", "1", "-r", str(repeats), "-o", "json"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=PEER_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as err:
+        raise ValueError(f"--peer-llamacpp: {binary} did not run: {err}") from None
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise ValueError(f"--peer-llamacpp: {binary} exited {done.returncode}: {last}")
+    try:
+        tests = json.loads(done.stdout)
+        return [PeerRow(int(t["n_depth"]), int(t["n_threads"]), round(int(t["avg_ns"]) / int(t["n_gen"]) / 1e6, 3),
+                        round(float(t["avg_ts"]), 2), round(float(t["stddev_ts"]), 2)) for t in tests]
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as err:
+        raise ValueError(f"--peer-llamacpp: {binary} did not print llama-bench's JSON ({err})") from None
+
+
+def check_peer(binary: str | None) -> None:
+    """ValueError naming the flag when `binary` is given but is not an executable file."""
+    import os
+
+    if binary is not None and not (Path(binary).is_file() and os.access(binary, os.X_OK)):
+        raise ValueError(f"--peer-llamacpp {binary}: not an executable file (build llama-bench as "
+                         "../shared/peer/llamacpp.sh does and give its path)")
+
+
+def resident_bytes(runner: Any) -> dict[str, int]:
+    """Bytes of the weights the process holds, by form: the model's own tensors (`model`),
+    the dense copies built beside them (`dense_copies`), the quantized blocks (`blocks`), `total`."""
+    seen: set[int] = set()
+    model = 0
+    for p in list(runner.lm.model.parameters()) + list(runner.lm.model.buffers()):
+        ptr = p.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            model += p.untyped_storage().nbytes()
+    proj = runner.projections
+    dense = proj.nbytes() if proj is not None else 0
+    blocks = proj.quantized_nbytes() if proj is not None else 0
+    return {"model": model, "dense_copies": dense, "blocks": blocks, "total": model + dense + blocks}
+
+
+def step_weight_bytes(runner: Any, batch: int) -> int:
+    """Weight bytes one decode step of `batch` rows reads: the runner's products (blocks or
+    dense, as they pick for that many rows), else the model's layers and LM head."""
+    proj = runner.projections
+    return proj.read_bytes(batch) if proj is not None else weight_bytes(runner.lm)
 
 
 def context_ids(tokenizer: Any, n: int) -> torch.Tensor:
@@ -120,7 +202,6 @@ def measure_decode(runner: Any, settings: DecodeSettings, log: Callable[[str], N
     device = runner.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     per_token_kv = lm.dims.kv_bytes_per_token(torch.empty(0, dtype=runner.dtype).element_size())
-    weights = weight_bytes(lm)
     extra = settings.warmup + settings.steps * settings.repeats
     rows: list[DecodeRow] = []
     for n in settings.context_tokens:
@@ -144,11 +225,12 @@ def measure_decode(runner: Any, settings: DecodeSettings, log: Callable[[str], N
             tokens_per_s = batch / mid
             mean_context = n + settings.warmup + settings.steps * settings.repeats / 2
             kv = int(per_token_kv * mean_context * batch)
+            weights = step_weight_bytes(runner, batch)
             if batch == 1:
                 single = tokens_per_s
             row = DecodeRow(n, batch, round(mid * 1e3, 3), round(min(seconds) * 1e3, 3), round(max(seconds) * 1e3, 3),
                             round(tokens_per_s, 2), dtype, kv, round((weights + kv) / mid / 1e9, 2),
-                            round(tokens_per_s / single, 2) if single else None)
+                            round(tokens_per_s / single, 2) if single else None, weights)
             rows.append(row)
             log(f"context {n:>6}  batch {batch:>3}  {row.ms_per_step:8.2f} ms/step  {row.tokens_per_s:8.1f} tokens/s"
                 + (f"  {row.batch_speedup:.2f}x batch 1" if row.batch_speedup and batch > 1 else "")
@@ -168,20 +250,38 @@ def _copy(runner: Any, cache: Any, capacity: int) -> Any:
     return out
 
 
-def run_decode_bench(config: Any, settings: DecodeSettings, log: Callable[[str], None] = lambda _: None
-                     ) -> dict[str, Any]:
+def run_decode_bench(config: Any, settings: DecodeSettings, log: Callable[[str], None] = lambda _: None,
+                     peer: str | None = None) -> dict[str, Any]:
     """Load the config's model and measure every setting; the JSON summary (`results`: one
-    row per (context, batch), plus the run's facts and hygiene fields)."""
-    from blend.model.loading import load_model
-    from blend.model.native import decode_kernel_name
+    row per (context, batch), plus the run's facts and hygiene fields). `peer`: llama.cpp's
+    llama-bench, run after ours on the model's GGUF at the same contexts and threads
+    (`peer_llamacpp`; ValueError for a model that is not a GGUF)."""
+    from blend.model.loading import gguf_path, load_model
+    from blend.model.native import decode_kernel_name, quant_kernel_path
     from blend.model.runner import Runner
+
+    check_peer(peer)
+    gguf = gguf_path(config.model) if peer is not None else None
+    if peer is not None and gguf is None:
+        raise ValueError(f"--peer-llamacpp: {config.model} is not a GGUF model; llama.cpp needs one")
 
     watch = LoadWatch.begin()
     steady = Steadiness.begin()
-    lm = load_model(config.model, device=config.device, dtype=config.dtype)
+    lm = load_model(config.model, device=config.device, dtype=config.dtype, weights=config.weights)
     settings.check(lm.dims.max_positions)
     runner = Runner(lm)
     rows = measure_decode(runner, settings, log)
+    peers: list[PeerRow] = []
+    if peer is not None and gguf is not None:
+        log(f"llama.cpp: {peer} on {gguf.name}, {torch.get_num_threads()} threads")
+        peers = run_llama_bench(peer, gguf, settings.context_tokens, torch.get_num_threads(), settings.steps,
+                                settings.repeats)
+        ours = {r.context_tokens: r for r in rows if r.batch == 1}
+        for p in peers:
+            mine = ours.get(p.context_tokens)
+            log(f"context {p.context_tokens:>6}  batch   1  llama.cpp {p.ms_per_token:8.2f} ms/token"
+                + (f"  kvblend {mine.ms_per_step:.2f} ms/token ({mine.ms_per_step / p.ms_per_token:.2f}x)"
+                   if mine else ""))
     spreads = {f"context {r.context_tokens} batch {r.batch}": (r.ms_per_step, r.ms_per_step_min, r.ms_per_step_max)
                for r in rows}
     return {
@@ -189,6 +289,11 @@ def run_decode_bench(config: Any, settings: DecodeSettings, log: Callable[[str],
         "config_dtype": config.dtype, "device": str(lm.device), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "projections": runner.projections.layout if runner.projections is not None else None,
+        "weights": runner.projections.weights if runner.projections is not None else "dequantized",
+        "quant_kernel": quant_kernel_path() if lm.device.type == "cpu" else None,
+        "weights_bytes_read_per_token": step_weight_bytes(runner, 1),
+        "weights_resident_bytes": resident_bytes(runner),
+        "peer_llamacpp": [p.to_dict() for p in peers],
         "decode_kernel": decode_kernel_name() if lm.device.type == "cpu" else None,
         "weight_bytes": weight_bytes(lm), "steps": settings.steps, "repeats": settings.repeats,
         "warmup": settings.warmup, "results": [r.to_dict() for r in rows],

@@ -52,32 +52,15 @@ import httpx
 import numpy as np
 
 from eval.bench.common import LoadWatch, Steadiness, cpu_cores
+from eval.bench.peer import Peer, peer_model, peer_props, prompt_texts, send_completion
+from eval.bench.sample import BenchRequest, Sample, answers_equal
 from eval.results import save_figure, write_file
 
 TARGET_RATIO, TARGET_SLACK_S = 1.05, 0.020
-REPORT_FILES = SERVE_JSON, SERVE_PLOT = ("serve.json", "serve.png")  # what write_report writes under --out
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    question: str
-    documents: tuple[dict[str, str], ...]
-
-
-@dataclass
-class Sample:
-    """One measured request."""
-
-    ok: bool
-    ttft_s: float = 0.0  # client: send -> first content
-    e2e_s: float = 0.0
-    tokens: int = 0
-    server_ttft_s: float = 0.0
-    queue_s: float = 0.0
-    hits: int = 0
-    misses: int = 0
-    error: str = ""
-    gaps_s: list[float] = field(default_factory=list)  # between the stream's consecutive content chunks
+# what write_report writes under --out: the JSON, the curves over clients, one panel per level
+REPORT_FILES = SERVE_JSON, SERVE_PLOT, LEVELS_PLOT = ("serve.json", "serve.png", "serve-levels.png")
+KVBLEND = "kvblend"  # the `server` of kvblend's rows
+__all__ = ["BenchRequest", "Level", "Sample"]  # BenchRequest and Sample live in eval.bench.sample
 
 
 @dataclass
@@ -88,13 +71,26 @@ class Level:
     max_num_seqs: int | None = None  # the server's setting
     prefill_chunk_tokens: int | None = None  # the server's setting (engine.prefill_chunk_tokens, from /health)
     scheduler: dict[str, float] = field(default_factory=dict)  # the server's counters over this level
+    server: str = KVBLEND  # kvblend, or the peer's name
+    mode: str | None = None  # kvblend's mode (None: a peer)
+    peer_settings: dict[str, Any] | None = None  # a peer's own settings
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, full: dict[int, str] | None = None, alone: dict[int, str] | None = None,
+                prompt_tokens: list[int] | None = None) -> dict[str, Any]:
+        """The row: `full` (kvblend's full-prefill answers, one request at a time) and `alone` (this
+        mode's, the same way) by request index give `answers_equal_full` / `answers_equal_alone`;
+        `prompt_tokens` (kvblend's count per request) gives a peer's `prompt_tokens_equal`."""
         ok = [s for s in self.samples if s.ok]
         hits, misses = sum(s.hits for s in ok), sum(s.misses for s in ok)
         tokens = sum(s.tokens for s in ok)
         steps = self.scheduler.get("decode_steps", 0.0)
+        counted = [s for s in ok if s.prompt_tokens is not None and 0 <= s.index < len(prompt_tokens or [])]
         return {
+            "server": self.server, "mode": self.mode, "peer_settings": self.peer_settings,
+            "answers_equal_full": answers_equal(self.samples, full),
+            "answers_equal_alone": answers_equal(self.samples, alone),
+            "prompt_tokens_equal": sum(1 for s in counted if s.prompt_tokens == prompt_tokens[s.index])
+            if counted and prompt_tokens else None,
             "max_num_seqs": self.max_num_seqs,
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
             "mean_batch_size": round(self.scheduler["batch_sum"] / steps, 3) if steps else None,
@@ -198,41 +194,44 @@ class ServerProcess:
 
 
 def send(http: httpx.Client, url: str, req: BenchRequest, max_tokens: int, kvblend: dict[str, Any],
-         model: str | None = None) -> Sample:
-    """One streamed chat completion; the client's timings and the server's stats."""
+         model: str | None = None, index: int = -1) -> Sample:
+    """One streamed, greedy chat completion; the client's timings, the answer and the server's stats."""
     body = {"model": model, "messages": [{"role": "user", "content": req.question}], "stream": True,
-            "max_tokens": max_tokens, "documents": list(req.documents), "kvblend": kvblend}
+            "max_tokens": max_tokens, "temperature": 0, "documents": list(req.documents), "kvblend": kvblend}
     t0 = time.perf_counter()
     ttft = None
     stats: dict[str, Any] = {}
     arrivals: list[float] = []  # when each content chunk arrived
+    parts: list[str] = []
     try:
         with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 response.read()
-                return Sample(False, error=f"HTTP {response.status_code}")
+                return Sample(False, error=f"HTTP {response.status_code}", index=index)
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    return Sample(False, error=chunk["error"].get("type", "error"))
+                    return Sample(False, error=chunk["error"].get("type", "error"), index=index)
                 choice = chunk["choices"][0] if chunk.get("choices") else {}
                 if choice.get("delta", {}).get("content"):
                     arrivals.append(time.perf_counter())
+                    parts.append(choice["delta"]["content"])
                 if ttft is None and (choice.get("delta", {}).get("content") or choice.get("finish_reason")):
                     ttft = time.perf_counter() - t0
                 if "kvblend" in chunk:
                     stats = chunk["kvblend"]
     except httpx.HTTPError as err:
-        return Sample(False, error=type(err).__name__)
+        return Sample(False, error=type(err).__name__, index=index)
     e2e = time.perf_counter() - t0
     if not stats:
-        return Sample(False, error="no final chunk")
+        return Sample(False, error="no final chunk", index=index)
     return Sample(True, ttft_s=ttft if ttft is not None else e2e, e2e_s=e2e, tokens=int(stats["new_tokens"]),
                   server_ttft_s=float(stats["ttft_s"]), queue_s=float(stats["queue_s"]),
                   hits=int(stats["documents"]["hits"]), misses=int(stats["documents"]["misses"]),
-                  gaps_s=[b - a for a, b in zip(arrivals, arrivals[1:], strict=False)])
+                  gaps_s=[b - a for a, b in zip(arrivals, arrivals[1:], strict=False)], index=index,
+                  text="".join(parts))
 
 
 def scheduler_counters(http: httpx.Client, base: str) -> dict[str, float]:
@@ -270,9 +269,20 @@ def server_setting(http: httpx.Client, base: str) -> int | None:
     return value if isinstance(value, int) else None
 
 
+Sender = Callable[[httpx.Client, int, BenchRequest], Sample]  # sends request i, measures its answer
+
+
+def kvblend_sender(url: str, max_tokens: int, kvblend: dict[str, Any], model: str | None) -> Sender:
+    """Requests as kvblend chat completions with their documents (`send`)."""
+    return lambda http, i, req: send(http, url, req, max_tokens, kvblend, model, index=i)
+
+
 def run_level(url: str, clients: int, requests: list[BenchRequest], max_tokens: int, kvblend: dict[str, Any],
-              after_each: Callable[[int, BenchRequest], None] | None = None, model: str | None = None) -> Level:
-    """`clients` threads share `requests` (each sends its next one when the previous is answered)."""
+              after_each: Callable[[int, BenchRequest], None] | None = None, model: str | None = None,
+              sender: Sender | None = None) -> Level:
+    """`clients` threads share `requests` (each sends its next one when the previous is answered),
+    through `sender` (default: kvblend's chat endpoint at `url`)."""
+    sender = sender or kvblend_sender(url, max_tokens, kvblend, model)
     level = Level(clients)
     lock = threading.Lock()
     queue = list(enumerate(requests))
@@ -284,7 +294,7 @@ def run_level(url: str, clients: int, requests: list[BenchRequest], max_tokens: 
                     if not queue:
                         return
                     i, req = queue.pop(0)
-                sample = send(http, url, req, max_tokens, kvblend, model)
+                sample = sender(http, i, req)
                 with lock:
                     level.samples.append(sample)
                 if after_each is not None:
@@ -346,17 +356,23 @@ def server_model(http: httpx.Client, base: str) -> str:
 
 
 def run_serve_bench(config: str | None, *, clients: list[int], requests: int, pool_size: int | None, docs_per_request: int,
-                    max_tokens: int, doc_chars: int | None, mode: str, ratio: float | None, url: str | None = None,
-                    compare: bool = True, max_num_seqs: Sequence[int | None] = (None,),
-                    log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The benchmark; returns the summary (see the module docstring)."""
+                    max_tokens: int, doc_chars: int | None, mode: str | Sequence[str], ratio: float | None,
+                    url: str | None = None, compare: bool = True, max_num_seqs: Sequence[int | None] = (None,),
+                    peer: Peer | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The benchmark; returns the summary (see the module docstring). `mode`: one mode or several
+    (a row per mode, the same requests); `peer`: the same requests to an OpenAI-compatible server."""
+    if peer is not None:  # a peer that does not answer fails now, not after kvblend's levels
+        with httpx.Client(timeout=30) as http:
+            peer_model(http, peer.url)
     watch = LoadWatch.begin()
     steady = Steadiness.begin()  # before the server starts: its threads would share the cores
     pool = document_pool(pool_size, doc_chars)
     reqs = bench_requests(requests, pool, docs_per_request)
-    kvblend: dict[str, Any] = {"mode": mode} | ({"recompute_ratio": ratio} if ratio is not None else {})
+    modes = [mode] if isinstance(mode, str) else list(dict.fromkeys(mode))
+    options = {m: {"mode": m} | ({"recompute_ratio": ratio} if ratio is not None else {}) for m in modes}
     settings = [None] if url else list(dict.fromkeys(max_num_seqs)) or [None]
     levels: list[dict[str, Any]] = []
+    alone: dict[str, dict[int, str]] = {}  # per mode (and full): each request's answer, sent one at a time
     comparison = None
     model = None
     engine = None
@@ -369,7 +385,7 @@ def run_serve_bench(config: str | None, *, clients: list[int], requests: int, po
             engine.warmup()
             engine.ingest([Document(d["text"], id=d["id"]) for d in pool])
             for req in reqs[:2]:
-                in_process_ttft(engine, req, max_tokens, kvblend)
+                in_process_ttft(engine, req, max_tokens, options[modes[0]])
         for setting in settings:
             server = None if url else ServerProcess(
                 config, queue_size=max(clients) * 2, max_num_seqs=setting,
@@ -384,50 +400,64 @@ def run_serve_bench(config: str | None, *, clients: list[int], requests: int, po
                     cached = sum(d["cached"] for d in ingested.json()["data"])
                     log(f"pool: {len(pool)} documents ingested ({cached} already cached); server {base}, "
                         f"max_num_seqs {setting}")
-                    for req in reqs[:2]:  # warm the request path (the server warmed its engine at start)
-                        send(http, base, req, max_tokens, kvblend, model)
-                    for n in clients:
-                        local: list[float] = []
-                        after = None
-                        if n == 1 and engine is not None and comparison is None:
-                            def after(_i: int, req: BenchRequest, local: list[float] = local) -> None:
-                                local.append(in_process_ttft(engine, req, max_tokens, kvblend))
-                        before = scheduler_counters(http, base)
-                        level = run_level(base, n, reqs, max_tokens, kvblend, after_each=after, model=model)
-                        after_counts = scheduler_counters(http, base)
-                        level.max_num_seqs = setting
-                        level.prefill_chunk_tokens = server_health(http, base).get("prefill_chunk_tokens")
-                        level.scheduler = {k: after_counts[k] - before.get(k, 0.0) for k in after_counts}
-                        if after is not None:  # the in-process runs took turns with the HTTP ones: not in the wall time
-                            level.wall_s = sum(s.e2e_s for s in level.samples)
-                        summary = level.summary()
-                        levels.append(summary)
-                        log(f"max_num_seqs {setting}, {n:>3} clients: {summary['ok']}/{summary['requests']} ok, "
-                            f"{summary['requests_per_s']} req/s, TTFT p50 {summary['ttft_p50_s']} s p99 "
-                            f"{summary['ttft_p99_s']} s, {summary['tokens_per_s']} tok/s, mean batch "
-                            f"{summary['mean_batch_size']}, preemptions {summary['preemptions']}, "
-                            f"busy prefill {summary['prefill_busy_s']} s / decode {summary['decode_busy_s']} s "
-                            f"({summary['decode_ms_per_step']} ms a step), "
-                            f"hit rate {summary['hit_rate']}")
-                        if local and summary["ttft_p50_s"] is not None:
-                            # at 1 client the samples and the in-process runs alternate: the k-th of each is one request
-                            pairs = [(s.ttft_s, t) for s, t in zip(level.samples, local, strict=False) if s.ok]
-                            comparison = compare_ttft(summary["ttft_p50_s"], local, pairs) | {"max_num_seqs": setting}
-                            log(f"  1 client: server TTFT p50 {comparison['server_ttft_p50_s']} s vs in-process "
-                                f"{comparison['in_process_ttft_p50_s']} s (target <= {comparison['target_s']} s: "
-                                f"{'met' if comparison['within_target'] else 'missed'})")
+                    if not alone:  # the first server: every request alone, in each mode and in full (warms it too)
+                        for m in dict.fromkeys([*modes, "full"]):
+                            opts = options.get(m, {"mode": m})
+                            alone[m] = alone_answers(kvblend_sender(base, max_tokens, opts, model), reqs)
+                        log(f"alone: {len(reqs)} requests one at a time in {', '.join(alone)}")
+                    else:
+                        for m in modes:  # warm the request path (the server warmed its engine at start)
+                            for req in reqs[:2]:
+                                send(http, base, req, max_tokens, options[m], model)
+                    for m in modes:
+                        for n in clients:
+                            local: list[float] = []
+                            after = None
+                            if n == 1 and engine is not None and comparison is None:
+                                def after(_i: int, req: BenchRequest, local: list[float] = local,
+                                          opts: dict[str, Any] = options[m]) -> None:
+                                    local.append(in_process_ttft(engine, req, max_tokens, opts))
+                            before = scheduler_counters(http, base)
+                            level = run_level(base, n, reqs, max_tokens, options[m], after_each=after, model=model)
+                            after_counts = scheduler_counters(http, base)
+                            level.max_num_seqs, level.mode = setting, m
+                            level.prefill_chunk_tokens = server_health(http, base).get("prefill_chunk_tokens")
+                            level.scheduler = {k: after_counts[k] - before.get(k, 0.0) for k in after_counts}
+                            if after is not None:  # the in-process runs took turns with the HTTP ones: not in the wall time
+                                level.wall_s = sum(s.e2e_s for s in level.samples)
+                            summary = level.summary(full=alone["full"], alone=alone[m])
+                            levels.append(summary)
+                            log(f"{m}, max_num_seqs {setting}, {n:>3} clients: {summary['ok']}/{summary['requests']} ok, "
+                                f"{summary['requests_per_s']} req/s, TTFT p50 {summary['ttft_p50_s']} s p99 "
+                                f"{summary['ttft_p99_s']} s, {summary['tokens_per_s']} tok/s, mean batch "
+                                f"{summary['mean_batch_size']}, preemptions {summary['preemptions']}, "
+                                f"busy prefill {summary['prefill_busy_s']} s / decode {summary['decode_busy_s']} s "
+                                f"({summary['decode_ms_per_step']} ms a step), hit rate {summary['hit_rate']}, "
+                                f"answers equal alone {summary['answers_equal_alone']} / full "
+                                f"{summary['answers_equal_full']}")
+                            if local and summary["ttft_p50_s"] is not None:
+                                # at 1 client the samples and the in-process runs alternate: the k-th of each is one request
+                                pairs = [(s.ttft_s, t) for s, t in zip(level.samples, local, strict=False) if s.ok]
+                                comparison = compare_ttft(summary["ttft_p50_s"], local, pairs) | {
+                                    "max_num_seqs": setting, "mode": m}
+                                log(f"  1 client: server TTFT p50 {comparison['server_ttft_p50_s']} s vs in-process "
+                                    f"{comparison['in_process_ttft_p50_s']} s (target <= {comparison['target_s']} s: "
+                                    f"{'met' if comparison['within_target'] else 'missed'})")
             finally:
                 if server is not None:
                     server.close()
     finally:
         if engine is not None:
             engine.close()
+    if peer is not None:
+        levels += peer_levels(peer, config, reqs, clients, max_tokens, alone["full"], log)
     import torch
 
-    summary = {"config": config, "url": url, "model": model, "mode": mode,
-               "recompute_ratio": ratio, "pool": len(pool), "docs_per_request": docs_per_request,
+    summary = {"config": config, "url": url, "model": model, "mode": modes[0] if len(modes) == 1 else modes,
+               "modes": modes, "recompute_ratio": ratio, "pool": len(pool), "docs_per_request": docs_per_request,
                "doc_chars": doc_chars, "requests_per_level": requests, "max_tokens": max_tokens,
-               "max_num_seqs": settings, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+               "max_num_seqs": settings, "peer": None if peer is None else {"name": peer.name, "url": peer.url, "prompt": peer.prompt},
+               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "levels": levels, "in_process": comparison,
                "speedups": setting_ratios(levels)}
     # its own work fills every core (server, then in-process engine): only more than that is contention
@@ -440,18 +470,54 @@ def run_serve_bench(config: str | None, *, clients: list[int], requests: int, po
     return summary
 
 
+def alone_answers(sender: Sender, requests: list[BenchRequest]) -> dict[int, str]:
+    """Each request sent alone (one at a time, nothing else in flight): its answer by index
+    (a failed one left out)."""
+    with httpx.Client(timeout=httpx.Timeout(600.0)) as http:
+        samples = [sender(http, i, req) for i, req in enumerate(requests)]
+    return {s.index: s.text for s in samples if s.ok}
+
+
+def peer_levels(peer: Peer, config: str | None, requests: list[BenchRequest], clients: list[int], max_tokens: int,
+                full: dict[int, str], log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The same requests, as prompt texts, to the peer at each number of clients: its rows."""
+    prompts = prompt_texts(config, requests)
+    with httpx.Client(timeout=600) as http:
+        model = peer_model(http, peer.url)
+        settings = peer_props(http, peer.url) | peer.settings
+
+    def sender(http: httpx.Client, i: int, _req: BenchRequest) -> Sample:
+        prompt = prompts.texts[i] if peer.prompt == "text" else prompts.ids[i]
+        return send_completion(http, peer.url, i, prompt, max_tokens, model)
+
+    with httpx.Client(timeout=httpx.Timeout(600.0)) as http:
+        for i in range(min(2, len(requests))):  # warm its request path, as kvblend's server was
+            sender(http, i, requests[i])
+    rows = []
+    for n in clients:
+        level = run_level(peer.url, n, requests, max_tokens, {}, sender=sender)
+        level.server, level.peer_settings = peer.name, settings
+        row = level.summary(full=full, prompt_tokens=prompts.tokens)
+        rows.append(row)
+        log(f"{peer.name}, {n:>3} clients: {row['ok']}/{row['requests']} ok, {row['requests_per_s']} req/s, TTFT p50 "
+            f"{row['ttft_p50_s']} s p99 {row['ttft_p99_s']} s, {row['tokens_per_s']} tok/s, answers equal full "
+            f"{row['answers_equal_full']}, prompts tokenized as kvblend's {row['prompt_tokens_equal']}")
+    return rows
+
+
 def setting_ratios(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per number of clients, each setting's tokens/s and TTFT p50 as ratios to the smallest
-    setting's (the same requests in the same run)."""
+    """Per number of clients and kvblend mode, each setting's tokens/s and TTFT p50 as ratios to the
+    smallest setting's (the same requests in the same run)."""
     out = []
-    for n in dict.fromkeys(lv["clients"] for lv in levels):
-        rows = sorted((lv for lv in levels if lv["clients"] == n and lv["max_num_seqs"] is not None),
+    for n, mode in dict.fromkeys((lv["clients"], lv.get("mode")) for lv in levels):
+        rows = sorted((lv for lv in levels if lv["clients"] == n and lv.get("mode") == mode
+                       and lv.get("server", KVBLEND) == KVBLEND and lv["max_num_seqs"] is not None),
                       key=lambda lv: lv["max_num_seqs"])
         if len(rows) < 2:
             continue
         base = rows[0]
         for row in rows[1:]:
-            out.append({"clients": n, "max_num_seqs": row["max_num_seqs"], "versus": base["max_num_seqs"],
+            out.append({"clients": n, "mode": mode, "max_num_seqs": row["max_num_seqs"], "versus": base["max_num_seqs"],
                         "tokens_per_s_ratio": _ratio(row["tokens_per_s"], base["tokens_per_s"]),
                         "ttft_p50_ratio": _ratio(row["ttft_p50_s"], base["ttft_p50_s"])})
     return out
@@ -461,8 +527,20 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
+def row_label(row: dict[str, Any], modes: int = 1) -> str:
+    """A row's name in the plots: the peer's name, else kvblend (its mode when several ran, and its
+    max_num_seqs when it has one)."""
+    if row.get("server", KVBLEND) != KVBLEND:
+        return str(row["server"])
+    parts = [KVBLEND] + ([str(row["mode"])] if modes > 1 or row.get("mode") is None else [])
+    if row.get("max_num_seqs") is not None:
+        parts.append(f"max_num_seqs {row['max_num_seqs']}")
+    return " ".join(parts)
+
+
 def write_report(summary: dict[str, Any], out: Path) -> None:
-    """serve.json and serve.png (TTFT p50/p99 and requests/s per number of clients) under `out`."""
+    """serve.json, serve.png (TTFT p50/p99 and tokens/s per number of clients, a line per row
+    kind) and serve-levels.png (one panel per level: every server's row side by side) under `out`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -470,12 +548,12 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     write_file(out / SERVE_JSON, json.dumps(summary, indent=2))
+    modes = len(summary.get("modes") or [summary["mode"]])
     levels = [lv for lv in summary["levels"] if lv["ok"]]
     xs = sorted({lv["clients"] for lv in levels})
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for setting in dict.fromkeys(lv.get("max_num_seqs") for lv in levels):
-        rows = sorted((lv for lv in levels if lv.get("max_num_seqs") == setting), key=lambda lv: lv["clients"])
-        label = f"max_num_seqs {setting}" if setting is not None else "server"
+    for label in dict.fromkeys(row_label(lv, modes) for lv in levels):
+        rows = sorted((lv for lv in levels if row_label(lv, modes) == label), key=lambda lv: lv["clients"])
         cx = [lv["clients"] for lv in rows]
         left.plot(cx, [lv["ttft_p50_s"] for lv in rows], marker="o", label=f"{label}: p50")
         left.plot(cx, [lv["ttft_p99_s"] for lv in rows], marker="x", linestyle="--", label=f"{label}: p99")
@@ -493,10 +571,38 @@ def write_report(summary: dict[str, Any], out: Path) -> None:
     right.set_ylim(bottom=0)
     right.set_xlabel("concurrent clients")
     right.set_ylabel("output tokens / s")
-    right.set_title(f"throughput ({summary['mode']})")
+    right.set_title(f"throughput ({', '.join(summary.get('modes') or [summary['mode']])})")
     right.legend(fontsize=7)
     for ax in (left, right):
         ax.set_xticks(xs, [str(x) for x in xs])
     fig.tight_layout()
     save_figure(fig, out / SERVE_PLOT, dpi=120)
+    plt.close(fig)
+    write_levels_plot(summary, out / LEVELS_PLOT, modes)
+
+
+def write_levels_plot(summary: dict[str, Any], path: Path, modes: int) -> None:
+    """One panel per level (number of clients): every row's tokens/s as a bar, its TTFT p50 / p99
+    and answers equal to kvblend's full prefill written on it."""
+    import matplotlib.pyplot as plt
+
+    xs = sorted({lv["clients"] for lv in summary["levels"]}) or [0]
+    fig, axes = plt.subplots(1, len(xs), figsize=(4.5 * len(xs), 4), squeeze=False)
+    for ax, n in zip(axes[0], xs, strict=True):
+        rows = [lv for lv in summary["levels"] if lv["clients"] == n]
+        labels = [row_label(lv, modes).replace(" max_num_seqs ", "\nmax ") for lv in rows]
+        bars = ax.bar(range(len(rows)), [lv["tokens_per_s"] or 0 for lv in rows],
+                      color=["tab:blue" if lv.get("server", KVBLEND) == KVBLEND else "tab:orange" for lv in rows])
+        for bar, lv in zip(bars, rows, strict=True):
+            equal = lv.get("answers_equal_full")
+            note = (f"TTFT {lv['ttft_p50_s']}/{lv['ttft_p99_s']} s" if lv["ok"] else f"{lv['lost']} lost") + (
+                f"\n= full {equal}/{lv['requests']}" if equal is not None else "")
+            ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=6)
+        ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=20)
+        ax.set_ylabel("output tokens / s")
+        ax.set_title(f"{n} client{'s' if n != 1 else ''}")
+        ax.margins(y=0.25)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -246,7 +246,7 @@ def run_ttft(args: argparse.Namespace, lm: Any = None) -> dict[str, Any]:
     ratios = [float(r) for r in args.ratios.split(",") if r.strip()]  # as the CLI checked them
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     if lm is None:
-        lm = load_model(config.model, device=config.device, dtype=config.dtype)
+        lm = load_model(config.model, device=config.device, dtype=config.dtype, weights=config.weights)
     tokens = args.chunks * args.chunk_tokens
     if tokens + 64 > lm.dims.max_positions:  # the documents plus the system part and the question
         raise ValueError(f"--chunks {args.chunks} x --chunk-tokens {args.chunk_tokens} = {tokens} tokens does not fit "

