@@ -314,6 +314,10 @@ class SchedulerSettings:
     # background work (harvested documents recomputed standalone) takes all idle time and at most this
     # share of step time while requests wait or decode
     background_share: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
+    # a request's answer never depends on what else runs (every row's numbers its own): under `weights:
+    # auto` the linear layers then read the dense weights at every row count (a GGUF's blocks for small
+    # steps only would make a decode row's bits depend on the batch); false: blocks for steps of few rows
+    batch_invariant: bool = True
 
 
 @config_dataclass

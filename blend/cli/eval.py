@@ -123,7 +123,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not examples:
         raise ValueError(f"{args.dataset}: no usable examples (each lacked passage text or, for qa, a question); check the file, --split and --field-map")
     first = prompts[examples[0].task]  # the engine's own templates: those of the first example's task
-    config = config.with_overrides(system_prompt=first.render_system(), query_template=first.query)
+    # an evaluation reproduces whatever else runs: batch-invariant steps, whatever the config says
+    config = config.with_overrides(system_prompt=first.render_system(), query_template=first.query,
+                                   batch_invariant=True)
     reference = None
     if args.reference_dtype is not None:
         from blend.model.loading import resolve_device, resolve_dtype

@@ -87,7 +87,9 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None, store: T
     # whose writer hangs holds no request on the scheduler's thread
     store = store or TieredStore.from_config(config.store, min_entry_bytes=entry_bytes,
                                              put_wait_s=cfg.blend.load_stall_s or None)
-    runner = Runner(lm)
+    # batch-invariant: `weights: auto` reads the dense weights at every row count (the same bits in any step)
+    invariant = config.engine.scheduler.batch_invariant and lm.weights == "auto"
+    runner = Runner(lm, weights="dequantized" if invariant else None)
     prompts = PromptBuilder(lm.tokenizer, cfg.prompt.system_prompt, cfg.prompt.query_template,
                             cfg.blend.max_document_tokens, lm.dims.max_positions)
     eos = tuple(eos_ids(lm))

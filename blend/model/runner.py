@@ -353,7 +353,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 class Runner:
     """Runs a supported decoder-only transformers model layer by layer."""
 
-    def __init__(self, lm: LoadedModel, attention: str = "auto"):
+    def __init__(self, lm: LoadedModel, attention: str = "auto", weights: str | None = None):
         if attention not in ("auto", "sdpa", "flash"):
             raise ValueError(f"unknown attention backend {attention!r}; use auto, sdpa or flash")
         self.lm = lm
@@ -400,7 +400,8 @@ class Runner:
         self.chunk_tokens = CHUNK_TOKENS
         self.strategies: Counter[str] = Counter()  # attention calls per strategy run
         # the linear layers as few, prepacked products (bfloat16 on a CPU; None: the modules as they are)
-        self.projections: Projections | None = projections_for(lm.model, lm.blocks, lm.weights)
+        # `weights`: the policy for a GGUF's blocks (None: the one the model was loaded with)
+        self.projections: Projections | None = projections_for(lm.model, lm.blocks, weights or lm.weights)
         self.qk_norm = getattr(self.layers[0].self_attn, "q_norm", None) is not None  # Qwen3, Gemma 3
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's cos/sin (P, D) by position
         # CPU: the native kernels, built (once per machine) or loaded now, not inside the first request;
