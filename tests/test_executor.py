@@ -214,6 +214,8 @@ def test_schedule_decides_from_plain_data(lm):
         assert sched.schedule().advance == (slot,)
         waiting = engine._sequence(engine.request(QUESTIONS[1], DOCS[:1], mode="full", max_new_tokens=4), Handle())
         sched._waiting.append(waiting)
+        assert sched.schedule().admit == ()  # while sequences decode, one plan's planning per step: the advance
+        slot.cursor = RowsCursor(Rows(torch.arange(12), runner.new_cache(12), 0), 5)
         assert sched.schedule().admit == (waiting,) and sched.waiting == 1  # admitted by `_run_step`, not here
         sched._waiting.clear()
         for seq in seqs:

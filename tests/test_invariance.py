@@ -192,3 +192,19 @@ def test_four_threads_of_mixed_modes_beside_a_cpu_bound_process_answer_as_sequen
         finally:
             hog.kill()
             hog.wait()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_products_of_one_to_three_rows_equal_the_same_rows_inside_a_64_row_product(dtype):
+    """`rows4`: a row-wise product's rows the same bits alone (1-3 rows) as inside 64 rows, at
+    SmolLM2's widths (its 1536-wide down projection took another path for one bfloat16 row)."""
+    from blend.model.runner import rows4
+
+    g = torch.Generator().manual_seed(1)
+    for out_f, in_f in ((576, 1536), (960, 576), (3072, 576)):
+        w = (torch.randn((out_f, in_f), generator=g) * 0.05).to(getattr(torch, dtype))
+        x = torch.randn((64, in_f), generator=g).to(w.dtype)
+        full = torch.nn.functional.linear(x, w)
+        for n in (1, 2, 3):
+            for r in range(0, 64 - n, 3):
+                assert torch.equal(rows4(lambda t: torch.nn.functional.linear(t, w), x[r:r + n]), full[r:r + n])

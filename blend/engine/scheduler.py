@@ -302,7 +302,8 @@ class Scheduler:
         - the heads of the queue are admitted while they may start (a sequence while the
           running set and the sequences prefilling are fewer than `max_num_seqs` and its KV
           fits `max_active_kv`; a task always; at most MAX_PREFILLING plans under way);
-        - plans with no work pending advance to their next want first;
+        - plans with no work pending advance to their next want first (while sequences decode,
+          one plan per step: an admitted one, or the oldest waiting to advance);
         - every running sequence's next token, and the plans' work in FIFO order within a
           budget of `prefill_chunk_tokens` x layers row-layers (no bound when nothing decodes);
           before it, caches that are full grow, and where growing would take the running set
@@ -330,9 +331,14 @@ class Scheduler:
                 seqs += 1
             admit.append(head)
         slots = tuple(self._prefilling)
-        advance = tuple(s for s in slots if not s.wants())
         grow, preempt = self._room()
         decode = tuple(s for s in self._running if s not in preempt)
+        # plans with no work pending advance (their planning: lookups, pricing, a unit); while sequences
+        # decode, one per step (the oldest first), so planning never adds up inside one token's wait
+        advance = tuple(s for s in slots if not s.wants())
+        if decode:  # (one admitted now advances in this step: it counts as the one)
+            advance = advance[:1]
+            admit = [] if advance else admit[:1]
         budget = self.config.prefill_chunk_tokens * self.runner.num_layers if decode else None
         busy = bool(slots or admit or decode)
         background = self._background is not None and (
@@ -393,7 +399,8 @@ class Scheduler:
         t0 = time.perf_counter()
         for item in step.admit:
             self._start(item)
-        for slot in [*step.advance, *[s for s in self._prefilling if s not in step.plans]]:
+        fresh = [s for s in self._prefilling if s not in step.plans]  # admitted now: their first advance
+        for slot in [*step.advance, *fresh]:
             if slot in self._prefilling:
                 self._advance(slot)
         if step.background and self._bg is None and self._background is not None:

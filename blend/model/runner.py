@@ -306,11 +306,25 @@ def rows4(fn: Any, x: torch.Tensor) -> torch.Tensor:
     than 12 rows run other kernels for the rows past the last multiple of 4 (measured: 1-3, 5-7
     and 9-11 rows give other bits than the same rows inside a larger product; 4, 8 and 12 on
     do not), so a row's bits would depend on the rows beside it: those run padded with zero rows
-    to the next multiple of 4, each row then the same whatever else shares its step."""
+    to the next multiple of 4, each row then the same whatever else shares its step. bfloat16
+    products of one row (oneDNN's and F.linear alike) take another path than two or more: with a
+    1536-wide input (SmolLM2's down projection) 4 of 60 rows came out with other bits; from two
+    rows on, none. A single row runs padded to two."""
     n = x.shape[0]
-    if n < 12 and n % 4 and x.dtype == torch.float32 and x.device.type == "cpu":
-        return fn(torch.cat([x, x.new_zeros((4 - n % 4, *x.shape[1:]))]))[:n]
-    return fn(x)
+    padded = pad_rows(x)
+    return fn(x) if padded is x else fn(padded)[:n]
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (T, in) with the zero rows `rows4` adds (x itself when none)."""
+    n = x.shape[0]
+    if x.device.type != "cpu":
+        return x
+    if n < 12 and n % 4 and x.dtype == torch.float32:
+        return torch.cat([x, x.new_zeros((4 - n % 4, *x.shape[1:]))])
+    if n == 1 and x.dtype == torch.bfloat16:
+        return torch.cat([x, x.new_zeros(x.shape)])
+    return x
 
 
 CHUNK_TOKENS = 256  # the default of engine.prefill_chunk_tokens (the engine sets its own)
@@ -592,8 +606,8 @@ class Runner:
         x = rms_norm(block.input_layernorm, h)
         t, d = x.shape[0], self.head_dim
         if self.projections is not None:
-            q, k, v = self.projections.layers[layer].qkv.split(x)  # (T, H*D), (T, Hkv*D) x2
-            return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+            q, k, v = (r[:t] for r in self.projections.layers[layer].qkv.split(pad_rows(x)))  # (T, H*D), (T, Hkv*D) x2
+            return q.reshape(t, -1, d), k.reshape(t, -1, d), v.reshape(t, -1, d)
         attn = block.self_attn
         return tuple(rows4(proj, x).view(t, -1, d) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
 
@@ -790,7 +804,7 @@ class Runner:
         the MLP input by its pre-feed-forward norm)."""
         block = self.layers[layer]
         proj = self.projections.layers[layer] if self.projections is not None else None
-        out = proj.o(attn_out) if proj is not None else rows4(block.self_attn.o_proj, attn_out)
+        out = rows4(proj.o, attn_out) if proj is not None else rows4(block.self_attn.o_proj, attn_out)
         mlp = proj.mlp if proj is not None and proj.mlp is not None else block.mlp
         if self.sandwich:
             h = h + rms_norm(block.post_attention_layernorm, out)
@@ -802,7 +816,7 @@ class Runner:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head (+ the model's final soft-capping) for rows h (T, hidden) -> (T, vocab) float32."""
         x = rms_norm(self.norm, h)
-        logits = (self.projections.lm_head(x) if self.projections is not None else rows4(self.lm_head, x)).float()
+        logits = rows4(self.projections.lm_head if self.projections is not None else self.lm_head, x).float()
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
