@@ -207,4 +207,4 @@ def test_products_of_one_to_three_rows_equal_the_same_rows_inside_a_64_row_produ
         full = torch.nn.functional.linear(x, w)
         for n in (1, 2, 3):
             for r in range(0, 64 - n, 3):
-                assert torch.equal(rows4(lambda t: torch.nn.functional.linear(t, w), x[r:r + n]), full[r:r + n])
+                assert torch.equal(rows4(lambda t, w=w: torch.nn.functional.linear(t, w), x[r:r + n]), full[r:r + n])
