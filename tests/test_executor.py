@@ -188,7 +188,7 @@ def test_schedule_decides_from_plain_data(lm):
     """`schedule()` is policy only (its state set by hand here, the thread never started): the
     head of the queue admitted, a plan with no work pending advanced first; with sequences
     decoding, a budget of `prefill_chunk_tokens` x layers row-layers and every decode row; with
-    nothing decoding, no bound; a full cache that cannot grow within `max_active_kv` preempts the
+    nothing decoding, the same budget (the oldest plan first); a full cache that cannot grow within `max_active_kv` preempts the
     newest sequence. It changes nothing itself: the same answer twice, no cache grown, nobody
     parked, nothing started."""
     from blend.engine.scheduler import Step, _Slot
@@ -197,11 +197,11 @@ def test_schedule_decides_from_plain_data(lm):
     with make_engine(lm, prefill_chunk_tokens=5) as engine:
         sched, runner = engine.scheduler, engine.runner
         layers = runner.num_layers
-        assert sched.schedule() == Step()  # idle
+        assert sched.schedule() == Step(budget=5 * layers)  # idle
         slot = _Slot(None, iter(()))
         slot.cursor = RowsCursor(Rows(torch.arange(12), runner.new_cache(12), 0), 5)
         sched._prefilling = [slot]
-        assert sched.schedule() == Step(plans=(slot,))  # nothing decodes: no bound
+        assert sched.schedule() == Step(plans=(slot,), budget=5 * layers)  # nothing decodes: the same budget
         seqs = [engine._sequence(engine.request(QUESTIONS[0], DOCS[:1], mode="full", max_new_tokens=40), Handle())
                 for _ in range(2)]
         for seq in seqs:
@@ -238,7 +238,7 @@ def test_schedule_decides_from_plain_data(lm):
         sched.metrics.background_s = 1.5
         assert not sched.schedule().background  # busy, over its share: only the requests' work
         running, sched._running, sched._prefilling = sched._running, [], []
-        assert sched.schedule() == Step(background=True)  # idle: all of it
+        assert sched.schedule() == Step(budget=5 * layers, background=True)  # idle: all of it
         sched._running = running
         sched._background = None
         sched._running, sched._prefilling = [], []

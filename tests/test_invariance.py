@@ -126,11 +126,11 @@ def _generate(engine: BlendEngine, spec: dict):
 
 
 def test_eight_concurrent_greedy_requests_answer_as_each_alone_in_bfloat16(bf16_lm):
-    """Eight requests of four modes at once (bfloat16, chunks of 8 rows: prefills, blends and
+    """Eight requests of four modes at once (bfloat16, a budget of 64 rows: prefills, blends and
     decode rows share steps) against the same requests one by one: the same tokens, and every
     step's log-probs bitwise equal."""
     specs = [_spec(i) for i in range(8)]
-    with make_engine(bf16_lm, prefill_chunk_tokens=8) as engine:
+    with make_engine(bf16_lm, prefill_chunk_tokens=64) as engine:
         engine.ingest(DOCS)
         for spec in specs:
             if spec["mode"] == "prefix":  # its blocks stored before either run

@@ -8,8 +8,8 @@ under way and what each wants next, the running set, the budget; no model work, 
 
     every running sequence's next token (a decode row each, every step);
     the plans' work, in FIFO order, while the step's budget lasts: `prefill_chunk_tokens` x
-        layers row-layers while sequences decode (a plan's R rows through g layers cost R x g;
-        no bound when nothing decodes). A plan is a generator that yields its model work as
+        layers row-layers (a plan's R rows through g layers cost R x g; the same bound when
+        nothing decodes: the oldest plan's first token comes first). A plan is a generator that yields its model work as
         data and gets its outputs back: token rows (`Rows`, or a list of them: a pass of
         documents) run as chunks cut at fixed positions (`RowsCursor`), or a `Cursor` (a
         blend's passes: whole layer ranges of all its rows, layer-synchronous,
@@ -148,7 +148,7 @@ class Step:
     admit: tuple[Sequence | Task, ...] = ()  # taken from the queue: their plans start
     advance: tuple[_Slot, ...] = ()  # plans that run to their next want first (planning, units)
     plans: tuple[_Slot, ...] = ()  # plans whose work the step carries, in this order, while the budget lasts
-    budget: int | None = None  # row-layers of plans' work (None: no bound)
+    budget: int | None = None  # row-layers of plans' work (None: no bound; `schedule` always sets one)
     decode: tuple[Sequence, ...] = ()  # running sequences whose next token this step computes
     grow: tuple[tuple[Sequence, int], ...] = ()  # full caches grown to these capacities first
     preempt: tuple[Sequence, ...] = ()  # the newest sequences parked in the tiers to make room
@@ -305,7 +305,8 @@ class Scheduler:
         - plans with no work pending advance to their next want first (while sequences decode,
           one plan per step: an admitted one, or the oldest waiting to advance);
         - every running sequence's next token, and the plans' work in FIFO order within a
-          budget of `prefill_chunk_tokens` x layers row-layers (no bound when nothing decodes);
+          budget of `prefill_chunk_tokens` x layers row-layers (bounded when nothing decodes too:
+          the oldest plan first, its first token before the next plans' work);
           before it, caches that are full grow, and where growing would take the running set
           past `max_active_kv` the newest sequences are preempted;
         - background work: a plan of its own, started when none is under way, given the budget
@@ -339,7 +340,9 @@ class Scheduler:
         if decode:  # (one admitted now advances in this step: it counts as the one)
             advance = advance[:1]
             admit = [] if advance else admit[:1]
-        budget = self.config.prefill_chunk_tokens * self.runner.num_layers if decode else None
+        # bounded even when nothing decodes: the oldest plan's prefill goes first, so its first token
+        # comes before the next plans' work (one step of all of them would hold every first token)
+        budget = self.config.prefill_chunk_tokens * self.runner.num_layers
         busy = bool(slots or admit or decode)
         background = self._background is not None and (
             not busy or self.metrics.background_s <= self.config.background_share * self._busy_s)
