@@ -348,7 +348,7 @@ def test_a_step_holds_blends_a_chunk_and_decode_rows_and_each_answers_as_alone(a
     lm = tiny_model(arch, tokenizer=smollm2_tokenizer())
     specs = [{"mode": m, "recompute_ratio": 0.3, "max_new_tokens": 6, "logprobs": True}
              for m in ("blend", "blend", "full", "blend", "blend")]
-    with make_engine(lm, prefill_chunk_tokens=64) as engine:
+    with make_engine(lm, prefill_chunk_tokens=256) as engine:  # a budget that holds several plans' work
         engine.ingest(DOCS)
         alone = [engine.generate(QUESTIONS[i], DOCS[i % 3:], **spec) for i, spec in enumerate(specs)]
         steps: list[tuple[int, int, int]] = []  # per step: blend items, other multi-row items, decode rows

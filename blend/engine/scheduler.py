@@ -439,7 +439,7 @@ class Scheduler:
                 continue
             if not want:
                 continue
-            work = cost(want)
+            work = cost(want, self.runner.key_rows)
             if left is not None and taken and work > left:  # the budget is spent: it waits its turn
                 break  # (an unused want is forgotten: the next want asks again)
             taken.append((slot, len(items), len(want)))
@@ -524,7 +524,7 @@ class Scheduler:
             if isinstance(asked, list) and not all(isinstance(r, Rows) for r in asked):
                 asked = TypeError("a plan yielded a list of something other than Rows")
             else:
-                slot.cursor = RowsCursor(asked, self.config.prefill_chunk_tokens)
+                slot.cursor = RowsCursor(asked, self.config.prefill_chunk_tokens, self.runner.key_rows)
                 return
         elif hasattr(asked, "want") and hasattr(asked, "take"):
             slot.cursor = asked

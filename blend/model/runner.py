@@ -214,9 +214,20 @@ class Output:
     error: Exception | None = None
 
 
-def cost(items: Sequence[Rows]) -> int:
-    """Row-layers of work: each item's rows times the layers it runs (a step's budget unit)."""
-    return sum(len(it) * (it.span()[1] - it.span()[0]) for it in items)
+def cost(items: Sequence[Rows], key_rows: float | None = None) -> float:
+    """Row-layers of work (a step's budget unit): each item's rows times the layers it runs; with
+    `key_rows` (`Runner.key_rows`) a row attending K keys counts 1 + K / key_rows rows (a blend's
+    few query rows attend every key of a long prompt)."""
+    total = 0.0
+    for it in items:
+        first, end = it.span()
+        rows = len(it)
+        if key_rows:
+            last = int(it.positions[-1]) if it.positions is not None else it.start + rows - 1
+            mean_keys = float(it.positions.float().mean()) + 1 if it.positions is not None else it.start + rows / 2
+            rows = rows * (1 + min(mean_keys, last + 1) / key_rows)
+        total += rows * (end - first)
+    return total
 
 
 class Cursor(Protocol):
@@ -239,10 +250,10 @@ class RowsCursor:
     item in order. `value`: the logits of the wanted rows (rows, vocab) (one item), or a list of
     them per item."""
 
-    def __init__(self, items: Rows | Sequence[Rows], chunk: int):
+    def __init__(self, items: Rows | Sequence[Rows], chunk: int, key_rows: float | None = None):
         self.single = isinstance(items, Rows)
         self.items: list[Rows] = [items] if isinstance(items, Rows) else list(items)
-        self.chunk = chunk
+        self.chunk, self.key_rows = chunk, key_rows  # pieces priced as `cost` prices them
         self._done = [0] * len(self.items)  # rows of each item computed
         self._logits: list[list[torch.Tensor]] = [[] for _ in self.items]
         self._asked: list[tuple[int, int, int]] = []  # (item, a, b) of the pieces `want` gave
@@ -256,14 +267,15 @@ class RowsCursor:
         self._asked, spent = [], 0
         for i, it in enumerate(self.items):
             a, n = self._done[i], len(it)
-            layers = it.span()[1] - it.span()[0]
             while a < n:
                 b = min(n, ((it.start + a) // self.chunk + 1) * self.chunk - it.start)
-                if budget is not None and out and spent + (b - a) * layers > budget:
+                piece = it if (a, b) == (0, n) else it.chunk(a, b)
+                price = cost([piece], self.key_rows)
+                if budget is not None and out and spent + price > budget:
                     return out
-                out.append(it if (a, b) == (0, n) else it.chunk(a, b))
+                out.append(piece)
                 self._asked.append((i, a, b))
-                spent, a = spent + (b - a) * layers, b
+                spent, a = spent + price, b
         return out
 
     def take(self, outs: list[Output]) -> None:
@@ -412,6 +424,12 @@ class Runner:
         # token rows of a prefill are cut at multiples of this many positions into items of their own
         # (`forward`): a row's attention then never depends on how many rows shared its step
         self.chunk_tokens = CHUNK_TOKENS
+        # keys a row attends that cost as much as the row's linear layers (2 x parameters per layer
+        # over 4 x heads x head_dim flops per key): SmolLM2 ~3,000
+        cfg = lm.model.config
+        params = (cfg.hidden_size * self.head_dim * (self.num_heads * 2 + self.kv_heads * 2)
+                  + 3 * cfg.hidden_size * cfg.intermediate_size)
+        self.key_rows = params / (2 * self.num_heads * self.head_dim)
         self.strategies: Counter[str] = Counter()  # attention calls per strategy run
         # the linear layers as few, prepacked products (bfloat16 on a CPU; None: the modules as they are)
         # `weights`: the policy for a GGUF's blocks (None: the one the model was loaded with)

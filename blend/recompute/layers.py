@@ -115,7 +115,10 @@ class BlendPass:
         if self.done:
             raise RuntimeError("this blend pass has ended")
         first, n = self.layer, self.rows()
-        end = self.end if budget is None else min(self.end, first + max(1, budget // max(1, n)))
+        # a row's cost per layer grows with the keys it attends (`Runner.key_rows`): the query rows
+        # attend the whole prompt, the recomputed rows all keys before them
+        per_layer = n * (1 + (float(self.positions.float().mean()) + 1) / self.runner.key_rows)
+        end = self.end if budget is None else min(self.end, first + max(1, int(budget // per_layer)))
         if ready_only:
             ready = first
             while ready < end and self._loaded(ready):
