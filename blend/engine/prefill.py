@@ -1,21 +1,24 @@
 """One request's prefill: planned into data, then run as steps the scheduler drives.
 
     request -> `PromptWork` (the prompt, its block keys, mode, ratio) or a chat `Turn`
-            -> `DocumentCache.lookup`: where each cached segment is (`Resolution`)
-            -> the documents that missed, computed one forward pass per step
-               (`compute_misses`: running sequences decode between the passes)
+            -> `DocumentCache.lookup`: where each cached segment is (`Resolution`; another plan
+               computing the same documents is waited for: `DocumentCache.claim`)
+            -> the documents that missed, their passes as items of the scheduler's steps
+               (`compute_misses`: beside running sequences' decode rows)
             -> placements -> the split, which returns the recompute plan it priced
             -> a plan: `FullPlan` (every token), `PrefixPlan` (an exact chain loaded, the rest
                computed) or `BlendPlan` (what is loaded, what each layer recomputes, what is
                harvested after)
-            -> `Prefiller.run(plan)`: its rows asked of the executor (`Rows`: the scheduler runs
-               them in chunks beside the decode rows), a blend's layer loop paused between
-               layers (`Pacer`) -> `Prefilled`
+            -> `Prefiller.run(plan)`: its model work as data for the executor (`Rows`: the
+               scheduler runs them in pieces beside the decode rows; a blend's `BlendPass`, a
+               cursor whose layer ranges the steps run) -> `Prefilled`
 
-`Prefiller.steps(work)` is a generator: each advance asks for rows, or computes one bounded
-unit, and the last one returns the `Prefilled`. A load that stalls (a tier too slow to wait
-for, now suspended; raised in the plan or thrown into it by the executor) runs the plan's
-`FullPlan` of the same tokens instead, in one place (`_timed`). A chat turn's exact KV is
+`Prefiller.steps(work)` is a generator: each advance yields model work (`Rows`, a list of them,
+a cursor) or None (a unit it computed itself: planning), and the last one returns the
+`Prefilled`. A load that stalls (a tier too slow to wait for, now suspended; raised in the plan
+or thrown into it by the executor) runs the plan's `FullPlan` of the same tokens instead, in one
+place (`_timed`); a load that fails (an unreadable entry, dropped) plans a blend again with its
+documents computed on their own (`_blend_steps`). A chat turn's exact KV is
 `SessionManager.prefill_steps`, a plan of its own shape. Teacher forcing (`answer`, `follow`,
 used by eval) runs right after the prefill, before any decode step touches the cache.
 """

@@ -165,10 +165,6 @@ class DocumentCache:
     def _find(self, ids: Sequence[int], block: Block, budget: LookupBudget) -> Located | None:
         return self.store.lookup(block.key, self.maker.expected(ids[block.start:block.end], block.pos_start), budget)
 
-    def compute(self, ids: Sequence[int], context: Sequence[int], blocks: Sequence[Block]) -> list[KVEntry]:
-        """Prefill the whole document after `context` once; one entry per block (storage dtype)."""
-        return self.maker.compute_blocks(ids, context, [(b.start, b.end) for b in blocks])
-
     def store_block(self, block: Block, entry: KVEntry) -> None:
         """Queue the write of one block's entry, planned when the block was (`Block.planned`): a
         delete of its key since then wins (the write is dropped). Every document write goes

@@ -4,8 +4,8 @@ knows by id.
     `Ingestor.prepare`  an ingest checked and laid out before any work (a document that no
                         request could use, too long for the positions with the prompt's fixed
                         part, refused): `IngestJob`
-    `Ingestor.steps`    on the scheduler: `DocumentCache.ingest_steps` (one forward pass per
-                        step), one `IngestedDocument` per document, the ids recorded with
+    `Ingestor.steps`    on the scheduler: `DocumentCache.ingest_steps` (the documents' passes as
+                        items of the scheduler's steps), one `IngestedDocument` per document, the ids recorded with
                         their block keys (also after a stop); nothing waits for the store
     `Ingestor.confirm`  off the scheduler's thread (sync): the writes awaited, `stored` filled in
     `Ingestor.note`     a request's documents with ids recorded with their block keys; a
