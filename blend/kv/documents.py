@@ -244,20 +244,24 @@ class DocumentCache:
         """Compute the documents that missed (`only`: those at these indices of
         `resolution.looked`), one forward pass per step (those after the same context together,
         `EntryMaker.document_passes`; a repeated document once). Their entries are kept in the
-        resolution; `placements` queues their writes."""
-        missed: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Rebuild]] = {}
+        resolution and their writes queued as soon as their pass ran (what was computed is stored,
+        even if the request then ends early)."""
+        missed: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Looked]] = {}
         for index, looked in enumerate(resolution.looked):
             if looked.missed and (only is None or index in only):
                 r = looked.rebuild
-                missed.setdefault((tuple(r.context), tuple(r.ids)), []).append(r)
+                missed.setdefault((tuple(r.context), tuple(r.ids)), []).append(looked)
+        queued: set[str] = set()
         for context in dict.fromkeys(c for c, _ids in missed):  # documents after the same context together
-            group = [rebuilds for (c, _ids), rebuilds in missed.items() if c == context]
+            group = [lookeds for (c, _ids), lookeds in missed.items() if c == context]
             made = yield from self.maker.document_passes(
-                [(r[0].ids, [(b.start, b.end) for b in r[0].block_list]) for r in group], context)
-            for rebuilds, entries in zip(group, made, strict=True):
-                for rebuild in rebuilds:
-                    rebuild.seed(entries)
-                    self._computed(rebuild.block_list)
+                [(g[0].rebuild.ids, [(b.start, b.end) for b in g[0].rebuild.block_list]) for g in group], context)
+            for lookeds, entries in zip(group, made, strict=True):
+                for looked in lookeds:
+                    looked.rebuild.seed(entries)
+                    self._write_missed(looked, entries, queued)
+                    looked.rebuild.written = True
+                    self._computed(looked.rebuild.block_list)
 
     def harvest(self, resolution: Resolution, indices: Sequence[int], cache: KVCache) -> int:
         """The missing documents at these indices of `resolution.looked` cut out of a prompt's
@@ -362,7 +366,8 @@ class DocumentCache:
                 continue
             tally.miss(kind)
             entries = rebuild.entries()
-            self._write_missed(looked, entries, queued)
+            if not rebuild.written:  # (compute_misses queued them already)
+                self._write_missed(looked, entries, queued)
             for b, entry in zip(blocks, entries, strict=True):
                 placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, None, entry))
         return placements
@@ -458,6 +463,7 @@ class _Rebuild:
     def __init__(self, cache: DocumentCache, ids: list[int], context: list[int], blocks: list[Block]):
         self.cache, self.ids, self.context, self.block_list = cache, ids, context, blocks
         self._entries: list[KVEntry] | None = None
+        self.written = False  # its blocks' writes queued (by compute_misses)
 
     def entries(self) -> list[KVEntry]:
         if self._entries is None:
