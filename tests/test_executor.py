@@ -302,17 +302,21 @@ def test_every_mode_is_a_plan_of_data_and_a_stall_runs_the_full_plan(lm, monkeyp
     assert (got.token_logprobs - full.token_logprobs).abs().max().item() <= 1e-5
 
 
-def test_a_stall_in_the_executor_reaches_the_plan_closes_its_loader_and_runs_the_full_plan(lm, monkeypatch):
-    """Prefix mode's rows wait for their chain's loads inside the executor's forward pass; a load
-    that stalls there is thrown into the plan where it paused: its loader is closed on the way
-    out, and the full plan of the same tokens answers."""
+@pytest.mark.parametrize("mode", ["prefix", "blend"])
+def test_a_stall_in_the_executor_reaches_the_plan_closes_its_loader_and_runs_the_full_plan(lm, monkeypatch, mode):
+    """Prefix mode's rows and a blend's passes wait for their loads inside the executor's step
+    (decode rows beside them); a load that stalls there (layer 1, or mid-blend at layer 2) is thrown
+    into the plan where it paused: its loader is closed on the way out, and the full plan of the same
+    tokens answers as full prefill."""
     from blend.kv.loader import LayerLoader, LoadStalled
 
-    question = QUESTIONS[2]
+    question, docs, stall_at = (QUESTIONS[2], DOCS[:2], 1) if mode == "prefix" else (QUESTIONS[4], DOCS[:3], 2)
+    args = {"recompute_ratio": 0.3} if mode == "blend" else {}
     with make_engine(lm, prefill_chunk_tokens=4) as engine:
         engine.ingest(DOCS)
-        full = engine.generate(question, DOCS[:2], mode="full", max_new_tokens=3, logprobs=True)
-        engine.generate(question, DOCS[:2], mode="prefix", max_new_tokens=3)  # its blocks stored
+        full = engine.generate(question, docs, mode="full", max_new_tokens=3, logprobs=True)
+        if mode == "prefix":
+            engine.generate(question, docs, mode="prefix", max_new_tokens=3)  # its blocks stored
         loaders: list[LayerLoader] = []
         init, wait = LayerLoader.__init__, LayerLoader.wait
 
@@ -321,14 +325,14 @@ def test_a_stall_in_the_executor_reaches_the_plan_closes_its_loader_and_runs_the
             loaders.append(self)
 
         def stalls(self, layer):
-            if self.placements and layer == 1:
-                raise LoadStalled("layer 1 did not arrive (test)", ("cpu",))
+            if self.placements and layer == stall_at:
+                raise LoadStalled(f"layer {stall_at} did not arrive (test)", ("cpu",))
             wait(self, layer)
 
         monkeypatch.setattr(LayerLoader, "__init__", tracked)
         monkeypatch.setattr(LayerLoader, "wait", stalls)
-        busy = _busy(engine, 2)  # the rows run in the scheduler's forward passes, in chunks
-        got = engine.generate(question, DOCS[:2], mode="prefix", max_new_tokens=3, logprobs=True)
+        busy = _busy(engine, 2)  # the rows run in the scheduler's steps, beside decode rows
+        got = engine.generate(question, docs, mode=mode, max_new_tokens=3, logprobs=True, **args)
         for handle in busy:
             handle.cancel()
     assert got.stats.stalled_tiers == ("cpu",) and got.stats.mode == "full"
@@ -418,36 +422,3 @@ def test_a_blend_cursor_driven_by_hand_gives_what_the_scheduler_gives(lm, monkey
             logits, report = run_layers(runner, cache, ids, plan, loader, **kwargs)
     assert torch.equal(logits, pre.logits)
     assert report.recomputed_tokens == pre.stats.selection.recomputed_tokens
-
-
-def test_a_load_stall_mid_blend_runs_the_full_plan_and_answers_as_full_prefill(lm, monkeypatch):
-    """A blend whose loads stall at layer 2 inside the executor's step (decode rows beside it): the
-    stall reaches its plan, the loader is closed, and the full plan of the same tokens answers."""
-    from blend.kv.loader import LayerLoader, LoadStalled
-
-    question = QUESTIONS[4]
-    with make_engine(lm, prefill_chunk_tokens=8) as engine:
-        engine.ingest(DOCS)
-        full = engine.generate(question, DOCS[:3], mode="full", max_new_tokens=4, logprobs=True)
-        loaders: list[LayerLoader] = []
-        init, wait = LayerLoader.__init__, LayerLoader.wait
-
-        def tracked(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            loaders.append(self)
-
-        def stalls(self, layer):
-            if self.placements and layer == 2:
-                raise LoadStalled("layer 2 did not arrive (test)", ("cpu",))
-            wait(self, layer)
-
-        monkeypatch.setattr(LayerLoader, "__init__", tracked)
-        monkeypatch.setattr(LayerLoader, "wait", stalls)
-        busy = _busy(engine, 2)
-        got = engine.generate(question, DOCS[:3], mode="blend", recompute_ratio=0.3, max_new_tokens=4, logprobs=True)
-        for handle in busy:
-            handle.cancel()
-    assert got.stats.stalled_tiers == ("cpu",) and got.stats.mode == "full"
-    assert got.token_ids == full.token_ids
-    assert (got.token_logprobs - full.token_logprobs).abs().max().item() <= 1e-4
-    assert loaders and all(loader._stop for loader in loaders if loader.placements)
