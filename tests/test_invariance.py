@@ -125,6 +125,23 @@ def _generate(engine: BlendEngine, spec: dict):
     return engine.generate(spec["query"], spec["documents"], **args)
 
 
+def _at_once(engine: BlendEngine, specs: list[dict]) -> list:
+    """Every request on a thread of its own, released together; their results (None: none came)."""
+    results: list = [None] * len(specs)
+    barrier = threading.Barrier(len(specs))
+
+    def run(i: int) -> None:
+        barrier.wait()
+        results[i] = _generate(engine, specs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
 def test_eight_concurrent_greedy_requests_answer_as_each_alone_in_bfloat16(bf16_lm):
     """Eight requests of four modes at once (bfloat16, a budget of 64 rows: prefills, blends and
     decode rows share steps) against the same requests one by one: the same tokens, and every
@@ -136,18 +153,7 @@ def test_eight_concurrent_greedy_requests_answer_as_each_alone_in_bfloat16(bf16_
             if spec["mode"] == "prefix":  # its blocks stored before either run
                 _generate(engine, spec)
         alone = [_generate(engine, spec) for spec in specs]
-        results: list = [None] * 8
-        barrier = threading.Barrier(8)
-
-        def run(i: int) -> None:
-            barrier.wait()
-            results[i] = _generate(engine, specs[i])
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        results = _at_once(engine, specs)
         shared = engine.scheduler.metrics.shared_steps
     for a, b in zip(alone, results, strict=True):
         assert b is not None and a.token_ids == b.token_ids
@@ -174,19 +180,7 @@ def test_four_threads_of_mixed_modes_beside_a_cpu_bound_process_answer_as_sequen
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
             for _ in range(3):
-                results: list = [None] * 4
-                barrier = threading.Barrier(4)
-
-                def run(i: int, barrier: threading.Barrier = barrier, results: list = results) -> None:
-                    barrier.wait()
-                    results[i] = _generate(engine, specs[i])
-
-                threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(120)
-                for a, b in zip(alone, results, strict=True):
+                for a, b in zip(alone, _at_once(engine, specs), strict=True):
                     assert b is not None and a.token_ids == b.token_ids
                     assert torch.equal(a.first_token_logprobs, b.first_token_logprobs)
         finally:

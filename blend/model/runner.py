@@ -223,11 +223,15 @@ def cost(items: Sequence[Rows], key_rows: float | None = None) -> float:
         first, end = it.span()
         rows = len(it)
         if key_rows:
-            last = int(it.positions[-1]) if it.positions is not None else it.start + rows - 1
             mean_keys = float(it.positions.float().mean()) + 1 if it.positions is not None else it.start + rows / 2
-            rows = rows * (1 + min(mean_keys, last + 1) / key_rows)
+            rows = rows * key_weight(mean_keys, key_rows)
         total += rows * (end - first)
     return total
+
+
+def key_weight(mean_keys: float, key_rows: float) -> float:
+    """What a row attending `mean_keys` keys costs, in rows attending none (`cost`)."""
+    return 1 + mean_keys / key_rows
 
 
 class Cursor(Protocol):

@@ -37,7 +37,7 @@ import torch
 
 from blend.kv.loader import LayerLoader
 from blend.model.cache import KVCache
-from blend.model.runner import LayerNeeds, Output, Rows, Runner
+from blend.model.runner import LayerNeeds, Output, Rows, Runner, key_weight
 from blend.recompute.plan import RecomputePlan
 from blend.recompute.selector import (
     CheckLayerKV,
@@ -117,7 +117,7 @@ class BlendPass:
         first, n = self.layer, self.rows()
         # a row's cost per layer grows with the keys it attends (`Runner.key_rows`): the query rows
         # attend the whole prompt, the recomputed rows all keys before them
-        per_layer = n * (1 + (float(self.positions.float().mean()) + 1) / self.runner.key_rows)
+        per_layer = n * key_weight(float(self.positions.float().mean()) + 1, self.runner.key_rows)
         end = self.end if budget is None else min(self.end, first + max(1, int(budget // per_layer)))
         if ready_only:
             ready = first
