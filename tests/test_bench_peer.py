@@ -83,3 +83,48 @@ def test_bad_arguments_exit_2_with_one_line(clients):
     proc = subprocess.run([sys.executable, "-m", "eval.bench.llamacpp", "--clients", clients], capture_output=True,
                           text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--clients" in proc.stderr
+
+
+def test_each_peer_request_has_its_own_connection():
+    """A peer that drops a kept-alive connection after each response (as llama-server does after a
+    response slower than its 5 s keep-alive timeout) loses no request: each one asks for its own
+    connection (`Connection: close`)."""
+    import http.server
+    import json
+    import threading
+
+    import httpx
+
+    from eval.bench.peer import send_completion
+
+    seen: list[str | None] = []
+
+    class Dropping(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(self.headers.get("Connection"))
+            chunk = {"choices": [{"text": "yes", "finish_reason": "stop"}],
+                     "usage": {"completion_tokens": 1, "prompt_tokens": 3}}
+            body = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True  # closed without saying so, as a keep-alive timeout does
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Dropping)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with httpx.Client(timeout=10) as http_client:
+            samples = [send_completion(http_client, f"http://127.0.0.1:{server.server_port}", i, "q", 1, None)
+                       for i in range(4)]
+    finally:
+        server.shutdown()
+    assert [(s.ok, s.text, s.prompt_tokens) for s in samples] == [(True, "yes", 3)] * 4
+    assert [v.lower() for v in seen] == ["close"] * 4

@@ -117,6 +117,9 @@ def send_completion(http: httpx.Client, base: str, index: int, prompt: str | lis
     tokens (the usage's, else one per content chunk) and the prompt's tokens (its usage)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    # a connection per request: llama-server (cpp-httplib) drops a kept-alive connection after a response
+    # slower than its keep-alive timeout (5 s), and the next request on it would fail unsent
+    headers = {"Connection": "close"}
     t0 = time.perf_counter()
     ttft = None
     arrivals: list[float] = []
@@ -124,7 +127,7 @@ def send_completion(http: httpx.Client, base: str, index: int, prompt: str | lis
     usage: dict[str, Any] = {}
     finished = False
     try:
-        with http.stream("POST", base + "/v1/completions", json=body) as response:
+        with http.stream("POST", base + "/v1/completions", json=body, headers=headers) as response:
             if response.status_code != 200:
                 response.read()
                 return Sample(False, error=f"HTTP {response.status_code}", index=index)
