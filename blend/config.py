@@ -314,6 +314,10 @@ class SchedulerSettings:
     # background work (harvested documents recomputed standalone) takes all idle time and at most this
     # share of step time while requests wait or decode
     background_share: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
+    # while sequences decode, a step that carries prefill work takes about this many times a step of
+    # the decode rows alone (the gap between a stream's tokens while others prefill; the scheduler
+    # measures both); null: only `prefill_chunk_tokens` bounds it
+    step_stretch: Annotated[float, Field(gt=1.0)] | None = 2.5
     # a request's answer never depends on what else runs (every row's numbers its own): under `weights:
     # auto` the linear layers then read the dense weights at every row count (a GGUF's blocks for small
     # steps only would make a decode row's bits depend on the batch); false: blocks for steps of few rows

@@ -355,6 +355,7 @@ FLAT = """engine:
   max_active_kv: 1GiB
   background_share: 0.2
   batch_invariant: false
+  step_stretch: 4
 """
 GROUPED = """engine:
   blend:
@@ -384,6 +385,7 @@ GROUPED = """engine:
     max_active_kv: 1GiB
     background_share: 0.2
     batch_invariant: false
+    step_stretch: 4
     prefill_chunk_tokens: 128
 """
 
@@ -397,7 +399,7 @@ def test_every_engine_key_lives_in_one_group():
 def test_the_grouped_layout_reads_typed_sections(tmp_path):
     cfg = load_config(write(tmp_path, GROUPED)).engine
     assert cfg.scheduler == SchedulerSettings(max_num_seqs=3, max_active_kv=1 << 30, background_share=0.2,
-                                              batch_invariant=False, prefill_chunk_tokens=128)
+                                              batch_invariant=False, prefill_chunk_tokens=128, step_stretch=4.0)
     assert cfg.sessions == SessionSettings(sessions_dir=str(tmp_path / "s"), idle_seconds=5.0, active_budget=2 << 20)
     assert cfg.generation == GenerationSettings(max_new_tokens=7, temperature=0.5, top_p=0.9)
     assert (cfg.prompt.system_prompt, cfg.prompt.query_template) == ("Be brief.", "Q: {question}")

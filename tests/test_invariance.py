@@ -80,9 +80,10 @@ def test_an_item_is_the_same_bits_beside_0_1_3_and_7_other_items(kind, arch, dty
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_prefill_gives_the_same_bits_whole_in_chunks_or_beside_others(dtype):
     """A 300-token prefill at once, or as the scheduler runs it (`RowsCursor`: pieces cut at
-    multiples of the chunk, one or two chunks' worth per step, decode rows beside some steps): the
-    runner cuts a whole prefill at the same positions itself, so the K/V and the last logits are
-    the same bits."""
+    multiples of the chunk, one or two chunks' worth per step, or layer ranges of them when the
+    budget is smaller than a piece, decode rows beside some steps): the runner cuts a whole
+    prefill at the same positions itself, and a row's layers are the same operations however
+    steps group them, so the K/V and the last logits are the same bits."""
     from blend.model.runner import RowsCursor
 
     runner = _runner("llama", dtype)
@@ -91,16 +92,18 @@ def test_a_prefill_gives_the_same_bits_whole_in_chunks_or_beside_others(dtype):
     ids = torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(3))
     whole = runner.new_cache(300)
     expected = runner.prefill(ids, whole)
-    for budget in (64 * layers, 128 * layers, 50 * layers):
+    for budget, steps in ((64 * layers, 5), (128 * layers, 3), (50 * layers, 7), (64, 5 * layers)):
         pieces = runner.new_cache(300)
         cursor = RowsCursor(Rows(ids, pieces, 0), 64)
-        step = 0
+        step, ranges = 0, set()
         while not cursor.done:
             want = cursor.want(budget)
+            ranges |= {it.span() for it in want}
             others = [_item(runner, "decode", 5)] if step % 2 else []
             cursor.take(runner.forward([*want, *others])[: len(want)])
             step += 1
-        assert step == (5 if budget != 128 * layers else 3)
+        assert step == steps
+        assert (ranges == {(0, layers)}) == (budget % (64 * layers) == 0)  # layer ranges only where a piece is over
         assert torch.equal(cursor.value(), expected)
         for layer in range(layers):
             assert torch.equal(whole.k[layer][:, :300], pieces.k[layer][:, :300])

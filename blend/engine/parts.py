@@ -122,7 +122,8 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None, store: T
         max_num_seqs=default_max_num_seqs(device) if sched.max_num_seqs == "auto" else sched.max_num_seqs,
         max_active_kv=(max(int(free_memory(device) * ACTIVE_KV_SHARE), 1) if sched.max_active_kv == "auto"
                        else sched.max_active_kv),
-        prefill_chunk_tokens=sched.prefill_chunk_tokens, background_share=sched.background_share)
+        prefill_chunk_tokens=sched.prefill_chunk_tokens, background_share=sched.background_share,
+        step_stretch=sched.step_stretch)
     if sched.prefills_between_decodes is not None:
         log.warning("engine.scheduler.prefills_between_decodes no longer applies (every step carries every "
                     "decode row and at most prefill_chunk_tokens of prefill work); remove it")

@@ -9,12 +9,17 @@ under way and what each wants next, the running set, the budget; no model work, 
     every running sequence's next token (a decode row each, every step);
     the plans' work, in FIFO order, while the step's budget lasts: `prefill_chunk_tokens` x
         layers row-layers (a plan's R rows through g layers cost R x g; the same bound when
-        nothing decodes: the oldest plan's first token comes first). A plan is a generator that yields its model work as
-        data and gets its outputs back: token rows (`Rows`, or a list of them: a pass of
-        documents) run as chunks cut at fixed positions (`RowsCursor`), or a `Cursor` (a
-        blend's passes: whole layer ranges of all its rows, layer-synchronous,
-        blend.recompute.layers.BlendPass) driven until it ends; a plan's planning between its
-        wants (lookups, pricing, a missed document's entries) runs right before the step;
+        nothing decodes: the oldest plan's first token comes first), and while sequences
+        decode no more than fits in `step_stretch` - 1 decode steps' time (`StepPace`: each
+        kind of work priced by what it has cost, so the step takes about `step_stretch` times
+        a decode step: the gap a stream sees).
+        A plan is a generator that yields its model work as data and gets its outputs back:
+        token rows (`Rows`, or a list of them: a pass of documents) run as chunks cut at
+        fixed positions, each chunk a layer range per step where the budget is smaller
+        (`RowsCursor`), or a `Cursor` (a blend's passes: whole layer ranges of all its rows,
+        layer-synchronous, blend.recompute.layers.BlendPass) driven until it ends; a plan's
+        planning between its wants (lookups, pricing, a missed document's entries) runs right
+        before the step;
     the lowest priority, background work (a harvested document recomputed on its own,
         blend.kv.documents.DocumentCache.background_plan): the budget left whenever the
         machine is idle, and at most `background_share` of the step time while requests wait
@@ -79,6 +84,9 @@ class SchedulerConfig:
     max_waiting: int = 1 << 20  # items that may wait; more are refused (QueueFull)
     prefill_chunk_tokens: int = 256  # a step's prefill work while sequences decode: this many rows x layers
     background_share: float = 0.1  # at most this share of step time for background work while requests run
+    # while sequences decode, a step with prefill work takes about this many decode steps' time (None: no
+    # bound but `prefill_chunk_tokens`)
+    step_stretch: float | None = 2.5
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_active_kv", "max_waiting", "prefill_chunk_tokens"):
@@ -87,6 +95,69 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
         if not 0.0 <= self.background_share <= 1.0:
             raise ValueError(f"background_share must be between 0 and 1, got {self.background_share!r}")
+        if self.step_stretch is not None and not self.step_stretch > 1.0:
+            raise ValueError(f"step_stretch must be more than 1 (or None), got {self.step_stretch!r}")
+
+
+class StepPace:
+    """What steps have cost so far, as moving averages: a step of b decode rows alone
+    (`decode_s[b]`), and a row-layer (`cost`'s unit) of each kind of plans' work (`rate[kind]`:
+    a blend's query pass, its recompute pass, token rows; the decode rows' share of a mixed step
+    taken off, the rest shared between the kinds by their work at the rates known). `seconds`
+    is the time of plans' work that makes a step of b decode rows `stretch` times as long as
+    those rows alone; `row_layers` turns a time into a kind's row-layers."""
+
+    SMOOTHING = 0.3  # the weight of the newest step
+
+    def __init__(self) -> None:
+        self.decode_s: dict[int, float] = {}
+        self.rate: dict[str, float] = {}
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTHING * (new - old)
+
+    def decode_time(self, rows: int) -> float | None:
+        """A step of `rows` decode rows alone (the nearest batch measured; None: none yet)."""
+        if rows in self.decode_s:
+            return self.decode_s[rows]
+        if not self.decode_s:
+            return None
+        return self.decode_s[min(self.decode_s, key=lambda b: (abs(b - rows), b))]
+
+    def rate_of(self, kind: str) -> float | None:
+        """Seconds a row-layer of `kind` takes (the slowest kind known where this one is not)."""
+        return self.rate.get(kind, max(self.rate.values(), default=None))
+
+    def observe(self, decode_rows: int, work: dict[str, float], step_s: float) -> None:
+        """A step ran: `decode_rows` decode rows and `work` row-layers of plans' work per kind in `step_s`."""
+        total = sum(work.values())
+        if total <= 0:
+            if decode_rows:
+                self.decode_s[decode_rows] = self._mix(self.decode_s.get(decode_rows), step_s)
+            return
+        alone = self.decode_time(decode_rows) if decode_rows else 0.0
+        if alone is None:
+            return
+        plans_s = max(step_s - alone, 0.1 * step_s)
+        weights = {k: w * (self.rate_of(k) or 1.0) for k, w in work.items() if w > 0}
+        whole = sum(weights.values())
+        for kind, weight in weights.items():
+            self.rate[kind] = self._mix(self.rate.get(kind), plans_s * weight / whole / work[kind])
+
+    def seconds(self, decode_rows: int, stretch: float) -> float | None:
+        """Seconds of plans' work beside `decode_rows` decode rows (None: nothing measured yet)."""
+        alone = self.decode_time(decode_rows)
+        return None if alone is None or not self.rate else (stretch - 1.0) * alone
+
+    def row_layers(self, kind: str, seconds: float) -> float:
+        """The row-layers of `kind` that take `seconds`."""
+        rate = self.rate_of(kind)
+        return seconds / rate if rate else float("inf")
+
+
+def work_kind(cursor: Cursor) -> str:
+    """What `StepPace` prices a cursor's work as: its type, and its phase where it has one."""
+    return f"{type(cursor).__name__}:{getattr(cursor, 'phase', '')}"
 
 
 @dataclass
@@ -149,6 +220,7 @@ class Step:
     advance: tuple[_Slot, ...] = ()  # plans that run to their next want first (planning, units)
     plans: tuple[_Slot, ...] = ()  # plans whose work the step carries, in this order, while the budget lasts
     budget: int | None = None  # row-layers of plans' work (None: no bound; `schedule` always sets one)
+    seconds: float | None = None  # ... and at most this much time of it (`StepPace`; None: no such bound)
     decode: tuple[Sequence, ...] = ()  # running sequences whose next token this step computes
     grow: tuple[tuple[Sequence, int], ...] = ()  # full caches grown to these capacities first
     preempt: tuple[Sequence, ...] = ()  # the newest sequences parked in the tiers to make room
@@ -194,6 +266,7 @@ class Scheduler:
         self._prefilling: list[_Slot] = []  # plans under way, in FIFO order
         self._bg: _Slot | None = None  # the background plan under way
         self._busy_s = 0.0  # step time while requests were under way (the background share's base)
+        self.pace = StepPace()  # what steps cost so far (the budget beside decode rows)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._service_s = 1.0  # moving average of an item's time from start to end (Retry-After)
@@ -306,7 +379,8 @@ class Scheduler:
           one plan per step: an admitted one, or the oldest waiting to advance);
         - every running sequence's next token, and the plans' work in FIFO order within a
           budget of `prefill_chunk_tokens` x layers row-layers (bounded when nothing decodes too:
-          the oldest plan first, its first token before the next plans' work);
+          the oldest plan first, its first token before the next plans' work), while sequences
+          decode at most what `pace` says fits in `step_stretch` - 1 decode steps;
           before it, caches that are full grow, and where growing would take the running set
           past `max_active_kv` the newest sequences are preempted;
         - background work: a plan of its own, started when none is under way, given the budget
@@ -343,11 +417,15 @@ class Scheduler:
         # bounded even when nothing decodes: the oldest plan's prefill goes first, so its first token
         # comes before the next plans' work (one step of all of them would hold every first token)
         budget = self.config.prefill_chunk_tokens * self.runner.num_layers
+        seconds = None  # the streams' gap: about step_stretch decode steps
+        if decode and self.config.step_stretch is not None:
+            seconds = self.pace.seconds(len(decode), self.config.step_stretch)
         busy = bool(slots or admit or decode)
         background = self._background is not None and (
             not busy or self.metrics.background_s <= self.config.background_share * self._busy_s)
         start_bg = background and self._bg is None and self._background.background_pending()
-        return Step(admit=tuple(admit), advance=advance, plans=slots, budget=budget, decode=decode, grow=grow,
+        return Step(admit=tuple(admit), advance=advance, plans=slots, budget=budget, seconds=seconds, decode=decode,
+                    grow=grow,
                     preempt=preempt, background=start_bg or (background and self._bg is not None))
 
     def _room(self) -> tuple[tuple[tuple[Sequence, int], ...], tuple[Sequence, ...]]:
@@ -422,31 +500,40 @@ class Scheduler:
         decode = tuple(s for s in step.decode if s in self._running)
         items: list[Rows] = [Rows(torch.tensor([s.generation.pending]), s.cache, s.cache.length) for s in decode]
         taken: list[tuple[_Slot, int, int]] = []  # (slot, first item, count) of each plan's work in `items`
-        left = step.budget
+        left, time_left = step.budget, step.seconds
+        work_by_kind: dict[str, float] = collections.defaultdict(float)
         others = bool(decode)
         order = [s for s in self._prefilling if s.wants()]
         if step.background and self._bg is not None and self._bg.wants():
             order.append(self._bg)
         spent_bg = spent = 0
         for slot in order:
-            if left is not None and left <= 0:
+            if (left is not None and left <= 0) or (time_left is not None and time_left <= 0 and taken):
                 break
             assert slot.cursor is not None
+            kind = work_kind(slot.cursor)
+            bound = left
+            if time_left is not None:  # the time left in this kind's row-layers
+                fits = self.pace.row_layers(kind, max(time_left, 0.0))
+                bound = fits if bound is None else min(bound, fits)
             try:
-                want = slot.cursor.want(left, ready_only=others or bool(taken) or len(order) > 1)
+                want = slot.cursor.want(bound, ready_only=others or bool(taken) or len(order) > 1)
             except Exception as err:  # noqa: BLE001 - its plan hears it at its next advance
                 slot.error, slot.cursor = err, None
                 continue
             if not want:
                 continue
             work = cost(want, self.runner.key_rows)
-            if left is not None and taken and work > left:  # the budget is spent: it waits its turn
+            if bound is not None and taken and work > bound:  # the budget is spent: it waits its turn
                 break  # (an unused want is forgotten: the next want asks again)
             taken.append((slot, len(items), len(want)))
             items.extend(want)
             spent += work
             spent_bg += work if slot.background else 0
+            work_by_kind[kind] += work
             left = None if left is None else left - work
+            if time_left is not None:
+                time_left -= work * (self.pace.rate_of(kind) or 0.0)
         if not items:
             self._busy_s += planning_s if not self._idle() else 0.0
             if not step.admit and not step.advance and not self._prefilling and self._bg is None:
@@ -462,6 +549,7 @@ class Scheduler:
                 slot.cursor.take(outs[first:first + count])
             except Exception as err:  # noqa: BLE001 - thrown into its plan at its next advance
                 slot.error, slot.cursor = err, None
+        self.pace.observe(len(decode), work_by_kind, step_s)
         rows_cost = len(decode) * self.runner.num_layers + spent
         bg_s = step_s * spent_bg / rows_cost if rows_cost else 0.0
         if spent_bg:

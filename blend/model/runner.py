@@ -251,48 +251,94 @@ class Cursor(Protocol):
 class RowsCursor:
     """Token rows a plan asked for (one `Rows`, or several items: a pass of documents), computed
     in pieces cut at multiples of `chunk` positions (the cut `Runner.forward` makes), item after
-    item in order. `value`: the logits of the wanted rows (rows, vocab) (one item), or a list of
-    them per item."""
+    item in order. Within a budget a piece runs a layer range per step (its hidden states carried
+    to the next step): pieces advance as a wavefront, a later piece of an item never past the
+    layers an earlier one has written. The layer ranges change no number (a row's layers are the
+    same operations however they are grouped into steps); a piece of one row runs whole (alone
+    through every layer it may be a decode row, which other kernels compute). `value`: the logits
+    of the wanted rows (rows, vocab) (one item), or a list of them per item."""
 
     def __init__(self, items: Rows | Sequence[Rows], chunk: int, key_rows: float | None = None):
         self.single = isinstance(items, Rows)
         self.items: list[Rows] = [items] if isinstance(items, Rows) else list(items)
         self.chunk, self.key_rows = chunk, key_rows  # pieces priced as `cost` prices them
-        self._done = [0] * len(self.items)  # rows of each item computed
+        self._next = [0] * len(self.items)  # rows of each item whose piece has started
+        self._open: list[_Piece] = []  # pieces started and not through every layer, oldest first
         self._logits: list[list[torch.Tensor]] = [[] for _ in self.items]
-        self._asked: list[tuple[int, int, int]] = []  # (item, a, b) of the pieces `want` gave
+        self._asked: list[tuple[_Piece, int]] = []  # the pieces `want` gave, with the layer each ends at
 
     @property
     def done(self) -> bool:
-        return all(d == len(it) for d, it in zip(self._done, self.items, strict=True))
+        return not self._open and all(d == len(it) for d, it in zip(self._next, self.items, strict=True))
+
+    def _pieces(self):
+        """The open pieces, then the next ones, in order (a new one opened as it is reached)."""
+        yield from list(self._open)
+        for i, it in enumerate(self.items):
+            n = len(it)
+            while self._next[i] < n:
+                a = self._next[i]
+                b = min(n, ((it.start + a) // self.chunk + 1) * self.chunk - it.start)
+                piece = _Piece(i, a, b, it if (a, b) == (0, n) else it.chunk(a, b))
+                yield piece
 
     def want(self, budget: int | None = None, *, ready_only: bool = False) -> list[Rows]:
         out: list[Rows] = []
-        self._asked, spent = [], 0
-        for i, it in enumerate(self.items):
-            a, n = self._done[i], len(it)
-            while a < n:
-                b = min(n, ((it.start + a) // self.chunk + 1) * self.chunk - it.start)
-                piece = it if (a, b) == (0, n) else it.chunk(a, b)
-                price = cost([piece], self.key_rows)
-                if budget is not None and out and spent + price > budget:
-                    return out
-                out.append(piece)
-                self._asked.append((i, a, b))
-                spent, a = spent + price, b
+        self._asked, spent = [], 0.0
+        ceiling: dict[int, int] = {}  # per item: the layer its last piece given reaches (later ones stop there)
+        for piece in self._pieces():
+            layers = piece.rows.cache.num_layers if piece.rows.layers is None else piece.rows.span()[1]
+            first = piece.layer
+            per_layer = cost([piece.rows], self.key_rows) / layers
+            end = min(layers, ceiling.get(piece.item, layers))
+            if budget is not None and len(piece.rows) > 1:
+                end = min(end, first + int((budget - spent) // per_layer))
+                if not out:
+                    end = max(end, first + 1)  # at least one layer of the first piece
+            elif budget is not None and out and spent + per_layer * (layers - first) > budget:
+                end = first  # a one-row piece runs whole or waits
+            if end <= first:
+                break
+            if piece not in self._open:
+                self._open.append(piece)
+                self._next[piece.item] = piece.b
+            out.append(piece.step(first, end, layers))
+            self._asked.append((piece, end))
+            spent += per_layer * (end - first)
+            ceiling[piece.item] = end
         return out
 
     def take(self, outs: list[Output]) -> None:
         asked, self._asked = self._asked, []
-        for (i, _a, b), out in zip(asked, outs, strict=True):
+        for (piece, end), out in zip(asked, outs, strict=True):
             if out.error is not None:
                 raise out.error
-            self._logits[i].append(out.logits)
-            self._done[i] = b
+            piece.layer, piece.hidden = end, out.hidden
+            if out.logits is not None:
+                self._logits[piece.item].append(out.logits)
+                self._open.remove(piece)
 
     def value(self) -> torch.Tensor | list[torch.Tensor]:
         per_item = [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in self._logits]
         return per_item[0] if self.single else per_item
+
+
+class _Piece:
+    """One piece of a `RowsCursor`: rows a..b-1 of item `item` (`rows`), through `layer` so far
+    (its hidden states entering that layer)."""
+
+    def __init__(self, item: int, a: int, b: int, rows: Rows):
+        self.item, self.a, self.b, self.rows = item, a, b, rows
+        self.layer = 0
+        self.hidden: torch.Tensor | None = None
+
+    def step(self, first: int, end: int, layers: int) -> Rows:
+        """The `Rows` of layers first..end-1 (the piece itself when that is all of them)."""
+        if (first, end) == (0, layers):
+            return self.rows
+        if first == 0:
+            return dataclasses.replace(self.rows, layers=(0, end))
+        return dataclasses.replace(self.rows, token_ids=None, hidden=self.hidden, layers=(first, end))
 
 
 @torch.inference_mode()
@@ -864,6 +910,8 @@ class Runner:
         """
         if not items:
             raise ValueError("forward needs at least one item")
+        if all(it.loads is None and it.decodes() and it.start < self.max_positions for it in items):
+            return self._decode_rows(items)
         pieces = [_pieces(it, self.chunk_tokens, self.num_layers) for it in items]
         if any(len(p) > 1 for p in pieces):
             outs = iter(self.forward([p for ps in pieces for p in ps]))
@@ -932,6 +980,47 @@ class Runner:
                 if w.error is None and w.rows:
                     w.h, b = h[b:b + w.rows], b + w.rows
         return self._outputs(work)
+
+    def _decode_rows(self, items: Sequence[Rows]) -> list[Output]:
+        """`forward` of a step of decode rows only (each one token at its cache's end, through every
+        layer): the same operations on the same rows as the general loop (so the same bits), without
+        its per-item bookkeeping. The zero rows `rows4` would add to every product are added once to
+        the hidden states instead: a zero row stays zero through the norms, the products and the
+        MLP, and its attention output is left zero."""
+        batch, heads, hkv, d = len(items), self.num_heads, self.kv_heads, self.head_dim
+        caches = [it.cache for it in items]
+        pos = [it.start for it in items]
+        for c, p in zip(caches, pos, strict=True):
+            c.ensure_capacity(p + 1)
+        positions = torch.tensor(pos, dtype=torch.long)
+        cos, sin = self.rope_rows(positions)  # (B, D) or (B, K, D)
+        h = pad_rows(self.embed(torch.cat([it.token_ids for it in items])))  # (B', hidden), B' >= B: zero rows
+        if h.shape[0] > batch:
+            cos, sin = pad_rows(cos), pad_rows(sin)
+        on_cpu = self.device.type == "cpu"
+        for layer in range(self.num_layers):
+            q, k, v = self.qkv(layer, h, cos, sin)  # (B', H, D), (B', Hkv, D) x2
+            window = self.windows[layer]
+            out = h.new_zeros((h.shape[0], heads * d))  # (B', H*D)
+            qd = (q[:batch].float() * self.scaling).view(batch, hkv, heads // hkv, d) if on_cpu else None  # (B, Hkv, g, D)
+            decoding = []
+            for b, (c, p) in enumerate(zip(caches, pos, strict=True)):
+                c.put(layer, p, k[b:b + 1].transpose(0, 1), v[b:b + 1].transpose(0, 1))
+                lo = 0 if window is None else max(0, p - window + 1)
+                keys, values = c.window(layer, lo, p + 1)  # (Hkv, p + 1 - lo, D)
+                bias = c.window_bias(layer, lo, p + 1)
+                if on_cpu:
+                    decoding.append((qd[b], keys, values, bias, out[b].view(hkv, heads // hkv, d)))
+                else:
+                    decode_attention(q[b], keys, values, self.scaling, bias, out=out[b])
+            if on_cpu and not native_decode_attention_batch(decoding):
+                for qb, keys, values, bias, ob in decoding:
+                    cpu_decode_attention(qb, keys, values, bias, out=ob)
+            h = self.finish(layer, h, out)
+        logits = self.logits(h)[:batch]  # (B, vocab)
+        for c, p in zip(caches, pos, strict=True):
+            c.length = p + 1
+        return [Output(positions[b:b + 1], logits=logits[b:b + 1]) for b in range(batch)]
 
     def _decode_row(self, w: _Item, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     window: int | None, decoding: list) -> torch.Tensor:
