@@ -245,6 +245,78 @@ def test_schedule_decides_from_plain_data(lm):
         sched._running, sched._prefilling = [], []
 
 
+def test_step_pace_prices_decode_steps_and_each_kind_of_work():
+    """`StepPace`: a step of b decode rows alone is its moving average; a mixed step's time less
+    its decode rows' is the plans' work, shared between kinds by their work at the rates known;
+    the time of plans' work beside b rows makes the step `stretch` times the slowest decode step,
+    never less than `stretch` - 1 times b rows' own."""
+    from blend.engine.scheduler import StepPace
+
+    pace = StepPace()
+    assert pace.seconds(1, 3.0) is None and pace.row_layers("A", 1.0) == float("inf")  # nothing measured
+    pace.observe(1, {}, 0.020)
+    pace.observe(4, {}, 0.040)
+    assert (pace.decode_time(1), pace.decode_time(4), pace.decode_time(3), pace.decode_time(8)) == (0.02, 0.04, 0.04,
+                                                                                                  0.04)
+    assert pace.seconds(1, 3.0) is None  # no work priced yet
+    pace.observe(1, {"A": 100.0}, 0.120)  # 0.1 s of A's work: 1 ms a row-layer
+    assert pace.rate == {"A": pytest.approx(1e-3)}
+    pace.observe(4, {"A": 50.0, "B": 50.0}, 0.190)  # 0.15 s shared: B unknown, priced as A (the slowest known)
+    assert pace.rate == {"A": pytest.approx(1e-3 + 0.3 * 0.5e-3), "B": pytest.approx(1.5e-3)}
+    pace.observe(4, {"B": 100.0}, 0.240)  # 0.2 s of B's work
+    assert pace.rate["B"] == pytest.approx(1.5e-3 + 0.3 * 0.5e-3)
+    assert pace.rate_of("B") > pace.rate_of("A") and pace.rate_of("C") == pace.rate_of("B")  # unknown: the slowest
+    assert pace.seconds(1, 3.0) == pytest.approx(3.0 * 0.04 - 0.02)  # a lone row leaves the plans more room
+    assert pace.seconds(4, 3.0) == pytest.approx(2.0 * 0.04)
+    assert pace.row_layers("A", 0.05) == pytest.approx(0.05 / pace.rate["A"])
+    pace.observe(2, {}, 0.5)  # a slow decode step moves the average a share only
+    assert pace.decode_s[2] == 0.5 and pace.decode_time(2) == 0.5
+
+
+def test_while_sequences_decode_a_step_holds_plans_work_for_its_time(lm):
+    """`schedule()` gives the step `seconds` of plans' work beside decode rows (`StepPace`) and
+    none without decode rows or with `step_stretch: None`; `_run_step` asks each plan for at most
+    the row-layers of its kind that fit the time left (and `prefill_chunk_tokens` x layers)."""
+    from blend.engine.scheduler import _Slot
+
+    class Asked:  # a cursor that records the budgets it is asked for and wants nothing
+        phase = "recompute"
+
+        def __init__(self):
+            self.budgets = []
+            self.done = False
+
+        def want(self, budget=None, *, ready_only=False):
+            self.budgets.append(budget)
+            return []
+
+        def take(self, outs):
+            raise AssertionError("nothing was wanted")
+
+    with make_engine(lm, prefill_chunk_tokens=64) as engine:  # its thread sleeps: the state is set by hand
+        sched, layers = engine.scheduler, engine.runner.num_layers
+        seqs = [engine._sequence(engine.request(QUESTIONS[0], DOCS[:1], mode="full", max_new_tokens=4), Handle())
+                for _ in range(2)]
+        for seq in seqs:
+            seq.cache = engine.runner.new_cache(8)
+            seq.cache.length = 4
+        cursor = Asked()
+        slot = _Slot(None, iter(()))
+        slot.cursor = cursor
+        sched._prefilling, sched._running = [slot], []
+        sched.pace.observe(2, {}, 0.030)
+        sched.pace.observe(0, {"Asked:recompute": 1000.0}, 0.5)  # 0.5 ms a row-layer
+        assert sched.schedule().seconds is None  # nothing decodes: the row-layer budget only
+        sched._running = list(seqs)
+        step = sched.schedule()
+        assert step.seconds == pytest.approx(2 * 0.030) and step.budget == 64 * layers
+        sched._run_step(dataclasses.replace(step, decode=()))  # (the rows themselves are not the point)
+        assert cursor.budgets[-1] == pytest.approx(min(64 * layers, 0.060 / 0.5e-3))
+        sched.config = dataclasses.replace(sched.config, step_stretch=None)
+        assert sched.schedule().seconds is None
+        sched._running, sched._prefilling = [], []
+
+
 @pytest.mark.parametrize("split", ["off", "auto"])
 def test_a_blend_runs_the_recompute_plan_its_split_was_priced_by(lm, monkeypatch, split):
     """Planned once: the split returns the plan it chose (`Split.plan`), and the layer loop runs

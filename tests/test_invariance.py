@@ -110,6 +110,40 @@ def test_a_prefill_gives_the_same_bits_whole_in_chunks_or_beside_others(dtype):
             assert torch.equal(whole.v[layer][:, :300], pieces.v[layer][:, :300])
 
 
+def test_a_pass_of_several_documents_in_layer_ranges_gives_the_same_bits():
+    """A pass of three documents (items of their own caches, as a missed documents' pass asks):
+    with a budget of a few layers' rows the pieces run as a wavefront of layer ranges, a later
+    piece of a document never past an earlier one; the K/V and logits equal the pass run whole."""
+    from blend.model.runner import RowsCursor
+
+    runner = _runner("llama", "bfloat16")
+    runner.chunk_tokens = 32
+    layers = runner.num_layers
+    gen = torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, 512, (n,), generator=gen) for n in (70, 33, 90)]
+    whole = [runner.new_cache(len(d)) for d in docs]
+    expected = [runner.prefill(d, c) for d, c in zip(docs, whole, strict=True)]
+    caches = [runner.new_cache(len(d)) for d in docs]
+    cursor = RowsCursor([Rows(d, c, 0) for d, c in zip(docs, caches, strict=True)], 32)
+    steps = 0
+    while not cursor.done:
+        want = cursor.want(40)  # ~1 layer of a 32-row piece
+        ends = {}
+        for it in want:  # a later piece of the same cache ends no later than an earlier one
+            first, end = it.span()
+            assert end <= ends.get(id(it.cache), layers)
+            ends[id(it.cache)] = end
+        cursor.take(runner.forward(want))
+        steps += 1
+    assert steps > 3 * layers
+    for got, exp in zip(cursor.value(), expected, strict=True):
+        assert torch.equal(got, exp)
+    for a, b, d in zip(whole, caches, docs, strict=True):
+        for layer in range(layers):
+            assert torch.equal(a.k[layer][:, :len(d)], b.k[layer][:, :len(d)])
+            assert torch.equal(a.v[layer][:, :len(d)], b.v[layer][:, :len(d)])
+
+
 @pytest.fixture(scope="module")
 def bf16_lm():
     lm = tiny_model("llama", tokenizer=smollm2_tokenizer())

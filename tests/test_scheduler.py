@@ -193,7 +193,15 @@ def two_but_not_their_growth(lm, specs: list[dict]) -> int:
     return (admitted + 8) * per_token
 
 
-def test_preemption_parks_kv_in_the_tiers_and_resumes_with_the_same_output(lm):
+@pytest.fixture
+def small_reserve(monkeypatch):
+    """Caches allocated with room for 64 new tokens (not DECODE_RESERVE's 256), so that 90-token
+    answers grow their caches."""
+    monkeypatch.setattr("blend.engine.scheduler.DECODE_RESERVE", 64)
+    monkeypatch.setattr("blend.engine.layout.DECODE_RESERVE", 64)
+
+
+def test_preemption_parks_kv_in_the_tiers_and_resumes_with_the_same_output(lm, small_reserve):
     """A budget that fits two sequences' prompts but not their growth: the newest is parked in
     the tiers and resumed, with the output of an unpreempted run; the running set never holds
     more than the budget, and nothing is left behind (KV freed, parked blocks deleted)."""
@@ -218,7 +226,7 @@ def test_preemption_parks_kv_in_the_tiers_and_resumes_with_the_same_output(lm):
         assert_same(a, b)
 
 
-def test_a_preempted_sequence_whose_parked_kv_is_gone_is_recomputed(lm, monkeypatch):
+def test_a_preempted_sequence_whose_parked_kv_is_gone_is_recomputed(lm, monkeypatch, small_reserve):
     specs = [dict(s, max_new_tokens=90) for s in requests(3)]
     with make_engine(lm) as engine:
         engine.ingest(DOCS)

@@ -63,7 +63,8 @@ from blend.model.cache import KVCache
 from blend.model.runner import Cursor, Output, Rows, RowsCursor, Runner, cost
 
 log = logging.getLogger(__name__)
-DECODE_RESERVE = 64  # new tokens a sequence's cache holds room for when its prefill allocates it
+DECODE_RESERVE = 256  # new tokens a sequence's cache holds room for when its prefill allocates it (a
+# cache that grows copies itself on the scheduler's thread: ~80 ms for 2k positions of SmolLM2 on 2 cores)
 GROW_MIN = 64  # a cache that fills up grows by at least this many positions (or a quarter of itself)
 
 
@@ -86,7 +87,7 @@ class SchedulerConfig:
     background_share: float = 0.1  # at most this share of step time for background work while requests run
     # while sequences decode, a step with prefill work takes about this many decode steps' time (None: no
     # bound but `prefill_chunk_tokens`)
-    step_stretch: float | None = 2.5
+    step_stretch: float | None = 3.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_active_kv", "max_waiting", "prefill_chunk_tokens"):
@@ -104,8 +105,8 @@ class StepPace:
     (`decode_s[b]`), and a row-layer (`cost`'s unit) of each kind of plans' work (`rate[kind]`:
     a blend's query pass, its recompute pass, token rows; the decode rows' share of a mixed step
     taken off, the rest shared between the kinds by their work at the rates known). `seconds`
-    is the time of plans' work that makes a step of b decode rows `stretch` times as long as
-    those rows alone; `row_layers` turns a time into a kind's row-layers."""
+    is the time of plans' work that makes a step `stretch` times as long as the slowest decode
+    step measured; `row_layers` turns a time into a kind's row-layers."""
 
     SMOOTHING = 0.3  # the weight of the newest step
 
@@ -145,9 +146,14 @@ class StepPace:
             self.rate[kind] = self._mix(self.rate.get(kind), plans_s * weight / whole / work[kind])
 
     def seconds(self, decode_rows: int, stretch: float) -> float | None:
-        """Seconds of plans' work beside `decode_rows` decode rows (None: nothing measured yet)."""
+        """Seconds of plans' work beside `decode_rows` decode rows (None: nothing measured yet): the
+        step takes `stretch` times the slowest decode step measured (the largest batch's), so a
+        few decode rows leave the plans more room than a full batch does, never less than
+        `stretch` - 1 times their own step."""
         alone = self.decode_time(decode_rows)
-        return None if alone is None or not self.rate else (stretch - 1.0) * alone
+        if alone is None or not self.rate:
+            return None
+        return max(stretch * max(self.decode_s.values()) - alone, (stretch - 1.0) * alone)
 
     def row_layers(self, kind: str, seconds: float) -> float:
         """The row-layers of `kind` that take `seconds`."""

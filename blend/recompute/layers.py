@@ -32,6 +32,7 @@ run (`want(ready_only=True)`), so a slow tier never holds another sequence's ste
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
@@ -200,7 +201,7 @@ class _QueryPassNeeds(LayerNeeds):
     only, so their K/V is exact and written at every layer)."""
 
     def __init__(self, bp: BlendPass):
-        self.bp = bp
+        self.bp = weakref.proxy(bp)  # no cycle: the pass and its tensors go when their last user drops them
         nf, nq = bp.plan.fresh_rows.numel(), bp.plan.query_rows.numel()
         self._summed = torch.arange(nf, nf + nq)
 
@@ -223,7 +224,7 @@ class _RecomputeNeeds(LayerNeeds):
     the pool narrows (query attention x KV deviation)."""
 
     def __init__(self, bp: BlendPass):
-        self.bp = bp
+        self.bp = weakref.proxy(bp)  # no cycle: the pass and its tensors go when their last user drops them
         self._keep: torch.Tensor | None = None
 
     def wait(self, layer: int) -> None:
@@ -261,7 +262,7 @@ class _CheckLayerNeeds(LayerNeeds):
     (selector.select) and the top ones kept."""
 
     def __init__(self, bp: BlendPass):
-        self.bp = bp
+        self.bp = weakref.proxy(bp)  # no cycle: the pass and its tensors go when their last user drops them
         plan = bp.plan
         self.is_cand = torch.zeros(plan.n, dtype=torch.bool)
         self.is_cand[plan.cand_rows] = True
