@@ -74,9 +74,9 @@ _OPEN_ENGINES: ClosedAtExit[BlendEngine] = ClosedAtExit(
 def settle_garbage() -> None:
     """Collect once, then move every object alive now (the model, the tokenizer, the engine's
     parts) out of the garbage collector's reach for good (`gc.freeze`): a full collection then
-    scans only what requests made since. Without it, Python's oldest-generation collections
-    walked the whole process on the scheduler's thread, 110-200 ms each under a stream of
-    requests (2 cores): a pause of every stream's next token."""
+    scans only what requests made since. Measured with SmolLM2 loaded (2 cores): a full
+    collection 175 ms before, under 0.1 ms after; it holds the GIL, so whichever thread runs it
+    holds the scheduler's thread too."""
     gc.collect()
     gc.freeze()
 
