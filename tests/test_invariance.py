@@ -239,3 +239,18 @@ def test_products_of_one_to_three_rows_equal_the_same_rows_inside_a_64_row_produ
         for n in (1, 2, 3):
             for r in range(0, 64 - n, 3):
                 assert torch.equal(rows4(lambda t, w=w: torch.nn.functional.linear(t, w), x[r:r + n]), full[r:r + n])
+
+
+def test_a_projection_of_one_bfloat16_row_equals_the_row_among_others():
+    """`projections.Linear` pads a single bfloat16 row itself where one row takes another kernel
+    (checked once per shape, `one_row_differs`), so at SmolLM2's and Gemma 3's widths a row's bits
+    are the same alone as inside a larger product (the runner no longer pads every product)."""
+    from blend.model.projections import Linear
+
+    g = torch.Generator().manual_seed(2)
+    for out_f, in_f in ((576, 1536), (640, 2048), (960, 576), (3072, 576)):
+        lin = Linear([(torch.randn((out_f, in_f), generator=g) * 0.05).to(torch.bfloat16)], [None])
+        x = torch.randn((48, in_f), generator=g).to(torch.bfloat16)
+        full = lin(x)
+        for r in range(48):
+            assert torch.equal(lin(x[r:r + 1]), full[r:r + 1]), (out_f, in_f, r)

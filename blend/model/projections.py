@@ -52,6 +52,10 @@ PACKED_MAX_ROWS = 256  # more rows than this: F.linear on the model's weights be
 QUANTIZED_MAX_ROWS = 3
 
 
+ONE_ROW_SAMPLES = 256  # rows `Linear.one_row_differs` checks (a 1-in-19 difference is missed with p < 1e-5)
+_ONE_ROW_DIFFERS: dict[tuple[int, int, str, int], bool] = {}  # by (in, out, dense layout, threads)
+
+
 class QuantizedProduct:
     """y = x W^T + b with W several `QuantizedMatrix` of one input width stacked along the
     outputs, by one native call (prepared once: its segment table, its bias)."""
@@ -166,10 +170,31 @@ class Linear:
         rows = x.shape[0]
         if self.reads_blocks(rows, quantized):
             return self.quantized(x)
-        if self.dense == MODULES or rows > PACKED_MAX_ROWS:
+        if rows == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.one_row_differs():
+            return self._dense(torch.cat([x, x.new_zeros(x.shape)]))[:1]  # the path of two rows and more
+        return self._dense(x)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense == MODULES or x.shape[0] > PACKED_MAX_ROWS:
             return torch.cat(self._dense_parts(x), dim=-1) if len(self.parts) > 1 else self._dense_parts(x)[0]
         weight, bias = self.packed
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+    def one_row_differs(self) -> bool:
+        """Whether a dense bfloat16 product of one row gives other bits than the same row among
+        others (oneDNN runs one row by another kernel, which for wide inputs sums in another
+        order): checked once per shape and layout on this machine and its threads, on
+        `ONE_ROW_SAMPLES` seeded random rows (`runner.rows4`: 8 of 150 rows differed at SmolLM2's
+        1536-wide down projection, 17 of 150 at Gemma 3's 2048-wide one, none at 1024 or less).
+        Where it differs, one row runs padded to two (no row's bits then depend on its step)."""
+        key = (self.in_features, self.out_features, self.dense, torch.get_num_threads())
+        if key not in _ONE_ROW_DIFFERS:
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn((ONE_ROW_SAMPLES + 1, self.in_features), generator=g).to(torch.bfloat16)
+            pairs = self._dense(x)  # each row beside others
+            _ONE_ROW_DIFFERS[key] = any(not torch.equal(self._dense(x[i:i + 1])[0], pairs[i])
+                                        for i in range(ONE_ROW_SAMPLES))
+        return _ONE_ROW_DIFFERS[key]
 
     def _dense_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(x, w, b) for w, b in self.parts)

@@ -363,28 +363,30 @@ def drive(runner: Runner, steps: Any) -> Any:
             error = err
 
 
-def rows4(fn: Any, x: torch.Tensor) -> torch.Tensor:
+def rows4(fn: Any, x: torch.Tensor, single: bool = True) -> torch.Tensor:
     """fn(x) for a row-wise product over rows x (T, in). On a CPU, float32 products (MKL) of fewer
     than 12 rows run other kernels for the rows past the last multiple of 4 (measured: 1-3, 5-7
     and 9-11 rows give other bits than the same rows inside a larger product; 4, 8 and 12 on
     do not), so a row's bits would depend on the rows beside it: those run padded with zero rows
     to the next multiple of 4, each row then the same whatever else shares its step. bfloat16
-    products of one row (oneDNN's and F.linear alike) take another path than two or more: with a
-    1536-wide input (SmolLM2's down projection) 4 of 60 rows came out with other bits; from two
-    rows on, none. A single row runs padded to two."""
+    products of one row (oneDNN's and F.linear alike) take another path than two or more for wide
+    inputs: with SmolLM2's 1536-wide down projection 8 of 150 random rows came out with other bits,
+    Gemma 3's 2048-wide one 17 of 150; from two rows on, none, and none at widths up to 1024. With
+    `single` a single bfloat16 row runs padded to two; without it `fn` pads where it must itself
+    (`projections.Linear` does, per product shape)."""
     n = x.shape[0]
-    padded = pad_rows(x)
+    padded = pad_rows(x, single)
     return fn(x) if padded is x else fn(padded)[:n]
 
 
-def pad_rows(x: torch.Tensor) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, single: bool = True) -> torch.Tensor:
     """x (T, in) with the zero rows `rows4` adds (x itself when none)."""
     n = x.shape[0]
     if x.device.type != "cpu":
         return x
     if n < 12 and n % 4 and x.dtype == torch.float32:
         return torch.cat([x, x.new_zeros((4 - n % 4, *x.shape[1:]))])
-    if n == 1 and x.dtype == torch.bfloat16:
+    if single and n == 1 and x.dtype == torch.bfloat16:
         return torch.cat([x, x.new_zeros(x.shape)])
     return x
 
@@ -674,7 +676,7 @@ class Runner:
         x = rms_norm(block.input_layernorm, h)
         t, d = x.shape[0], self.head_dim
         if self.projections is not None:
-            q, k, v = (r[:t] for r in self.projections.layers[layer].qkv.split(pad_rows(x)))  # (T, H*D), (T, Hkv*D) x2
+            q, k, v = (r[:t] for r in self.projections.layers[layer].qkv.split(pad_rows(x, single=False)))  # (T, H*D), (T, Hkv*D) x2
             return q.reshape(t, -1, d), k.reshape(t, -1, d), v.reshape(t, -1, d)
         attn = block.self_attn
         return tuple(rows4(proj, x).view(t, -1, d) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
@@ -872,19 +874,22 @@ class Runner:
         the MLP input by its pre-feed-forward norm)."""
         block = self.layers[layer]
         proj = self.projections.layers[layer] if self.projections is not None else None
-        out = rows4(proj.o, attn_out) if proj is not None else rows4(block.self_attn.o_proj, attn_out)
-        mlp = proj.mlp if proj is not None and proj.mlp is not None else block.mlp
+        # `projections` pad a single row themselves where their shape needs it (`single=False`)
+        out = rows4(proj.o, attn_out, single=False) if proj is not None else rows4(block.self_attn.o_proj, attn_out)
+        gated = proj is not None and proj.mlp is not None
+        mlp = proj.mlp if gated else block.mlp
         if self.sandwich:
             h = h + rms_norm(block.post_attention_layernorm, out)
             return h + rms_norm(block.post_feedforward_layernorm,
-                                rows4(mlp, rms_norm(block.pre_feedforward_layernorm, h)))
+                                rows4(mlp, rms_norm(block.pre_feedforward_layernorm, h), single=not gated))
         h = h + out
-        return h + rows4(mlp, rms_norm(block.post_attention_layernorm, h))
+        return h + rows4(mlp, rms_norm(block.post_attention_layernorm, h), single=not gated)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head (+ the model's final soft-capping) for rows h (T, hidden) -> (T, vocab) float32."""
         x = rms_norm(self.norm, h)
-        logits = rows4(self.projections.lm_head if self.projections is not None else self.lm_head, x).float()
+        logits = (rows4(self.projections.lm_head, x, single=False) if self.projections is not None
+                  else rows4(self.lm_head, x)).float()
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
@@ -994,9 +999,10 @@ class Runner:
             c.ensure_capacity(p + 1)
         positions = torch.tensor(pos, dtype=torch.long)
         cos, sin = self.rope_rows(positions)  # (B, D) or (B, K, D)
-        h = pad_rows(self.embed(torch.cat([it.token_ids for it in items])))  # (B', hidden), B' >= B: zero rows
+        single = self.projections is None  # (`projections` pad a single row themselves where they must)
+        h = pad_rows(self.embed(torch.cat([it.token_ids for it in items])), single)  # (B', hidden): zero rows
         if h.shape[0] > batch:
-            cos, sin = pad_rows(cos), pad_rows(sin)
+            cos, sin = pad_rows(cos, single), pad_rows(sin, single)
         on_cpu = self.device.type == "cpu"
         for layer in range(self.num_layers):
             q, k, v = self.qkv(layer, h, cos, sin)  # (B', H, D), (B', Hkv, D) x2
