@@ -189,7 +189,7 @@ def test_schedule_decides_from_plain_data(lm):
     """`schedule()` is policy only (its state set by hand here, the thread never started): the
     head of the queue admitted, a plan with no work pending advanced first; with sequences
     decoding, a budget of `prefill_chunk_tokens` x layers row-layers and every decode row; with
-    nothing decoding, the same budget (the oldest plan first); a full cache that cannot grow within `max_active_kv` preempts the
+    nothing decoding, the same budget (the oldest plan first) unless a plan is alone (no bound); a full cache that cannot grow within `max_active_kv` preempts the
     newest sequence. It changes nothing itself: the same answer twice, no cache grown, nobody
     parked, nothing started."""
     from blend.engine.scheduler import Step, _Slot
@@ -202,7 +202,11 @@ def test_schedule_decides_from_plain_data(lm):
         slot = _Slot(None, iter(()))
         slot.cursor = RowsCursor(Rows(torch.arange(12), runner.new_cache(12), 0), 5)
         sched._prefilling = [slot]
-        assert sched.schedule() == Step(plans=(slot,), budget=5 * layers)  # nothing decodes: the same budget
+        assert sched.schedule() == Step(plans=(slot,), budget=None)  # a plan alone: nothing to share the step with
+        sched._waiting.append(engine._sequence(engine.request(QUESTIONS[1], DOCS[:1], mode="full", max_new_tokens=4),
+                                               Handle()))
+        assert sched.schedule().budget == 5 * layers  # others wait (this one admitted too): bounded
+        sched._waiting.clear()
         seqs = [engine._sequence(engine.request(QUESTIONS[0], DOCS[:1], mode="full", max_new_tokens=40), Handle())
                 for _ in range(2)]
         for seq in seqs:

@@ -385,8 +385,9 @@ class Scheduler:
           one plan per step: an admitted one, or the oldest waiting to advance);
         - every running sequence's next token, and the plans' work in FIFO order within a
           budget of `prefill_chunk_tokens` x layers row-layers (bounded when nothing decodes too:
-          the oldest plan first, its first token before the next plans' work), while sequences
-          decode at most what `pace` says fits in `step_stretch` - 1 decode steps;
+          the oldest plan first, its first token before the next plans' work; unbounded for a plan
+          alone: nothing decoding, nothing else under way or waiting, no background work), while
+          sequences decode at most what `pace` says fits beside them (`step_stretch`);
           before it, caches that are full grow, and where growing would take the running set
           past `max_active_kv` the newest sequences are preempted;
         - background work: a plan of its own, started when none is under way, given the budget
@@ -422,7 +423,10 @@ class Scheduler:
             admit = [] if advance else admit[:1]
         # bounded even when nothing decodes: the oldest plan's prefill goes first, so its first token
         # comes before the next plans' work (one step of all of them would hold every first token)
-        budget = self.config.prefill_chunk_tokens * self.runner.num_layers
+        budget: int | None = self.config.prefill_chunk_tokens * self.runner.num_layers
+        alone = not decode and len(slots) + len(admit) == 1 and len(queue) == len(admit) and self._bg is None
+        if alone and not self._background_due():
+            budget = None  # one plan and nobody else: no one to share the step with (no step boundaries to pay)
         seconds = None  # the streams' gap: about step_stretch decode steps
         if decode and self.config.step_stretch is not None:
             seconds = self.pace.seconds(len(decode), self.config.step_stretch)
