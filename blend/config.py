@@ -317,7 +317,7 @@ class SchedulerSettings:
     # while sequences decode, a step that carries prefill work takes about this many times a step of
     # the decode rows alone (the gap between a stream's tokens while others prefill; the scheduler
     # measures both); null: only `prefill_chunk_tokens` bounds it
-    step_stretch: Annotated[float, Field(gt=1.0)] | None = 3.0
+    step_stretch: Annotated[float, Field(gt=1.0)] | None = 6.0
     # a request's answer never depends on what else runs (every row's numbers its own): under `weights:
     # auto` the linear layers then read the dense weights at every row count (a GGUF's blocks for small
     # steps only would make a decode row's bits depend on the batch); false: blocks for steps of few rows

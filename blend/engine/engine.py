@@ -263,7 +263,7 @@ class BlendEngine:
         out of the garbage collector's full passes (`settle_garbage`). Returns the seconds it took."""
         t0 = time.perf_counter()
         words = " ".join(["warm-up"] * max(1, min(self.document_kv.block_tokens, 256) // 3))
-        self.generate("warm-up", [words], mode="full", max_new_tokens=2)
+        self.generate("warm-up", [words], mode="full", max_new_tokens=8)  # decode steps: the first pays one-time checks
         if self.splitter.needs_calibration:
             self.run_exclusive(self.splitter.cost_model, "calibrate the split's cost model")
         settle_garbage()

@@ -87,7 +87,7 @@ class SchedulerConfig:
     background_share: float = 0.1  # at most this share of step time for background work while requests run
     # while sequences decode, a step with prefill work takes about this many decode steps' time (None: no
     # bound but `prefill_chunk_tokens`)
-    step_stretch: float | None = 3.0
+    step_stretch: float | None = 6.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_active_kv", "max_waiting", "prefill_chunk_tokens"):
@@ -101,40 +101,51 @@ class SchedulerConfig:
 
 
 class StepPace:
-    """What steps have cost so far, as moving averages: a step of b decode rows alone
-    (`decode_s[b]`), and a row-layer (`cost`'s unit) of each kind of plans' work (`rate[kind]`:
-    a blend's query pass, its recompute pass, token rows; the decode rows' share of a mixed step
-    taken off, the rest shared between the kinds by their work at the rates known). `seconds`
-    is the time of plans' work that makes a step `stretch` times as long as the slowest decode
-    step measured; `row_layers` turns a time into a kind's row-layers."""
+    """What steps have cost lately, from the last `WINDOW` steps: a step of b decode rows alone
+    (`decode_time`, the fastest of them: a collection, a first call's one-time check or a load
+    decoding beside it only slow a step down),
+    and a row-layer (`cost`'s unit) of each kind of plans' work (`rate_of`: a blend's query pass, its
+    recompute pass, token rows; the decode rows' share of a mixed step taken off, the rest shared
+    between the kinds by their work at the rates known). `seconds` is the time of plans' work that
+    makes a step `stretch` times as long as the slowest decode step measured (among batch sizes
+    seen `MIN_SEEN` times); `row_layers` turns a time into a kind's row-layers."""
 
-    SMOOTHING = 0.3  # the weight of the newest step
+    WINDOW = 15
+    MIN_SEEN = 3
 
     def __init__(self) -> None:
-        self.decode_s: dict[int, float] = {}
-        self.rate: dict[str, float] = {}
+        self.decode_s: dict[int, collections.deque] = {}
+        self.rate: dict[str, collections.deque] = {}
 
-    def _mix(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.SMOOTHING * (new - old)
+    def _add(self, table: dict, key: Any, value: float) -> None:
+        table.setdefault(key, collections.deque(maxlen=self.WINDOW)).append(value)
+
+    @staticmethod
+    def _median(values: collections.deque) -> float:
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2]
 
     def decode_time(self, rows: int) -> float | None:
-        """A step of `rows` decode rows alone (the nearest batch measured; None: none yet)."""
-        if rows in self.decode_s:
-            return self.decode_s[rows]
+        """A step of `rows` decode rows alone (the nearest batch measured; None: none yet): the fastest
+        of its last steps (a decode step beside a load's decoding on the same cores runs up to 3x
+        slower; the step it takes undisturbed is the reference)."""
         if not self.decode_s:
             return None
-        return self.decode_s[min(self.decode_s, key=lambda b: (abs(b - rows), b))]
+        nearest = rows if rows in self.decode_s else min(self.decode_s, key=lambda b: (abs(b - rows), b))
+        return min(self.decode_s[nearest])
 
     def rate_of(self, kind: str) -> float | None:
         """Seconds a row-layer of `kind` takes (the slowest kind known where this one is not)."""
-        return self.rate.get(kind, max(self.rate.values(), default=None))
+        if kind in self.rate:
+            return self._median(self.rate[kind])
+        return max((self._median(v) for v in self.rate.values()), default=None)
 
     def observe(self, decode_rows: int, work: dict[str, float], step_s: float) -> None:
         """A step ran: `decode_rows` decode rows and `work` row-layers of plans' work per kind in `step_s`."""
         total = sum(work.values())
         if total <= 0:
             if decode_rows:
-                self.decode_s[decode_rows] = self._mix(self.decode_s.get(decode_rows), step_s)
+                self._add(self.decode_s, decode_rows, step_s)
             return
         alone = self.decode_time(decode_rows) if decode_rows else 0.0
         if alone is None:
@@ -143,7 +154,7 @@ class StepPace:
         weights = {k: w * (self.rate_of(k) or 1.0) for k, w in work.items() if w > 0}
         whole = sum(weights.values())
         for kind, weight in weights.items():
-            self.rate[kind] = self._mix(self.rate.get(kind), plans_s * weight / whole / work[kind])
+            self._add(self.rate, kind, plans_s * weight / whole / work[kind])
 
     def seconds(self, decode_rows: int, stretch: float) -> float | None:
         """Seconds of plans' work beside `decode_rows` decode rows (None: nothing measured yet): the
@@ -153,7 +164,8 @@ class StepPace:
         alone = self.decode_time(decode_rows)
         if alone is None or not self.rate:
             return None
-        return max(stretch * max(self.decode_s.values()) - alone, (stretch - 1.0) * alone)
+        seen = [min(v) for v in self.decode_s.values() if len(v) >= self.MIN_SEEN] or [alone]
+        return max(stretch * max(seen) - alone, (stretch - 1.0) * alone)
 
     def row_layers(self, kind: str, seconds: float) -> float:
         """The row-layers of `kind` that take `seconds`."""
