@@ -297,6 +297,7 @@ def test_while_sequences_decode_a_step_holds_plans_work_for_its_time(lm):
 
     with make_engine(lm, prefill_chunk_tokens=64) as engine:  # its thread sleeps: the state is set by hand
         sched, layers = engine.scheduler, engine.runner.num_layers
+        sched.config = dataclasses.replace(sched.config, step_stretch=3.0)
         seqs = [engine._sequence(engine.request(QUESTIONS[0], DOCS[:1], mode="full", max_new_tokens=4), Handle())
                 for _ in range(2)]
         for seq in seqs:
