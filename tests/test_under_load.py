@@ -93,8 +93,12 @@ def test_the_same_requests_give_the_same_answers_under_load(tmp_path, cpu_burner
             if not equal or decided[0] != decided[1]:
                 differ.append((n, req["mode"], diff, ref.stats.split.reason, got.stats.split.reason))
     assert not differ, differ  # 0 of ROUNDS x 4 differ
-    # reuse and blend load their documents; prefix computes its blocks alone, then loads them in every round
-    assert [r.stats.loaded_tokens > 0 for r in sequential] == [False, True, True, False]
+    # reuse and blend load their documents; prefix computes its blocks alone, then loads them in every round.
+    # This tiny model's blend sits near the split's line (predicted 0.033-0.040 s loading against 0.029-0.034 s
+    # of full prefill on the same machine, by its calibration): where the split computes it, it says so
+    loaded = [r.stats.loaded_tokens > 0 for r in sequential]
+    assert (loaded[0], loaded[1], loaded[3]) == (False, True, False)
+    assert loaded[2] or sequential[2].stats.split.reason.startswith("load-bound")
     assert all(results[3].stats.loaded_tokens > 0 for results in rounds)
 
 

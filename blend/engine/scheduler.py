@@ -9,10 +9,10 @@ under way and what each wants next, the running set, the budget; no model work, 
     every running sequence's next token (a decode row each, every step);
     the plans' work, in FIFO order, while the step's budget lasts: `prefill_chunk_tokens` x
         layers row-layers (a plan's R rows through g layers cost R x g; the same bound when
-        nothing decodes: the oldest plan's first token comes first), and while sequences
-        decode no more than fits in `step_stretch` - 1 decode steps' time (`StepPace`: each
-        kind of work priced by what it has cost, so the step takes about `step_stretch` times
-        a decode step: the gap a stream sees).
+        nothing decodes: the oldest plan's first token comes first; none for a plan alone),
+        and while sequences decode no more than makes the step about `step_stretch` times the
+        slowest decode step measured (`StepPace`: decode steps and each kind of work priced by
+        what they have cost lately): the gap a stream sees while others prefill.
         A plan is a generator that yields its model work as data and gets its outputs back:
         token rows (`Rows`, or a list of them: a pass of documents) run as chunks cut at
         fixed positions, each chunk a layer range per step where the budget is smaller
@@ -101,14 +101,14 @@ class SchedulerConfig:
 
 
 class StepPace:
-    """What steps have cost lately, from the last `WINDOW` steps: a step of b decode rows alone
-    (`decode_time`, the fastest of them: a collection, a first call's one-time check or a load
-    decoding beside it only slow a step down),
-    and a row-layer (`cost`'s unit) of each kind of plans' work (`rate_of`: a blend's query pass, its
-    recompute pass, token rows; the decode rows' share of a mixed step taken off, the rest shared
-    between the kinds by their work at the rates known). `seconds` is the time of plans' work that
-    makes a step `stretch` times as long as the slowest decode step measured (among batch sizes
-    seen `MIN_SEEN` times); `row_layers` turns a time into a kind's row-layers."""
+    """What steps have cost lately, from the last `WINDOW` steps of each: a step of b decode rows
+    alone (`decode_time`: the fastest of them, since a collection, a first call's one-time check or
+    a load decoding on the same cores only slow a step down), and a row-layer (`cost`'s unit) of
+    each kind of plans' work (`rate_of`: the median; kinds are a blend's query pass, its recompute
+    pass, token rows; the decode rows' share of a mixed step taken off, the rest shared between
+    the kinds by their work at the rates known). `seconds` is the time of plans' work that makes a
+    step `stretch` times as long as the slowest decode step measured (among batch sizes seen
+    `MIN_SEEN` times); `row_layers` turns a time into a kind's row-layers."""
 
     WINDOW = 15
     MIN_SEEN = 3
@@ -237,7 +237,7 @@ class Step:
     admit: tuple[Sequence | Task, ...] = ()  # taken from the queue: their plans start
     advance: tuple[_Slot, ...] = ()  # plans that run to their next want first (planning, units)
     plans: tuple[_Slot, ...] = ()  # plans whose work the step carries, in this order, while the budget lasts
-    budget: int | None = None  # row-layers of plans' work (None: no bound; `schedule` always sets one)
+    budget: int | None = None  # row-layers of plans' work (None: no bound: a plan alone)
     seconds: float | None = None  # ... and at most this much time of it (`StepPace`; None: no such bound)
     decode: tuple[Sequence, ...] = ()  # running sequences whose next token this step computes
     grow: tuple[tuple[Sequence, int], ...] = ()  # full caches grown to these capacities first

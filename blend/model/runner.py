@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -271,7 +271,7 @@ class RowsCursor:
     def done(self) -> bool:
         return not self._open and all(d == len(it) for d, it in zip(self._next, self.items, strict=True))
 
-    def _pieces(self):
+    def _pieces(self) -> Iterator[_Piece]:
         """The open pieces, then the next ones, in order (a new one opened as it is reached)."""
         yield from list(self._open)
         for i, it in enumerate(self.items):
