@@ -915,8 +915,6 @@ class Runner:
         """
         if not items:
             raise ValueError("forward needs at least one item")
-        if all(it.loads is None and it.decodes() and it.start < self.max_positions for it in items):
-            return self._decode_rows(items)
         pieces = [_pieces(it, self.chunk_tokens, self.num_layers) for it in items]
         if any(len(p) > 1 for p in pieces):
             outs = iter(self.forward([p for ps in pieces for p in ps]))
@@ -985,48 +983,6 @@ class Runner:
                 if w.error is None and w.rows:
                     w.h, b = h[b:b + w.rows], b + w.rows
         return self._outputs(work)
-
-    def _decode_rows(self, items: Sequence[Rows]) -> list[Output]:
-        """`forward` of a step of decode rows only (each one token at its cache's end, through every
-        layer): the same operations on the same rows as the general loop (so the same bits), without
-        its per-item bookkeeping. The zero rows `rows4` would add to every product are added once to
-        the hidden states instead: a zero row stays zero through the norms, the products and the
-        MLP, and its attention output is left zero."""
-        batch, heads, hkv, d = len(items), self.num_heads, self.kv_heads, self.head_dim
-        caches = [it.cache for it in items]
-        pos = [it.start for it in items]
-        for c, p in zip(caches, pos, strict=True):
-            c.ensure_capacity(p + 1)
-        positions = torch.tensor(pos, dtype=torch.long)
-        cos, sin = self.rope_rows(positions)  # (B, D) or (B, K, D)
-        single = self.projections is None  # (`projections` pad a single row themselves where they must)
-        h = pad_rows(self.embed(torch.cat([it.token_ids for it in items])), single)  # (B', hidden): zero rows
-        if h.shape[0] > batch:
-            cos, sin = pad_rows(cos, single), pad_rows(sin, single)
-        on_cpu = self.device.type == "cpu"
-        for layer in range(self.num_layers):
-            q, k, v = self.qkv(layer, h, cos, sin)  # (B', H, D), (B', Hkv, D) x2
-            window = self.windows[layer]
-            out = h.new_zeros((h.shape[0], heads * d))  # (B', H*D)
-            qd = (q[:batch].float() * self.scaling).view(batch, hkv, heads // hkv, d) if on_cpu else None  # (B, Hkv, g, D)
-            decoding = []
-            for b, (c, p) in enumerate(zip(caches, pos, strict=True)):
-                c.put(layer, p, k[b:b + 1].transpose(0, 1), v[b:b + 1].transpose(0, 1))
-                lo = 0 if window is None else max(0, p - window + 1)
-                keys, values = c.window(layer, lo, p + 1)  # (Hkv, p + 1 - lo, D)
-                bias = c.window_bias(layer, lo, p + 1)
-                if on_cpu:
-                    decoding.append((qd[b], keys, values, bias, out[b].view(hkv, heads // hkv, d)))
-                else:
-                    decode_attention(q[b], keys, values, self.scaling, bias, out=out[b])
-            if on_cpu and not native_decode_attention_batch(decoding):
-                for qb, keys, values, bias, ob in decoding:
-                    cpu_decode_attention(qb, keys, values, bias, out=ob)
-            h = self.finish(layer, h, out)
-        logits = self.logits(h)[:batch]  # (B, vocab)
-        for c, p in zip(caches, pos, strict=True):
-            c.length = p + 1
-        return [Output(positions[b:b + 1], logits=logits[b:b + 1]) for b in range(batch)]
 
     def _decode_row(self, w: _Item, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     window: int | None, decoding: list) -> torch.Tensor:
