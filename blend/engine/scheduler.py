@@ -436,7 +436,7 @@ class Scheduler:
         # bounded even when nothing decodes: the oldest plan's prefill goes first, so its first token
         # comes before the next plans' work (one step of all of them would hold every first token)
         budget: int | None = self.config.prefill_chunk_tokens * self.runner.num_layers
-        alone = not decode and len(slots) + len(admit) == 1 and len(queue) == len(admit) and self._bg is None
+        alone = not decode and len(slots) + len(admit) == 1 and len(queue) == len(admit)
         if alone and not self._background_due():
             budget = None  # one plan and nobody else: no one to share the step with (no step boundaries to pay)
         seconds = None  # the streams' gap: about step_stretch decode steps

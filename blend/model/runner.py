@@ -279,7 +279,7 @@ class RowsCursor:
             while self._next[i] < n:
                 a = self._next[i]
                 b = min(n, ((it.start + a) // self.chunk + 1) * self.chunk - it.start)
-                piece = _Piece(i, a, b, it if (a, b) == (0, n) else it.chunk(a, b))
+                piece = _Piece(i, b, it if (a, b) == (0, n) else it.chunk(a, b))
                 yield piece
 
     def want(self, budget: int | None = None, *, ready_only: bool = False) -> list[Rows]:
@@ -287,7 +287,7 @@ class RowsCursor:
         self._asked, spent = [], 0.0
         ceiling: dict[int, int] = {}  # per item: the layer its last piece given reaches (later ones stop there)
         for piece in self._pieces():
-            layers = piece.rows.cache.num_layers if piece.rows.layers is None else piece.rows.span()[1]
+            layers = piece.rows.span()[1]
             first = piece.layer
             per_layer = cost([piece.rows], self.key_rows) / layers
             end = min(layers, ceiling.get(piece.item, layers))
@@ -324,11 +324,11 @@ class RowsCursor:
 
 
 class _Piece:
-    """One piece of a `RowsCursor`: rows a..b-1 of item `item` (`rows`), through `layer` so far
-    (its hidden states entering that layer)."""
+    """One piece of a `RowsCursor`: rows of item `item` up to row b-1 (`rows`), through `layer` so
+    far (its hidden states entering that layer)."""
 
-    def __init__(self, item: int, a: int, b: int, rows: Rows):
-        self.item, self.a, self.b, self.rows = item, a, b, rows
+    def __init__(self, item: int, b: int, rows: Rows):
+        self.item, self.b, self.rows = item, b, rows
         self.layer = 0
         self.hidden: torch.Tensor | None = None
 
