@@ -226,7 +226,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
     resident = summary["weights_resident_bytes"]
     say(f"weights: {summary['weights']} (kernel {summary['quant_kernel']}), {summary['weights_bytes_read_per_token'] / 1e6:.1f} "
         f"MB read a batch-1 token; resident {resident['total'] / 1e6:.0f} MB (model {resident['model'] / 1e6:.0f}, "
-        f"dense copies {resident['dense_copies'] / 1e6:.0f}, blocks {resident['blocks'] / 1e6:.0f})")
+        f"dense copies {resident['dense_copies'] / 1e6:.0f}, blocks {resident['blocks'] / 1e6:.0f}, "
+        f"packed blocks {resident['packed_blocks'] / 1e6:.0f})")
     return _timings_done(args, say, summary)
 
 

@@ -103,6 +103,10 @@ BLEND = KernelSpec("blend attention kernel", KERNEL_DIR / "blend_attention.c", (
 QUANT = KernelSpec("quantized product kernel", KERNEL_DIR / "quant_matmul.c", (
     ("kvb_quant_matmul", (_INT, _LONG, _LONG, _PTR, _LONG, _PTR, _LONG, _PTR, _INT, _PTR)),  # kind..segments
     ("kvb_quant_path", ()),
+    ("kvb_qpack_record", (_INT,)),
+    ("kvb_qpack", (_INT, _LONG, _LONG, _PTR, _LONG, _PTR)),  # type, n, k, blocks, row bytes, packed
+    ("kvb_qpack_matmul", (_INT, _LONG, _LONG, _PTR, _LONG, _PTR, _LONG, _PTR, _INT, _PTR)),  # as kvb_quant_matmul
+    ("kvb_qpack_path", ()),
 ))
 SOURCE = DECODE.source
 
@@ -403,6 +407,59 @@ def native_quant_matmul(x: torch.Tensor, segments: Sequence[tuple[int, int, torc
         table += (gtype, width, blocks.data_ptr(), blocks.stride(0))
     segs = torch.tensor(table, dtype=torch.int64)  # (nseg, 4): the kernel's kvb_segment records
     return lib.kvb_quant_matmul(kind, rows, k, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
+                                bias.data_ptr() if bias is not None else None, len(segments), segs.data_ptr()) == 0
+
+
+def native_qpack(gtype: int, blocks: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The packed form (kernels/quant_matmul.c, "the packed layout") of n weight rows of GGML
+    type `gtype` given as their blocks (n, row bytes) uint8: a flat uint8 tensor, or None where
+    the kernel is off or does not take that type or width."""
+    lib = quant_kernel()
+    if lib is None or blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.stride(1) != 1:
+        return None
+    record = lib.kvb_qpack_record(gtype)
+    n = blocks.shape[0]
+    if record <= 0 or k % 64 or n < 1:
+        return None
+    packed = torch.empty((n + 15) // 16 * (k // 32) * record, dtype=torch.uint8)
+    if lib.kvb_qpack(gtype, n, k, blocks.data_ptr(), blocks.stride(0), packed.data_ptr()) != 0:
+        return None
+    return packed
+
+
+QPACK_NATIVE = "AVX-512 VNNI"
+
+
+def qpack_path() -> str | None:
+    """Which path the packed products run here: `QPACK_NATIVE`, "plain C", None without a kernel."""
+    lib = quant_kernel()
+    return None if lib is None else (QPACK_NATIVE if lib.kvb_qpack_path() == 1 else "plain C")
+
+
+def native_qpack_matmul(x: torch.Tensor, segments: Sequence[tuple[int, int, torch.Tensor]], out: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> bool:
+    """`native_quant_matmul` from packed segments (GGML type id, outputs n, `native_qpack`'s
+    tensor); False (nothing written) where it does not apply."""
+    lib = quant_kernel()
+    kind = KINDS.get(x.dtype)
+    if lib is None or kind is None or x.dim() != 2 or out.dim() != 2 or not segments:
+        return False
+    rows, k = x.shape
+    n = sum(seg[1] for seg in segments)
+    if (rows < 1 or x.device.type != "cpu" or out.device.type != "cpu" or out.dtype != x.dtype
+            or x.stride(1) != 1 or out.stride(1) != 1 or tuple(out.shape) != (rows, n)):
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous() or tuple(bias.shape) != (n,)):
+        return False
+    table = []
+    for gtype, width, packed in segments:
+        record = lib.kvb_qpack_record(gtype)
+        if (record <= 0 or packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.device.type != "cpu"
+                or packed.numel() != (width + 15) // 16 * (k // 32) * record):
+            return False
+        table += (gtype, width, packed.data_ptr(), 0)
+    segs = torch.tensor(table, dtype=torch.int64)
+    return lib.kvb_qpack_matmul(kind, rows, k, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
                                 bias.data_ptr() if bias is not None else None, len(segments), segs.data_ptr()) == 0
 
 

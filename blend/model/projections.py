@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from blend.model.native import KINDS, QUANT, quant_kernel
+from blend.model.native import KINDS, QPACK_NATIVE, QUANT, native_qpack, qpack_path, quant_kernel
 from blend.model.quantized import WEIGHTS, QuantizedMatrix, QuantizedWeights
 
 log = logging.getLogger(__name__)
@@ -65,16 +65,27 @@ class QuantizedProduct:
         self.in_features = self.matrices[0].in_features
         self.out_features = sum(m.out_features for m in self.matrices)
         self.bias = bias.detach().float().contiguous() if bias is not None else None  # (out,)
+        # the packed layout (16 outputs a vector; kernels/quant_matmul.c) where it runs natively (AVX-512
+        # VNNI): then decode rows read the blocks at every batch size; elsewhere the GGUF's own blocks
+        packs = [native_qpack(m.block_type.ggml_id, m.blocks, m.in_features) for m in self.matrices] \
+            if qpack_path() == QPACK_NATIVE else []
+        self.packed = bool(packs) and all(p is not None for p in packs)
+        self._packs = tuple(packs) if self.packed else ()  # flat uint8 each; the kernel reads only these
         table = []
-        for m in self.matrices:
-            table += (m.block_type.ggml_id, m.out_features, m.blocks.data_ptr(), m.blocks.stride(0))
+        for i, m in enumerate(self.matrices):
+            w = self._packs[i] if self.packed else m.blocks
+            table += (m.block_type.ggml_id, m.out_features, w.data_ptr(), 0 if self.packed else m.blocks.stride(0))
         self._segments = torch.tensor(table, dtype=torch.int64)  # (n, 4): the kernel's kvb_segment records
+        self._segments_at = self._segments.data_ptr()
+        self._bias_at = self.bias.data_ptr() if self.bias is not None else None
         lib = quant_kernel()
-        self._call = getattr(lib, QUANT.functions[0][0]) if lib is not None else None
+        self._call = (getattr(lib, "kvb_qpack_matmul" if self.packed else QUANT.functions[0][0])
+                      if lib is not None else None)
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.matrices)
+        """Bytes the products read a call (the packed records where packed, else the blocks)."""
+        return sum(p.numel() for p in self._packs) if self.packed else sum(m.nbytes for m in self.matrices)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) float32 or bfloat16 -> (T, out) in x's dtype; does not modify x. Each
@@ -90,8 +101,7 @@ class QuantizedProduct:
         if x.shape[0] == 0:
             return out
         done = self._call(kind, x.shape[0], self.in_features, x.data_ptr(), x.stride(0), out.data_ptr(),
-                          out.stride(0), self.bias.data_ptr() if self.bias is not None else None,
-                          len(self.matrices), self._segments.data_ptr())
+                          out.stride(0), self._bias_at, len(self.matrices), self._segments_at)
         if done != 0:
             raise RuntimeError(f"the quantized product kernel failed ({done}) on {tuple(x.shape)} rows")
         return out
@@ -155,22 +165,39 @@ class Linear:
                     self._packed = (torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1), bias)
         return self._packed
 
-    def reads_blocks(self, rows: int, quantized: bool | None = None) -> bool:
-        """Whether a call of `rows` rows reads the quantized blocks (else the dense weights)."""
+    @property
+    def by_row_kind(self) -> bool:
+        """Whether `auto` picks the weights by the kind of row (decode rows: the blocks, others:
+        the dense weights), where the blocks are packed (AVX-512 VNNI); else by the row count."""
+        return self.policy == "auto" and self.quantized is not None and self.quantized.packed
+
+    def reads_blocks(self, rows: int, quantized: bool | None = None, lead: int = 0) -> bool:
+        """Whether a call of `rows` rows, the first `lead` of them decode rows, reads the
+        quantized blocks for all of them (else the dense weights for some or all)."""
         if self.quantized is None or self.policy == "dequantized":
             return False
         if self.policy == "quantized":
             return True
-        return rows <= QUANTIZED_MAX_ROWS if quantized is None else quantized
+        if quantized is not None:
+            return quantized
+        return lead >= rows if self.by_row_kind else rows <= QUANTIZED_MAX_ROWS
 
-    def __call__(self, x: torch.Tensor, quantized: bool | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, quantized: bool | None = None, lead: int = 0) -> torch.Tensor:
         """x (T, in) -> (T, out) in x's dtype; does not modify x. `quantized`: True reads the
-        blocks where this layer has them, False the dense weights, None by the row count
-        (`reads_blocks`)."""
+        blocks where this layer has them, False the dense weights, None by the policy: under
+        `auto` with packed blocks the first `lead` rows (decode rows) read the blocks and the
+        others the dense weights (each row's bits then its own whatever the batch), else by
+        the row count (`reads_blocks`)."""
         rows = x.shape[0]
-        if self.reads_blocks(rows, quantized):
+        if self.reads_blocks(rows, quantized, lead):
             return self.quantized(x)
-        if rows == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.one_row_differs():
+        if quantized is None and lead > 0 and self.by_row_kind:
+            return torch.cat([self.quantized(x[:lead]), self._dense_rows(x[lead:])])
+        return self._dense_rows(x)
+
+    def _dense_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense product, a single bfloat16 row padded where its shape needs (`one_row_differs`)."""
+        if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.one_row_differs():
             return self._dense(torch.cat([x, x.new_zeros(x.shape)]))[:1]  # the path of two rows and more
         return self._dense(x)
 
@@ -199,14 +226,15 @@ class Linear:
     def _dense_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(x, w, b) for w, b in self.parts)
 
-    def split(self, x: torch.Tensor, quantized: bool | None = None) -> tuple[torch.Tensor, ...]:
+    def split(self, x: torch.Tensor, quantized: bool | None = None, lead: int = 0) -> tuple[torch.Tensor, ...]:
         """Each stacked layer's output (T, its out) for rows x (T, in): views of one product,
         or one F.linear per layer on the model's weights (dense, more than PACKED_MAX_ROWS
-        rows, or the MODULES layout). `quantized` as in `__call__`."""
+        rows, or the MODULES layout). `quantized`, `lead` as in `__call__`."""
         rows = x.shape[0]
-        if not self.reads_blocks(rows, quantized) and (self.dense == MODULES or rows > PACKED_MAX_ROWS):
+        if (not self.reads_blocks(rows, quantized, lead) and (self.dense == MODULES or rows > PACKED_MAX_ROWS)
+                and not (lead and quantized is None and self.by_row_kind)):
             return self._dense_parts(x)
-        return self(x, quantized).split(self.widths, dim=-1)
+        return self(x, quantized, lead).split(self.widths, dim=-1)
 
     def nbytes(self) -> int:
         """Bytes of the dense copy (weight and bias) where it is built (oneDNN's layout may pad
@@ -220,9 +248,12 @@ class Linear:
         """Bytes one dense call of a few rows reads: the weight (and bias) in the compute dtype."""
         return (self.out_features * self.in_features + (self.out_features if self.has_bias else 0)) * self.dtype.itemsize
 
-    def read_bytes(self, rows: int, quantized: bool | None = None) -> int:
-        """Weight bytes a call of `rows` rows reads (blocks or the dense weights)."""
-        if self.reads_blocks(rows, quantized):
+    def read_bytes(self, rows: int, quantized: bool | None = None, lead: int = 0) -> int:
+        """Weight bytes a call of `rows` rows (the first `lead` decode rows) reads (blocks, the dense
+        weights, or both)."""
+        if quantized is None and 0 < lead < rows and self.by_row_kind:
+            return self.read_bytes(lead, True) + self.dense_read_bytes()
+        if self.reads_blocks(rows, quantized, lead):
             return self.quantized.nbytes + (self.out_features * 4 if self.quantized.bias is not None else 0)
         return self.dense_read_bytes()
 
@@ -235,10 +266,10 @@ class GatedMLP:
     down: Linear
     act: torch.nn.Module  # the model's own activation module
 
-    def __call__(self, x: torch.Tensor, quantized: bool | None = None) -> torch.Tensor:
-        """Rows x (T, hidden) -> (T, hidden); `quantized` as in `Linear.__call__`."""
-        gate, up = self.gate_up.split(x, quantized)  # (T, inter) each
-        return self.down(self.act(gate) * up, quantized)
+    def __call__(self, x: torch.Tensor, quantized: bool | None = None, lead: int = 0) -> torch.Tensor:
+        """Rows x (T, hidden) -> (T, hidden); `quantized`, `lead` as in `Linear.__call__`."""
+        gate, up = self.gate_up.split(x, quantized, lead)  # (T, inter) each
+        return self.down(self.act(gate) * up, quantized, lead)
 
 
 @dataclass(frozen=True)
@@ -275,9 +306,14 @@ class Projections:
         """Bytes of the quantized blocks these products hold (0: none)."""
         return sum(p.quantized.nbytes for p in self.linears() if p.quantized is not None)
 
-    def read_bytes(self, rows: int = 1, quantized: bool | None = None) -> int:
-        """Weight bytes one step of `rows` rows reads through these products (each layer once)."""
-        return sum(p.read_bytes(rows, quantized) for p in self.linears())
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed copies of the blocks (`QuantizedProduct.packed`; 0: none)."""
+        return sum(p.quantized.nbytes for p in self.linears() if p.quantized is not None and p.quantized.packed)
+
+    def read_bytes(self, rows: int = 1, quantized: bool | None = None, lead: int | None = None) -> int:
+        """Weight bytes one step of `rows` rows (`lead` of them decode rows: all by default) reads
+        through these products (each layer once)."""
+        return sum(p.read_bytes(rows, quantized, rows if lead is None else lead) for p in self.linears())
 
     def block_layers(self) -> int:
         """How many of the products hold quantized blocks."""

@@ -30,6 +30,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -648,12 +649,13 @@ class Runner:
         """(T,) ids -> (T, hidden)."""
         return self.embed_tokens(token_ids.to(self.device))
 
-    def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+    def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, lead: int = 0
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows h (T, hidden) at the positions whose `rope_rows` are cos, sin_signed ((T, D) or
         (T, K, D)) -> q (T, H, D), k and v (T, Hkv, D): projected, q/k-normed where the model
-        does, q and k rotated in one call (`rotate`)."""
-        q, k, v = self.project_qkv(layer, h)  # (T, H, D), (T, Hkv, D) x2
+        does, q and k rotated in one call (`rotate`). The first `lead` rows are decode rows
+        (`projections.Linear`: they may read other weights)."""
+        q, k, v = self.project_qkv(layer, h, lead)  # (T, H, D), (T, Hkv, D) x2
         if self.qk_norm:  # Qwen3, Gemma 3: normed per head, then rotated
             attn = self.layers[layer].self_attn
             q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
@@ -668,7 +670,8 @@ class Runner:
         q, k, v = self.qkv(layer, h, *self.rope_rows(positions))
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
-    def project_qkv(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, layer: int, h: torch.Tensor, lead: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input norm and the Q/K/V projections of rows h (T, hidden) (one product where the
         runner has `projections`): q (T, H, D), k and v (T, Hkv, D), before any q/k-norm or
         RoPE."""
@@ -676,7 +679,7 @@ class Runner:
         x = rms_norm(block.input_layernorm, h)
         t, d = x.shape[0], self.head_dim
         if self.projections is not None:
-            q, k, v = (r[:t] for r in self.projections.layers[layer].qkv.split(pad_rows(x, single=False)))  # (T, H*D), (T, Hkv*D) x2
+            q, k, v = (r[:t] for r in self.projections.layers[layer].qkv.split(pad_rows(x, single=False), lead=lead))  # (T, H*D), (T, Hkv*D) x2
             return q.reshape(t, -1, d), k.reshape(t, -1, d), v.reshape(t, -1, d)
         attn = block.self_attn
         return tuple(rows4(proj, x).view(t, -1, d) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
@@ -868,16 +871,17 @@ class Runner:
         runs = {name: (lambda p=p: run_plan(p, q, k, v, self.scaling)) for name, p in by_name.items()}
         chosen, out = self.tuner.choose(plan.bucket, runs)
         return by_name[chosen], out
-    def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor, lead: int = 0) -> torch.Tensor:
         """o_proj + residual, then post-attention norm + MLP + residual, for rows h (T, hidden)
         (Gemma's sandwich: the attention and MLP outputs normed before their residual adds,
-        the MLP input by its pre-feed-forward norm)."""
+        the MLP input by its pre-feed-forward norm). The first `lead` rows are decode rows."""
         block = self.layers[layer]
         proj = self.projections.layers[layer] if self.projections is not None else None
         # `projections` pad a single row themselves where their shape needs it (`single=False`)
-        out = rows4(proj.o, attn_out, single=False) if proj is not None else rows4(block.self_attn.o_proj, attn_out)
+        out = (rows4(partial(proj.o, lead=lead), attn_out, single=False) if proj is not None
+               else rows4(block.self_attn.o_proj, attn_out))
         gated = proj is not None and proj.mlp is not None
-        mlp = proj.mlp if gated else block.mlp
+        mlp = partial(proj.mlp, lead=lead) if gated else block.mlp
         if self.sandwich:
             h = h + rms_norm(block.post_attention_layernorm, out)
             return h + rms_norm(block.post_feedforward_layernorm,
@@ -885,10 +889,11 @@ class Runner:
         h = h + out
         return h + rows4(mlp, rms_norm(block.post_attention_layernorm, h), single=not gated)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head (+ the model's final soft-capping) for rows h (T, hidden) -> (T, vocab) float32."""
+    def logits(self, h: torch.Tensor, lead: int = 0) -> torch.Tensor:
+        """Final norm + lm_head (+ the model's final soft-capping) for rows h (T, hidden) -> (T, vocab)
+        float32; the first `lead` rows are decode rows."""
         x = rms_norm(self.norm, h)
-        logits = (rows4(self.projections.lm_head, x, single=False) if self.projections is not None
+        logits = (rows4(partial(self.projections.lm_head, lead=lead), x, single=False) if self.projections is not None
                   else rows4(self.lm_head, x)).float()
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
@@ -932,9 +937,10 @@ class Runner:
                     for i in range(len(items))]
         members: list[_Item] = []  # the items whose rows make up `h` (in step order)
         h = cos = sin = torch.empty(0)
+        order = sorted(work, key=lambda w: not w.decode)  # decode rows first: the linear layers' `lead`
         for layer in range(min(w.first for w in work), max(w.end for w in work)):
             live = []
-            for w in work:
+            for w in order:
                 if w.error is None and w.rows and w.first <= layer < w.end:
                     w.enter(self)
                     if w.wait(layer):
@@ -947,7 +953,8 @@ class Runner:
                 members = live
                 for w in live:
                     w.moved = False
-            q, k, v = self.qkv(layer, h, cos, sin)  # (T, H, D), (T, Hkv, D) x2
+            lead = sum(w.decode for w in live)  # decode rows come first (`order`)
+            q, k, v = self.qkv(layer, h, cos, sin, lead)  # (T, H, D), (T, Hkv, D) x2
             window, final = self.windows[layer], layer == self.num_layers - 1
             parts: list[torch.Tensor] = []  # per item that goes on: its kept rows' attention output (T', H*D)
             kept: list[torch.Tensor] = []  # ... and those rows' indices into h
@@ -977,7 +984,7 @@ class Runner:
             rows = torch.cat(kept)
             if rows.numel() < h.shape[0]:
                 h, members = h[rows.to(self.device)], []  # rows dropped: gathered again next layer
-            h = self.finish(layer, h, _joined(parts))
+            h = self.finish(layer, h, _joined(parts), lead)
             b = 0
             for w in live:
                 if w.error is None and w.rows:
@@ -1066,7 +1073,9 @@ class Runner:
         """Each item's `Output`: one LM head product for the rows of every item that ran the last layer."""
         done = [w for w in work if w.error is None and w.end == self.num_layers]
         with_rows = [w for w in done if w.rows]
-        logits = self.logits(_joined([w.h for w in with_rows])).split([w.rows for w in with_rows]) if with_rows else []
+        with_rows.sort(key=lambda w: not w.decode)  # decode rows first (`Linear`'s `lead`)
+        logits = (self.logits(_joined([w.h for w in with_rows]), sum(w.decode for w in with_rows))
+                  .split([w.rows for w in with_rows]) if with_rows else [])
         by_item = dict(zip(map(id, with_rows), logits, strict=True))
         vocab = self.lm_head.weight.shape[0]
         out = []

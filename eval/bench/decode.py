@@ -140,7 +140,8 @@ def check_peer(binary: str | None) -> None:
 
 def resident_bytes(runner: Any) -> dict[str, int]:
     """Bytes of the weights the process holds, by form: the model's own tensors (`model`),
-    the dense copies built beside them (`dense_copies`), the quantized blocks (`blocks`), `total`."""
+    the dense copies built beside them (`dense_copies`), the quantized blocks as the GGUF stores
+    them (`blocks`), their packed copy the kernel reads (`packed_blocks`, AVX-512 VNNI), `total`."""
     seen: set[int] = set()
     model = 0
     for p in list(runner.lm.model.parameters()) + list(runner.lm.model.buffers()):
@@ -150,8 +151,10 @@ def resident_bytes(runner: Any) -> dict[str, int]:
             model += p.untyped_storage().nbytes()
     proj = runner.projections
     dense = proj.nbytes() if proj is not None else 0
-    blocks = proj.quantized_nbytes() if proj is not None else 0
-    return {"model": model, "dense_copies": dense, "blocks": blocks, "total": model + dense + blocks}
+    blocks = runner.lm.blocks.nbytes if proj is not None and proj.block_layers() and runner.lm.blocks else 0
+    packed = proj.packed_nbytes() if proj is not None else 0
+    return {"model": model, "dense_copies": dense, "blocks": blocks, "packed_blocks": packed,
+            "total": model + dense + blocks + packed}
 
 
 def step_weight_bytes(runner: Any, batch: int) -> int:
@@ -290,7 +293,9 @@ def run_decode_bench(config: Any, settings: DecodeSettings, log: Callable[[str],
         "torch_threads": torch.get_num_threads(),
         "projections": runner.projections.layout if runner.projections is not None else None,
         "weights": runner.projections.weights if runner.projections is not None else "dequantized",
-        "quant_kernel": quant_kernel_path() if lm.device.type == "cpu" else None,
+        "quant_kernel": (None if lm.device.type != "cpu" else "AVX-512 VNNI, packed"
+                         if runner.projections is not None and runner.projections.packed_nbytes()
+                         else quant_kernel_path()),
         "weights_bytes_read_per_token": step_weight_bytes(runner, 1),
         "weights_resident_bytes": resident_bytes(runner),
         "peer_llamacpp": [p.to_dict() for p in peers],

@@ -567,3 +567,473 @@ int kvb_quant_matmul(int kind, long rows, long k, const void *x, long x_stride, 
     free(item_seg);
     return 0;
 }
+
+/* ===================================================================== the packed layout
+ *
+ * The same products from the blocks repacked once (kvb_qpack) into a layout that puts 16
+ * output columns in the 16 lanes of a vector, so that many rows share each unpacked weight
+ * vector and no lane ever needs a horizontal sum. With AVX-512 VNNI one row costs ~24 vector
+ * operations per 512 weights (against ~48 above) and the unpacking, shared by the rows, is
+ * and / shift only: the blocks then beat the dense bfloat16 product at every decode batch.
+ *
+ * A segment of n outputs and k inputs becomes ceil(n / 16) groups of 16 columns (the last
+ * padded with zero weights), each a run of k / 32 records, one per 32-block along k:
+ *   - the weights as unsigned integers u (0..15 for Q4_0 / Q4_1 / Q4_K, 0..31 Q5_0, 0..63
+ *     Q6_K, 0..255 Q8_0: the GGUF's quants, Q8_0's moved up by 128), in "quads": quad q
+ *     (k 4q .. 4q + 3 of the block) of column c is 4 bytes at lane c. 4-bit and 5-bit types
+ *     store two quads per byte (vector j: quad j in the low nibbles, quad j + 4 in the high),
+ *     Q5_0 its fifth bits as 8 masks of 64 bits (one per quad, bit 4c + i); Q6_K and Q8_0 one
+ *     byte a weight;
+ *   - the scales: the GGUF's float16 d (and Q4_1's m) as they are, or for the K-quants float32
+ *     d * scale (and -dmin * min) per column, per 32-block (Q6_K: per 16-block).
+ * A weight is d * (u - offset) (+ m): offset 8 (Q4_0), 16 (Q5_0), 128 (Q8_0), 32 (Q6_K), 0.
+ * Records are as many bytes as the GGUF's blocks of the same weights, but for the K-quants'
+ * float32 scales.
+ *
+ * x: each 32-block of a row becomes 15-bit integers xq = round(x * 16383 / max|x|) (one
+ * float32 scale a block: rounding at most max|x| / 32766, far below bfloat16's 2^-9 of each
+ * element), split xq = 128 xh + xl with xh in -128..127 and xl in 0..127, two signed bytes,
+ * so that vpdpbusd (unsigned weight bytes times signed x bytes, 4 products a lane) gives the
+ * exact integer sum: 128 sum(u xh) + sum(u xl) - offset sum(xq). It is scaled by the weights'
+ * and x's scales and accumulated in float32 per output; minimums (Q4_1, Q4_K) times the
+ * block's float32 sum of x.
+ *
+ * The same invariance as above: an output (row, column) is computed by the same operations
+ * whatever the other rows of the call (rows share the unpacked weights in groups of up to 8;
+ * a row's accumulator sees its blocks in k order alone) and whatever thread runs its group.
+ * Plain C runs the same layout (tests, CPUs without VNNI); kvb_qpack_path says which path.
+ */
+#define PK_COLS 16
+#define PK_ROWS 8
+#define PK_XMAX 16383.0f
+
+static int pk_record(int type) {
+    switch (type) {
+    case T_Q4_0: return 256 + 32;
+    case T_Q4_1: return 256 + 64;
+    case T_Q5_0: return 256 + 64 + 32;
+    case T_Q8_0: return 512 + 32;
+    case T_Q4_K: return 256 + 128;
+    case T_Q6_K: return 512 + 128;
+    default: return 0;
+    }
+}
+
+static inline int pk_offset(int type) {
+    return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 ? 128 : type == T_Q6_K ? 32 : 0;
+}
+
+static inline int pk_nibbles(int type) { return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q4_K; }
+
+/* where a record's scales start */
+static inline int pk_scales_at(int type) { return type == T_Q5_0 ? 320 : pk_nibbles(type) ? 256 : 512; }
+
+/* 32-block b of weight row `row`: its unsigned integers u, and its scales (f16 bits d16 / m16
+ * for the 32-block types, float32 ws[2] / wm for the K-quants; Q6_K's ws per 16-block) */
+static void pk_block(int type, const uint8_t *row, long b, uint8_t u[32], uint16_t *d16, uint16_t *m16, float ws[2],
+                     float *wm) {
+    *d16 = *m16 = 0;
+    ws[0] = ws[1] = *wm = 0.0f;
+    if (type == T_Q4_K) {
+        const uint8_t *blk = row + (b / 8) * 144;
+        const int j = (int)(b % 8);
+        const uint8_t *qs = blk + 16 + 32 * (j / 2);
+        int sc, m;
+        q4k_scale_min(blk + 4, j, &sc, &m);
+        for (int i = 0; i < 32; i++) u[i] = j % 2 ? qs[i] >> 4 : qs[i] & 15;
+        ws[0] = ws[1] = f16_to_f32(blk) * (float)sc;
+        *wm = -f16_to_f32(blk + 2) * (float)m;
+        return;
+    }
+    if (type == T_Q6_K) {
+        const uint8_t *blk = row + (b / 8) * 210;
+        const int j = (int)(b % 8), half = j / 4, quad = j % 4;
+        const uint8_t *ql = blk + 64 * half + 32 * (quad & 1), *qh = blk + 128 + 32 * half;
+        const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half + 2 * quad;
+        const float d = f16_to_f32(blk + 208);
+        for (int l = 0; l < 32; l++)
+            u[l] = (uint8_t)(((ql[l] >> (4 * (quad >> 1))) & 15) | (((qh[l] >> (2 * quad)) & 3) << 4));
+        ws[0] = d * (float)sc[0];
+        ws[1] = d * (float)sc[1];
+        return;
+    }
+    if (type == T_Q8_0) {
+        const uint8_t *blk = row + b * 34;
+        *d16 = (uint16_t)(blk[0] | (blk[1] << 8));
+        for (int i = 0; i < 32; i++) u[i] = (uint8_t)((int8_t)blk[2 + i] + 128);
+        return;
+    }
+    if (type == T_Q5_0) {
+        const uint8_t *blk = row + b * 22;
+        const uint32_t qh = read_u32(blk + 2);
+        *d16 = (uint16_t)(blk[0] | (blk[1] << 8));
+        for (int i = 0; i < 16; i++) {
+            u[i] = (uint8_t)((blk[6 + i] & 15) | (((qh >> i) & 1) << 4));
+            u[16 + i] = (uint8_t)((blk[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+        }
+        return;
+    }
+    /* Q4_0, Q4_1 */
+    const int q1 = type == T_Q4_1;
+    const uint8_t *blk = row + b * (q1 ? 20 : 18), *qs = blk + (q1 ? 4 : 2);
+    *d16 = (uint16_t)(blk[0] | (blk[1] << 8));
+    if (q1) *m16 = (uint16_t)(blk[2] | (blk[3] << 8));
+    for (int i = 0; i < 16; i++) {
+        u[i] = qs[i] & 15;
+        u[16 + i] = qs[i] >> 4;
+    }
+}
+
+static int pk_takes(int type, long k) {
+    return pk_record(type) && k >= 64 && k % 64 == 0 && k % block_weights(type) == 0;
+}
+
+/* Bytes of one packed record (16 columns x 32 weights) of `type`, 0 for a type it does not
+ * take: n outputs x k inputs pack into ceil(n / 16) * (k / 32) records. */
+int kvb_qpack_record(int type) { return pk_record(type); }
+
+/* Repack n weight rows of `type` (row_bytes apart at src, the GGUF's blocks) into dst
+ * (kvb_qpack_record bytes per 16 columns x 32 weights). 0 done, -1 a type or shape it does not take. */
+int kvb_qpack(int type, long n, long k, const uint8_t *src, long row_bytes, uint8_t *dst) {
+    if (!pk_takes(type, k) || n < 1 || row_bytes < (k / block_weights(type)) * block_bytes(type)) return -1;
+    const long blocks = k / 32, groups = (n + PK_COLS - 1) / PK_COLS;
+    const int rec = pk_record(type), at = pk_scales_at(type);
+#pragma omp parallel for schedule(static) if (n * k >= 1 << 20)
+    for (long g = 0; g < groups; g++) {
+        uint8_t u[32];
+        for (long b = 0; b < blocks; b++) {
+            uint8_t *r = dst + (g * blocks + b) * rec;
+            memset(r, 0, (size_t)rec);
+            for (int c = 0; c < PK_COLS; c++) {
+                const long col = g * PK_COLS + c;
+                if (col >= n) break;
+                uint16_t d16, m16;
+                float ws[2], wm;
+                pk_block(type, src + col * row_bytes, b, u, &d16, &m16, ws, &wm);
+                for (int q = 0; q < 8; q++) {
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t v = u[4 * q + i];
+                        if (pk_nibbles(type)) {
+                            r[64 * (q % 4) + 4 * c + i] |= (uint8_t)((v & 15) << (q < 4 ? 0 : 4));
+                            if (type == T_Q5_0 && (v >> 4)) r[256 + 8 * q + (4 * c + i) / 8] |= (uint8_t)(1u << ((4 * c + i) % 8));
+                        } else {
+                            r[64 * q + 4 * c + i] = v;
+                        }
+                    }
+                }
+                if (type == T_Q4_K || type == T_Q6_K) {
+                    float *s = (float *)(r + at);
+                    s[c] = ws[0];
+                    s[16 + c] = type == T_Q6_K ? ws[1] : wm;
+                } else {
+                    uint16_t *s = (uint16_t *)(r + at);
+                    s[c] = d16;
+                    if (type == T_Q4_1) s[16 + c] = m16;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* One row of x prepared for the packed products: xh, xl (k bytes each), per 32-block its
+ * scale sx, float32 sum xs and integer sum sq of xq, and per 16-block sq16. */
+typedef struct {
+    int8_t *xh, *xl;
+    float *sx, *xs;
+    int32_t *sq, *sq16;
+} pk_row_t;
+
+static void pk_prepare_row(int kind, const char *x, long k, const pk_row_t *o) {
+    float v[32];
+    for (long b = 0; b < k / 32; b++) {
+        if (kind == KIND_F32) {
+            memcpy(v, (const float *)x + 32 * b, sizeof v);
+        } else {
+            const uint16_t *xb = (const uint16_t *)x + 32 * b;
+            for (int i = 0; i < 32; i++) v[i] = bf16_to_f32(xb[i]);
+        }
+        float amax = 0.0f, sum = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            const float a = fabsf(v[i]);
+            if (a > amax || a != a) amax = a; /* a NaN sticks */
+            sum += v[i];
+        }
+        const float inv = amax > 0.0f && amax <= 3.4e38f ? PK_XMAX / amax : 0.0f;
+        int32_t s0 = 0, s1 = 0;
+        for (int i = 0; i < 32; i++) {
+            float q = nearbyintf(v[i] * inv);
+            q = q > PK_XMAX ? PK_XMAX : (q < -PK_XMAX ? -PK_XMAX : q);
+            const int32_t xq = (int32_t)q;
+            o->xh[32 * b + i] = (int8_t)(xq >> 7); /* floor: xq = 128 xh + xl */
+            o->xl[32 * b + i] = (int8_t)(xq & 127);
+            if (i < 16)
+                s0 += xq;
+            else
+                s1 += xq;
+        }
+        o->sx[b] = amax / PK_XMAX; /* NaN / inf carried to the outputs */
+        o->xs[b] = sum;
+        o->sq[b] = s0 + s1;
+        o->sq16[2 * b] = s0;
+        o->sq16[2 * b + 1] = s1;
+    }
+}
+
+#if HAVE_AVX512 && defined(__AVX512VNNI__)
+#define PK_VNNI 1
+#ifndef PK_AHEAD
+#define PK_AHEAD 1024 /* bytes ahead of the record in use that the loop asks the memory for */
+#endif
+
+static inline __m512i pk_x4(const int8_t *p) { /* 4 bytes of x on every lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* nr rows (constant per instantiation) through one group of 16 columns: out[r * 16 + c] */
+static inline __attribute__((always_inline)) void pk_group512(int type, int nr, const uint8_t *rec0, long blocks,
+                                                               const pk_row_t *xr, float *out) {
+    const int rec = pk_record(type), at = pk_scales_at(type), off = pk_offset(type);
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512 acc[PK_ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        const uint8_t *rp = rec0 + b * rec;
+        for (int l = 0; l < rec; l += 64) _mm_prefetch((const char *)rp + PK_AHEAD + l, _MM_HINT_T0);
+        __m512i w[8];
+        if (pk_nibbles(type)) {
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512(rp + 64 * j);
+                w[j] = _mm512_and_si512(v, m4);
+                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            }
+            if (type == T_Q5_0) {
+                const __m512i sixteen = _mm512_set1_epi8(16);
+                for (int q = 0; q < 8; q++) {
+                    uint64_t mk;
+                    memcpy(&mk, rp + 256 + 8 * q, 8);
+                    w[q] = _mm512_or_si512(w[q], _mm512_maskz_mov_epi8((__mmask64)mk, sixteen));
+                }
+            }
+        } else {
+            for (int q = 0; q < 8; q++) w[q] = _mm512_loadu_si512(rp + 64 * q);
+        }
+        __m512 ws, wm = _mm512_setzero_ps();
+        if (type == T_Q4_K || type == T_Q6_K) {
+            ws = _mm512_loadu_ps(rp + at);
+            wm = _mm512_loadu_ps(rp + at + 64); /* Q6_K: the second 16-block's scales */
+        } else {
+            ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rp + at)));
+            if (type == T_Q4_1) wm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rp + at + 32)));
+        }
+        for (int r = 0; r < nr; r++) {
+            const int8_t *xh = xr[r].xh + 32 * b, *xl = xr[r].xl + 32 * b;
+            /* two chains: quads 0-3 (a) and 4-7 (c), each high bytes, times 128, low bytes */
+            __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
+            for (int q = 0; q < 4; q++) {
+                a = _mm512_dpbusd_epi32(a, w[q], pk_x4(xh + 4 * q));
+                c = _mm512_dpbusd_epi32(c, w[q + 4], pk_x4(xh + 16 + 4 * q));
+            }
+            a = _mm512_slli_epi32(a, 7);
+            c = _mm512_slli_epi32(c, 7);
+            for (int q = 0; q < 4; q++) {
+                a = _mm512_dpbusd_epi32(a, w[q], pk_x4(xl + 4 * q));
+                c = _mm512_dpbusd_epi32(c, w[q + 4], pk_x4(xl + 16 + 4 * q));
+            }
+            const __m512 sx = _mm512_set1_ps(xr[r].sx[b]);
+            if (type == T_Q6_K) {
+                a = _mm512_sub_epi32(a, _mm512_set1_epi32(off * xr[r].sq16[2 * b]));
+                c = _mm512_sub_epi32(c, _mm512_set1_epi32(off * xr[r].sq16[2 * b + 1]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(ws, sx), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(wm, sx), acc[r]);
+            } else {
+                a = _mm512_add_epi32(a, c);
+                if (off) a = _mm512_sub_epi32(a, _mm512_set1_epi32(off * xr[r].sq[b]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(ws, sx), acc[r]);
+                if (has_min(type)) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xr[r].xs[b]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + PK_COLS * r, acc[r]);
+}
+
+#define PK_CASE(T, N) \
+    case N: pk_group512(T, N, rec0, blocks, xr, out); break;
+#define PK_TYPE(T)                                                                                            \
+    static void pk_group_##T(int nr, const uint8_t *rec0, long blocks, const pk_row_t *xr, float *out) {      \
+        switch (nr) {                                                                                         \
+            PK_CASE(T, 1) PK_CASE(T, 2) PK_CASE(T, 3) PK_CASE(T, 4) PK_CASE(T, 5) PK_CASE(T, 6) PK_CASE(T, 7) \
+            PK_CASE(T, 8)                                                                                     \
+        }                                                                                                     \
+    }
+PK_TYPE(T_Q4_0)
+PK_TYPE(T_Q4_1)
+PK_TYPE(T_Q5_0)
+PK_TYPE(T_Q8_0)
+PK_TYPE(T_Q4_K)
+PK_TYPE(T_Q6_K)
+
+static void pk_group(int type, int nr, const uint8_t *rec0, long blocks, const pk_row_t *xr, float *out) {
+    switch (type) {
+    case T_Q4_0: pk_group_T_Q4_0(nr, rec0, blocks, xr, out); break;
+    case T_Q4_1: pk_group_T_Q4_1(nr, rec0, blocks, xr, out); break;
+    case T_Q5_0: pk_group_T_Q5_0(nr, rec0, blocks, xr, out); break;
+    case T_Q8_0: pk_group_T_Q8_0(nr, rec0, blocks, xr, out); break;
+    case T_Q4_K: pk_group_T_Q4_K(nr, rec0, blocks, xr, out); break;
+    default: pk_group_T_Q6_K(nr, rec0, blocks, xr, out); break;
+    }
+}
+#else
+#define PK_VNNI 0
+
+static inline float f16_bits(uint16_t h) {
+    const uint8_t p[2] = {(uint8_t)(h & 255), (uint8_t)(h >> 8)};
+    return f16_to_f32(p);
+}
+
+/* the packed products in plain C: the same integers, scales and per-block order */
+static void pk_group(int type, int nr, const uint8_t *rec0, long blocks, const pk_row_t *xr, float *out) {
+    const int rec = pk_record(type), at = pk_scales_at(type), off = pk_offset(type);
+    float acc[PK_ROWS][PK_COLS];
+    memset(acc, 0, sizeof acc);
+    for (long b = 0; b < blocks; b++) {
+        const uint8_t *rp = rec0 + b * rec;
+        for (int c = 0; c < PK_COLS; c++) {
+            int u[32];
+            for (int q = 0; q < 8; q++) {
+                for (int i = 0; i < 4; i++) {
+                    const int at_byte = 4 * c + i;
+                    int v;
+                    if (pk_nibbles(type)) {
+                        v = (rp[64 * (q % 4) + at_byte] >> (q < 4 ? 0 : 4)) & 15;
+                        if (type == T_Q5_0) v |= ((rp[256 + 8 * q + at_byte / 8] >> (at_byte % 8)) & 1) << 4;
+                    } else {
+                        v = rp[64 * q + at_byte];
+                    }
+                    u[4 * q + i] = v;
+                }
+            }
+            float ws, w2 = 0.0f, wm = 0.0f;
+            if (type == T_Q4_K || type == T_Q6_K) {
+                memcpy(&ws, rp + at + 4 * c, 4);
+                memcpy(type == T_Q6_K ? &w2 : &wm, rp + at + 64 + 4 * c, 4);
+            } else {
+                uint16_t h;
+                memcpy(&h, rp + at + 2 * c, 2);
+                ws = f16_bits(h);
+                if (type == T_Q4_1) {
+                    memcpy(&h, rp + at + 32 + 2 * c, 2);
+                    wm = f16_bits(h);
+                }
+            }
+            for (int r = 0; r < nr; r++) {
+                const int8_t *xh = xr[r].xh + 32 * b, *xl = xr[r].xl + 32 * b;
+                int32_t a = 0, cc = 0;
+                for (int i = 0; i < 16; i++) {
+                    a += u[i] * xh[i];
+                    cc += u[16 + i] * xh[16 + i];
+                }
+                a *= 128;
+                cc *= 128;
+                for (int i = 0; i < 16; i++) {
+                    a += u[i] * xl[i];
+                    cc += u[16 + i] * xl[16 + i];
+                }
+                const float sx = xr[r].sx[b];
+                if (type == T_Q6_K) {
+                    a -= off * xr[r].sq16[2 * b];
+                    cc -= off * xr[r].sq16[2 * b + 1];
+                    acc[r][c] += (float)a * (ws * sx);
+                    acc[r][c] += (float)cc * (w2 * sx);
+                } else {
+                    a = a + cc - off * xr[r].sq[b];
+                    acc[r][c] += (float)a * (ws * sx);
+                    if (has_min(type)) acc[r][c] += wm * xr[r].xs[b];
+                }
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) memcpy(out + PK_COLS * r, acc[r], sizeof acc[r]);
+}
+#endif
+
+/* Which path the packed products run: 1 AVX-512 VNNI, 0 plain C. */
+int kvb_qpack_path(void) { return PK_VNNI; }
+
+/* y[r, :] = x[r, :] W^T + b from packed segments (records: type, n, packed pointer, unused),
+ * as kvb_quant_matmul. 0 done, -1 a shape or type it does not take, -2 out of memory. */
+int kvb_qpack_matmul(int kind, long rows, long k, const void *x, long x_stride, void *y, long y_stride,
+                     const float *bias, int nseg, const int64_t *segs) {
+    const kvb_segment *seg = (const kvb_segment *)segs;
+    if (rows < 1 || nseg < 1 || (kind != KIND_F32 && kind != KIND_BF16)) return -1;
+    long n_total = 0, items = 0;
+    for (int s = 0; s < nseg; s++) {
+        if (!pk_takes((int)seg[s].type, k) || seg[s].n < 1) return -1;
+        n_total += seg[s].n;
+        items += (seg[s].n + PK_COLS - 1) / PK_COLS;
+    }
+    const long blocks = k / 32;
+    const size_t es = kind == KIND_F32 ? 4 : 2;
+    const size_t row_bytes = ((size_t)k * 2 + (size_t)blocks * 20 + 63) / 64 * 64;
+    char *buf = aligned_alloc(64, (size_t)rows * row_bytes);
+    pk_row_t *xr = malloc((size_t)rows * sizeof(pk_row_t));
+    long *item_seg = malloc((size_t)items * 3 * sizeof(long));
+    if (!buf || !xr || !item_seg) {
+        free(buf);
+        free(xr);
+        free(item_seg);
+        return -2;
+    }
+    for (long r = 0; r < rows; r++) {
+        char *base = buf + (size_t)r * row_bytes;
+        xr[r].xh = (int8_t *)base;
+        xr[r].xl = xr[r].xh + k;
+        xr[r].sx = (float *)(base + 2 * k);
+        xr[r].xs = xr[r].sx + blocks;
+        xr[r].sq = (int32_t *)(xr[r].xs + blocks);
+        xr[r].sq16 = xr[r].sq + blocks;
+    }
+    long it = 0, first = 0;
+    for (int s = 0; s < nseg; s++) { /* work items: (segment, group, its first output in y) */
+        for (long g = 0; g * PK_COLS < seg[s].n; g++, it++) {
+            item_seg[3 * it] = s;
+            item_seg[3 * it + 1] = g;
+            item_seg[3 * it + 2] = first + g * PK_COLS;
+        }
+        first += seg[s].n;
+    }
+    const double work = (double)rows * (double)k * (double)n_total;
+#pragma omp parallel if (work >= 262144.0)
+    {
+#pragma omp for schedule(static)
+        for (long r = 0; r < rows; r++) pk_prepare_row(kind, (const char *)x + (size_t)r * x_stride * es, k, &xr[r]);
+#pragma omp for schedule(dynamic, 2)
+        for (long i = 0; i < items; i++) {
+            const int s = (int)item_seg[3 * i];
+            const long g = item_seg[3 * i + 1], col0 = item_seg[3 * i + 2];
+            const int type = (int)seg[s].type;
+            const long valid = seg[s].n - g * PK_COLS < PK_COLS ? seg[s].n - g * PK_COLS : PK_COLS;
+            const uint8_t *rec0 = (const uint8_t *)(intptr_t)seg[s].w + (size_t)g * blocks * pk_record(type);
+            float out[PK_ROWS * PK_COLS];
+            for (long r0 = 0; r0 < rows; r0 += PK_ROWS) {
+                const int nr = (int)(rows - r0 < PK_ROWS ? rows - r0 : PK_ROWS);
+                pk_group(type, nr, rec0, blocks, xr + r0, out);
+                for (int r = 0; r < nr; r++) {
+                    for (long c = 0; c < valid; c++) {
+                        const float v = out[PK_COLS * r + c] + (bias ? bias[col0 + c] : 0.0f);
+                        if (kind == KIND_F32)
+                            ((float *)y)[(r0 + r) * y_stride + col0 + c] = v;
+                        else
+                            ((uint16_t *)y)[(r0 + r) * y_stride + col0 + c] = f32_to_bf16(v);
+                    }
+                }
+            }
+        }
+    }
+    free(buf);
+    free(xr);
+    free(item_seg);
+    return 0;
+}
