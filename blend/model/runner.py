@@ -957,32 +957,40 @@ class Runner:
             q, k, v = self.qkv(layer, h, cos, sin, lead)  # (T, H, D), (T, Hkv, D) x2
             window, final = self.windows[layer], layer == self.num_layers - 1
             parts: list[torch.Tensor] = []  # per item that goes on: its kept rows' attention output (T', H*D)
-            kept: list[torch.Tensor] = []  # ... and those rows' indices into h
+            kept: list[tuple[int, int, torch.Tensor | None]] = []  # ... and which rows of h those are (first, n, keep)
             decoding = []  # decode rows (CPU): q (Hkv, g, D) scaled float32, keys, values, bias, out (Hkv, g, D)
+            # the decode rows' outputs (lead, H*D), filled row by row; q scaled for the CPU kernel (lead, H, D)
+            decoded = q.new_empty((lead, self.num_heads * self.head_dim))
+            scaled = q[:lead].float() * self.scaling if lead and self.device.type == "cpu" else None
             a = 0
             for w in live:
                 n = w.rows
                 try:
                     if w.decode:
-                        part = self._decode_row(w, layer, q[a], k[a:a + 1], v[a:a + 1], window, decoding)
+                        part = self._decode_row(w, layer, q[a], k[a:a + 1], v[a:a + 1], window, decoding,
+                                                decoded[a:a + 1], scaled[a] if scaled is not None else None)
                         keep = None
                     else:
                         part, keep = self._rows(w, layer, q[a:a + n], k[a:a + n], v[a:a + n], window, final)
                 except Exception as err:  # noqa: BLE001 - this item fails alone; the step goes on
                     w.error, part = err, None
                 if part is not None:
-                    parts.append(part)
-                    kept.append(torch.arange(a, a + n) if keep is None else keep + a)
+                    kept.append((a, n, keep))
+                    if not w.decode:
+                        parts.append(part)
                 w.keep(keep)
                 a += n
+            went_on = [i for i in range(lead) if live[i].error is None]  # decode rows (first in `live`)
+            if went_on:
+                parts[:0] = [decoded] if len(went_on) == lead else [decoded[i:i + 1] for i in went_on]
             if decoding and not native_decode_attention_batch(decoding):  # one call for every decode row
                 for qd, keys, values, bias, od in decoding:
                     cpu_decode_attention(qd, keys, values, bias, out=od)
             if not parts:
                 members = []
                 continue
-            rows = torch.cat(kept)
-            if rows.numel() < h.shape[0]:
+            if any(keep is not None for _, _, keep in kept) or sum(n for _, n, _ in kept) < h.shape[0]:
+                rows = torch.cat([torch.arange(a, a + n) if keep is None else keep + a for a, n, keep in kept])
                 h, members = h[rows.to(self.device)], []  # rows dropped: gathered again next layer
             h = self.finish(layer, h, _joined(parts), lead)
             b = 0
@@ -992,18 +1000,19 @@ class Runner:
         return self._outputs(work)
 
     def _decode_row(self, w: _Item, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    window: int | None, decoding: list) -> torch.Tensor:
-        """A decode row at `layer`: q (H, D), k and v (1, Hkv, D) -> its output (1, H*D) (on a CPU filled
-        by the batched decode kernel after every item is seen: `decoding`)."""
+                    window: int | None, decoding: list, part: torch.Tensor, scaled: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """A decode row at `layer`: q (H, D), k and v (1, Hkv, D) -> its output `part` (1, H*D) (on a CPU
+        filled by the batched decode kernel after every item is seen: `decoding`, from q already scaled
+        in float32, `scaled` (H, D))."""
         cache, p = w.cache, w.start
         cache.put(layer, p, k.transpose(0, 1), v.transpose(0, 1))
         lo = 0 if window is None else max(0, p - window + 1)
         keys, values = cache.window(layer, lo, p + 1)  # (Hkv, p + 1 - lo, D)
         bias = cache.window_bias(layer, lo, p + 1)
-        part = q.new_empty((1, self.num_heads * self.head_dim))
         if self.device.type == "cpu":
             hkv, d = self.kv_heads, self.head_dim
-            qd = (q.float() * self.scaling).view(hkv, self.num_heads // hkv, d)  # (Hkv, g, D)
+            qd = scaled.view(hkv, self.num_heads // hkv, d)  # (Hkv, g, D)
             decoding.append((qd, keys, values, bias, part[0].view(hkv, self.num_heads // hkv, d)))
         else:
             decode_attention(q, keys, values, self.scaling, bias, out=part[0])
