@@ -318,9 +318,10 @@ class SchedulerSettings:
     # the decode rows alone (the gap between a stream's tokens while others prefill; the scheduler
     # measures both); null: only `prefill_chunk_tokens` bounds it
     step_stretch: Annotated[float, Field(gt=1.0)] | None = 6.0
-    # a request's answer never depends on what else runs (every row's numbers its own): under `weights:
-    # auto` the linear layers then read the dense weights at every row count (a GGUF's blocks for small
-    # steps only would make a decode row's bits depend on the batch); false: blocks for steps of few rows
+    # a request's answer never depends on what else runs (every row's numbers its own). With AVX-512 VNNI
+    # decode rows read a GGUF's packed blocks at every batch size and this costs nothing; elsewhere `weights:
+    # auto` then reads the dense weights at every row count (the unpacked blocks for small steps only would
+    # make a decode row's bits depend on the batch); false: blocks for steps of few rows there
     batch_invariant: bool = True
 
 

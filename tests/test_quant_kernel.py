@@ -323,3 +323,40 @@ def test_bench_decode_reports_the_weights_read_and_resident(fresh_kernel):
         assert step_weight_bytes(runner, 8) == sum(lin.dense_read_bytes() for lin in runner.projections.linears())
     assert held["blocks"] == blocks
     assert held["total"] == held["model"] + held["dense_copies"] + blocks + held["packed_blocks"]
+
+
+def test_decode_rows_read_the_packed_blocks_and_keep_their_bits_beside_other_rows(fresh_kernel):
+    """bfloat16 `weights: auto` with packed blocks: a decode row's logits and K/V are the same bits alone,
+    beside other decode rows and beside a prefill chunk (whose rows read the dense weights); they come
+    from the blocks (not the dense weights' numbers)."""
+    from blend.model.runner import Rows
+
+    lm = load_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16", weights="auto")
+    runner = Runner(lm)
+    if not runner.projections.layers[0].qkv.by_row_kind:
+        pytest.skip("the packed products run natively with AVX-512 VNNI only")
+    g = torch.Generator().manual_seed(0)
+
+    def filled(seed: int, n: int):
+        cache = runner.new_cache(64)
+        runner.prefill(torch.randint(100, 5000, (n,), generator=torch.Generator().manual_seed(seed)), cache,
+                       logit_rows=())
+        return cache
+
+    def decode_item(seed: int) -> Rows:
+        cache = filled(seed, 20 + seed)
+        return Rows(torch.tensor([1000 + seed]), cache, cache.length)
+
+    def chunk_item() -> Rows:
+        cache = filled(99, 24)
+        return Rows(torch.randint(100, 5000, (14,), generator=g), cache, 24)
+
+    alone = runner.forward([decode_item(0)])[0].logits
+    for others in ([chunk_item()], [decode_item(1), decode_item(2)], [chunk_item(), decode_item(3), chunk_item()]):
+        items = [others[0], decode_item(0), *others[1:]]  # the subject second: forward puts decode rows first
+        out = runner.forward(items)
+        assert torch.equal(out[1].logits, alone), f"beside {len(others)} other items"
+        assert all(o.error is None for o in out)
+    dense = Runner(lm, weights="dequantized").forward([decode_item(0)])[0].logits
+    assert not torch.equal(dense, alone)  # the dense weights give other bits: these came from the blocks
+    assert (dense.float().softmax(-1) - alone.float().softmax(-1)).abs().max() < 0.05
