@@ -18,7 +18,13 @@ import torch
 
 from blend.model import native
 from blend.model.loading import cpu_flags, load_model
-from blend.model.native import native_qpack, native_qpack_matmul, native_quant_matmul, quant_kernel, quant_kernel_path
+from blend.model.native import (
+    native_qpack,
+    native_qpack_matmul,
+    native_quant_matmul,
+    quant_kernel,
+    quant_kernel_path,
+)
 from blend.model.projections import Linear, QuantizedProduct, product, projections_for
 from blend.model.quantized import BLOCK_TYPES, QuantizedMatrix
 from blend.model.runner import Runner
