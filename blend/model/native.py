@@ -107,6 +107,8 @@ QUANT = KernelSpec("quantized product kernel", KERNEL_DIR / "quant_matmul.c", (
     ("kvb_qpack", (_INT, _LONG, _LONG, _PTR, _LONG, _PTR)),  # type, n, k, blocks, row bytes, packed
     ("kvb_qpack_matmul", (_INT, _LONG, _LONG, _PTR, _LONG, _PTR, _LONG, _PTR, _INT, _PTR)),  # as kvb_quant_matmul
     ("kvb_qpack_path", ()),
+    ("kvb_qdecode_layer", (_INT, _LONG, _PTR, ctypes.c_float, ctypes.c_float, ctypes.c_float,  # kind..scaling
+                           _PTR, _LONG, _PTR, _PTR, _LONG, _PTR, _PTR, _LONG)),  # h, rope, rows, out
 ))
 SOURCE = DECODE.source
 

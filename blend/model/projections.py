@@ -87,6 +87,11 @@ class QuantizedProduct:
         """Bytes the products read a call (the packed records where packed, else the blocks)."""
         return sum(p.numel() for p in self._packs) if self.packed else sum(m.nbytes for m in self.matrices)
 
+    def table(self) -> tuple[int, int, int]:
+        """(segments, the kernel's segment table's address, the float32 bias's address or 0): what
+        a native caller of the product passes (kernels/quant_matmul.c; valid while this lives)."""
+        return len(self.matrices), self._segments_at, self._bias_at or 0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, in) float32 or bfloat16 -> (T, out) in x's dtype; does not modify x. Each
         output row depends on its own x row only (bitwise, whatever T and the threads)."""

@@ -61,6 +61,7 @@ from blend.model.attention import (
     window_plan,
 )
 from blend.model.cache import KVCache
+from blend.model.decode_layer import DecodeLayer
 from blend.model.loading import LoadedModel
 from blend.model.native import (
     blend_kernel,
@@ -488,6 +489,14 @@ class Runner:
         # `weights`: the policy for a GGUF's blocks (None: the one the model was loaded with)
         self.projections: Projections | None = projections_for(lm.model, lm.blocks, weights or lm.weights)
         self.qk_norm = getattr(self.layers[0].self_attn, "q_norm", None) is not None  # Qwen3, Gemma 3
+        # decode rows of a layer whose products read packed blocks (Llama-style): the whole layer in one
+        # native call (None: the torch ops below)
+        self.decode_layers: tuple[DecodeLayer | None, ...] = tuple(
+            DecodeLayer.build(self.layers[i], self.projections.layers[i], heads=self.num_heads,
+                              kv_heads=self.kv_heads, head_dim=self.head_dim, scaling=self.scaling, dtype=self.dtype,
+                              window=self.windows[i], sandwich=self.sandwich, qk_norm=self.qk_norm)
+            if self.projections is not None and self.device.type == "cpu" else None
+            for i in range(self.num_layers))
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's cos/sin (P, D) by position
         # CPU: the native kernels, built (once per machine) or loaded now, not inside the first request;
         # `native_blend`: query rows other than a plain causal block go through the blend kernel
@@ -954,50 +963,74 @@ class Runner:
                 for w in live:
                     w.moved = False
             lead = sum(w.decode for w in live)  # decode rows come first (`order`)
-            q, k, v = self.qkv(layer, h, cos, sin, lead)  # (T, H, D), (T, Hkv, D) x2
-            window, final = self.windows[layer], layer == self.num_layers - 1
-            parts: list[torch.Tensor] = []  # per item that goes on: its kept rows' attention output (T', H*D)
-            kept: list[tuple[int, int, torch.Tensor | None]] = []  # ... and which rows of h those are (first, n, keep)
-            decoding = []  # decode rows (CPU): q (Hkv, g, D) scaled float32, keys, values, bias, out (Hkv, g, D)
-            # the decode rows' outputs (lead, H*D), filled row by row; q scaled for the CPU kernel (lead, H, D)
-            decoded = q.new_empty((lead, self.num_heads * self.head_dim))
-            scaled = q[:lead].float() * self.scaling if lead and self.device.type == "cpu" else None
-            a = 0
-            for w in live:
-                n = w.rows
-                try:
-                    if w.decode:
-                        part = self._decode_row(w, layer, q[a], k[a:a + 1], v[a:a + 1], window, decoding,
-                                                decoded[a:a + 1], scaled[a] if scaled is not None else None)
-                        keep = None
-                    else:
-                        part, keep = self._rows(w, layer, q[a:a + n], k[a:a + n], v[a:a + n], window, final)
-                except Exception as err:  # noqa: BLE001 - this item fails alone; the step goes on
-                    w.error, part = err, None
-                if part is not None:
-                    kept.append((a, n, keep))
-                    if not w.decode:
-                        parts.append(part)
-                w.keep(keep)
-                a += n
-            went_on = [i for i in range(lead) if live[i].error is None]  # decode rows (first in `live`)
-            if went_on:
-                parts[:0] = [decoded] if len(went_on) == lead else [decoded[i:i + 1] for i in went_on]
-            if decoding and not native_decode_attention_batch(decoding):  # one call for every decode row
-                for qd, keys, values, bias, od in decoding:
-                    cpu_decode_attention(qd, keys, values, bias, out=od)
-            if not parts:
-                members = []
-                continue
-            if any(keep is not None for _, _, keep in kept) or sum(n for _, n, _ in kept) < h.shape[0]:
-                rows = torch.cat([torch.arange(a, a + n) if keep is None else keep + a for a, n, keep in kept])
-                h, members = h[rows.to(self.device)], []  # rows dropped: gathered again next layer
-            h = self.finish(layer, h, _joined(parts), lead)
-            b = 0
-            for w in live:
-                if w.error is None and w.rows:
-                    w.h, b = h[b:b + w.rows], b + w.rows
+            fused = self.decode_layers[layer] if lead else None
+            if fused is not None and all(fused.takes(w.cache, layer) for w in live[:lead]):
+                # the decode rows' whole layer in one native call (`DecodeLayer`), the others as below
+                hd = fused(h[:lead], cos[:lead], sin[:lead], [(w.cache, w.start) for w in live[:lead]], layer)
+                for i, w in enumerate(live[:lead]):
+                    w.h = hd[i:i + 1]
+                if lead == len(live):
+                    h = hd
+                    continue
+                rest, same = self._layer(layer, live[lead:], h[lead:], cos[lead:], sin[lead:], 0)
+                h = torch.cat([hd, rest]) if same else h
+            else:
+                h, same = self._layer(layer, live, h, cos, sin, lead)
+            if not same:
+                members = []  # rows dropped or failed: gathered again next layer
         return self._outputs(work)
+
+    def _layer(self, layer: int, live: list[_Item], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               lead: int) -> tuple[torch.Tensor, bool]:
+        """`layer` for the rows h (T, hidden) of the items `live` (in that order; the first `lead`
+        rows decode rows) at their RoPE rows cos, sin: their K/V written, attention per item, the
+        linear layers once over all rows; each item that goes on gets its rows' new hidden states
+        (`h`). Returns the new h of every row of `live` and True, or (h, False) where some rows
+        were dropped or an item failed (the rows are then gathered again from the items)."""
+        q, k, v = self.qkv(layer, h, cos, sin, lead)  # (T, H, D), (T, Hkv, D) x2
+        window, final = self.windows[layer], layer == self.num_layers - 1
+        parts: list[torch.Tensor] = []  # per item that goes on: its kept rows' attention output (T', H*D)
+        kept: list[tuple[int, int, torch.Tensor | None]] = []  # ... and which rows of h those are (first, n, keep)
+        decoding = []  # decode rows (CPU): q (Hkv, g, D) scaled float32, keys, values, bias, out (Hkv, g, D)
+        # the decode rows' outputs (lead, H*D), filled row by row; q scaled for the CPU kernel (lead, H, D)
+        decoded = q.new_empty((lead, self.num_heads * self.head_dim))
+        scaled = q[:lead].float() * self.scaling if lead and self.device.type == "cpu" else None
+        a = 0
+        for w in live:
+            n = w.rows
+            try:
+                if w.decode:
+                    part = self._decode_row(w, layer, q[a], k[a:a + 1], v[a:a + 1], window, decoding,
+                                            decoded[a:a + 1], scaled[a] if scaled is not None else None)
+                    keep = None
+                else:
+                    part, keep = self._rows(w, layer, q[a:a + n], k[a:a + n], v[a:a + n], window, final)
+            except Exception as err:  # noqa: BLE001 - this item fails alone; the step goes on
+                w.error, part = err, None
+            if part is not None:
+                kept.append((a, n, keep))
+                if not w.decode:
+                    parts.append(part)
+            w.keep(keep)
+            a += n
+        went_on = [i for i in range(lead) if live[i].error is None]  # decode rows (first in `live`)
+        if went_on:
+            parts[:0] = [decoded] if len(went_on) == lead else [decoded[i:i + 1] for i in went_on]
+        if decoding and not native_decode_attention_batch(decoding):  # one call for every decode row
+            for qd, keys, values, bias, od in decoding:
+                cpu_decode_attention(qd, keys, values, bias, out=od)
+        if not parts:
+            return h, False
+        same = True
+        if any(keep is not None for _, _, keep in kept) or sum(n for _, n, _ in kept) < h.shape[0]:
+            rows = torch.cat([torch.arange(a, a + n) if keep is None else keep + a for a, n, keep in kept])
+            h, same = h[rows.to(self.device)], False  # rows dropped: gathered again next layer
+        h = self.finish(layer, h, _joined(parts), lead)
+        b = 0
+        for w in live:
+            if w.error is None and w.rows:
+                w.h, b = h[b:b + w.rows], b + w.rows
+        return h, same
 
     def _decode_row(self, w: _Item, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     window: int | None, decoding: list, part: torch.Tensor, scaled: torch.Tensor | None

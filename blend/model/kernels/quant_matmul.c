@@ -1037,3 +1037,181 @@ int kvb_qpack_matmul(int kind, long rows, long k, const void *x, long x_stride, 
     free(item_seg);
     return 0;
 }
+
+/* ------------------------------------------------------------------------ a decode layer
+ *
+ * One decoder layer of a Llama-style model (RMS norms, Q/K/V with RoPE, grouped-query
+ * attention over the sequence's cache, output projection, SiLU-gated MLP) for a few decode
+ * rows in one call: the four products from packed segments (kvb_qpack_matmul), the attention
+ * by the decode kernel (kvb_decode_attention_batch of decode_attention.c, whose address the
+ * caller gives in the layer's record), everything between them here, on the calling thread
+ * (a few thousand elements a row). It is the same arithmetic as the runner's torch ops for
+ * these rows, rounding to the compute dtype where those hold a tensor of it (bfloat16: the
+ * norm's output, q/k after RoPE, each product, the residual sums, silu and its product), in
+ * float32 between: not the same bits (sums run in another order), but each row's bits are its
+ * own whatever else shares the call (every stage is per row, the products and the attention
+ * are batch-invariant). What it saves is the crossings: ~20 tensor ops a layer from Python.
+ */
+
+typedef int (*kvb_attention_fn)(int kind, int hkv, int g, int d, int n, const int64_t *seqs);
+
+/* The layer, as 64-bit integers (pointers included) in one array the caller builds once:
+ * sizes, the two norms' weights (hidden, in the compute dtype), each product's segment
+ * count, kvb_segment table and float32 bias (0: none), and the attention function. */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    int64_t norm1, norm2;
+    int64_t qkv_n, qkv_segs, qkv_bias, o_n, o_segs, o_bias, gu_n, gu_segs, gu_bias, down_n, down_segs, down_bias;
+    int64_t attention;
+} kvb_layer;
+
+/* One decode row's cache at this layer: its position, the first key it attends (a window's
+ * start), the layer's K and V (kv_heads, capacity, head_dim) in the compute dtype with their
+ * strides in elements, and the layer's bias (kv_heads, capacity) float32 (0: none). */
+typedef struct {
+    int64_t pos, lo, k, v, k_head, k_row, v_head, v_row, bias, bias_head;
+} kvb_drow;
+
+static inline float dl_get(int kind, const void *p, long i) {
+    return kind == KIND_F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline float dl_round(int kind, float v) { return kind == KIND_F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
+
+static inline void dl_put(int kind, void *p, long i, float v) {
+    if (kind == KIND_F32)
+        ((float *)p)[i] = v;
+    else
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+}
+
+/* dst = w * (x * rsqrt(mean(x^2) + eps)): float32 throughout for float32 (F.rms_norm with its
+ * weight); for bfloat16 the normalized row rounded, then times the weight, rounded (as the
+ * transformers module computes it). */
+static void dl_norm(int kind, long n, const void *x, const void *w, float eps, void *dst) {
+    double ss = 0.0;
+    for (long i = 0; i < n; i++) {
+        const float v = dl_get(kind, x, i);
+        ss += (double)v * v;
+    }
+    const float s = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (long i = 0; i < n; i++) {
+        const float v = dl_get(kind, x, i) * s;
+        dl_put(kind, dst, i, dl_round(kind, v) * dl_get(kind, w, i));
+    }
+}
+
+/* x (d) rotated: x cos + roll(x, d / 2) sin_signed, x cos rounded first (as `rotate`). */
+static void dl_rope(int kind, int d, const void *x, const void *c, const void *s, float *out) {
+    for (int j = 0; j < d; j++) {
+        const float a = dl_round(kind, dl_get(kind, x, j) * dl_get(kind, c, j));
+        out[j] = dl_round(kind, a + dl_get(kind, x, (j + d / 2) % d) * dl_get(kind, s, j));
+    }
+}
+
+/* The layer for `rows` decode rows: h (rows, hidden) in, out (rows, hidden) the layer's output
+ * (both in the compute dtype `kind`, rows `h_stride` / `out_stride` apart); cos, sin_signed
+ * (rows, head_dim) the rows' RoPE (`rope_stride` apart); drows (rows, 10) kvb_drow records.
+ * Each row's k and v are written into its cache at its position (its bias there cleared)
+ * before its attention reads positions lo..pos. 0 done; -1 a shape the kernels do not take;
+ * -2 out of memory. */
+int kvb_qdecode_layer(int kind, long rows, const int64_t *layer, float eps1, float eps2, float scaling,
+                      const void *h, long h_stride, const void *cos, const void *sin, long rope_stride,
+                      const int64_t *drows, void *out, long out_stride) {
+    const kvb_layer *L = (const kvb_layer *)layer;
+    const kvb_drow *R = (const kvb_drow *)drows;
+    if (rows < 1 || (kind != KIND_F32 && kind != KIND_BF16)) return -1;
+    const long hid = L->hidden, nh = L->heads, nkv = L->kv_heads, d = L->head_dim, inter = L->inter;
+    if (nkv < 1 || nh % nkv || d < 2 || d % 2 || d > 256) return -1;
+    const long g = nh / nkv, wq = nh * d, wqkv = (nh + 2 * nkv) * d;
+    const size_t es = kind == KIND_F32 ? 4 : 2;
+    const size_t sizes[] = {rows * hid * es, rows * wqkv * es, rows * wq * 4, rows * wq * es, rows * hid * es,
+                            rows * 2 * inter * es, rows * inter * es, rows * hid * es, rows * 13 * 8};
+    size_t total = 0, at[9];
+    for (int i = 0; i < 9; i++) {
+        at[i] = total;
+        total += (sizes[i] + 63) / 64 * 64;
+    }
+    char *arena = aligned_alloc(64, total);
+    if (!arena) return -2;
+    char *x = arena + at[0], *qkv = arena + at[1], *att = arena + at[3], *h1 = arena + at[4];
+    char *gu = arena + at[5], *m = arena + at[6], *dn = arena + at[7];
+    float *qs = (float *)(arena + at[2]);
+    int64_t *seqs = (int64_t *)(arena + at[8]);
+    int rc = 0;
+    const char *hb = (const char *)h;
+    for (long r = 0; r < rows; r++)
+        dl_norm(kind, hid, hb + (size_t)r * h_stride * es, (const void *)(intptr_t)L->norm1, eps1, x + r * hid * es);
+    rc = kvb_qpack_matmul(kind, rows, hid, x, hid, qkv, wqkv, (const float *)(intptr_t)L->qkv_bias, (int)L->qkv_n,
+                          (const int64_t *)(intptr_t)L->qkv_segs);
+    if (rc) goto done;
+    for (long r = 0; r < rows; r++) { /* RoPE; q scaled for the kernel; k, v into the cache */
+        const kvb_drow *D = &R[r];
+        const char *row = qkv + r * wqkv * es;
+        const char *c = (const char *)cos + (size_t)r * rope_stride * es, *s = (const char *)sin + (size_t)r * rope_stride * es;
+        float rot[256];
+        for (long i = 0; i < nh; i++) {
+            dl_rope(kind, (int)d, row + i * d * es, c, s, rot);
+            for (long j = 0; j < d; j++) qs[r * wq + i * d + j] = rot[j] * scaling;
+        }
+        for (long i = 0; i < nkv; i++) {
+            dl_rope(kind, (int)d, row + (nh + i) * d * es, c, s, rot);
+            char *kd = (char *)(intptr_t)D->k + (size_t)(i * D->k_head + D->pos * D->k_row) * es;
+            char *vd = (char *)(intptr_t)D->v + (size_t)(i * D->v_head + D->pos * D->v_row) * es;
+            for (long j = 0; j < d; j++) dl_put(kind, kd, j, rot[j]);
+            memcpy(vd, row + (nh + nkv + i) * d * es, (size_t)d * es);
+            if (D->bias) ((float *)(intptr_t)D->bias)[i * D->bias_head + D->pos] = 0.0f;
+        }
+        int64_t *S = seqs + 13 * r; /* decode_attention.c's kvb_seq */
+        S[0] = (int64_t)(intptr_t)(qs + r * wq);
+        S[1] = D->k + D->lo * D->k_row * (int64_t)es;
+        S[2] = D->v + D->lo * D->v_row * (int64_t)es;
+        S[3] = D->bias ? D->bias + D->lo * 4 : 0;
+        S[4] = (int64_t)(intptr_t)(att + r * wq * es);
+        S[5] = D->pos + 1 - D->lo;
+        S[6] = D->k_head;
+        S[7] = D->k_row;
+        S[8] = D->v_head;
+        S[9] = D->v_row;
+        S[10] = D->bias_head;
+        S[11] = g * d;
+        S[12] = d;
+        if (S[5] < 1) {
+            rc = -1;
+            goto done;
+        }
+    }
+    rc = ((kvb_attention_fn)(intptr_t)L->attention)(kind, (int)nkv, (int)g, (int)d, (int)rows, seqs);
+    if (rc) goto done;
+    rc = kvb_qpack_matmul(kind, rows, wq, att, wq, h1, hid, (const float *)(intptr_t)L->o_bias, (int)L->o_n,
+                          (const int64_t *)(intptr_t)L->o_segs);
+    if (rc) goto done;
+    for (long r = 0; r < rows; r++) { /* the attention's residual, then the MLP's norm */
+        const char *hr = hb + (size_t)r * h_stride * es;
+        char *h1r = h1 + r * hid * es;
+        for (long j = 0; j < hid; j++) dl_put(kind, h1r, j, dl_get(kind, hr, j) + dl_get(kind, h1r, j));
+        dl_norm(kind, hid, h1r, (const void *)(intptr_t)L->norm2, eps2, x + r * hid * es);
+    }
+    rc = kvb_qpack_matmul(kind, rows, hid, x, hid, gu, 2 * inter, (const float *)(intptr_t)L->gu_bias, (int)L->gu_n,
+                          (const int64_t *)(intptr_t)L->gu_segs);
+    if (rc) goto done;
+    for (long r = 0; r < rows; r++) { /* silu(gate) * up */
+        const char *gr = gu + r * 2 * inter * es;
+        for (long j = 0; j < inter; j++) {
+            const float a = dl_get(kind, gr, j);
+            const float act = dl_round(kind, a / (1.0f + expf(-a)));
+            dl_put(kind, m + r * inter * es, j, act * dl_get(kind, gr, inter + j));
+        }
+    }
+    rc = kvb_qpack_matmul(kind, rows, inter, m, inter, dn, hid, (const float *)(intptr_t)L->down_bias,
+                          (int)L->down_n, (const int64_t *)(intptr_t)L->down_segs);
+    if (rc) goto done;
+    for (long r = 0; r < rows; r++) {
+        const char *h1r = h1 + r * hid * es, *dr = dn + r * hid * es;
+        char *o = (char *)out + (size_t)r * out_stride * es;
+        for (long j = 0; j < hid; j++) dl_put(kind, o, j, dl_get(kind, h1r, j) + dl_get(kind, dr, j));
+    }
+done:
+    free(arena);
+    return rc;
+}
