@@ -36,13 +36,14 @@ class DecodeLayer:
     layer is not one it runs)."""
 
     def __init__(self, table: torch.Tensor, eps: tuple[float, float], scaling: float, dtype: torch.dtype,
-                 hidden: int, keep: tuple[object, ...]):
+                 hidden: int, keep: tuple[object, ...], linears: tuple[Linear, ...]):
         self.table = table  # (20,) int64: the kernel's kvb_layer record
         self.eps = eps
         self.scaling = scaling
         self.dtype = dtype
         self.hidden = hidden
         self._keep = keep  # what the table points into (norm weights, products)
+        self.linears = linears
         self._call = quant_kernel().kvb_qdecode_layer
 
     @classmethod
@@ -75,7 +76,12 @@ class DecodeLayer:
         table.append(ctypes.cast(attention.kvb_decode_attention_batch, ctypes.c_void_p).value)
         eps = tuple(float(n.variance_epsilon) for n in norms)
         return cls(torch.tensor(table, dtype=torch.int64), eps, float(scaling), dtype, hidden,
-                   (weights, tuple(lin.quantized for lin in linears)))
+                   (weights, tuple(lin.quantized for lin in linears)), tuple(linears))
+
+    def on(self) -> bool:
+        """Whether the layer's products still read the blocks for decode rows (their policy may be
+        changed after the runner is built: `dequantized` then turns this off)."""
+        return all(lin.policy != "dequantized" for lin in self.linears)
 
     def takes(self, cache: KVCache, layer: int) -> bool:
         """Whether a decode row on `cache` can run this layer here: the layer is not a ring, its

@@ -964,7 +964,7 @@ class Runner:
                     w.moved = False
             lead = sum(w.decode for w in live)  # decode rows come first (`order`)
             fused = self.decode_layers[layer] if lead else None
-            if fused is not None and all(fused.takes(w.cache, layer) for w in live[:lead]):
+            if fused is not None and fused.on() and all(fused.takes(w.cache, layer) for w in live[:lead]):
                 # the decode rows' whole layer in one native call (`DecodeLayer`), the others as below
                 hd = fused(h[:lead], cos[:lead], sin[:lead], [(w.cache, w.start) for w in live[:lead]], layer)
                 for i, w in enumerate(live[:lead]):
