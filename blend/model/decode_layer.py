@@ -51,13 +51,14 @@ class DecodeLayer:
               head_dim: int, scaling: float, dtype: torch.dtype, window: int | None,
               sandwich: bool, qk_norm: bool) -> DecodeLayer | None:
         """The layer's `DecodeLayer`, or None where it is not one the kernel runs (see the module doc)."""
-        lib, attention = quant_kernel(), decode_kernel()
-        if (lib is None or attention is None or proj is None or proj.mlp is None or sandwich or qk_norm
-                or window is not None or dtype not in KINDS):
+        if proj is None or proj.mlp is None or sandwich or qk_norm or window is not None or dtype not in KINDS:
             return None
         linears: list[Linear] = [proj.qkv, proj.o, proj.mlp.gate_up, proj.mlp.down]
         if any(lin.policy not in ("auto", "quantized") or lin.quantized is None or not lin.quantized.packed
                for lin in linears):
+            return None
+        lib, attention = quant_kernel(), decode_kernel()  # (built already: the products are packed)
+        if lib is None or attention is None:
             return None
         norms = (block.input_layernorm, block.post_attention_layernorm)
         if (any(type(n).__name__ not in PLAIN_NORMS or n.weight.dtype != dtype for n in norms)
