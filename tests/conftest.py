@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
+import blend.model  # noqa: E402,F401 - before any float32 product: MKL's strict mode (blend.model.mkl)
+
 
 def _free_port() -> int:
     """A free loopback port whose cluster bus port (port + 10000) is free too."""

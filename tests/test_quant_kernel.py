@@ -301,13 +301,23 @@ def test_the_llama_cpp_peer_is_run_and_read(tmp_path):
     fake.chmod(0o755)
     check_peer(str(fake))
     rows = run_llama_bench(str(fake), tmp_path / "m.gguf", (1024, 4096), 2, 16, 3)
-    assert [(r.context_tokens, r.ms_per_token, r.tokens_per_s) for r in rows] == [(1024, 10.0, 100.0), (4096, 20.0, 50.0)]
+    assert [(r.context_tokens, r.ms_per_token, r.tokens_per_s, r.repack) for r in rows] == [(1024, 10.0, 100.0, True),
+                                                                                         (4096, 20.0, 50.0, True)]
     assert (tmp_path / "args").read_text().split() == ["-m", str(tmp_path / "m.gguf"), "-t", "2", "-p", "0", "-n", "16",
                                                        "-d", "1024,4096", "-fa", "1", "-r", "3", "-o", "json"]
     with pytest.raises(ValueError, match="not an executable"):
         check_peer(str(tmp_path / "m.gguf"))
     fake.write_text("#!/bin/sh\necho 'model not found' >&2\nexit 3\n")
     with pytest.raises(ValueError, match="exited 3: model not found"):
+        run_llama_bench(str(fake), tmp_path / "m.gguf", (1024,), 2, 16, 3)
+    # a build whose extra weight layouts die with SIGILL: run again with --repack 0, the rows marked
+    fake.write_text('#!/bin/sh\ncase "$*" in *"--repack 0"*) ;; *) kill -ILL $$ ;; esac\n'
+                    'echo \'[{"n_depth": 1024, "n_threads": 2, "n_gen": 16, "avg_ns": 160000000, "avg_ts": 100.0, '
+                    '"stddev_ts": 1.5}]\'\n')
+    rows = run_llama_bench(str(fake), tmp_path / "m.gguf", (1024,), 2, 16, 3)
+    assert [(r.ms_per_token, r.repack) for r in rows] == [(10.0, False)]
+    fake.write_text("#!/bin/sh\nkill -ILL $$\n")
+    with pytest.raises(ValueError, match="exited -4"):
         run_llama_bench(str(fake), tmp_path / "m.gguf", (1024,), 2, 16, 3)
     fake.write_text("#!/bin/sh\necho '| markdown |'\n")
     with pytest.raises(ValueError, match="JSON"):

@@ -207,3 +207,42 @@ def test_documents_in_one_step_equal_one_prefill_each_bitwise(start, dtype):
         for layer in range(runner.num_layers):
             assert torch.equal(cache.k[layer][:, start:], alone.k[layer][:, start:])
             assert torch.equal(cache.v[layer][:, start:], alone.v[layer][:, start:])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefill_s_pieces_through_sdpa_equal_the_blend_kernel(dtype):
+    """`sdpa_tails` (on by itself where bfloat16 SDPA runs on AMX): a prefill cut into pieces sends
+    each piece after the first, contiguous rows ending at the last key, through SDPA (`tail`), not
+    the blend kernel: the same logits within the dtype's rounding, on any CPU (the switch forced)."""
+    from blend.model.loading import load_model
+
+    lm = load_model("random:tiny", device="cpu", dtype=dtype)
+    ids = torch.randint(0, 1000, (45,), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for tails in (False, True):
+        runner = Runner(lm)
+        runner.chunk_tokens, runner.sdpa_tails = 16, tails
+        runner.strategies.clear()
+        out[tails] = runner.prefill(ids, runner.new_cache(45), logit_rows=range(45)).float()
+        assert runner.strategies["tail" if tails else "native"] == (2 * runner.num_layers if tails or
+                                                                    runner.native_blend else 0)
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    assert (out[True] - out[False]).abs().max() < tol * out[False].abs().max()
+
+
+def test_float32_products_rows_do_not_depend_on_their_batch():
+    """MKL in strict CNR mode (`blend.model.mkl`, set when blend.model is imported): a float32 row's
+    product has the same bits alone, among a few rows or inside a prefill-sized product (on a Xeon
+    without it SmolLM2's down projection differed at every count up to 128 rows)."""
+    import torch.nn.functional as F
+
+    from blend.model.mkl import strict
+
+    assert strict() in (True, None)
+    g = torch.Generator().manual_seed(0)
+    for fan_in, fan_out in ((1536, 576), (128, 64), (576, 576)):
+        w = torch.randn(fan_out, fan_in, generator=g)
+        x = torch.randn(300, fan_in, generator=g)
+        whole = F.linear(x, w)
+        for t in (1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 64, 100, 128):
+            assert torch.equal(F.linear(x[:t], w), whole[:t]), (fan_in, fan_out, t)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import statistics
 import subprocess
 import time
@@ -100,6 +101,7 @@ class PeerRow:
     ms_per_token: float
     tokens_per_s: float
     tokens_per_s_stddev: float
+    repack: bool = True  # False: run with `--repack 0` (its AMX / repacked weights died with SIGILL)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -111,22 +113,33 @@ PEER_TIMEOUT_S = 1800
 def run_llama_bench(binary: str, gguf: Path, contexts: Sequence[int], threads: int, steps: int, repeats: int
                     ) -> list[PeerRow]:
     """`binary -m gguf -t threads -p 0 -n steps -d N -fa 1 -r repeats -o json` for every N of
-    `contexts` in one run; ValueError saying what failed (not runnable, no JSON)."""
+    `contexts` in one run; ValueError saying what failed (not runnable, no JSON). A build whose
+    extra weight layouts die with SIGILL (seen: its AMX kernels on a Xeon with AMX under
+    Firecracker, `tileloadd` in an OpenMP worker) runs again with `--repack 0`: its plain CPU
+    kernels, the rows marked `repack` False."""
     cmd = [binary, "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(steps),
            "-d", ",".join(str(n) for n in contexts), "-fa", "1", "-r", str(repeats), "-o", "json"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=PEER_TIMEOUT_S)
-    except (OSError, subprocess.SubprocessError) as err:
-        raise ValueError(f"--peer-llamacpp: {binary} did not run: {err}") from None
+    done = _run_peer(binary, cmd)
+    repack = True
+    if done.returncode == -signal.SIGILL:
+        repack = False
+        done = _run_peer(binary, [*cmd, "--repack", "0"])
     if done.returncode:
         last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise ValueError(f"--peer-llamacpp: {binary} exited {done.returncode}: {last}")
     try:
         tests = json.loads(done.stdout)
         return [PeerRow(int(t["n_depth"]), int(t["n_threads"]), round(int(t["avg_ns"]) / int(t["n_gen"]) / 1e6, 3),
-                        round(float(t["avg_ts"]), 2), round(float(t["stddev_ts"]), 2)) for t in tests]
+                        round(float(t["avg_ts"]), 2), round(float(t["stddev_ts"]), 2), repack) for t in tests]
     except (ValueError, KeyError, TypeError, ZeroDivisionError) as err:
         raise ValueError(f"--peer-llamacpp: {binary} did not print llama-bench's JSON ({err})") from None
+
+
+def _run_peer(binary: str, cmd: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=PEER_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as err:
+        raise ValueError(f"--peer-llamacpp: {binary} did not run: {err}") from None
 
 
 def check_peer(binary: str | None) -> None:
@@ -283,6 +296,7 @@ def run_decode_bench(config: Any, settings: DecodeSettings, log: Callable[[str],
         for p in peers:
             mine = ours.get(p.context_tokens)
             log(f"context {p.context_tokens:>6}  batch   1  llama.cpp {p.ms_per_token:8.2f} ms/token"
+                + ("" if p.repack else " (--repack 0)")
                 + (f"  kvblend {mine.ms_per_step:.2f} ms/token ({mine.ms_per_step / p.ms_per_token:.2f}x)"
                    if mine else ""))
     spreads = {f"context {r.context_tokens} batch {r.batch}": (r.ms_per_step, r.ms_per_step_min, r.ms_per_step_max)
