@@ -225,20 +225,38 @@ def test_four_threads_of_mixed_modes_beside_a_cpu_bound_process_answer_as_sequen
             hog.wait()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_products_of_one_to_three_rows_equal_the_same_rows_inside_a_64_row_product(dtype):
-    """`rows4`: a row-wise product's rows the same bits alone (1-3 rows) as inside 64 rows, at
-    SmolLM2's widths (its 1536-wide down projection took another path for one bfloat16 row)."""
+def test_products_of_one_to_three_rows_equal_the_same_rows_inside_a_64_row_product():
+    """`rows4`: a float32 row-wise product's rows the same bits alone (1-3 rows) as inside 64 rows, at
+    SmolLM2's widths (MKL: the rows past the last multiple of 4 took other kernels on an AMD EPYC;
+    every count on a Xeon without MKL's strict mode, `blend.model.mkl`). bfloat16 products: below."""
     from blend.model.runner import rows4
 
     g = torch.Generator().manual_seed(1)
     for out_f, in_f in ((576, 1536), (960, 576), (3072, 576)):
-        w = (torch.randn((out_f, in_f), generator=g) * 0.05).to(getattr(torch, dtype))
-        x = torch.randn((64, in_f), generator=g).to(w.dtype)
+        w = torch.randn((out_f, in_f), generator=g) * 0.05
+        x = torch.randn((64, in_f), generator=g)
         full = torch.nn.functional.linear(x, w)
         for n in (1, 2, 3):
             for r in range(0, 64 - n, 3):
                 assert torch.equal(rows4(lambda t, w=w: torch.nn.functional.linear(t, w), x[r:r + n]), full[r:r + n])
+
+
+def test_an_item_s_bfloat16_rows_equal_themselves_alone_whatever_shares_the_product():
+    """`projections.Linear` with `cuts` (the step's items' row counts): where a shape's bfloat16 rows
+    vary with the row count (`rows_vary`: oneDNN's AMX kernels on a Xeon) each item gets a product of
+    its own, so an item's rows are the same bits alone as beside other items, decode rows first
+    (`lead`) or not; elsewhere one product serves every item and gives the same bits anyway."""
+    from blend.model.projections import Linear
+
+    g = torch.Generator().manual_seed(3)
+    for out_f, in_f in ((576, 1536), (960, 576), (3072, 576)):
+        lin = Linear([(torch.randn((out_f, in_f), generator=g) * 0.05).to(torch.bfloat16)], [None])
+        items = [torch.randn((n, in_f), generator=g).to(torch.bfloat16) for n in (7, 150, 2, 13)]
+        alone = [lin(x) for x in items]
+        together = lin(torch.cat(items), cuts=tuple(len(x) for x in items))
+        assert torch.equal(together, torch.cat(alone)), (out_f, in_f)
+        qkv = lin.split(torch.cat(items), cuts=tuple(len(x) for x in items))[0]
+        assert torch.equal(qkv, torch.cat(alone)), (out_f, in_f)
 
 
 def test_a_projection_of_one_bfloat16_row_equals_the_row_among_others():

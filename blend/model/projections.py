@@ -30,6 +30,7 @@ call that reads it (`Linear.packed`), so a process that only decodes never holds
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import weakref
@@ -54,6 +55,8 @@ QUANTIZED_MAX_ROWS = 3
 
 ONE_ROW_SAMPLES = 256  # rows `Linear.one_row_differs` checks (a 1-in-19 difference is missed with p < 1e-5)
 _ONE_ROW_DIFFERS: dict[tuple[int, int, str, int], bool] = {}  # by (in, out, dense layout, threads)
+VARY_COUNTS = (2, 3, 5, 8, 13, 32, 64, 100)  # row counts `Linear.rows_vary` compares with PACKED_MAX_ROWS rows
+_ROWS_VARY: dict[tuple[int, int, str, int], bool] = {}
 
 
 class QuantizedProduct:
@@ -187,17 +190,28 @@ class Linear:
             return quantized
         return lead >= rows if self.by_row_kind else rows <= QUANTIZED_MAX_ROWS
 
-    def __call__(self, x: torch.Tensor, quantized: bool | None = None, lead: int = 0) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, quantized: bool | None = None, lead: int = 0,
+                 cuts: tuple[int, ...] = ()) -> torch.Tensor:
         """x (T, in) -> (T, out) in x's dtype; does not modify x. `quantized`: True reads the
         blocks where this layer has them, False the dense weights, None by the policy: under
         `auto` with packed blocks the first `lead` rows (decode rows) read the blocks and the
         others the dense weights (each row's bits then its own whatever the batch), else by
-        the row count (`reads_blocks`)."""
+        the row count (`reads_blocks`). `cuts`: the row counts of the step's items after the
+        `lead` rows, in order; where this shape's dense rows depend on the row count
+        (`rows_vary`) each item's rows get a product of their own."""
         rows = x.shape[0]
         if self.reads_blocks(rows, quantized, lead):
             return self.quantized(x)
         if quantized is None and lead > 0 and self.by_row_kind:
-            return torch.cat([self.quantized(x[:lead]), self._dense_rows(x[lead:])])
+            return torch.cat([self.quantized(x[:lead]), self._dense_cut(x[lead:], cuts)])
+        return self._dense_cut(x, ((lead,) if lead else ()) + cuts if cuts else ())
+
+    def _dense_cut(self, x: torch.Tensor, cuts: tuple[int, ...]) -> torch.Tensor:
+        """The dense product of rows x, one per cut where the rows vary with the count (`rows_vary`)."""
+        if (len(cuts) > 1 and sum(cuts) == x.shape[0] and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and self.rows_vary()):
+            bounds = [0, *itertools.accumulate(cuts)]
+            return torch.cat([self._dense_rows(x[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)])
         return self._dense_rows(x)
 
     def _dense_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,18 +242,33 @@ class Linear:
                                         for i in range(ONE_ROW_SAMPLES))
         return _ONE_ROW_DIFFERS[key]
 
+    def rows_vary(self) -> bool:
+        """Whether a dense bfloat16 product's rows (of two or more) come out with other bits at
+        another row count: checked once per shape and layout on this machine and its threads,
+        the first n rows of products of `VARY_COUNTS` rows against the same rows inside a
+        product of PACKED_MAX_ROWS. On a Xeon with AMX, oneDNN's kernels differ by the row count
+        (SmolLM2's down projection from 5 rows on, gate/up from 2); on an AMD EPYC none did."""
+        key = (self.in_features, self.out_features, self.dense, torch.get_num_threads())
+        if key not in _ROWS_VARY:
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn((PACKED_MAX_ROWS, self.in_features), generator=g).to(torch.bfloat16)
+            whole = self._dense(x)
+            _ROWS_VARY[key] = any(not torch.equal(self._dense(x[:n]), whole[:n]) for n in VARY_COUNTS)
+        return _ROWS_VARY[key]
+
     def _dense_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(x, w, b) for w, b in self.parts)
 
-    def split(self, x: torch.Tensor, quantized: bool | None = None, lead: int = 0) -> tuple[torch.Tensor, ...]:
+    def split(self, x: torch.Tensor, quantized: bool | None = None, lead: int = 0,
+              cuts: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...]:
         """Each stacked layer's output (T, its out) for rows x (T, in): views of one product,
         or one F.linear per layer on the model's weights (dense, more than PACKED_MAX_ROWS
-        rows, or the MODULES layout). `quantized`, `lead` as in `__call__`."""
+        rows, or the MODULES layout). `quantized`, `lead`, `cuts` as in `__call__`."""
         rows = x.shape[0]
         if (not self.reads_blocks(rows, quantized, lead) and (self.dense == MODULES or rows > PACKED_MAX_ROWS)
-                and not (lead and quantized is None and self.by_row_kind)):
+                and not (lead and quantized is None and self.by_row_kind) and len(cuts) + bool(lead) < 2):
             return self._dense_parts(x)
-        return self(x, quantized, lead).split(self.widths, dim=-1)
+        return self(x, quantized, lead, cuts).split(self.widths, dim=-1)
 
     def nbytes(self) -> int:
         """Bytes of the dense copy (weight and bias) where it is built (oneDNN's layout may pad
@@ -271,10 +300,11 @@ class GatedMLP:
     down: Linear
     act: torch.nn.Module  # the model's own activation module
 
-    def __call__(self, x: torch.Tensor, quantized: bool | None = None, lead: int = 0) -> torch.Tensor:
-        """Rows x (T, hidden) -> (T, hidden); `quantized`, `lead` as in `Linear.__call__`."""
-        gate, up = self.gate_up.split(x, quantized, lead)  # (T, inter) each
-        return self.down(self.act(gate) * up, quantized, lead)
+    def __call__(self, x: torch.Tensor, quantized: bool | None = None, lead: int = 0,
+                 cuts: tuple[int, ...] = ()) -> torch.Tensor:
+        """Rows x (T, hidden) -> (T, hidden); `quantized`, `lead`, `cuts` as in `Linear.__call__`."""
+        gate, up = self.gate_up.split(x, quantized, lead, cuts)  # (T, inter) each
+        return self.down(self.act(gate) * up, quantized, lead, cuts)
 
 
 @dataclass(frozen=True)

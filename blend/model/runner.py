@@ -669,13 +669,14 @@ class Runner:
         """(T,) ids -> (T, hidden)."""
         return self.embed_tokens(token_ids.to(self.device))
 
-    def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, lead: int = 0
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, lead: int = 0,
+            cuts: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows h (T, hidden) at the positions whose `rope_rows` are cos, sin_signed ((T, D) or
         (T, K, D)) -> q (T, H, D), k and v (T, Hkv, D): projected, q/k-normed where the model
         does, q and k rotated in one call (`rotate`). The first `lead` rows are decode rows
-        (`projections.Linear`: they may read other weights)."""
-        q, k, v = self.project_qkv(layer, h, lead)  # (T, H, D), (T, Hkv, D) x2
+        (`projections.Linear`: they may read other weights), `cuts` the other items' row counts
+        (where the products' rows vary with the row count each item gets its own product)."""
+        q, k, v = self.project_qkv(layer, h, lead, cuts)  # (T, H, D), (T, Hkv, D) x2
         if self.qk_norm:  # Qwen3, Gemma 3: normed per head, then rotated
             attn = self.layers[layer].self_attn
             q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
@@ -690,7 +691,7 @@ class Runner:
         q, k, v = self.qkv(layer, h, *self.rope_rows(positions))
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
-    def project_qkv(self, layer: int, h: torch.Tensor, lead: int = 0
+    def project_qkv(self, layer: int, h: torch.Tensor, lead: int = 0, cuts: tuple[int, ...] = ()
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input norm and the Q/K/V projections of rows h (T, hidden) (one product where the
         runner has `projections`): q (T, H, D), k and v (T, Hkv, D), before any q/k-norm or
@@ -699,7 +700,7 @@ class Runner:
         x = rms_norm(block.input_layernorm, h)
         t, d = x.shape[0], self.head_dim
         if self.projections is not None:
-            q, k, v = (r[:t] for r in self.projections.layers[layer].qkv.split(pad_rows(x, single=False), lead=lead))  # (T, H*D), (T, Hkv*D) x2
+            q, k, v = (r[:t] for r in self.projections.layers[layer].qkv.split(pad_rows(x, single=False), lead=lead, cuts=cuts))  # (T, H*D), (T, Hkv*D) x2
             return q.reshape(t, -1, d), k.reshape(t, -1, d), v.reshape(t, -1, d)
         attn = block.self_attn
         return tuple(rows4(proj, x).view(t, -1, d) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
@@ -893,17 +894,19 @@ class Runner:
         runs = {name: (lambda p=p: run_plan(p, q, k, v, self.scaling)) for name, p in by_name.items()}
         chosen, out = self.tuner.choose(plan.bucket, runs)
         return by_name[chosen], out
-    def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor, lead: int = 0) -> torch.Tensor:
+    def finish(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor, lead: int = 0,
+               cuts: tuple[int, ...] = ()) -> torch.Tensor:
         """o_proj + residual, then post-attention norm + MLP + residual, for rows h (T, hidden)
         (Gemma's sandwich: the attention and MLP outputs normed before their residual adds,
-        the MLP input by its pre-feed-forward norm). The first `lead` rows are decode rows."""
+        the MLP input by its pre-feed-forward norm). The first `lead` rows are decode rows, `cuts`
+        the other items' row counts (as in `qkv`)."""
         block = self.layers[layer]
         proj = self.projections.layers[layer] if self.projections is not None else None
         # `projections` pad a single row themselves where their shape needs it (`single=False`)
-        out = (rows4(partial(proj.o, lead=lead), attn_out, single=False) if proj is not None
+        out = (rows4(partial(proj.o, lead=lead, cuts=cuts), attn_out, single=False) if proj is not None
                else rows4(block.self_attn.o_proj, attn_out))
         gated = proj is not None and proj.mlp is not None
-        mlp = partial(proj.mlp, lead=lead) if gated else block.mlp
+        mlp = partial(proj.mlp, lead=lead, cuts=cuts) if gated else block.mlp
         if self.sandwich:
             h = h + rms_norm(block.post_attention_layernorm, out)
             return h + rms_norm(block.post_feedforward_layernorm,
@@ -911,11 +914,11 @@ class Runner:
         h = h + out
         return h + rows4(mlp, rms_norm(block.post_attention_layernorm, h), single=not gated)
 
-    def logits(self, h: torch.Tensor, lead: int = 0) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, lead: int = 0, cuts: tuple[int, ...] = ()) -> torch.Tensor:
         """Final norm + lm_head (+ the model's final soft-capping) for rows h (T, hidden) -> (T, vocab)
-        float32; the first `lead` rows are decode rows."""
+        float32; the first `lead` rows are decode rows, `cuts` the other items' row counts."""
         x = rms_norm(self.norm, h)
-        logits = (rows4(partial(self.projections.lm_head, lead=lead), x, single=False) if self.projections is not None
+        logits = (rows4(partial(self.projections.lm_head, lead=lead, cuts=cuts), x, single=False) if self.projections is not None
                   else rows4(self.lm_head, x)).float()
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
@@ -1000,10 +1003,11 @@ class Runner:
         linear layers once over all rows; each item that goes on gets its rows' new hidden states
         (`h`). Returns the new h of every row of `live` and True, or (h, False) where some rows
         were dropped or an item failed (the rows are then gathered again from the items)."""
-        q, k, v = self.qkv(layer, h, cos, sin, lead)  # (T, H, D), (T, Hkv, D) x2
+        q, k, v = self.qkv(layer, h, cos, sin, lead, tuple(w.rows for w in live[lead:]))  # (T, H, D), (T, Hkv, D) x2
         window, final = self.windows[layer], layer == self.num_layers - 1
         parts: list[torch.Tensor] = []  # per item that goes on: its kept rows' attention output (T', H*D)
         kept: list[tuple[int, int, torch.Tensor | None]] = []  # ... and which rows of h those are (first, n, keep)
+        cuts: list[int] = []  # the rows each item but the decode rows keeps (the products' `cuts`)
         decoding = []  # decode rows (CPU): q (Hkv, g, D) scaled float32, keys, values, bias, out (Hkv, g, D)
         # the decode rows' outputs (lead, H*D), filled row by row; q scaled for the CPU kernel (lead, H, D)
         decoded = q.new_empty((lead, self.num_heads * self.head_dim))
@@ -1024,6 +1028,7 @@ class Runner:
                 kept.append((a, n, keep))
                 if not w.decode:
                     parts.append(part)
+                    cuts.append(n if keep is None else int(keep.numel()))
             w.keep(keep)
             a += n
         went_on = [i for i in range(lead) if live[i].error is None]  # decode rows (first in `live`)
@@ -1038,7 +1043,7 @@ class Runner:
         if any(keep is not None for _, _, keep in kept) or sum(n for _, n, _ in kept) < h.shape[0]:
             rows = torch.cat([torch.arange(a, a + n) if keep is None else keep + a for a, n, keep in kept])
             h, same = h[rows.to(self.device)], False  # rows dropped: gathered again next layer
-        h = self.finish(layer, h, _joined(parts), lead)
+        h = self.finish(layer, h, _joined(parts), len(went_on), tuple(cuts))
         b = 0
         for w in live:
             if w.error is None and w.rows:
@@ -1129,7 +1134,8 @@ class Runner:
         done = [w for w in work if w.error is None and w.end == self.num_layers]
         with_rows = [w for w in done if w.rows]
         with_rows.sort(key=lambda w: not w.decode)  # decode rows first (`Linear`'s `lead`)
-        logits = (self.logits(_joined([w.h for w in with_rows]), sum(w.decode for w in with_rows))
+        logits = (self.logits(_joined([w.h for w in with_rows]), sum(w.decode for w in with_rows),
+                              tuple(w.rows for w in with_rows if not w.decode))
                   .split([w.rows for w in with_rows]) if with_rows else [])
         by_item = dict(zip(map(id, with_rows), logits, strict=True))
         vocab = self.lm_head.weight.shape[0]
