@@ -9,8 +9,8 @@ projection (1536 -> 576) at every row count from 1 to 128, the tiny test models'
 pads those). A decode row's or a prefill piece's float32 numbers would then depend on what shares
 its step. MKL's strict CNR mode (`MKL_CBWR=AUTO,STRICT`: the CPU's own code branch, strict)
 computes every row the same way whatever the row count: none differ at any count tried (1-79,
-96, 128, 200 against 1,100 rows), at a cost of 0.05-0.12 ms a product of one row and -25% to +40%
-at 1,024 rows.
+96, 128, 200 against 1,100 rows), at a cost of 0.02-0.12 ms a product of one row and -26% to +44%
+at 1,024 rows (SmolLM2's shapes, 2 threads).
 
 MKL reads `MKL_CBWR` at its first call, so importing `blend.model` sets it (unless the
 environment already names a mode); `strict()` says whether MKL runs that way, and a runner in

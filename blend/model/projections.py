@@ -246,8 +246,9 @@ class Linear:
         """Whether a dense bfloat16 product's rows (of two or more) come out with other bits at
         another row count: checked once per shape and layout on this machine and its threads,
         the first n rows of products of `VARY_COUNTS` rows against the same rows inside a
-        product of PACKED_MAX_ROWS. On a Xeon with AMX, oneDNN's kernels differ by the row count
-        (SmolLM2's down projection from 5 rows on, gate/up from 2); on an AMD EPYC none did."""
+        product of PACKED_MAX_ROWS. On a Xeon with AMX, oneDNN's kernels differ by the row count at
+        SmolLM2's down projection (5-189 rows against 256), at its other shapes not; on an AMD EPYC
+        no shape did (from two rows on)."""
         key = (self.in_features, self.out_features, self.dense, torch.get_num_threads())
         if key not in _ROWS_VARY:
             g = torch.Generator().manual_seed(1)

@@ -792,10 +792,11 @@ class Runner:
                        bias: torch.Tensor | None, window: int | None) -> torch.Tensor | None:
         """`attend` by the native blend kernel (CPU): every row set except a plain causal block
         (every row from 0, no bias, no window that hides a key: torch's fused causal kernel is
-        that shape's own). None where the kernel declines (the torch strategies run)."""
-        tq, tk = q.shape[1], k.shape[1]
-        if bias is None and int(q_pos[-1]) == tk - 1 and int(q_pos[-1]) - int(q_pos[0]) + 1 == tq \
-                and not needs_window(q_pos, window) and (int(q_pos[0]) == 0 or self.sdpa_tails):
+        that shape's own) and, with `sdpa_tails`, the last rows. None where the kernel declines
+        or leaves the rows to torch (the torch strategies run)."""
+        tk = k.shape[1]
+        if (bias is None and is_tail(q_pos, tk) and not needs_window(q_pos, window)
+                and (int(q_pos[0]) == 0 or self.sdpa_tails)):
             return None  # a causal block, or the last rows where SDPA has AMX (`sdpa_tails`): torch's kernel
         return self._native(q, q_pos, k, v, bias, window, None)
 
