@@ -257,6 +257,9 @@ def test_an_item_s_bfloat16_rows_equal_themselves_alone_whatever_shares_the_prod
         assert torch.equal(together, torch.cat(alone)), (out_f, in_f)
         qkv = lin.split(torch.cat(items), cuts=tuple(len(x) for x in items))[0]
         assert torch.equal(qkv, torch.cat(alone)), (out_f, in_f)
+        decode = torch.randn((3, in_f), generator=g).to(torch.bfloat16)  # decode rows first: one product of their own
+        led = lin(torch.cat([decode, *items]), lead=3, cuts=tuple(len(x) for x in items))
+        assert torch.equal(led, torch.cat([lin(decode), *alone])), (out_f, in_f)
 
 
 def test_a_projection_of_one_bfloat16_row_equals_the_row_among_others():
