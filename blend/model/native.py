@@ -99,7 +99,9 @@ BLEND = KernelSpec("blend attention kernel", KERNEL_DIR / "blend_attention.c", (
                              _PTR, _LONG, _PTR, _LONG, _PTR)),  # bias, out, column sums
     ("kvb_shift_rows", (_INT, _INT, _INT, _LONG, _PTR, _PTR, _LONG, _LONG, _PTR, _LONG, _LONG,  # ..k, v
                         _PTR, _PTR, _PTR, _PTR)),  # dk, dv, cos, sin
+    ("kvb_blend_path", (_INT,)),  # -1 asks, 0 / 1 turns AMX tiles off / on
 ))
+BLEND_PATHS = {0: "scalar", 1: "avx512_bf16", 2: "amx"}  # what kvb_blend_path returns
 QUANT = KernelSpec("quantized product kernel", KERNEL_DIR / "quant_matmul.c", (
     ("kvb_quant_matmul", (_INT, _LONG, _LONG, _PTR, _LONG, _PTR, _LONG, _PTR, _INT, _PTR)),  # kind..segments
     ("kvb_quant_path", ()),
@@ -523,6 +525,16 @@ def native_decode_attention_batch(seqs: Sequence[DecodeInputs]) -> bool:
 def blend_kernel_name() -> str:
     """`native` or `torch`: which blended attention this process runs on a CPU."""
     return "native" if blend_kernel() is not None else "torch"
+
+
+def blend_kernel_path(amx: bool | None = None) -> str | None:
+    """The blend kernel's bfloat16 dot products in this process: `amx` (tiles: the CPU has them and
+    Linux grants them), `avx512_bf16`, or `scalar` (float32 keys); None without the kernel.
+    `amx` False turns the tiles off for this process (True back on, where there are any)."""
+    lib = blend_kernel()
+    if lib is None:
+        return None
+    return BLEND_PATHS[lib.kvb_blend_path(-1 if amx is None else int(amx))]
 
 
 def native_blend_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

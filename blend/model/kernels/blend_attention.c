@@ -72,6 +72,104 @@ enum { BKIND_F32 = 0, BKIND_BF16 = 1 };
 #define PACK_PAIRS 0
 #endif
 
+/* AMX (Sapphire Rapids and later): with its tiles, bfloat16 scores and weighted values run
+ * as tile products (tdpbf16ps: 16 x 16 float32 sums of 32 bfloat16 products each), in place
+ * of the vector dot products. Taken for bfloat16 with a head dimension a multiple of 64,
+ * where the CPU has the tiles and Linux grants them to this process (arch_prctl), unless
+ * turned off (`kvb_blend_path`); the choice depends on nothing else, so it is the same for a
+ * row alone or among any rows. The probabilities are rounded to bfloat16 for P V (as torch's
+ * flash attention does on a CPU); scores, softmax, the sums and the weighted sums stay
+ * float32. Each tile row (query vector) is its own: the tile products are row-invariant. */
+#if PACK_PAIRS && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define KVB_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROWS 16 /* query vectors per tile */
+static int amx_state = 0; /* 0: not asked yet, 1: granted, -1: refused */
+static int amx_wanted = 1;
+
+static int amx_ready(void) {
+    if (!amx_state) { /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): once per process */
+        const long r = syscall(SYS_arch_prctl, 0x1023, 18);
+        __atomic_store_n(&amx_state, r == 0 ? 1 : -1, __ATOMIC_RELEASE);
+    }
+    return __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) > 0;
+}
+
+/* Every tile 16 rows of 64 bytes (palette 1): this thread's tiles, before its first product. */
+static void amx_config(void) {
+    _Alignas(64) unsigned char cfg[64];
+    memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg[16 + 2 * t] = 64; /* bytes per row */
+        cfg[48 + t] = AMX_ROWS;
+    }
+    _tile_loadconfig(cfg);
+}
+
+/* s[i][0..BK) = q_i . k_{j0 + 0..BK) for the 16 query vectors at q (bfloat16 rows of d),
+ * from the head's key pairs kp (d/2 rows of tpad int32); d a multiple of 32. */
+static AI void amx_scores(const uint16_t *q, int d, const int32_t *kp, long tpad, long j0, float *s) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int x = 0; x < d; x += 32) {
+        const int32_t *kr = kp + (long)(x / 2) * tpad + j0;
+        _tile_loadd(4, q + x, d * 2);
+        _tile_loadd(5, kr, tpad * 4);
+        _tile_loadd(6, kr + 16, tpad * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, kr + 32, tpad * 4);
+        _tile_loadd(5, kr + 48, tpad * 4);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, s, BK * 4);
+    _tile_stored(1, s + 16, BK * 4);
+    _tile_stored(2, s + 32, BK * 4);
+    _tile_stored(3, s + 48, BK * 4);
+}
+
+/* o[i][0..d) += sum_j p[i][j] v_{j0 + j} for the 16 query vectors at o (float32 rows of d),
+ * p bfloat16 rows of BK, from the head's value pairs vp (row j/2 holds keys j, j+1 of every
+ * dimension: tpad/2 rows of d int32) at key pair j0/2; d a multiple of 64. */
+static AI void amx_values(const uint16_t *p, int d, const int32_t *vp, float *o) {
+    for (int x = 0; x < d; x += 64) {
+        _tile_loadd(0, o + x, d * 4);
+        _tile_loadd(1, o + x + 16, d * 4);
+        _tile_loadd(2, o + x + 32, d * 4);
+        _tile_loadd(3, o + x + 48, d * 4);
+        for (int j = 0; j < BK; j += 32) {
+            const int32_t *vr = vp + (long)(j / 2) * d + x;
+            _tile_loadd(4, p + j, BK * 2);
+            _tile_loadd(5, vr, d * 4);
+            _tile_loadd(6, vr + 16, d * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, vr + 32, d * 4);
+            _tile_loadd(5, vr + 48, d * 4);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, o + x, d * 4);
+        _tile_stored(1, o + x + 16, d * 4);
+        _tile_stored(2, o + x + 32, d * 4);
+        _tile_stored(3, o + x + 48, d * 4);
+    }
+}
+
+/* probabilities p[i][0..BK) (float32, rows of BK) to bfloat16, rounded to nearest even */
+static AI void amx_round_row(const float *p, uint16_t *dst) {
+    for (int c = 0; c < BK; c += 16)
+        _mm256_storeu_si256((__m256i *)(void *)(dst + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + c)));
+}
+#else
+#define KVB_AMX 0
+#endif
+
 /* ------------------------------------------------------------------ dot products
  * scores s[i][0..BK) = q_i . k_{j0 + 0..BK) for qt query vectors (qt <= QT_MAX), from the
  * packed keys of one head: pairs (kp[x/2][j] holds dimensions x, x+1 of key j, d/2 rows of
@@ -288,7 +386,7 @@ typedef struct {
 } item_t;
 
 typedef struct {
-    int kind, hkv, g, d, tq, window, pairs;
+    int kind, hkv, g, d, tq, window, pairs, amx; /* amx: the tile path (KVB_AMX) */
     float scale;
     const int64_t *pos;
     const char *q;
@@ -297,7 +395,7 @@ typedef struct {
     long out_row;
     long kmin, tpad;          /* packed keys: absolute key kmin is packed index 0; tpad per head */
     const void *kpack;        /* per head: pairs (d/2 x tpad int32) or transposed (d x tpad float) */
-    const float *vbase;       /* per head values as float32 rows */
+    const float *vbase;       /* per head values as float32 rows (amx: key pairs, int32 rows of d) */
     long v_head, v_row;       /* in floats */
     const float *bpack;       /* per head tpad biases (0 past the keys), or NULL */
 } call_t;
@@ -321,6 +419,10 @@ static inline long ranges_of(const call_t *C, long first, long last, int sums) {
  * m = (r - r0) * g + i): bfloat16 for pairs, else float32. */
 static void load_queries(const call_t *C, int h, int r0, int r1, void *qbuf) {
     const int es = C->kind == BKIND_F32 ? 4 : 2, g = C->g, d = C->d;
+    if (C->amx) { /* a tile reads whole groups of AMX_ROWS vectors: the ones past the rows are zeros */
+        const long nm = (long)(r1 - r0) * g, padded = (nm + 15) / 16 * 16;
+        memset((uint16_t *)qbuf + nm * d, 0, (size_t)(padded - nm) * d * 2);
+    }
     for (int r = r0; r < r1; r++)
         for (int i = 0; i < g; i++) {
             const char *src = C->q + ((long)(h * g + i) * C->q_head + (long)r * C->q_row) * es;
@@ -381,11 +483,23 @@ static void run_pass(const call_t *C, const item_t *it, const void *qbuf_, int p
     const char *kp = (const char *)C->kpack + (long)h * C->tpad * d * (C->pairs ? 2 : 4);
     const float *vh = C->vbase + h * C->v_head;
     const float *bh = C->bpack ? C->bpack + (long)h * C->tpad : NULL;
+#if KVB_AMX
+    _Alignas(64) uint16_t pb[MAX_M * BK]; /* the probabilities in bfloat16, for the tiles */
+    if (C->amx) {
+        amx_config();
+        memset(pb + (long)nm * BK, 0, (size_t)(MAX_M - nm) * BK * 2); /* a tile's rows past the vectors */
+    }
+#endif
     for (long j0 = it->k0; j0 < it->k1; j0 += BK) {
         const int n = it->k1 - j0 < BK ? (int)(it->k1 - j0) : BK;
         const long pj = j0 - C->kmin; /* packed index */
-        /* scores of every query vector of the block, in tiles of QT_MAX */
-        for (int m0 = 0; m0 < nm; m0 += QT_MAX) {
+        /* scores of every query vector of the block, in tiles of QT_MAX (or AMX_ROWS) */
+#if KVB_AMX
+        for (int m0 = 0; C->amx && m0 < nm; m0 += AMX_ROWS)
+            amx_scores((const uint16_t *)(const void *)qbuf + (long)m0 * d, d, (const int32_t *)(const void *)kp,
+                       C->tpad, pj, s + m0 * BK);
+#endif
+        for (int m0 = 0; !C->amx && m0 < nm; m0 += QT_MAX) {
             const int qt = nm - m0 < QT_MAX ? nm - m0 : QT_MAX;
             float *sm = s + m0 * BK;
 #if PACK_PAIRS
@@ -486,6 +600,14 @@ static void run_pass(const call_t *C, const item_t *it, const void *qbuf_, int p
         }
         if (pass == STATS) continue;
         /* o += p . v */
+#if KVB_AMX
+        if (C->amx) {
+            for (int m = 0; m < nm; m++) amx_round_row(s + m * BK, pb + m * BK);
+            for (int m0 = 0; m0 < nm; m0 += AMX_ROWS)
+                amx_values(pb + m0 * BK, d, (const int32_t *)(const void *)vh + (pj / 2) * d, o + (long)m0 * d);
+            continue;
+        }
+#endif
         for (int m0 = 0; m0 < nm; m0 += QT_MAX) {
             const int qt = nm - m0 < QT_MAX ? nm - m0 : QT_MAX;
             const float *sm = s + m0 * BK;
@@ -585,7 +707,11 @@ static void pack_keys(const call_t *C, int h, const char *k, long k_head, long k
                     : C->kind == BKIND_F32 ? ((const float *)(const void *)kr)[x]
                     : bf16_to_f32(((const uint16_t *)(const void *)kr)[x]);
         }
-        if (vwide) {
+        if (vwide && C->amx) { /* values as key pairs: (pj/2, x) holds keys pj & ~1 and pj | 1 */
+            uint16_t *vp = (uint16_t *)(void *)(vwide + h * C->v_head) + ((pj / 2) * d) * 2 + (pj & 1);
+            const uint16_t *src = (const uint16_t *)(const void *)(v + (h * v_head + j * v_row) * es);
+            for (int x = 0; x < d; x++) vp[2 * x] = real ? src[x] : 0;
+        } else if (vwide) {
             float *vr = vwide + h * C->v_head + pj * C->v_row;
             const uint16_t *src = (const uint16_t *)(const void *)(v + (h * v_head + j * v_row) * es);
             for (int x = 0; x < d; x++) vr[x] = real ? bf16_to_f32(src[x]) : 0.0f;
@@ -609,6 +735,9 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     C.kind = kind, C.hkv = hkv, C.g = g, C.d = d, C.tq = tq, C.window = window, C.scale = scale, C.pos = pos;
     C.q = (const char *)q, C.q_head = q_head, C.q_row = q_row, C.out = (char *)out, C.out_row = out_row;
     C.pairs = PACK_PAIRS && kind == BKIND_BF16;
+#if KVB_AMX
+    C.amx = C.pairs && d % 64 == 0 && __atomic_load_n(&amx_wanted, __ATOMIC_RELAXED) && amx_ready();
+#endif
     C.kmin = key_block_start(&C, pos[0]);
     const long kend = pos[tq - 1] + 1;
     C.tpad = ((kend - C.kmin + BK - 1) / BK) * BK;
@@ -645,7 +774,7 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     item_t *items = malloc((size_t)nitems * sizeof(item_t));
     const int vwiden = kind == BKIND_BF16;
     const size_t kbytes = (size_t)hkv * C.tpad * d * (C.pairs ? 2 : 4);
-    const size_t vbytes = vwiden ? (size_t)hkv * C.tpad * d * 4 : 0;
+    const size_t vbytes = vwiden ? (size_t)hkv * C.tpad * d * (C.amx ? 2 : 4) : 0; /* amx: bfloat16 pairs */
     const size_t bbytes = bias ? (size_t)hkv * C.tpad * 4 : 0;
     const size_t pbytes = (size_t)nparts * MAX_M * (d + 2) * 4;
     const size_t cbytes = colsum ? (size_t)nitems * C.tpad * 4 : 0; /* each item's column sums */
@@ -661,8 +790,8 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     float *parts = (float *)(void *)(pool + kbytes + vbytes + bbytes);
     float *sums = colsum ? (float *)(void *)(pool + kbytes + vbytes + bbytes + pbytes) : NULL;
     if (sums) memset(sums, 0, cbytes);
-    if (vwiden) {
-        C.vbase = vwide, C.v_head = C.tpad * d, C.v_row = d;
+    if (vwiden) { /* v_head in floats: amx pairs take half as many */
+        C.vbase = vwide, C.v_head = C.tpad * d / (C.amx ? 2 : 1), C.v_row = d;
     } else { /* float32 values read where they are; packed index 0 is key kmin */
         C.vbase = (const float *)v + C.kmin * v_row, C.v_head = v_head, C.v_row = v_row;
     }
@@ -728,6 +857,9 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
             }
         }
         free(o);
+#if KVB_AMX
+        if (C.amx) _tile_release(); /* this thread's tiles back to their initial state */
+#endif
     }
     if (colsum) { /* each head's column sums over its row blocks, at the keys' own indices */
         memset(colsum, 0, (size_t)hkv * tk * sizeof(float));
@@ -775,4 +907,17 @@ int kvb_shift_rows(int kind, int hkv, int d, long n, const int64_t *rows, void *
         }
     }
     return 0;
+}
+
+/* The blend kernel's dot products: 2 where bfloat16 rows take AMX tiles (the CPU has them, Linux
+ * grants them, not turned off), 1 for AVX-512 BF16 dot products, 0 otherwise. `want` 0 turns the
+ * tiles off for this process, 1 back on, -1 only asks. */
+int kvb_blend_path(int want) {
+#if KVB_AMX
+    if (want >= 0) __atomic_store_n(&amx_wanted, want ? 1 : 0, __ATOMIC_RELAXED);
+    return amx_wanted && amx_ready() ? 2 : 1;
+#else
+    (void)want;
+    return PACK_PAIRS;
+#endif
 }
