@@ -207,6 +207,44 @@ def test_the_avx2_and_plain_builds_equal_the_float64_reference(fresh_kernel, mon
             assert (out.double() - exact).abs().max() < bound
 
 
+def test_amx_tiles_and_vector_dot_products_both_equal_the_float64_reference(fresh_kernel):
+    """On a CPU with AMX, bfloat16 rows take tile products (the probabilities rounded to bfloat16
+    for P V); turned off, AVX-512 BF16 dot products. Both within the output's own rounding of
+    float64, with and without column sums; float32 never takes the tiles."""
+    assert blend_kernel() is not None
+    if native.blend_kernel_path() != "amx":
+        pytest.skip("this CPU has no AMX tiles (or Linux does not grant them)")
+    try:
+        for i, (hkv, g, d, tk, window) in enumerate([(3, 3, 64, 1100, None), (1, 4, 256, 900, 512),
+                                                     (8, 4, 128, 300, None)]):
+            q, k, v, bias = _inputs(hkv, g, d, tk, torch.bfloat16, seed=400 + i)
+            outs = {}
+            for amx in (True, False):
+                assert native.blend_kernel_path(amx) == ("amx" if amx else "avx512_bf16")
+                for rows in ("scattered", "one", "end"):
+                    pos = _rows(rows, tk, seed=i)
+                    exact = _exact(q[:, pos], pos, k, v, bias, d ** -0.5, window)
+                    bound = 2 ** -8 * (1 + exact.abs().max().item())
+                    out = _run(q, pos, k, v, bias, d ** -0.5, window)
+                    assert (out.double() - exact).abs().max() < bound, (amx, d, rows)
+                    sums = torch.full((hkv, tk), float("nan"))
+                    summed = torch.full_like(out, float("nan"))
+                    assert native_blend_attention(q[:, pos], pos, k, v, None, d ** -0.5, window, summed, sums)
+                    exact = _exact(q[:, pos], pos, k, v, None, d ** -0.5, window)
+                    assert (summed.double() - exact).abs().max() < 2 ** -8 * (1 + exact.abs().max().item())
+                    outs[amx, rows] = sums
+            for rows in ("scattered", "one", "end"):  # the sums are float32 probabilities either way
+                assert (outs[True, rows] - outs[False, rows]).abs().max() < 1e-3
+        q, k, v, bias = _inputs(3, 3, 64, 300, torch.float32, seed=7)
+        pos = _rows("scattered", 300, seed=7)
+        assert native.blend_kernel_path(True) == "amx"
+        with_tiles = _run(q, pos, k, v, bias, 0.125, None)
+        native.blend_kernel_path(False)
+        assert torch.equal(with_tiles, _run(q, pos, k, v, bias, 0.125, None))  # float32: no tiles
+    finally:
+        native.blend_kernel_path(True)
+
+
 # ------------------------------------------------------------- blend end to end
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_blend_through_the_kernel_equals_blend_through_torch(fresh_kernel, arch):

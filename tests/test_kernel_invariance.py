@@ -22,7 +22,8 @@ from blend.model.native import native_blend_attention, native_decode_attention_b
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
 
-MARCHES = ["native", "haswell", "x86-64"]  # AVX-512 (+BF16 here), AVX2 + FMA, plain C
+MARCHES = ["native", "native-vector", "haswell", "x86-64"]  # AVX-512 (+BF16, + AMX tiles where the CPU has them),
+# the same build with the tiles off (where there are any), AVX2 + FMA, plain C
 DTYPES = [torch.float32, torch.bfloat16]
 LLAMA = dict(hkv=3, g=3, d=64, window=None)  # SmolLM2-135M
 GEMMA = dict(hkv=1, g=4, d=256, window=512)  # Gemma 3 270M, a sliding layer
@@ -43,16 +44,24 @@ def kernel_home(tmp_path_factory):
 def build(request, monkeypatch, kernel_home):
     """Both kernels built for one -march (each build its own library: the flags are in its name)."""
     march = request.param
-    if march != "native" and (platform.machine() != "x86_64"
-                              or (march == "haswell" and not {"avx2", "fma"} <= cpu_flags())):
+    if not march.startswith("native") and (platform.machine() != "x86_64"
+                                           or (march == "haswell" and not {"avx2", "fma"} <= cpu_flags())):
         pytest.skip("needs an x86-64 CPU (with AVX2 and FMA for haswell)")
     monkeypatch.setenv("KVBLEND_HOME", str(kernel_home))
     monkeypatch.delenv("KVBLEND_DECODE_KERNEL", raising=False)
-    monkeypatch.setattr(native, "COMPILE_FLAGS", ("-O3", f"-march={march}", "-fPIC", "-fopenmp"))
+    monkeypatch.setattr(native, "COMPILE_FLAGS", ("-O3", f"-march={march.removesuffix('-vector')}", "-fPIC", "-fopenmp"))
     _clear()
     assert native.decode_kernel() is not None and native.blend_kernel() is not None
-    yield march
-    _clear()
+    if march == "native-vector" and native.blend_kernel_path() != "amx":
+        pytest.skip("this CPU has no AMX tiles: `native` is its vector build")
+    try:
+        if march == "native-vector":
+            native.blend_kernel_path(False)
+        yield march
+    finally:
+        if march == "native-vector":
+            native.blend_kernel_path(True)
+        _clear()
 
 
 @contextmanager
