@@ -67,6 +67,7 @@ from blend.model.loading import LoadedModel, cpu_flags
 from blend.model.mkl import warn_unless_strict
 from blend.model.native import (
     blend_kernel,
+    blend_kernel_path,
     decode_kernel,
     native_blend_attention,
     native_decode_attention_batch,
@@ -505,9 +506,11 @@ class Runner:
         self.native_blend = False
         # `sdpa_tails`: contiguous rows ending at the last key without a bias or a window (a prefill's
         # pieces after its first) go through torch's SDPA instead, where its bfloat16 kernels run on AMX
-        # tiles: measured on a Xeon with AMX, 2 cores, the 13 pieces of a 3.1k-token prompt take 31 ms a
-        # layer that way against 63 ms in the blend kernel (AVX-512 BF16 dot products); where there is no
-        # AMX the blend kernel stays (on an AMD EPYC the pieces through it beat the whole prompt's SDPA)
+        # tiles and the blend kernel does not: measured on a Xeon with AMX, 2 cores, the 13 pieces of a
+        # 3.1k-token prompt take 31 ms a layer that way against 63 ms in the blend kernel with AVX-512 BF16
+        # dot products. The blend kernel's own tiles (`blend_kernel_path` amx) are faster again (256 rows
+        # over 3,107 keys: 3.7 against 4.4 ms a layer), and without AMX the blend kernel stays (on an AMD
+        # EPYC the pieces through it beat the whole prompt's SDPA)
         self.sdpa_tails = False
         # CUDA: rows with a bias or a window through FlexAttention (one fused kernel; the masked SDPA groups
         # are the fallback, taken for good after a failure)
@@ -516,7 +519,8 @@ class Runner:
         if self.device.type == "cpu":
             decode_kernel()
             self.native_blend = blend_kernel() is not None and self.dtype in (torch.float32, torch.bfloat16)
-            self.sdpa_tails = self.dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
+            self.sdpa_tails = (self.dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
+                               and blend_kernel_path() != "amx")
             if self.dtype == torch.float32:
                 warn_unless_strict()
 
