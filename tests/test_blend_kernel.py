@@ -412,3 +412,57 @@ def test_cuda_biased_and_windowed_rows_go_through_flex_attention():
     assert runner.strategies["flex"] == 1
     exact = _exact(q[:, pos.cuda()].cpu(), pos, k.cpu(), v.cpu(), bias.cpu(), runner.scaling, None)
     assert (out.double().cpu() - exact).abs().max() < 1e-4
+
+
+# ------------------------------------------------------- the loader's placement
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dst_dtype", [torch.bfloat16, torch.float32])
+def test_rotating_loaded_keys_natively_gives_the_torch_formula_s_bits(fresh_kernel, src_dtype, dst_dtype):
+    """`native_rotate_into` (the loader's placement of keys moved to new positions): bitwise the
+    torch formula of `Runner.rotate_into` (float32 products and sums, one rounding into the
+    cache's dtype), by one rotation for every row and by a table row by row, into a strided slice
+    of a cache; subnormal keys keep their bits, a NaN stays NaN."""
+    from blend.model.native import native_rotate_into
+
+    assert blend_kernel() is not None
+    gen = torch.Generator().manual_seed(11)
+    for d in (64, 256, 18):  # the vector path (a multiple of 32) and the scalar one
+        src = (torch.randn(3, 70, d, generator=gen) * 4).to(src_dtype)
+        src[0, 0, :3] = torch.tensor([1e-39, -3e-40, float("nan")])
+        angles = torch.rand(70, d // 2, generator=gen) * 6
+        for cos, sin in ((angles.cos(), angles.sin()), (angles[:1].cos(), angles[:1].sin())):
+            got = torch.zeros(3, 100, d, dtype=dst_dtype)
+            assert native_rotate_into(got[:, 20:90], src, cos, sin)
+            x = src.float()
+            half = d // 2
+            want = torch.cat([x[..., :half] * cos - x[..., half:] * sin, x[..., half:] * cos + x[..., :half] * sin],
+                             -1).to(dst_dtype)
+            nan = want.isnan()
+            assert torch.equal(got[:, 20:90].isnan(), nan)
+            bits = torch.int16 if dst_dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(got[:, 20:90][~nan].view(bits), want[~nan].view(bits))
+            assert not got[:, :20].any() and not got[:, 90:].any()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(3, 512, 64), (3, 300, 64), (1, 77, 256), (2, 129, 48)])
+def test_decoding_a_stored_layer_natively_gives_the_codec_s_bits(fresh_kernel, name, shape):
+    """`native_decode_codes` (the loader's decode of an int8 / int4 entry): bitwise
+    `storage.codec.decode_into`, with whole and partial key groups, value groups of a head's
+    channels, and a 4-bit layer whose nibble halves split mid-row."""
+    from blend.model.native import native_decode_codes
+    from storage.codec import CODECS, decode_into, encode_layer
+
+    assert blend_kernel() is not None
+    codec = CODECS[name]
+    h, t, d = shape
+    gen = torch.Generator().manual_seed(t)
+    k, v = (torch.randn(h, t, d, generator=gen) * 3).half(), torch.randn(h, t, d, generator=gen).half()
+    rope = {"inv_freq": torch.rand(d // 2, generator=gen), "pos_start": 7} if codec.keys == "pre-rope" else {}
+    kpart, vpart = encode_layer(codec, k, v, **rope)
+    want = torch.empty(h, t, d), torch.empty(h, t, d)
+    decode_into(codec, kpart, vpart, *want)
+    got = torch.full((h, t, d), float("nan")), torch.full((h, t, d), float("nan"))
+    assert native_decode_codes(codec.bits, codec.key_group, codec.key_zero, codec.value_group_for(d),
+                               codec.value_zero, kpart, vpart, *got)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -100,6 +100,9 @@ BLEND = KernelSpec("blend attention kernel", KERNEL_DIR / "blend_attention.c", (
     ("kvb_shift_rows", (_INT, _INT, _INT, _LONG, _PTR, _PTR, _LONG, _LONG, _PTR, _LONG, _LONG,  # ..k, v
                         _PTR, _PTR, _PTR, _PTR)),  # dk, dv, cos, sin
     ("kvb_blend_path", (_INT,)),  # -1 asks, 0 / 1 turns AMX tiles off / on
+    ("kvb_rotate_into", (_INT, _INT, _INT, _INT, _LONG, _PTR, _LONG, _LONG, _PTR, _LONG, _LONG,  # ..src, dst
+                         _PTR, _PTR, _LONG)),  # cos, sin, their row stride
+    ("kvb_decode_codes", (_INT, _INT, _INT, _INT, _INT, _INT, _LONG, _INT, _PTR, _PTR, _PTR, _PTR)),
 ))
 BLEND_PATHS = {0: "scalar", 1: "avx512_bf16", 2: "amx"}  # what kvb_blend_path returns
 QUANT = KernelSpec("quantized product kernel", KERNEL_DIR / "quant_matmul.c", (
@@ -585,6 +588,46 @@ def native_blend_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor
         bias.data_ptr() if bias is not None else None, bias.stride(0) if bias is not None else 0,
         out.data_ptr(), out.stride(0), colsum.data_ptr() if colsum is not None else None)
     return done == 0
+
+
+def native_rotate_into(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """dst (Hkv, T, D) = src (Hkv, T, D) rotated by the angles cos, sin ((T, D/2) float32, or (1, D/2)
+    for every row), rotate-half layout, in float32 with each product and sum rounded as torch
+    rounds them, then once into dst's dtype: the same bits as `Runner.rotate_into`'s torch
+    formula, in one pass. src and dst float32 or bfloat16, rows contiguous. False (nothing
+    written) where the kernel does not apply."""
+    lib = blend_kernel()
+    src_kind, dst_kind = KINDS.get(src.dtype), KINDS.get(dst.dtype)
+    if lib is None or src_kind is None or dst_kind is None or src.dim() != 3 or tuple(dst.shape) != tuple(src.shape):
+        return False
+    hkv, t, d = src.shape
+    if (d % 2 or d > MAX_HEAD_DIM or src.device.type != "cpu" or dst.device.type != "cpu"
+            or src.stride(2) != 1 or dst.stride(2) != 1
+            or any(x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != d // 2
+                   or x.stride(1) != 1 or x.shape[0] not in (1, t) for x in (cos, sin))
+            or cos.shape[0] != sin.shape[0] or cos.stride(0) != sin.stride(0)):
+        return False
+    cs_row = cos.stride(0) if cos.shape[0] == t and t > 1 else 0
+    return lib.kvb_rotate_into(src_kind, dst_kind, hkv, d, t, src.data_ptr(), src.stride(0), src.stride(1),
+                               dst.data_ptr(), dst.stride(0), dst.stride(1), cos.data_ptr(), sin.data_ptr(),
+                               cs_row) == 0
+
+
+def native_decode_codes(bits: int, key_group: int, key_zero: bool, value_group: int, value_zero: bool,
+                        kpart: torch.Tensor, vpart: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> bool:
+    """One stored layer in an integer codec (`storage.codec`: its bits, key groups of tokens, value
+    groups of channels, asymmetric or not) decoded into k_out and v_out, float32 (H, T, D) contiguous:
+    the same bits as `storage.codec.decode_into`, in one pass on the calling thread. kpart, vpart:
+    the layer's K and V parts (uint8, contiguous). False (nothing written) where it does not apply."""
+    lib = blend_kernel()
+    if (lib is None or k_out.dtype != torch.float32 or v_out.dtype != torch.float32 or k_out.dim() != 3
+            or tuple(v_out.shape) != tuple(k_out.shape) or not k_out.is_contiguous() or not v_out.is_contiguous()
+            or any(x.dtype != torch.uint8 or not x.is_contiguous() or x.device.type != "cpu"
+                   for x in (kpart, vpart)) or k_out.device.type != "cpu" or v_out.device.type != "cpu"):
+        return False
+    h, t, d = k_out.shape
+    return lib.kvb_decode_codes(bits, key_group, int(key_zero), value_group, int(value_zero), h, t, d,
+                                kpart.data_ptr(), vpart.data_ptr(), k_out.data_ptr(), v_out.data_ptr()) == 0
 
 
 def native_shift_rows(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,

@@ -71,6 +71,7 @@ from blend.model.native import (
     decode_kernel,
     native_blend_attention,
     native_decode_attention_batch,
+    native_rotate_into,
 )
 from blend.model.projections import Projections, projections_for
 
@@ -649,6 +650,8 @@ class Runner:
             cos, sin = self._shift(delta, torch.float32, layer)  # (1, D)
             table = (cos[:, :half], sin[:, :half])
         c, s = table
+        if self.native_blend and native_rotate_into(dst, src, c, s):  # the same bits, one pass
+            return
         x = src.float()  # (Hkv, T, D)
         x1, x2 = x[..., :half], x[..., half:]
         dst[..., :half] = x1 * c - x2 * s

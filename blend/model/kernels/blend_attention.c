@@ -909,6 +909,186 @@ int kvb_shift_rows(int kind, int hkv, int d, long n, const int64_t *rows, void *
     return 0;
 }
 
+#if defined(__AVX512F__)
+/* 16 float32 lanes to bfloat16 exactly as f32_to_bf16 rounds them (nearest even, NaN kept NaN,
+ * subnormals kept: not vcvtneps2bf16, which flushes them) */
+static inline __m256i bf16_round16(__m512 y) {
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
+/* Loaded keys moved to their new positions (the loader's placement: Runner.rotate_into):
+ *   dst[h, j] = [x1 c_j - x2 s_j, x2 c_j + x1 s_j]   (x1, x2: the halves of src[h, j], rotate-half)
+ * in float32, each product and each sum rounded as torch rounds them (no fused multiply-add),
+ * rounded once into dst's dtype (nearest even). src and dst float32 or bfloat16 (kinds), rows
+ * contiguous (any head and row strides, in elements); cos, sin (t, d/2) float32 with row
+ * stride cs_row (0: one rotation for every row). One pass, on the calling thread. */
+__attribute__((optimize("fp-contract=off"))) int kvb_rotate_into(int src_kind, int dst_kind, int hkv, int d, long t,
+                                                                 const void *src, long s_head, long s_row, void *dst,
+                                                                 long d_head, long d_row, const float *cos,
+                                                                 const float *sin, long cs_row) {
+    if ((src_kind != BKIND_F32 && src_kind != BKIND_BF16) || (dst_kind != BKIND_F32 && dst_kind != BKIND_BF16) ||
+        hkv < 1 || d < 2 || d % 2 || d > BLEND_MAX_D || t < 0 || cs_row < 0)
+        return -1;
+    const int half = d / 2;
+    for (int h = 0; h < hkv; h++)
+        for (long j = 0; j < t; j++) {
+            const float *c = cos + j * cs_row, *sn = sin + j * cs_row;
+            float x[BLEND_MAX_D], y[BLEND_MAX_D];
+#if defined(__AVX512F__)
+            if (half % 16 == 0) { /* 16 lanes at a time: the same arithmetic, the same rounding */
+                const float *xf = (const float *)src + h * s_head + j * s_row;
+                const uint16_t *xb = (const uint16_t *)src + h * s_head + j * s_row;
+                for (int i = 0; i < half; i += 16) {
+                    __m512 x1, x2;
+                    if (src_kind == BKIND_F32) {
+                        x1 = _mm512_loadu_ps(xf + i), x2 = _mm512_loadu_ps(xf + i + half);
+                    } else {
+                        x1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(xb + i))), 16));
+                        x2 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(xb + i + half))),
+                            16));
+                    }
+                    const __m512 vc = _mm512_loadu_ps(c + i), vs = _mm512_loadu_ps(sn + i);
+                    const __m512 y1 = _mm512_sub_ps(_mm512_mul_ps(x1, vc), _mm512_mul_ps(x2, vs));
+                    const __m512 y2 = _mm512_add_ps(_mm512_mul_ps(x2, vc), _mm512_mul_ps(x1, vs));
+                    if (dst_kind == BKIND_F32) {
+                        float *yr = (float *)dst + h * d_head + j * d_row;
+                        _mm512_storeu_ps(yr + i, y1);
+                        _mm512_storeu_ps(yr + i + half, y2);
+                    } else {
+                        uint16_t *yr = (uint16_t *)dst + h * d_head + j * d_row;
+                        _mm256_storeu_si256((__m256i *)(void *)(yr + i), bf16_round16(y1));
+                        _mm256_storeu_si256((__m256i *)(void *)(yr + i + half), bf16_round16(y2));
+                    }
+                }
+                continue;
+            }
+#endif
+            if (src_kind == BKIND_F32) {
+                memcpy(x, (const float *)src + h * s_head + j * s_row, (size_t)d * 4);
+            } else {
+                const uint16_t *xr = (const uint16_t *)src + h * s_head + j * s_row;
+                for (int i = 0; i < d; i++) x[i] = bf16_to_f32(xr[i]);
+            }
+            for (int i = 0; i < half; i++) {
+                const float a = x[i] * c[i], b = x[i + half] * sn[i];
+                const float e = x[i + half] * c[i], f = x[i] * sn[i];
+                y[i] = a - b;
+                y[i + half] = e + f;
+            }
+            if (dst_kind == BKIND_F32) {
+                memcpy((float *)dst + h * d_head + j * d_row, y, (size_t)d * 4);
+            } else {
+                uint16_t *yr = (uint16_t *)dst + h * d_head + j * d_row;
+                for (int i = 0; i < d; i++) yr[i] = f32_to_bf16(y[i]);
+            }
+        }
+    return 0;
+}
+
+/* float16 bits to float32, exactly (subnormals, infinities and NaN kept) */
+static inline float f16_to_f32(uint16_t x) {
+    const uint32_t sign = (uint32_t)(x & 0x8000u) << 16, e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
+    union { uint32_t u; float f; } c;
+    if (e == 0x1fu) {
+        c.u = sign | 0x7f800000u | (m << 13);
+    } else if (e) {
+        c.u = sign | ((e + 112u) << 23) | (m << 13);
+    } else { /* zero or subnormal: m x 2^-24 */
+        c.f = (float)m * 5.9604644775390625e-8f;
+        c.u |= sign;
+    }
+    return c.f;
+}
+
+/* codes i..i+cnt-1 of n as floats (`bits` 8: byte i; 4: the low nibbles hold the first n/2 codes,
+ * the high ones the rest) */
+static inline void codes_at(const uint8_t *codes, int bits, long n, long i, int cnt, float *out) {
+    if (bits == 8) {
+        for (int x = 0; x < cnt; x++) out[x] = (float)codes[i + x];
+    } else if (i + cnt <= n / 2) {
+        for (int x = 0; x < cnt; x++) out[x] = (float)(codes[i + x] & 15u);
+    } else if (i >= n / 2) {
+        for (int x = 0; x < cnt; x++) out[x] = (float)(codes[i - n / 2 + x] >> 4);
+    } else {
+        for (int x = 0; x < cnt; x++) out[x] = (float)(i + x < n / 2 ? codes[i + x] & 15u : codes[i + x - n / 2] >> 4);
+    }
+}
+
+/* One stored layer in an integer codec (storage/codec.py) decoded into float32 K and V (h, t, d),
+ * contiguous: the same bits as `storage.codec.decode_into` (each product and sum rounded to
+ * float32 in the same order; no fused multiply-add). K: per head and channel, groups of
+ * `key_group` tokens, asymmetric (code x scale + minimum) or symmetric ((code - 2^(bits-1)) x
+ * scale); V: per head and token, groups of `value_group` channels (a divisor of d). Scales and
+ * minimums float16, after the codes (rounded up to even bytes). On the calling thread. */
+__attribute__((optimize("fp-contract=off"))) int kvb_decode_codes(int bits, int key_group, int key_zero,
+                                                                  int value_group, int value_zero, int h, long t,
+                                                                  int d, const uint8_t *kpart, const uint8_t *vpart,
+                                                                  float *k_out, float *v_out) {
+    if ((bits != 8 && bits != 4) || key_group < 1 || value_group < 1 || d % value_group || h < 1 || t < 1 || d < 1 ||
+        d > BLEND_MAX_D)
+        return -1;
+    const long n = (long)h * t * d, codes = (n * bits / 8 + 1) / 2 * 2;
+    const float mid = (float)(1 << (bits - 1));
+    const long groups = (t + key_group - 1) / key_group;
+    const uint8_t *ks = kpart + codes, *vs = vpart + codes; /* float16 scales (then minimums) */
+    const long kcount = (long)h * groups * d, vcount = (long)h * t * (d / value_group);
+    for (int hh = 0; hh < h; hh++)
+        for (long gi = 0; gi < groups; gi++) {
+            float sc[BLEND_MAX_D], mn[BLEND_MAX_D];
+            for (int x = 0; x < d; x++) {
+                uint16_t a, b = 0;
+                const long at = ((long)hh * groups + gi) * d + x;
+                memcpy(&a, ks + 2 * at, 2);
+                if (key_zero) memcpy(&b, ks + 2 * (kcount + at), 2);
+                sc[x] = f16_to_f32(a), mn[x] = f16_to_f32(b);
+            }
+            const long t1 = (gi + 1) * key_group < t ? (gi + 1) * key_group : t;
+            for (long j = gi * key_group; j < t1; j++) {
+                const long row = ((long)hh * t + j) * d;
+                float *o = k_out + row, c[BLEND_MAX_D];
+                codes_at(kpart, bits, n, row, d, c);
+                if (key_zero) {
+                    for (int x = 0; x < d; x++) {
+                        const float p = c[x] * sc[x];
+                        o[x] = p + mn[x];
+                    }
+                } else {
+                    for (int x = 0; x < d; x++) o[x] = (c[x] - mid) * sc[x];
+                }
+            }
+        }
+    const int per = d / value_group;
+    for (long r = 0; r < (long)h * t; r++) {
+        float *o = v_out + r * d, cv[BLEND_MAX_D];
+        codes_at(vpart, bits, n, r * d, d, cv);
+        for (int gx = 0; gx < per; gx++) {
+            uint16_t a, b = 0;
+            memcpy(&a, vs + 2 * (r * per + gx), 2);
+            if (value_zero) memcpy(&b, vs + 2 * (vcount + r * per + gx), 2);
+            const float sc = f16_to_f32(a), mn = f16_to_f32(b);
+            for (int x = gx * value_group; x < (gx + 1) * value_group; x++) {
+                const float c = cv[x];
+                if (value_zero) {
+                    const float p = c * sc;
+                    o[x] = p + mn;
+                } else {
+                    o[x] = (c - mid) * sc;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* The blend kernel's dot products: 2 where bfloat16 rows take AMX tiles (the CPU has them, Linux
  * grants them, not turned off), 1 for AVX-512 BF16 dot products, 0 otherwise. `want` 0 turns the
  * tiles off for this process, 1 back on, -1 only asks. */
