@@ -594,10 +594,11 @@ def native_rotate_into(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tensor, 
     """dst (Hkv, T, D) = src (Hkv, T, D) rotated by the angles cos, sin ((T, D/2) float32, or (1, D/2)
     for every row), rotate-half layout, in float32 with each product and sum rounded as torch
     rounds them, then once into dst's dtype: the same bits as `Runner.rotate_into`'s torch
-    formula, in one pass. src and dst float32 or bfloat16, rows contiguous. False (nothing
+    formula, in one pass. src float32, bfloat16 or float16 (the stored dtype), dst float32 or
+    bfloat16, rows contiguous. False (nothing
     written) where the kernel does not apply."""
     lib = blend_kernel()
-    src_kind, dst_kind = KINDS.get(src.dtype), KINDS.get(dst.dtype)
+    src_kind, dst_kind = (KINDS | {torch.float16: 2}).get(src.dtype), KINDS.get(dst.dtype)
     if lib is None or src_kind is None or dst_kind is None or src.dim() != 3 or tuple(dst.shape) != tuple(src.shape):
         return False
     hkv, t, d = src.shape

@@ -58,7 +58,7 @@
 #define BLEND_MAX_D 256 /* head dimension */
 #define RANGE 512       /* key ranges start at the multiples of this (a multiple of BK) */
 
-enum { BKIND_F32 = 0, BKIND_BF16 = 1 };
+enum { BKIND_F32 = 0, BKIND_BF16 = 1, BKIND_F16 = 2 }; /* float16: only a rotation's source */
 
 #define AI inline __attribute__((always_inline))
 
@@ -909,6 +909,21 @@ int kvb_shift_rows(int kind, int hkv, int d, long n, const int64_t *rows, void *
     return 0;
 }
 
+/* float16 bits to float32, exactly (subnormals, infinities and NaN kept) */
+static inline float f16_to_f32(uint16_t x) {
+    const uint32_t sign = (uint32_t)(x & 0x8000u) << 16, e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
+    union { uint32_t u; float f; } c;
+    if (e == 0x1fu) {
+        c.u = sign | 0x7f800000u | (m << 13);
+    } else if (e) {
+        c.u = sign | ((e + 112u) << 23) | (m << 13);
+    } else { /* zero or subnormal: m x 2^-24 */
+        c.f = (float)m * 5.9604644775390625e-8f;
+        c.u |= sign;
+    }
+    return c.f;
+}
+
 #if defined(__AVX512F__)
 /* 16 float32 lanes to bfloat16 exactly as f32_to_bf16 rounds them (nearest even, NaN kept NaN,
  * subnormals kept: not vcvtneps2bf16, which flushes them) */
@@ -933,7 +948,8 @@ __attribute__((optimize("fp-contract=off"))) int kvb_rotate_into(int src_kind, i
                                                                  const void *src, long s_head, long s_row, void *dst,
                                                                  long d_head, long d_row, const float *cos,
                                                                  const float *sin, long cs_row) {
-    if ((src_kind != BKIND_F32 && src_kind != BKIND_BF16) || (dst_kind != BKIND_F32 && dst_kind != BKIND_BF16) ||
+    if ((src_kind != BKIND_F32 && src_kind != BKIND_BF16 && src_kind != BKIND_F16) ||
+        (dst_kind != BKIND_F32 && dst_kind != BKIND_BF16) ||
         hkv < 1 || d < 2 || d % 2 || d > BLEND_MAX_D || t < 0 || cs_row < 0)
         return -1;
     const int half = d / 2;
@@ -949,6 +965,9 @@ __attribute__((optimize("fp-contract=off"))) int kvb_rotate_into(int src_kind, i
                     __m512 x1, x2;
                     if (src_kind == BKIND_F32) {
                         x1 = _mm512_loadu_ps(xf + i), x2 = _mm512_loadu_ps(xf + i + half);
+                    } else if (src_kind == BKIND_F16) { /* exact widening */
+                        x1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(xb + i)));
+                        x2 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(xb + i + half)));
                     } else {
                         x1 = _mm512_castsi512_ps(_mm512_slli_epi32(
                             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)(xb + i))), 16));
@@ -976,7 +995,7 @@ __attribute__((optimize("fp-contract=off"))) int kvb_rotate_into(int src_kind, i
                 memcpy(x, (const float *)src + h * s_head + j * s_row, (size_t)d * 4);
             } else {
                 const uint16_t *xr = (const uint16_t *)src + h * s_head + j * s_row;
-                for (int i = 0; i < d; i++) x[i] = bf16_to_f32(xr[i]);
+                for (int i = 0; i < d; i++) x[i] = src_kind == BKIND_F16 ? f16_to_f32(xr[i]) : bf16_to_f32(xr[i]);
             }
             for (int i = 0; i < half; i++) {
                 const float a = x[i] * c[i], b = x[i + half] * sn[i];
@@ -992,21 +1011,6 @@ __attribute__((optimize("fp-contract=off"))) int kvb_rotate_into(int src_kind, i
             }
         }
     return 0;
-}
-
-/* float16 bits to float32, exactly (subnormals, infinities and NaN kept) */
-static inline float f16_to_f32(uint16_t x) {
-    const uint32_t sign = (uint32_t)(x & 0x8000u) << 16, e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
-    union { uint32_t u; float f; } c;
-    if (e == 0x1fu) {
-        c.u = sign | 0x7f800000u | (m << 13);
-    } else if (e) {
-        c.u = sign | ((e + 112u) << 23) | (m << 13);
-    } else { /* zero or subnormal: m x 2^-24 */
-        c.f = (float)m * 5.9604644775390625e-8f;
-        c.u |= sign;
-    }
-    return c.f;
 }
 
 /* codes i..i+cnt-1 of n as floats (`bits` 8: byte i; 4: the low nibbles hold the first n/2 codes,
