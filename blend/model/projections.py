@@ -55,8 +55,6 @@ QUANTIZED_MAX_ROWS = 3
 
 ONE_ROW_SAMPLES = 256  # rows `Linear.one_row_differs` checks (a 1-in-19 difference is missed with p < 1e-5)
 _ONE_ROW_DIFFERS: dict[tuple[int, int, str, int], bool] = {}  # by (in, out, dense layout, threads)
-VARY_COUNTS = (2, 3, 5, 8, 13, 32, 64, 100)  # row counts `Linear.rows_vary` compares with PACKED_MAX_ROWS rows
-_ROWS_VARY: dict[tuple[int, int, str, int], bool] = {}
 
 
 class QuantizedProduct:
@@ -197,8 +195,8 @@ class Linear:
         `auto` with packed blocks the first `lead` rows (decode rows) read the blocks and the
         others the dense weights (each row's bits then its own whatever the batch), else by
         the row count (`reads_blocks`). `cuts`: the row counts of the step's items after the
-        `lead` rows, in order; where this shape's dense rows depend on the row count
-        (`rows_vary`) each item's rows get a product of their own."""
+        `lead` rows, in order; in bfloat16 on a CPU each item's rows get a dense product of their
+        own (`_dense_cut`)."""
         rows = x.shape[0]
         if self.reads_blocks(rows, quantized, lead):
             return self.quantized(x)
@@ -207,9 +205,14 @@ class Linear:
         return self._dense_cut(x, ((lead,) if lead else ()) + cuts if cuts else ())
 
     def _dense_cut(self, x: torch.Tensor, cuts: tuple[int, ...]) -> torch.Tensor:
-        """The dense product of rows x, one per cut where the rows vary with the count (`rows_vary`)."""
-        if (len(cuts) > 1 and sum(cuts) == x.shape[0] and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and self.rows_vary()):
+        """The dense product of rows x, in bfloat16 on a CPU one per cut (an item's rows): oneDNN's
+        bfloat16 rows depend on the row count of their product (on a Xeon with AMX its kernels at
+        SmolLM2's down projection differ from 5 to 189 rows against 256), and over PACKED_MAX_ROWS
+        rows another kernel runs (F.linear: 15 of 200 rows of the 576 -> 960 product differ beside
+        100 more rows, on the same Xeon), so an item's bits would depend on what shares its step.
+        Its own product gives each item the bits it has alone. float32 products are row-invariant
+        (MKL in strict mode: blend/model/mkl.py) and run as one."""
+        if len(cuts) > 1 and sum(cuts) == x.shape[0] and x.dtype == torch.bfloat16 and x.device.type == "cpu":
             bounds = [0, *itertools.accumulate(cuts)]
             return torch.cat([self._dense_rows(x[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)])
         return self._dense_rows(x)
@@ -241,21 +244,6 @@ class Linear:
             _ONE_ROW_DIFFERS[key] = any(not torch.equal(self._dense(x[i:i + 1])[0], pairs[i])
                                         for i in range(ONE_ROW_SAMPLES))
         return _ONE_ROW_DIFFERS[key]
-
-    def rows_vary(self) -> bool:
-        """Whether a dense bfloat16 product's rows (of two or more) come out with other bits at
-        another row count: checked once per shape and layout on this machine and its threads,
-        the first n rows of products of `VARY_COUNTS` rows against the same rows inside a
-        product of PACKED_MAX_ROWS. On a Xeon with AMX, oneDNN's kernels differ by the row count at
-        SmolLM2's down projection (5-189 rows against 256), at its other shapes not; on an AMD EPYC
-        no shape did (from two rows on)."""
-        key = (self.in_features, self.out_features, self.dense, torch.get_num_threads())
-        if key not in _ROWS_VARY:
-            g = torch.Generator().manual_seed(1)
-            x = torch.randn((PACKED_MAX_ROWS, self.in_features), generator=g).to(torch.bfloat16)
-            whole = self._dense(x)
-            _ROWS_VARY[key] = any(not torch.equal(self._dense(x[:n]), whole[:n]) for n in VARY_COUNTS)
-        return _ROWS_VARY[key]
 
     def _dense_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(x, w, b) for w, b in self.parts)
