@@ -440,6 +440,23 @@ def test_an_unreadable_encoded_layer_fails_the_load_on_both_paths_and_drops_the_
             assert not path.exists() and key not in list(store.keys())
 
 
+def test_an_entry_replaced_while_loading_fails_the_load_and_stays(tiny_runner):
+    """A newer entry under a located key (a harvested document's standalone recompute, written
+    behind a lookup): the load fails as for an unreadable layer, but the new entry is kept."""
+    from blend.kv.loader import LoadFailed
+
+    runner = tiny_runner
+    with TieredStore([CpuTier(CpuTierConfig(budget=64 << 20, codec="int8"))], promote=False) as store:
+        made, n = _placements(runner, store, [(20, 0), (33, 5)])
+        key = made[1][0].located.key
+        again, _ = _placements(runner, store, [(20, 0), (33, 9)])  # the same tokens from another position
+        assert again[1][0].located.key == key and again[1][0].located.header != made[1][0].located.header
+        with pytest.raises(LoadFailed, match="replaced") as err:
+            _load(runner, store, [p for p, _ in made], n, staged=False)
+        assert err.value.tiers == ("cpu",)
+        assert store.tiers[0].get_header(key) == again[1][0].located.header
+
+
 # ------------------------------------------------------------------------ the engine
 QUESTION = "Who built the lighthouse at Carrow Point?"
 DOCS = [

@@ -324,6 +324,12 @@ class LayerLoader:
             return p.entry
         assert p.located is not None
         key, tier = p.located.key, p.located.tier_name
+        if self.store is not None and self._replaced(p.located):
+            # a newer entry took the key after the lookup (the write-behind queue: a harvested document's
+            # standalone recompute): the load fails, the new entry stays
+            log.info("cached layer %d of %s was replaced in %s while loading; the request computes without "
+                     "the store", layer, key[:16], tier)
+            raise LoadFailed(f"cached layer {layer} of {key[:16]} replaced in {tier} while loading", (tier,))
         log.warning("cached layer %d of %s unreadable in %s; the entry is dropped and the request computes "
                     "without the store", layer, key[:16], tier)
         if self.store is not None:
@@ -332,6 +338,17 @@ class LayerLoader:
             except Exception as err:  # noqa: BLE001 - the tier that failed the read may fail the delete too
                 log.warning("could not delete the unreadable entry %s: %s", key[:16], err)
         raise LoadFailed(f"cached layer {layer} of {key[:16]} unreadable in {tier}", (tier,))
+
+    def _replaced(self, located: Located) -> bool:
+        """Whether a tier now holds another entry (another header) under `located`'s key."""
+        for tier in self.store.tiers:
+            try:
+                header = tier.get_header(located.key)
+            except Exception:  # noqa: BLE001 - a tier that cannot answer tells nothing
+                continue
+            if header is not None and header != located.header:
+                return True
+        return False
 
     def _begin_span(self) -> None:
         """Mark where this layer's device work (copies, placement) starts on the copy stream."""
