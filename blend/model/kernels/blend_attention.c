@@ -9,7 +9,8 @@
  * rows contiguous (any head and row strides); bias (hkv, tk) float32 or NULL; out
  * (tq, hkv*g*d) in q's dtype, rows contiguous. With `colsum` (hkv, tk) float32, also each
  * key's attention probabilities summed over the query vectors of its KV head (the query
- * pass's scores: blend/recompute/layers.py), in two passes over the keys (the sums first).
+ * pass's scores: blend/recompute/layers.py), in the same one pass: each key block's probabilities
+ * are kept with the running maximum they are of, and rescaled to the final maximum and sum after.
  *
  * Flash attention, cut the way this shape needs: the rows of a KV head come in row blocks
  * (at most MAX_M query vectors: the g query heads of up to MAX_M / g rows, all scored
@@ -77,9 +78,10 @@ enum { BKIND_F32 = 0, BKIND_BF16 = 1, BKIND_F16 = 2 }; /* float16: only a rotati
  * of the vector dot products. Taken for bfloat16 with a head dimension a multiple of 64,
  * where the CPU has the tiles and Linux grants them to this process (arch_prctl), unless
  * turned off (`kvb_blend_path`); the choice depends on nothing else, so it is the same for a
- * row alone or among any rows. The probabilities are rounded to bfloat16 for P V (as torch's
- * flash attention does on a CPU); scores, softmax, the sums and the weighted sums stay
- * float32. Each tile row (query vector) is its own: the tile products are row-invariant. */
+ * row alone or among any rows. The probabilities enter P V as two bfloat16 parts (hi + lo, about
+ * 16 bits: rounding them once to bfloat16 moved blend@0.05's first-token KL on 20 MuSiQue
+ * questions by +0.003); scores, softmax, the sums and the weighted sums stay float32. Each tile
+ * row (query vector) is its own: the tile products are row-invariant. */
 #if PACK_PAIRS && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define KVB_AMX 1
 #include <sys/syscall.h>
@@ -134,9 +136,10 @@ static AI void amx_scores(const uint16_t *q, int d, const int32_t *kp, long tpad
 }
 
 /* o[i][0..d) += sum_j p[i][j] v_{j0 + j} for the 16 query vectors at o (float32 rows of d),
- * p bfloat16 rows of BK, from the head's value pairs vp (row j/2 holds keys j, j+1 of every
- * dimension: tpad/2 rows of d int32) at key pair j0/2; d a multiple of 64. */
-static AI void amx_values(const uint16_t *p, int d, const int32_t *vp, float *o) {
+ * p as two bfloat16 parts (hi, lo: rows of BK each, p = hi + lo to 16 bits), from the head's value
+ * pairs vp (row j/2 holds keys j, j+1 of every dimension: tpad/2 rows of d int32) at key pair
+ * j0/2; d a multiple of 64. */
+static AI void amx_values(const uint16_t *hi, const uint16_t *lo, int d, const int32_t *vp, float *o) {
     for (int x = 0; x < d; x += 64) {
         _tile_loadd(0, o + x, d * 4);
         _tile_loadd(1, o + x + 16, d * 4);
@@ -144,15 +147,20 @@ static AI void amx_values(const uint16_t *p, int d, const int32_t *vp, float *o)
         _tile_loadd(3, o + x + 48, d * 4);
         for (int j = 0; j < BK; j += 32) {
             const int32_t *vr = vp + (long)(j / 2) * d + x;
-            _tile_loadd(4, p + j, BK * 2);
+            _tile_loadd(4, hi + j, BK * 2);
+            _tile_loadd(7, lo + j, BK * 2);
             _tile_loadd(5, vr, d * 4);
             _tile_loadd(6, vr + 16, d * 4);
             _tile_dpbf16ps(0, 4, 5);
             _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(7, vr + 32, d * 4);
-            _tile_loadd(5, vr + 48, d * 4);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 4, 5);
+            _tile_dpbf16ps(0, 7, 5);
+            _tile_dpbf16ps(1, 7, 6);
+            _tile_loadd(5, vr + 32, d * 4);
+            _tile_loadd(6, vr + 48, d * 4);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_dpbf16ps(3, 4, 6);
+            _tile_dpbf16ps(2, 7, 5);
+            _tile_dpbf16ps(3, 7, 6);
         }
         _tile_stored(0, o + x, d * 4);
         _tile_stored(1, o + x + 16, d * 4);
@@ -161,10 +169,17 @@ static AI void amx_values(const uint16_t *p, int d, const int32_t *vp, float *o)
     }
 }
 
-/* probabilities p[i][0..BK) (float32, rows of BK) to bfloat16, rounded to nearest even */
-static AI void amx_round_row(const float *p, uint16_t *dst) {
-    for (int c = 0; c < BK; c += 16)
-        _mm256_storeu_si256((__m256i *)(void *)(dst + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + c)));
+/* probabilities p[0..BK) (float32) as two bfloat16 parts: hi = p rounded to nearest even, lo =
+ * (p - hi) rounded (exact in float32): hi + lo holds p to about 16 bits, so P V through the
+ * tiles loses about what float32 products would */
+static AI void amx_split_row(const float *p, uint16_t *hi, uint16_t *lo) {
+    for (int c = 0; c < BK; c += 16) {
+        const __m512 x = _mm512_loadu_ps(p + c);
+        const __m256bh h = _mm512_cvtneps_pbh(x);
+        const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+        _mm256_storeu_si256((__m256i *)(void *)(hi + c), (__m256i)h);
+        _mm256_storeu_si256((__m256i *)(void *)(lo + c), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, back)));
+    }
 }
 #else
 #define KVB_AMX 0
@@ -400,6 +415,14 @@ typedef struct {
     const float *bpack;       /* per head tpad biases (0 past the keys), or NULL */
 } call_t;
 
+static inline int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 static inline long lo_of(const call_t *C, long p) {
     return C->window > 0 && p - C->window + 1 > 0 ? p - C->window + 1 : 0;
 }
@@ -438,22 +461,21 @@ static void load_queries(const call_t *C, int h, int r0, int r1, void *qbuf) {
         }
 }
 
-/* One work item: rows r0..r1-1 of head h over keys k0..k1-1. Leaves per query vector the
- * running maximum mx[m], sum l[m] and unnormalised weighted values o[m][d]. */
-/* Passes of run_item: FLASH (one pass, online softmax), or for column sums STATS (the final
- * maximum and sum of each query vector, no values) then NORMALISED (probabilities divided by
- * their sum: the values' weighted sum is the output, and each key's probabilities are added
- * to its column sum). */
-enum { FLASH = 0, STATS = 1, NORMALISED = 2 };
-
-static void run_pass(const call_t *C, const item_t *it, const void *qbuf, int pass, float *mx, float *l, float *o,
-                     float *colsum);
+/* One pass over an item's keys (online softmax). With `keep` (nm x nkb x BK floats, nkb = the
+ * item's key blocks) and `kmax` (nm x nkb), each query vector's probabilities of each key block
+ * before the rescaling (exp(score - the running maximum then)) and that maximum are kept, for the
+ * column sums (`run_item`). */
+static void run_pass(const call_t *C, const item_t *it, const void *qbuf, float *mx, float *l, float *o,
+                     float *keep, float *kmax);
 
 /* One work item: rows r0..r1-1 of head h over keys k0..k1-1. Leaves per query vector the
  * running maximum mx[m], sum l[m] and unnormalised weighted values o[m][d]; with `colsum`
- * (tpad floats, indexed by packed key), o normalised (l = 1) and the column sums added. */
+ * (tpad floats, indexed by packed key) also each key's probabilities (normalised: exp(score -
+ * final maximum) / final sum, as the kept ones rescaled) added to its column sum, vector by
+ * vector in order: one pass over the keys, one exponential a score. `keep`: this thread's buffer
+ * of MAX_M x (tpad / BK) x (BK + 1) floats (column sums only). */
 static __attribute__((noinline)) void run_item(const call_t *C, const item_t *it, float *mx, float *l, float *o,
-                                               float *colsum) {
+                                               float *colsum, float *keep) {
     _Alignas(64) float qbuf[MAX_M * BLEND_MAX_D]; /* float32, or bfloat16 in its first half */
     load_queries(C, it->h, it->r0, it->r1, qbuf);
     const int nm = (it->r1 - it->r0) * C->g;
@@ -463,31 +485,45 @@ static __attribute__((noinline)) void run_item(const call_t *C, const item_t *it
     }
     memset(o, 0, (size_t)nm * C->d * sizeof(float));
     if (!colsum) {
-        run_pass(C, it, qbuf, FLASH, mx, l, o, NULL);
+        run_pass(C, it, qbuf, mx, l, o, NULL, NULL);
         return;
     }
-    run_pass(C, it, qbuf, STATS, mx, l, o, NULL);
-    for (int m = 0; m < nm; m++) l[m] = l[m] > 0.0f ? 1.0f / l[m] : 0.0f; /* now the inverse sums */
-    run_pass(C, it, qbuf, NORMALISED, mx, l, o, colsum);
-    for (int m = 0; m < nm; m++) l[m] = 1.0f;
+    const long k0 = it->k0 - C->kmin, nkb = (it->k1 - it->k0 + BK - 1) / BK;
+    float *kmax = keep + (long)nm * nkb * BK;
+    run_pass(C, it, qbuf, mx, l, o, keep, kmax);
+    for (int m = 0; m < nm; m++) {
+        if (mx[m] == -INFINITY || !(l[m] > 0.0f)) continue;
+        const float inv = 1.0f / l[m];
+        for (long b = 0; b < nkb; b++) {
+            const float top = kmax[(long)m * nkb + b];
+            if (top == -INFINITY) continue; /* a block this vector sees nothing of */
+            const float f = exp_nonpositive(top - mx[m]) * inv;
+            const float *e = keep + ((long)m * nkb + b) * BK;
+            float *cs = colsum + k0 + b * BK;
+#pragma omp simd
+            for (int j = 0; j < BK; j++) cs[j] += e[j] * f;
+        }
+    }
 }
 
-static void run_pass(const call_t *C, const item_t *it, const void *qbuf_, int pass, float *mx, float *l, float *o,
-                     float *colsum) {
+static void run_pass(const call_t *C, const item_t *it, const void *qbuf_, float *mx, float *l, float *o,
+                     float *keep, float *kmax) {
     const float *qbuf = (const float *)qbuf_;
     const int g = C->g, d = C->d, h = it->h;
     const int nm = (it->r1 - it->r0) * g;
     _Alignas(64) float s[MAX_M * BK];
     const long first = C->pos[it->r0], last = C->pos[it->r1 - 1];
     const long lo_last = lo_of(C, last);
+    const long nkb = (it->k1 - it->k0 + BK - 1) / BK; /* the item's key blocks (`keep`'s rows) */
     const char *kp = (const char *)C->kpack + (long)h * C->tpad * d * (C->pairs ? 2 : 4);
     const float *vh = C->vbase + h * C->v_head;
     const float *bh = C->bpack ? C->bpack + (long)h * C->tpad : NULL;
 #if KVB_AMX
-    _Alignas(64) uint16_t pb[MAX_M * BK]; /* the probabilities in bfloat16, for the tiles */
+    _Alignas(64) uint16_t pb[MAX_M * BK], pl[MAX_M * BK]; /* the probabilities as two bfloat16 parts */
     if (C->amx) {
         amx_config();
         memset(pb + (long)nm * BK, 0, (size_t)(MAX_M - nm) * BK * 2); /* a tile's rows past the vectors */
+        memset(pl + (long)nm * BK, 0, (size_t)(MAX_M - nm) * BK * 2);
     }
 #endif
     for (long j0 = it->k0; j0 < it->k1; j0 += BK) {
@@ -551,6 +587,7 @@ static void run_pass(const call_t *C, const item_t *it, const void *qbuf_, int p
                 vis_hi = hi < n ? (int)hi : n;
                 if (vis_hi <= vis_lo) { /* nothing visible here */
                     memset(sr, 0, BK * sizeof(float));
+                    if (keep) kmax[(long)m * nkb + (j0 - it->k0) / BK] = -INFINITY;
                     continue;
                 }
             }
@@ -576,35 +613,28 @@ static void run_pass(const call_t *C, const item_t *it, const void *qbuf_, int p
                 total += sr[j];
             }
 #endif
-            if (pass == NORMALISED) { /* mnew is the final maximum; l holds the inverse sums */
-                const float inv = l[m];
-                float *cs = colsum + pj;
-#pragma omp simd
-                for (int j = 0; j < BK; j++) {
-                    sr[j] *= inv;
-                    cs[j] += sr[j];
-                }
-                continue;
+            if (keep) { /* for the column sums: this block's probabilities and the maximum they are of */
+                const long b = (long)m * nkb + (j0 - it->k0) / BK;
+                memcpy(keep + b * BK, sr, BK * sizeof(float));
+                kmax[b] = mnew;
             }
             if (mnew > mx[m] && mx[m] != -INFINITY) {
                 const float corr = exp_nonpositive(mx[m] - mnew);
                 l[m] *= corr;
-                if (pass == FLASH) {
-                    float *om = o + (long)m * d;
+                float *om = o + (long)m * d;
 #pragma omp simd
-                    for (int x = 0; x < d; x++) om[x] *= corr;
-                }
+                for (int x = 0; x < d; x++) om[x] *= corr;
             }
             mx[m] = mnew;
             l[m] += total;
         }
-        if (pass == STATS) continue;
         /* o += p . v */
 #if KVB_AMX
         if (C->amx) {
-            for (int m = 0; m < nm; m++) amx_round_row(s + m * BK, pb + m * BK);
+            for (int m = 0; m < nm; m++) amx_split_row(s + m * BK, pb + m * BK, pl + m * BK);
             for (int m0 = 0; m0 < nm; m0 += AMX_ROWS)
-                amx_values(pb + m0 * BK, d, (const int32_t *)(const void *)vh + (pj / 2) * d, o + (long)m0 * d);
+                amx_values(pb + m0 * BK, pl + m0 * BK, d, (const int32_t *)(const void *)vh + (pj / 2) * d,
+                           o + (long)m0 * d);
             continue;
         }
 #endif
@@ -778,7 +808,10 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     const size_t bbytes = bias ? (size_t)hkv * C.tpad * 4 : 0;
     const size_t pbytes = (size_t)nparts * MAX_M * (d + 2) * 4;
     const size_t cbytes = colsum ? (size_t)nitems * C.tpad * 4 : 0; /* each item's column sums */
-    char *pool = malloc(kbytes + vbytes + bbytes + pbytes + cbytes + 64);
+    /* with column sums, per thread: a row block's kept probabilities and block maxima (run_item) */
+    const size_t keep_floats = (size_t)MAX_M * (C.tpad / BK) * (BK + 1);
+    const size_t kpbytes = colsum ? (size_t)threads * keep_floats * 4 : 0;
+    char *pool = malloc(kbytes + vbytes + bbytes + pbytes + cbytes + kpbytes + 64);
     long *left = malloc((size_t)(nitems + 1) * sizeof(long)); /* per (head, row block): ranges not done */
     if (!items || !pool || !left) {
         free(items), free(pool), free(left), free(starts);
@@ -789,6 +822,7 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
     C.bpack = bias ? (float *)(void *)(pool + kbytes + vbytes) : NULL;
     float *parts = (float *)(void *)(pool + kbytes + vbytes + bbytes);
     float *sums = colsum ? (float *)(void *)(pool + kbytes + vbytes + bbytes + pbytes) : NULL;
+    float *kept = colsum ? (float *)(void *)(pool + kbytes + vbytes + bbytes + pbytes + cbytes) : NULL;
     if (sums) memset(sums, 0, cbytes);
     if (vwiden) { /* v_head in floats: amx pairs take half as many */
         C.vbase = vwide, C.v_head = C.tpad * d / (C.amx ? 2 : 1), C.v_row = d;
@@ -835,7 +869,7 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
             const int nm = (it->r1 - it->r0) * g;
             if (it->part >= 0) { /* one range: the thread that finishes its row block's last one folds them */
                 float *p = parts + it->part * MAX_M * (d + 2);
-                run_item(&C, it, p, p + MAX_M, p + 2 * MAX_M, NULL);
+                run_item(&C, it, p, p + MAX_M, p + 2 * MAX_M, NULL, NULL);
                 if (__atomic_sub_fetch(&left[it->group], 1, __ATOMIC_ACQ_REL)) continue;
                 for (int m = 0; m < nm; m++) fmx[m] = -INFINITY;
                 for (long x = it->group; x < it->group + it->ranges; x++) {
@@ -844,13 +878,14 @@ int kvb_blend_attention(int kind, int hkv, int g, int d, int tq, long tk, float 
                 }
                 write_rows(&C, it->h, it->r0, it->r1, fl, fo);
             } else if (it->ranges == 1) { /* a row block within one range */
-                run_item(&C, it, mx, l, o, sums ? sums + i * C.tpad : NULL);
+                run_item(&C, it, mx, l, o, sums ? sums + i * C.tpad : NULL,
+                         kept ? kept + (size_t)thread_index() * keep_floats : NULL);
                 write_rows(&C, it->h, it->r0, it->r1, l, o);
             } else { /* a whole row block: its ranges one after the other, folded here */
                 for (int m = 0; m < nm; m++) fmx[m] = -INFINITY;
                 for (long x = 0; x < it->ranges; x++) {
                     const item_t r = range_of(it, x);
-                    run_item(&C, &r, mx, l, o, NULL);
+                    run_item(&C, &r, mx, l, o, NULL, NULL);
                     fold_range(nm, d, fmx, fl, fo, mx, l, o);
                 }
                 write_rows(&C, it->h, it->r0, it->r1, fl, fo);
