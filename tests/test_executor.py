@@ -127,6 +127,7 @@ def test_a_prefill_cut_into_chunks_beside_seven_decoding_sequences_gives_what_it
             handle.cancel()
     assert alongside == 7  # they were still decoding
     _assert_same(expected, got)
+    assert 0 < m.decode_only_s < m.decode_s  # the decode-only steps' time, without the rows' share of mixed steps
     if mode == "full":
         assert rode >= 7 * 10  # the prompt's ~100 rows in chunks of 4, 7 decode rows in each
     elif mode == "prefix":

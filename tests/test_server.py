@@ -720,8 +720,12 @@ def test_inter_token_latency_is_the_gaps_between_a_stream_s_chunks():
     summary = level.summary()
     assert summary["itl_p50_s"] == 0.2 and summary["itl_p99_s"] == 0.298  # numpy percentiles, the failed one left out
     assert summary["decode_rows_in_prefill_steps"] is None  # no server counters read
-    level.scheduler = {"decode_steps": 4.0, "batch_sum": 8.0, "decode_rows_in_prefill_steps": 21.0}
+    level.scheduler = {"decode_steps": 4.0, "batch_sum": 8.0, "decode_rows_in_prefill_steps": 21.0,
+                       "decode_s": 1.0, "decode_only_s": 0.2}
     assert level.summary()["decode_rows_in_prefill_steps"] == 21
+    # a decode step's time from the steps that carried only decode rows: the decode rows' share of mixed
+    # steps (in decode_s) has no step of its own in the count
+    assert level.summary()["decode_ms_per_step"] == 50.0 and level.summary()["decode_busy_s"] == 1.0
     assert Level(clients=1, samples=[Sample(True, ttft_s=0.1, e2e_s=0.1, tokens=1)], wall_s=1.0).summary()[
         "itl_p50_s"] is None
 

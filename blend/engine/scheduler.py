@@ -196,6 +196,7 @@ class SchedulerMetrics:
     peak_active_kv: int = 0  # the most KV bytes the running set held at once
     prefill_s: float = 0.0  # step time of plans' work (requests' prefills, missed documents, tasks, resumes)
     decode_s: float = 0.0  # step time of decode rows (the batched rows, sampling and emitting included)
+    decode_only_s: float = 0.0  # forward time of the decode steps that carried nothing else (`decode_steps`)
     prefill_chunks: int = 0  # steps that ran plans' work (decode rows alongside)
     decode_rows_in_prefill_steps: int = 0  # decode rows that rode along with plans' work
     shared_steps: int = 0  # steps whose plans' work came from two plans or more
@@ -586,6 +587,8 @@ class Scheduler:
             self.metrics.shared_steps += len({id(s) for s, _, _ in taken if not s.background}) > 1
             self.metrics.prefill_s += step_s * (spent - spent_bg) / rows_cost + planning_s
         self.metrics.decode_s += step_s * len(decode) * self.runner.num_layers / rows_cost
+        if not taken:
+            self.metrics.decode_only_s += step_s
         self._emit(decode, outs[: len(decode)], with_plans=bool(taken))
 
     def _wait_loads(self) -> None:

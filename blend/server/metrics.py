@@ -136,6 +136,9 @@ class _SchedulerCollector(Collector):
         yield CounterMetricFamily("kvblend_resume_seconds", "Time spent resuming preempted sequences",
                                   value=m.resume_s)
         yield CounterMetricFamily("kvblend_decode_steps", "Decode steps run", value=m.decode_steps)
+        yield CounterMetricFamily("kvblend_decode_step_seconds",
+                                  "Forward time of the decode steps that carried no prefill work",
+                                  value=m.decode_only_s)
         yield CounterMetricFamily("kvblend_prefill_chunks", "Steps that ran a chunk of a prefill's rows",
                                   value=m.prefill_chunks)
         yield CounterMetricFamily("kvblend_decode_rows_in_prefill_steps",

@@ -101,8 +101,10 @@ class Level:
             # where the server's scheduler spent the level: prefills do not batch, decode steps do
             "prefill_busy_s": round(self.scheduler["prefill_s"], 3) if "prefill_s" in self.scheduler else None,
             "decode_busy_s": round(self.scheduler["decode_s"], 3) if "decode_s" in self.scheduler else None,
-            "decode_ms_per_step": round(1000 * self.scheduler["decode_s"] / steps, 2)
-            if steps and "decode_s" in self.scheduler else None,
+            # a decode step that carried nothing else (decode_busy_s also holds the decode rows' share of
+            # mixed steps, which `steps` does not count)
+            "decode_ms_per_step": round(1000 * self.scheduler["decode_only_s"] / steps, 2)
+            if steps and "decode_only_s" in self.scheduler else None,
             "clients": self.clients, "requests": len(self.samples), "ok": len(ok),
             "lost": len(self.samples) - len(ok), "errors": sorted({s.error for s in self.samples if not s.ok}),
             "wall_s": round(self.wall_s, 3),
@@ -245,7 +247,8 @@ def scheduler_counters(http: httpx.Client, base: str) -> dict[str, float]:
               "kvblend_preemptions_total": "preemptions",
               "kvblend_decode_rows_in_prefill_steps_total": "decode_rows_in_prefill_steps",
               'kvblend_scheduler_busy_seconds_total{step="prefill"}': "prefill_s",
-              'kvblend_scheduler_busy_seconds_total{step="decode"}': "decode_s"}
+              'kvblend_scheduler_busy_seconds_total{step="decode"}': "decode_s",
+              "kvblend_decode_step_seconds_total": "decode_only_s"}
     found: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
