@@ -137,6 +137,8 @@ def test_a_workload_run_adds_up_shows_its_cold_start_and_repeats_for_a_seed(tmp_
     rows = {(r["mode"], r["codec"]): r for r in first["results"]}
     assert 0 < first["distinct_documents"] < first["stream_documents"] == 14 * 2  # repeats: some lookups can hit
     assert set(rows) == {("full", "none"), ("blend", "none"), ("full", "int4"), ("blend", "int4")}
+    # the machine's speed at both ends (the modes run one after the other: their ratio needs one speed)
+    assert first["probe_gflops_start"] > 0 and first["probe_gflops_end"] > 0 and isinstance(first["unsteady"], bool)
     for row in rows.values():
         assert row["completed"] == row["requests"] == 14 and not row["errors"]
         assert row["hits"] + row["misses"] == row["lookups"]

@@ -39,6 +39,11 @@ writing, per tier) and `bytes_written`.
 
 `EngineGate` counts the requests submitted and can also hold them to one at a time in arrival order
 (`SERIALIZE = True`: the engine as it was before its scheduler, for a comparison).
+
+Hygiene (`eval.bench.common`): the load average is watched from start to end, and a CPU probe (a
+fixed float32 matrix product) is timed at both ends (`probe_gflops_start` / `_end`; `unsteady` when
+it moved by more than 25%): the modes run one after the other, so a machine that changed speed
+between them skews their ratio.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.bench.common import LoadWatch
+from eval.bench.common import LoadWatch, Steadiness
 from eval.results import save_figure, write_file
 
 log = logging.getLogger(__name__)
@@ -496,6 +501,7 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
     from storage.dtypes import dtype_bytes
 
     watch = LoadWatch.begin()
+    steady = Steadiness.begin()  # the modes run one after the other: a machine that changed speed skews their ratio
     examples = load_examples(settings.dataset, split=settings.split, limit=settings.limit, field_map=settings.field_map)
     stream = request_stream(examples, settings.requests, passages=settings.passages, zipf=settings.zipf,
                             docs_per_request=settings.docs_per_request, seed=settings.seed)
@@ -583,6 +589,7 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     summary.update(watch.finish("workload benchmark"))
+    summary.update(steady.finish({}, "workload benchmark"))
     return summary
 
 
