@@ -246,7 +246,7 @@ def test_an_item_s_bfloat16_rows_equal_themselves_alone_whatever_shares_the_prod
     product of its own, so an item's rows are the same bits alone as beside other items, decode rows
     first (`lead`) or not: at few rows (oneDNN's AMX kernels on a Xeon vary with the row count at
     SmolLM2's down projection) and where the step's rows pass PACKED_MAX_ROWS while the item's
-    alone do not (200 beside 100: another kernel; 15 of 200 rows of the 576 -> 960 product
+    alone do not (200 beside 100: another kernel; 15 of their 300 rows of the 576 -> 960 product
     differed there on a Xeon, with one product for all)."""
     from blend.model.projections import Linear
 

@@ -208,8 +208,9 @@ class Linear:
         """The dense product of rows x, in bfloat16 on a CPU one per cut (an item's rows): oneDNN's
         bfloat16 rows depend on the row count of their product (on a Xeon with AMX its kernels at
         SmolLM2's down projection differ from 5 to 189 rows against 256), and over PACKED_MAX_ROWS
-        rows another kernel runs (F.linear: 15 of 200 rows of the 576 -> 960 product differ beside
-        100 more rows, on the same Xeon), so an item's bits would depend on what shares its step.
+        rows another kernel runs (F.linear: items of 200 and 100 rows in one product of 576 -> 960,
+        15 of their 300 rows differ from each item's own product, on the same Xeon), so an item's
+        bits would depend on what shares its step.
         Its own product gives each item the bits it has alone. float32 products are row-invariant
         (MKL in strict mode: blend/model/mkl.py) and run as one."""
         if len(cuts) > 1 and sum(cuts) == x.shape[0] and x.dtype == torch.bfloat16 and x.device.type == "cpu":
