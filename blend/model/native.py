@@ -79,6 +79,7 @@ MAX_QUERY_ROWS = 16  # the decode kernel's MAX_G: query heads per KV head
 MAX_HEAD_DIM = 256  # both attention kernels' largest head dimension
 BLEND_MAX_GROUP = 64  # the blend kernel's MAX_M: query heads per KV head at most
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # K/V dtypes the kernels read (their KIND_*)
+ROTATION_SOURCES = KINDS | {torch.float16: 2}  # what `native_rotate_into` reads (the stored dtype too)
 _LONG, _INT, _PTR = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
 
 
@@ -598,7 +599,7 @@ def native_rotate_into(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tensor, 
     bfloat16, rows contiguous. False (nothing
     written) where the kernel does not apply."""
     lib = blend_kernel()
-    src_kind, dst_kind = (KINDS | {torch.float16: 2}).get(src.dtype), KINDS.get(dst.dtype)
+    src_kind, dst_kind = ROTATION_SOURCES.get(src.dtype), KINDS.get(dst.dtype)
     if lib is None or src_kind is None or dst_kind is None or src.dim() != 3 or tuple(dst.shape) != tuple(src.shape):
         return False
     hkv, t, d = src.shape

@@ -737,13 +737,12 @@ static void pack_keys(const call_t *C, int h, const char *k, long k_head, long k
                     : C->kind == BKIND_F32 ? ((const float *)(const void *)kr)[x]
                     : bf16_to_f32(((const uint16_t *)(const void *)kr)[x]);
         }
+        const uint16_t *src = (const uint16_t *)(const void *)(v + (h * v_head + j * v_row) * es);
         if (vwide && C->amx) { /* values as key pairs: (pj/2, x) holds keys pj & ~1 and pj | 1 */
             uint16_t *vp = (uint16_t *)(void *)(vwide + h * C->v_head) + ((pj / 2) * d) * 2 + (pj & 1);
-            const uint16_t *src = (const uint16_t *)(const void *)(v + (h * v_head + j * v_row) * es);
             for (int x = 0; x < d; x++) vp[2 * x] = real ? src[x] : 0;
         } else if (vwide) {
             float *vr = vwide + h * C->v_head + pj * C->v_row;
-            const uint16_t *src = (const uint16_t *)(const void *)(v + (h * v_head + j * v_row) * es);
             for (int x = 0; x < d; x++) vr[x] = real ? bf16_to_f32(src[x]) : 0.0f;
         }
         if (bpack) bpack[(long)h * C->tpad + pj] = real && bias ? bias[h * bias_head + j] : 0.0f;
@@ -944,35 +943,6 @@ int kvb_shift_rows(int kind, int hkv, int d, long n, const int64_t *rows, void *
     return 0;
 }
 
-/* float16 bits to float32, exactly (subnormals, infinities and NaN kept) */
-static inline float f16_to_f32(uint16_t x) {
-    const uint32_t sign = (uint32_t)(x & 0x8000u) << 16, e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
-    union { uint32_t u; float f; } c;
-    if (e == 0x1fu) {
-        c.u = sign | 0x7f800000u | (m << 13);
-    } else if (e) {
-        c.u = sign | ((e + 112u) << 23) | (m << 13);
-    } else { /* zero or subnormal: m x 2^-24 */
-        c.f = (float)m * 5.9604644775390625e-8f;
-        c.u |= sign;
-    }
-    return c.f;
-}
-
-#if defined(__AVX512F__)
-/* 16 float32 lanes to bfloat16 exactly as f32_to_bf16 rounds them (nearest even, NaN kept NaN,
- * subnormals kept: not vcvtneps2bf16, which flushes them) */
-static inline __m256i bf16_round16(__m512 y) {
-    const __m512i u = _mm512_castps_si512(y);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
-}
-#endif
-
 /* Loaded keys moved to their new positions (the loader's placement: Runner.rotate_into):
  *   dst[h, j] = [x1 c_j - x2 s_j, x2 c_j + x1 s_j]   (x1, x2: the halves of src[h, j], rotate-half)
  * in float32, each product and each sum rounded as torch rounds them (no fused multiply-add),
@@ -1084,11 +1054,8 @@ __attribute__((optimize("fp-contract=off"))) int kvb_decode_codes(int bits, int 
         for (long gi = 0; gi < groups; gi++) {
             float sc[BLEND_MAX_D], mn[BLEND_MAX_D];
             for (int x = 0; x < d; x++) {
-                uint16_t a, b = 0;
                 const long at = ((long)hh * groups + gi) * d + x;
-                memcpy(&a, ks + 2 * at, 2);
-                if (key_zero) memcpy(&b, ks + 2 * (kcount + at), 2);
-                sc[x] = f16_to_f32(a), mn[x] = f16_to_f32(b);
+                sc[x] = f16_at(ks + 2 * at), mn[x] = key_zero ? f16_at(ks + 2 * (kcount + at)) : 0.0f;
             }
             const long t1 = (gi + 1) * key_group < t ? (gi + 1) * key_group : t;
             for (long j = gi * key_group; j < t1; j++) {
@@ -1110,10 +1077,8 @@ __attribute__((optimize("fp-contract=off"))) int kvb_decode_codes(int bits, int 
         float *o = v_out + r * d, cv[BLEND_MAX_D];
         codes_at(vpart, bits, n, r * d, d, cv);
         for (int gx = 0; gx < per; gx++) {
-            uint16_t a, b = 0;
-            memcpy(&a, vs + 2 * (r * per + gx), 2);
-            if (value_zero) memcpy(&b, vs + 2 * (vcount + r * per + gx), 2);
-            const float sc = f16_to_f32(a), mn = f16_to_f32(b);
+            const float sc = f16_at(vs + 2 * (r * per + gx)),
+                        mn = value_zero ? f16_at(vs + 2 * (vcount + r * per + gx)) : 0.0f;
             for (int x = gx * value_group; x < (gx + 1) * value_group; x++) {
                 const float c = cv[x];
                 if (value_zero) {

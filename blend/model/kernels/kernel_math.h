@@ -1,5 +1,5 @@
-/* Shared by the native CPU kernels (decode_attention.c, blend_attention.c): bfloat16 <-> float32
- * and e^x for x <= 0, scalar and on 16 AVX-512 lanes. Included by each kernel's source; the
+/* Shared by the native CPU kernels (decode_attention.c, blend_attention.c, quant_matmul.c): bfloat16
+ * <-> float32, float16 -> float32 and e^x for x <= 0, scalar and on 16 AVX-512 lanes. Included by each kernel's source; the
  * build's hash covers this file too (blend/model/native.py). */
 #ifndef KVBLEND_KERNEL_MATH_H
 #define KVBLEND_KERNEL_MATH_H
@@ -18,6 +18,37 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     c.u += 0x7fffu + ((c.u >> 16) & 1u);
     return (uint16_t)(c.u >> 16);
 }
+
+/* float16 bits to float32, exactly (subnormals, infinities and NaN kept): F16C where the CPU has it */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13); /* inf / NaN */
+    } else if (exp) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while (!(man & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    } else {
+        bits = sign;
+    }
+    union { uint32_t u; float f; } c;
+    c.u = bits;
+    return c.f;
+}
+#endif
+
+/* the little-endian float16 at p (a GGUF's or a codec's scale, any alignment) */
+static inline float f16_at(const uint8_t *p) { return f16_to_f32((uint16_t)(p[0] | (p[1] << 8))); }
 
 /* e^x for x <= 0 (scores minus their maximum), vectorizable: x = n ln2 + r, e^r by a
  * degree-7 polynomial (Taylor terms; |r| <= ln2 / 2 keeps it within a few ulp of expf),
@@ -58,6 +89,18 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, fn);
+}
+
+/* 16 float32 lanes to bfloat16 exactly as f32_to_bf16 rounds them (nearest even, NaN kept NaN,
+ * subnormals kept: not vcvtneps2bf16, which flushes them) */
+static inline __m256i bf16_round16(__m512 y) {
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
 }
 #endif
 

@@ -61,34 +61,6 @@ typedef struct {
     int64_t type, n, w, row_bytes;
 } kvb_segment;
 
-#if defined(__F16C__)
-#include <immintrin.h>
-static inline float f16_to_f32(const uint8_t *p) { return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8))); }
-#else
-static inline float f16_to_f32(const uint8_t *p) {
-    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-    if (exp == 0x1fu) {
-        bits = sign | 0x7f800000u | (man << 13); /* inf / NaN */
-    } else if (exp) {
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man) { /* subnormal: normalise */
-        int e = -1;
-        do {
-            man <<= 1;
-            e++;
-        } while (!(man & 0x400u));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
-    } else {
-        bits = sign;
-    }
-    union { uint32_t u; float f; } c;
-    c.u = bits;
-    return c.f;
-}
-#endif
-
 static inline uint32_t read_u32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
@@ -133,7 +105,7 @@ __attribute__((unused)) static void unpack_pair(int type, const uint8_t *row, lo
     if (type == T_Q4_K) {
         const uint8_t *blk = row + (p / 4) * 144;
         const int c = (int)(p % 4);
-        const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+        const float d = f16_at(blk), dmin = f16_at(blk + 2);
         const uint8_t *qs = blk + 16 + 32 * c;
         int sa, ma, sb, mb;
         q4k_scale_min(blk + 4, 2 * c, &sa, &ma);
@@ -154,7 +126,7 @@ __attribute__((unused)) static void unpack_pair(int type, const uint8_t *row, lo
         const int c = (int)(p % 4), half = c / 2, sub = c % 2;
         const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
         const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half + 4 * sub;
-        const float d = f16_to_f32(blk + 208);
+        const float d = f16_at(blk + 208);
         const int shift = 4 * sub, hs = 4 * sub; /* nibble and high-bit shifts of A; B's high bits 2 above */
         for (int l = 0; l < 32; l++) {
             const int a = (((ql[l] >> shift) & 15) | (((qh[l] >> hs) & 3) << 4)) - 32;
@@ -175,7 +147,7 @@ __attribute__((unused)) static void unpack_pair(int type, const uint8_t *row, lo
         if (type == T_Q8_0) {
             const uint8_t *blk = row + blockno * 34;
             const int8_t *qs = (const int8_t *)(blk + 2);
-            o->ws[b] = f16_to_f32(blk);
+            o->ws[b] = f16_at(blk);
             for (int i = 0; i < 16; i++) {
                 lo[i] = qs[i];
                 hi[i] = qs[16 + i];
@@ -184,7 +156,7 @@ __attribute__((unused)) static void unpack_pair(int type, const uint8_t *row, lo
             const uint8_t *blk = row + blockno * 22;
             const uint32_t qh = read_u32(blk + 2);
             const uint8_t *qs = blk + 6;
-            o->ws[b] = f16_to_f32(blk);
+            o->ws[b] = f16_at(blk);
             for (int i = 0; i < 16; i++) {
                 lo[i] = (int16_t)(((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16);
                 hi[i] = (int16_t)(((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
@@ -194,8 +166,8 @@ __attribute__((unused)) static void unpack_pair(int type, const uint8_t *row, lo
             const uint8_t *blk = row + blockno * (q1 ? 20 : 18);
             const uint8_t *qs = blk + (q1 ? 4 : 2);
             const int off = q1 ? 0 : 8;
-            o->ws[b] = f16_to_f32(blk);
-            if (q1) o->wm[b] = f16_to_f32(blk + 2);
+            o->ws[b] = f16_at(blk);
+            if (q1) o->wm[b] = f16_at(blk + 2);
             for (int i = 0; i < 16; i++) {
                 lo[i] = (int16_t)((qs[i] & 15) - off);
                 hi[i] = (int16_t)((qs[i] >> 4) - off);
@@ -327,7 +299,7 @@ static inline __attribute__((always_inline)) void unpack512(int type, const uint
         const __m512i sc = halves16(sa, sb);
         *lo = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(l8), sc);
         *hi = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(h8), sc);
-        const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+        const float d = f16_at(blk), dmin = f16_at(blk + 2);
         *ws = _mm512_set1_ps(d);
         *wm = halves(-dmin * (float)ma, -dmin * (float)mb);
     } else { /* T_Q6_K */
@@ -347,7 +319,7 @@ static inline __attribute__((always_inline)) void unpack512(int type, const uint
         const __m512i vh = _mm512_sub_epi16(_mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(hn, m4)), bh), off);
         *lo = _mm512_mullo_epi16(vl, halves16(sc[0], sc[2]));
         *hi = _mm512_mullo_epi16(vh, halves16(sc[1], sc[3]));
-        *ws = _mm512_set1_ps(f16_to_f32(blk + 208));
+        *ws = _mm512_set1_ps(f16_at(blk + 208));
         *wm = _mm512_setzero_ps();
     }
 }
@@ -641,8 +613,8 @@ static void pk_block(int type, const uint8_t *row, long b, uint8_t u[32], uint16
         int sc, m;
         q4k_scale_min(blk + 4, j, &sc, &m);
         for (int i = 0; i < 32; i++) u[i] = j % 2 ? qs[i] >> 4 : qs[i] & 15;
-        ws[0] = ws[1] = f16_to_f32(blk) * (float)sc;
-        *wm = -f16_to_f32(blk + 2) * (float)m;
+        ws[0] = ws[1] = f16_at(blk) * (float)sc;
+        *wm = -f16_at(blk + 2) * (float)m;
         return;
     }
     if (type == T_Q6_K) {
@@ -650,7 +622,7 @@ static void pk_block(int type, const uint8_t *row, long b, uint8_t u[32], uint16
         const int j = (int)(b % 8), half = j / 4, quad = j % 4;
         const uint8_t *ql = blk + 64 * half + 32 * (quad & 1), *qh = blk + 128 + 32 * half;
         const int8_t *sc = (const int8_t *)(blk + 192) + 8 * half + 2 * quad;
-        const float d = f16_to_f32(blk + 208);
+        const float d = f16_at(blk + 208);
         for (int l = 0; l < 32; l++)
             u[l] = (uint8_t)(((ql[l] >> (4 * (quad >> 1))) & 15) | (((qh[l] >> (2 * quad)) & 3) << 4));
         ws[0] = d * (float)sc[0];
@@ -888,11 +860,6 @@ static void pk_group(int type, int nr, const uint8_t *rec0, long blocks, const p
 #else
 #define PK_VNNI 0
 
-static inline float f16_bits(uint16_t h) {
-    const uint8_t p[2] = {(uint8_t)(h & 255), (uint8_t)(h >> 8)};
-    return f16_to_f32(p);
-}
-
 /* the packed products in plain C: the same integers, scales and per-block order */
 static void pk_group(int type, int nr, const uint8_t *rec0, long blocks, const pk_row_t *xr, float *out) {
     const int rec = pk_record(type), at = pk_scales_at(type), off = pk_offset(type);
@@ -922,10 +889,10 @@ static void pk_group(int type, int nr, const uint8_t *rec0, long blocks, const p
             } else {
                 uint16_t h;
                 memcpy(&h, rp + at + 2 * c, 2);
-                ws = f16_bits(h);
+                ws = f16_to_f32(h);
                 if (type == T_Q4_1) {
                     memcpy(&h, rp + at + 32 + 2 * c, 2);
-                    wm = f16_bits(h);
+                    wm = f16_to_f32(h);
                 }
             }
             for (int r = 0; r < nr; r++) {
