@@ -466,3 +466,7 @@ def test_decoding_a_stored_layer_natively_gives_the_codec_s_bits(fresh_kernel, n
     assert native_decode_codes(codec.bits, codec.key_group, codec.key_zero, codec.value_group_for(d),
                                codec.value_zero, kpart, vpart, *got)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    short = torch.full((h, t, d), float("nan"))
+    assert not native_decode_codes(codec.bits, codec.key_group, codec.key_zero, codec.value_group_for(d),
+                                   codec.value_zero, kpart[:-2], vpart, short, short.clone())  # a truncated part
+    assert short.isnan().all()

@@ -596,8 +596,7 @@ def native_rotate_into(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tensor, 
     for every row), rotate-half layout, in float32 with each product and sum rounded as torch
     rounds them, then once into dst's dtype: the same bits as `Runner.rotate_into`'s torch
     formula, in one pass. src float32, bfloat16 or float16 (the stored dtype), dst float32 or
-    bfloat16, rows contiguous. False (nothing
-    written) where the kernel does not apply."""
+    bfloat16, rows contiguous. False (nothing written) where the kernel does not apply."""
     lib = blend_kernel()
     src_kind, dst_kind = ROTATION_SOURCES.get(src.dtype), KINDS.get(dst.dtype)
     if lib is None or src_kind is None or dst_kind is None or src.dim() != 3 or tuple(dst.shape) != tuple(src.shape):
@@ -620,14 +619,21 @@ def native_decode_codes(bits: int, key_group: int, key_zero: bool, value_group: 
     """One stored layer in an integer codec (`storage.codec`: its bits, key groups of tokens, value
     groups of channels, asymmetric or not) decoded into k_out and v_out, float32 (H, T, D) contiguous:
     the same bits as `storage.codec.decode_into`, in one pass on the calling thread. kpart, vpart:
-    the layer's K and V parts (uint8, contiguous). False (nothing written) where it does not apply."""
+    the layer's K and V parts (uint8, contiguous). False (nothing written) where it does not apply,
+    parts shorter than the codes and scales of (H, T, D) included (the torch decode then says why)."""
     lib = blend_kernel()
     if (lib is None or k_out.dtype != torch.float32 or v_out.dtype != torch.float32 or k_out.dim() != 3
             or tuple(v_out.shape) != tuple(k_out.shape) or not k_out.is_contiguous() or not v_out.is_contiguous()
             or any(x.dtype != torch.uint8 or not x.is_contiguous() or x.device.type != "cpu"
-                   for x in (kpart, vpart)) or k_out.device.type != "cpu" or v_out.device.type != "cpu"):
+                   for x in (kpart, vpart)) or k_out.device.type != "cpu" or v_out.device.type != "cpu"
+            or bits not in (4, 8) or key_group < 1 or value_group < 1):
         return False
     h, t, d = k_out.shape
+    codes = (h * t * d * bits // 8 + 1) // 2 * 2  # storage.codec.codes_nbytes
+    k_scales = 2 * h * -(-t // key_group) * d * (2 if key_zero else 1)
+    v_scales = 2 * h * t * (d // value_group) * (2 if value_zero else 1)
+    if kpart.numel() < codes + k_scales or vpart.numel() < codes + v_scales:
+        return False
     return lib.kvb_decode_codes(bits, key_group, int(key_zero), value_group, int(value_zero), h, t, d,
                                 kpart.data_ptr(), vpart.data_ptr(), k_out.data_ptr(), v_out.data_ptr()) == 0
 
