@@ -156,8 +156,7 @@ class Prefiller:
         they are not all on the device), else its exact KV (device copy, stored prefix chain,
         the rest computed: `SessionManager.prefill`)."""
         capacity = len(turn.ids) + turn.max_new_tokens
-        if work is not None and turn.blends():
-            turn.exact = False  # the documents are not all on the device: blend them in
+        if work is not None and turn.blends():  # (such a turn is not exact from its start: `SessionManager.begin`)
             return (yield from self.steps(work))
         fallback = FullPlan(tuple(turn.ids), capacity, turn_stats(turn.ids, "computed", 0))
         return (yield from self._timed(self.sessions.prefill_steps(turn, capacity), fallback))
