@@ -314,8 +314,10 @@ def test_while_sequences_decode_a_step_holds_plans_work_for_its_time(lm):
         sched._running = list(seqs)
         step = sched.schedule()
         assert step.seconds == pytest.approx(2 * 0.030) and step.budget == 64 * layers
-        sched._run_step(dataclasses.replace(step, decode=()))  # (the rows themselves are not the point)
+        sched._running = []  # (the rows themselves are not the point: the step keeps its seconds)
+        sched._run_step(dataclasses.replace(step, decode=()))
         assert cursor.budgets[-1] == pytest.approx(min(64 * layers, 0.060 / 0.5e-3))
+        sched._running = list(seqs)
         sched.config = dataclasses.replace(sched.config, step_stretch=None)
         assert sched.schedule().seconds is None
         sched._running, sched._prefilling = [], []

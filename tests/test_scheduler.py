@@ -138,6 +138,38 @@ def test_admission_respects_max_num_seqs_and_every_step_carries_every_decode_row
     assert all(r.stats.queued_s >= 0 for r in results) and max(r.stats.queued_s for r in results) > 0
 
 
+def test_a_sequence_whose_prefill_ends_in_a_step_rides_in_that_step(lm, monkeypatch):
+    """A prefill that ends in a step's advances (its first token out) gets its second token from
+    that same step, which bounds the plans' work beside it: a first token is never followed by a
+    step of others' prefill alone. The answers are those of each request alone."""
+    joined: list[tuple[int, bool]] = []  # per sequence that joined in a step: its tokens after it, budget bounded
+    run = Scheduler._run_step
+
+    def stepping(self, step):
+        before = list(self._running)
+        prefilling = [s.item for s in self._prefilling if s.item is not None and s.item.cache is None]
+        bounds = []
+        self._with_joined = lambda step: bounds.append(Scheduler._with_joined(self, step)) or bounds[-1]
+        run(self, step)
+        del self._with_joined
+        for seq in prefilling:
+            if seq not in before and seq.generation.tokens:  # its prefill ended in this step's advances
+                done = seq.generation.done and seq not in self._running
+                joined.append((2 if done else len(seq.generation.tokens), bounds[-1].budget is not None))
+
+    specs = requests(6, max_new_tokens=10)
+    with make_engine(lm, max_num_seqs=4) as engine:
+        engine.ingest(DOCS)
+        each = [alone(engine, spec) for spec in specs]
+        monkeypatch.setattr(Scheduler, "_run_step", stepping)
+        together = engine.generate_many(specs)
+    assert len(joined) == len(specs)  # every request's prefill ended inside some step's advances
+    assert all(tokens >= 2 for tokens, _ in joined)  # ... and its next token came from that same step
+    assert all(bounded for _, bounded in joined)  # the plans' work beside a new stream was bounded
+    for a, b in zip(each, together, strict=True):
+        assert_same(a, b)
+
+
 def test_a_cancelled_sequence_leaves_the_batch_and_the_others_are_unchanged(lm):
     specs = requests(4, max_new_tokens=30)
     with make_engine(lm) as engine:
