@@ -413,6 +413,9 @@ def run_serve_bench(config: str | None, *, clients: list[int], requests: int, po
                     for m in asked:
                         opts = options.get(m, {"mode": m})
                         alone[m] = alone_answers(kvblend_sender(base, max_tokens, opts, model), reqs)
+                    for m in (m for m in modes if m not in asked):  # full on a later server: its request path warmed
+                        for req in reqs[:2]:
+                            send(http, base, req, max_tokens, options[m], model)
                     log(f"alone: {len(reqs)} requests one at a time in {', '.join(asked)} (max_num_seqs {setting})")
                     for m in modes:
                         for n in clients:
