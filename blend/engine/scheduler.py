@@ -437,13 +437,9 @@ class Scheduler:
             admit = [] if advance else admit[:1]
         # bounded even when nothing decodes: the oldest plan's prefill goes first, so its first token
         # comes before the next plans' work (one step of all of them would hold every first token)
-        budget: int | None = self.config.prefill_chunk_tokens * self.runner.num_layers
         alone = not decode and len(slots) + len(admit) == 1 and len(queue) == len(admit)
-        if alone and not self._background_due():
-            budget = None  # one plan and nobody else: no one to share the step with (no step boundaries to pay)
-        seconds = None  # the streams' gap: about step_stretch decode steps
-        if decode and self.config.step_stretch is not None:
-            seconds = self.pace.seconds(len(decode), self.config.step_stretch)
+        # one plan and nobody else: no one to share the step with (no step boundaries to pay)
+        budget, seconds = self._bounds(len(decode), alone and not self._background_due())
         busy = bool(slots or admit or decode)
         background = self._background is not None and (
             not busy or self.metrics.background_s <= self.config.background_share * self._busy_s)
@@ -451,6 +447,16 @@ class Scheduler:
         return Step(admit=tuple(admit), advance=advance, plans=slots, budget=budget, seconds=seconds, decode=decode,
                     grow=grow,
                     preempt=preempt, background=start_bg or (background and self._bg is not None))
+
+    def _bounds(self, decode_rows: int, unbounded: bool = False) -> tuple[int | None, float | None]:
+        """A step's bounds on the plans' work beside `decode_rows` decode rows: row-layers
+        (`prefill_chunk_tokens` x layers; None where `unbounded`) and seconds (the streams' gap: about
+        `step_stretch` decode steps, `StepPace`; None without decode rows, a stretch or a measure)."""
+        budget = None if unbounded else self.config.prefill_chunk_tokens * self.runner.num_layers
+        seconds = None
+        if decode_rows and self.config.step_stretch is not None:
+            seconds = self.pace.seconds(decode_rows, self.config.step_stretch)
+        return budget, seconds
 
     def _room(self) -> tuple[tuple[tuple[Sequence, int], ...], tuple[Sequence, ...]]:
         """Room for one more position in every running cache: (sequence, new capacity) for the
@@ -607,9 +613,7 @@ class Scheduler:
         if not joined:
             return step
         decode = (*step.decode, *joined)
-        budget = step.budget if step.budget is not None else self.config.prefill_chunk_tokens * self.runner.num_layers
-        seconds = (self.pace.seconds(len(decode), self.config.step_stretch)
-                   if self.config.step_stretch is not None else None)
+        budget, seconds = self._bounds(len(decode))
         return replace(step, decode=decode, budget=budget, seconds=seconds)
 
     def _wait_loads(self) -> None:
