@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import functools
+from pathlib import Path
 
 import torch
 
+from blend.config import kvblend_home
 from blend.model.loading import LoadedModel, load_model, wrap_model
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -21,6 +23,22 @@ GEMMA3 = dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=24,
               layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
+MACHINE_HOME = kvblend_home()  # as the test run found it (fixtures may point KVBLEND_HOME elsewhere)
+
+
+def home_sharing(path: Path, *names: str) -> Path:
+    """`path` as a KVBLEND_HOME whose `names` (default: `models`) are links to this machine's home:
+    the shipped models converted once per machine, not once per temporary home (20-40 s each), and
+    with `kernels`, the native kernels built once (~10 s). Call before KVBLEND_HOME is set to it."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in names or ("models",):
+        shared = MACHINE_HOME / name
+        shared.mkdir(parents=True, exist_ok=True)
+        if not (path / name).exists():
+            (path / name).symlink_to(shared, target_is_directory=True)
+    return path
 
 
 def tiny_model(arch: str = "llama", *, vocab_size: int = 49152, seed: int = 0, tokenizer=None, **overrides) -> LoadedModel:

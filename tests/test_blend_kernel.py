@@ -19,7 +19,7 @@ from blend.model.attention import biased_attention, build_plan, causal_float_mas
 from blend.model.loading import cpu_flags
 from blend.model.native import blend_kernel, decode_kernel, native_blend_attention
 from blend.model.runner import Runner
-from tests.models import tiny_model
+from tests.models import home_sharing, tiny_model
 
 has_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
 pytestmark = has_compiler
@@ -27,7 +27,7 @@ pytestmark = has_compiler
 
 @pytest.fixture(scope="module")
 def kernel_home(tmp_path_factory):
-    return tmp_path_factory.mktemp("kvblend-home")
+    return home_sharing(tmp_path_factory.mktemp("kvblend-home"))
 
 
 def _clear() -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from blend.cli import main
-from tests.models import smollm2_tokenizer, tiny_model
+from tests.models import home_sharing, smollm2_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -225,7 +225,7 @@ def test_verbose_is_taken_before_or_after_any_subcommand():
 
 
 def test_store_stats_outside_the_repository(tmp_path):
-    home = tmp_path / "home"
+    home = home_sharing(tmp_path / "home")  # (the model converted once per machine)
     proc = run_cli("store", "stats", "--json", cwd=tmp_path, env={"KVBLEND_HOME": str(home)})
     assert proc.returncode == 0, proc.stderr
     stats = json.loads(proc.stdout.splitlines()[-1])

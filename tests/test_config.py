@@ -37,6 +37,7 @@ from storage.config import (
     load_yaml,
     tier_config_class,
 )
+from tests.models import home_sharing
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = ("KVBLEND_CONFIG", "KVBLEND_HOME", "XDG_CACHE_HOME", "KVBLEND_MODEL", "KVBLEND_DEVICE", "KVBLEND_DTYPE",
@@ -475,7 +476,8 @@ def test_a_flat_key_through_the_command_line_is_one_warning_line(tmp_path):
                            "store:\n  tiers:\n    - {kind: cpu, budget: 64MiB}\n")
     out = subprocess.run([sys.executable, "-m", "blend.cli", "store", "stats", "--config", str(path)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120,
-                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "KVBLEND_HOME": str(tmp_path / "h")})
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                              "KVBLEND_HOME": str(home_sharing(tmp_path / "h"))})
     assert out.returncode == 0, out.stderr
     assert out.stderr.splitlines() == [
         f"WARNING blend.config: {path}: engine.chunk_tokens is deprecated: write engine.blend.chunk_tokens"]

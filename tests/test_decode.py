@@ -35,7 +35,7 @@ def _one_thread():
     """One torch thread: tiny matrices gain nothing from more, and spinning workers slow a busy machine."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    yield threads  # (a test that wants them back sets them)
     torch.set_num_threads(threads)
 
 
@@ -114,13 +114,14 @@ def test_bfloat16_decode_step_follows_the_old_path_within_its_rounding():
 
 
 @pytest.mark.slow
-def test_smollm2_decode_equals_the_old_path_for_64_tokens():
+def test_smollm2_decode_equals_the_old_path_for_64_tokens(_one_thread):
+    torch.set_num_threads(_one_thread)  # a real model: its products gain from every core
     lm = smollm2()
     runner = Runner(lm)
-    for prompt in ("The capital of France is Paris. The capital of Italy is",
-                   "Here is a short story about a lighthouse keeper named Maud:"):
+    for prompt, steps in (("The capital of France is Paris. The capital of Italy is", STEPS),
+                          ("Here is a short story about a lighthouse keeper named Maud:", 16)):
         ids = lm.tokenizer(prompt, return_tensors="pt").input_ids[0]
-        fast, slow, worst = _greedy_both_ways(runner, ids, STEPS)
+        fast, slow, worst = _greedy_both_ways(runner, ids, steps)
         assert fast == slow
         assert worst < 1e-4, f"largest logit difference {worst:.2e}"
 

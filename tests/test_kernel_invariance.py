@@ -19,6 +19,7 @@ import torch
 from blend.model import native
 from blend.model.loading import cpu_flags
 from blend.model.native import native_blend_attention, native_decode_attention_batch, native_shift_rows
+from tests.models import home_sharing
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
 
@@ -37,7 +38,7 @@ def _clear() -> None:
 
 @pytest.fixture(scope="module")
 def kernel_home(tmp_path_factory):
-    return tmp_path_factory.mktemp("kvblend-home")
+    return home_sharing(tmp_path_factory.mktemp("kvblend-home"))
 
 
 @pytest.fixture(params=MARCHES)

@@ -27,6 +27,7 @@ from blend.model.native import (
     native_decode_attention_batch,
 )
 from storage.openmp import libgomp_paths
+from tests.models import home_sharing
 
 has_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
 
@@ -34,7 +35,7 @@ has_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")
 @pytest.fixture(scope="module")
 def kernel_home(tmp_path_factory):
     """One KVBLEND_HOME for the module's kernel: built once."""
-    return tmp_path_factory.mktemp("kvblend-home")
+    return home_sharing(tmp_path_factory.mktemp("kvblend-home"))
 
 
 @pytest.fixture

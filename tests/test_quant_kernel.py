@@ -28,6 +28,7 @@ from blend.model.native import (
 from blend.model.projections import Linear, QuantizedProduct, product, projections_for
 from blend.model.quantized import BLOCK_TYPES, QuantizedMatrix
 from blend.model.runner import Runner
+from tests.models import home_sharing
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
 
@@ -54,7 +55,7 @@ def _clear() -> None:
 @pytest.fixture
 def fresh_kernel(monkeypatch, tmp_path_factory):
     """The switch and the build read afresh, under a temporary KVBLEND_HOME."""
-    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path_factory.getbasetemp() / "quant-kernel-home"))
+    monkeypatch.setenv("KVBLEND_HOME", str(home_sharing(tmp_path_factory.getbasetemp() / "quant-kernel-home")))
     monkeypatch.delenv("KVBLEND_DECODE_KERNEL", raising=False)
     _clear()
     yield

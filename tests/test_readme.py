@@ -7,6 +7,8 @@ import re
 import shutil
 from pathlib import Path
 
+from tests.models import home_sharing
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,6 +38,6 @@ def test_readme_python_example_runs_and_streams_each_token_once(tmp_path, monkey
     assert (tmp_path / ".kvblend-cache").is_dir()  # the config's relative paths resolved beside it
     assert [r.stats.mode for r in namespace["results"]] == ["blend", "blend"]  # generate_many
     # the asyncio example, with the first one's documents (its default config: $KVBLEND_HOME)
-    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KVBLEND_HOME", str(home_sharing(tmp_path / "home", "models", "kernels")))  # (built once)
     exec(compile(readme_python_example(1), "README.md", "exec"), namespace)
     assert len(namespace["answers"]) == 2 and all(a.token_ids for a in namespace["answers"])

@@ -21,7 +21,8 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -464,8 +465,9 @@ def _converted_target(stem: str, digest: str) -> Path:
 def _converted_gguf_dir(directory: str, gguf_file: str, digest: str) -> Path:
     """Convert a GGUF checkpoint once into a safetensors directory and return it.
 
-    Parsing GGUF metadata in Python takes ~10 s per read, and transformers reads the
-    file three times (config, tokenizer, weights); the converted copy loads in ~1 s.
+    Parsing GGUF metadata in Python takes 10-20 s per read, and transformers reads the
+    file four times (config twice, tokenizer, weights): here it is parsed once
+    (`_gguf_read_once`), and the converted copy loads in ~1 s.
     Side effect: writes under cache_home()/models (atomically, via rename).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -473,12 +475,13 @@ def _converted_gguf_dir(directory: str, gguf_file: str, digest: str) -> Path:
     target = _converted_target(Path(gguf_file).stem, digest)
     if (target / "config.json").is_file():
         return target
-    check_supported(AutoConfig.from_pretrained(directory, gguf_file=gguf_file))  # fail before converting
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    log.info("converting %s once into %s", gguf_file, target)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    dequantized = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    with _gguf_read_once():  # one parse of the file (inside a load: that load's readers)
+        check_supported(AutoConfig.from_pretrained(directory, gguf_file=gguf_file))  # fail before converting
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        log.info("converting %s once into %s", gguf_file, target)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+        dequantized = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
     config = dequantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the copy holds plain dequantized weights
@@ -496,12 +499,48 @@ def _converted_gguf_dir(directory: str, gguf_file: str, digest: str) -> Path:
     return target
 
 
-def _local_model(name_or_path: str) -> tuple[str, str, str | None]:
+@contextmanager
+def _gguf_read_once() -> Iterator[list[Path]]:
+    """Inside this block every `gguf.GGUFReader` of one file is the same reader: the file is parsed
+    once. The gguf package builds its metadata element by element (a 262k-token vocabulary: ~19 s
+    a parse on 2 cores), and a conversion reads the file five times (transformers: the config
+    twice, the tokenizer, the weights; `read_blocks`). The readers are read-only memory maps.
+    Yields a list of files to delete when the block ends (an assembled chunked GGUF, kept for the
+    blocks read after its conversion). A block inside another (or beside it, on another thread)
+    shares nothing and reads as usual."""
+    import gguf
+
+    original = gguf.GGUFReader
+    later: list[Path] = []
+    if getattr(original, "kvblend_shared", False):
+        yield later
+        return
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared(path, mode: str = "r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    shared.kvblend_shared = True  # type: ignore[attr-defined]
+    gguf.GGUFReader = shared
+    try:
+        yield later
+    finally:
+        gguf.GGUFReader = original
+        readers.clear()
+        for path in later:
+            path.unlink(missing_ok=True)
+
+
+def _local_model(name_or_path: str, later: list[Path] | None = None) -> tuple[str, str, str | None]:
     """(loadable directory, source, weights digest) of an alias or local model.
 
     A GGUF file is converted once (see `_converted_gguf_dir`) and its directory returned.
     A chunked alias whose converted copy exists is not assembled again; one that is
-    assembled for its conversion is deleted after it (the copy is what loads).
+    assembled for its conversion is deleted after it (the copy is what loads), or appended
+    to `later` for the caller to delete.
     """
     shipped = ALIASES.get(name_or_path)
     if shipped is not None and shipped.parts and shipped.sha256 is not None:
@@ -511,7 +550,10 @@ def _local_model(name_or_path: str) -> tuple[str, str, str | None]:
             try:
                 _converted_gguf_dir(str(assembled.parent), assembled.name, shipped.sha256)
             finally:
-                assembled.unlink(missing_ok=True)
+                if later is not None:
+                    later.append(assembled)
+                else:
+                    assembled.unlink(missing_ok=True)
         return str(target), f"{shipped.package}/{shipped.gguf}", shipped.sha256
     directory, gguf_file = resolve_model(name_or_path)
     source = str(Path(directory) / gguf_file) if gguf_file else directory
@@ -525,8 +567,8 @@ def _local_model(name_or_path: str) -> tuple[str, str, str | None]:
 
 def model_config(name_or_path: str):
     """The transformers config of an alias, a local model, a `random:<shape>` name or a shape
-    alias (`is_shape_alias`), without reading weights (a chunked alias: its converted copy,
-    converted once if needed)."""
+    alias (`is_shape_alias`), without reading weights (a GGUF: its converted copy's where there
+    is one; a chunked alias: converted once if needed)."""
     from transformers import AutoConfig
 
     if name_or_path.startswith(RANDOM_PREFIX):
@@ -537,6 +579,10 @@ def model_config(name_or_path: str):
     if shipped is not None and shipped.parts:
         return AutoConfig.from_pretrained(_local_model(name_or_path)[0])
     directory, gguf_file = resolve_model(name_or_path)
+    if gguf_file:  # its converted copy's, once there is one (parsing the GGUF: ~5 s for SmolLM2)
+        target = _converted_target(Path(gguf_file).stem, _gguf_digest(Path(directory) / gguf_file))
+        if (target / "config.json").is_file():
+            return AutoConfig.from_pretrained(target)
     return AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
 
 
@@ -693,18 +739,19 @@ def _load_model(name_or_path: str, *, device: str | None, dtype: str | torch.dty
     if mla is not None:  # before hashing hundreds of GB of weights, and whatever its model_type
         raise ValueError(MLA_UNSUPPORTED.format(arch=mla.get("model_type"), rank=mla.get("kv_lora_rank")) + MLA_PLAN_HINT)
     target = resolve_device(device)  # fail before reading weights
-    directory, source, weights_digest = _local_model(name_or_path)
-    config = AutoConfig.from_pretrained(directory)
-    check_supported(config)  # fail before reading weights
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolve_dtype(dtype, target))
-    model.to(target)
-    loaded = wrap_model(model, tokenizer, source, weights_digest)
-    # auto: the blocks where the dense path computes in bfloat16 (float32 stays the exact reference)
-    if target.type == "cpu" and (weights == "quantized" or (weights == "auto" and loaded.dtype == torch.bfloat16)):
-        blocks = _read_blocks(name_or_path, directory, weights_digest)
-        if blocks is not None and blocks.matrices:  # read by the kernel where it builds (projections_for)
-            loaded.blocks, loaded.weights = blocks, weights
+    with _gguf_read_once() as later:  # a first load converts a GGUF and reads its blocks: one parse
+        directory, source, weights_digest = _local_model(name_or_path, later)
+        config = AutoConfig.from_pretrained(directory)
+        check_supported(config)  # fail before reading weights
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolve_dtype(dtype, target))
+        model.to(target)
+        loaded = wrap_model(model, tokenizer, source, weights_digest)
+        # auto: the blocks where the dense path computes in bfloat16 (float32 stays the exact reference)
+        if target.type == "cpu" and (weights == "quantized" or (weights == "auto" and loaded.dtype == torch.bfloat16)):
+            blocks = _read_blocks(name_or_path, directory, weights_digest)
+            if blocks is not None and blocks.matrices:  # read by the kernel where it builds (projections_for)
+                loaded.blocks, loaded.weights = blocks, weights
     log.info("loaded %s (%s, %d layers) fingerprint %s", source, loaded.dims.arch, loaded.dims.num_layers, loaded.fingerprint)
     return loaded
 
