@@ -270,7 +270,8 @@ def test_blend_through_the_kernel_equals_blend_through_torch(fresh_kernel, arch)
 
 
 # ------------------------------------------------------------- a damaged cache
-def _built(home) -> tuple[os.PathLike, os.PathLike]:
+def _built() -> tuple[os.PathLike, os.PathLike]:
+    """The blend kernel's library and its build record under the current KVBLEND_HOME."""
     lib = native._library_path(native._compiler(), native._torch_libgomp(), native.BLEND)
     return lib, native._digest_path(lib)
 
@@ -278,10 +279,16 @@ def _built(home) -> tuple[os.PathLike, os.PathLike]:
 @pytest.mark.parametrize("damage", ["truncated", "directory", "fifo", "no-record", "forged-record"])
 @pytest.mark.parametrize("mode", ["auto", "native"])
 def test_a_damaged_library_is_set_aside_and_rebuilt_never_loaded(fresh_kernel, monkeypatch, tmp_path, damage, mode):
+    assert blend_kernel() is not None  # built once in the module's home, copied here as a build leaves it
+    built, built_record = _built()
     monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
     monkeypatch.setenv("KVBLEND_DECODE_KERNEL", mode)
-    assert blend_kernel() is not None
-    lib, record = _built(tmp_path)
+    _clear()
+    lib, record = _built()
+    lib.parent.mkdir(parents=True)
+    shutil.copy(built, lib)
+    shutil.copy(built_record, record)
+    assert blend_kernel() is not None and native.check_library(lib) is None
     good = lib.read_bytes()
     _clear()
     lib.unlink()

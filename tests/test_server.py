@@ -534,10 +534,10 @@ def test_unknown_model_and_document_and_data_that_looks_like_structure(server):
 
 def test_timeout_and_graceful_shutdown(setup):
     root, config = setup
-    server = Server(config, root, "--queue-size", "2", "--request-timeout", "10", "--no-warmup")
+    server = Server(config, root, "--queue-size", "2", "--request-timeout", "3", "--no-warmup")
     try:
         slow = httpx.post(server.url + "/v1/chat/completions", json=chat_body("Go.", max_tokens=LONG), timeout=120)
-        assert slow.status_code == 504 and "longer than 10 s" in slow.json()["error"]["message"]
+        assert slow.status_code == 504 and "longer than 3 s" in slow.json()["error"]["message"]
         body = chat_body(QUESTIONS[0], max_tokens=24, stream=True)
         with httpx.Client(timeout=120) as http, http.stream("POST", server.url + "/v1/chat/completions",
                                                             json=body) as r:
