@@ -40,7 +40,7 @@ from blend.decode.result import GenerationResult, TextDelta
 from blend.engine.layout import NO_FORCING, Forcing, LaidOut
 from blend.engine.parts import build_parts
 from blend.engine.prefill import PromptWork
-from blend.engine.request import ChatOptions, GenerationRequest, RequestOptions
+from blend.engine.request import ChatOptions, GenerationRequest, RequestOptions, check_ingest_options
 from blend.engine.sequence import Handle, Task, results, unwrap
 from blend.engine.sequence import Sequence as ScheduledSequence
 from blend.engine.work import ExclusiveWork, IngestWork, TurnWork
@@ -162,16 +162,12 @@ class BlendEngine:
         """`ingest` queued: its handle's `Finished` holds the list of IngestedDocument (or
         `cancelled` once `stop` or the deadline stopped it)."""
         self._check_open()
-        if not isinstance(sync, bool):
-            raise TypeError(f"sync must be a bool, got {type(sync).__name__}")
-        if stop is not None and not callable(stop):
-            raise TypeError(f"stop must be a callable returning a bool, got {type(stop).__name__}")
+        check_ingest_options(sync, stop)
         job = self.ingestor.prepare(documents, self.layout.builder(template), self.runner.max_positions)
         # sync: the writes awaited on a thread of the handle's, never on the scheduler's (a hung store
         # write would hold every request there)
         handle = Handle(sink, deadline, then=self.ingestor.confirm if sync else None)
-        self.scheduler.submit(Task("ingest", IngestWork(job, sync, stop), handle))
-        return handle
+        return self.scheduler.submit(Task("ingest", IngestWork(job, sync, stop), handle))
 
     def delete_document(self, doc_id: str) -> tuple[str, ...]:
         """Remove a document this engine ingested (or served with an explicit id) from every tier;
@@ -180,8 +176,6 @@ class BlendEngine:
         reached. The delete wins over every write of those blocks planned before it (queued, under
         way, a request in flight, the background recompute of a harvested document): nothing
         deleted is stored again but by a request or ingest made after it (blend.kv.ingest.Ingestor.delete)."""
-        if not isinstance(doc_id, str):
-            raise TypeError(f"document id must be a str, got {type(doc_id).__name__}")
         self._check_open()
         return self.ingestor.delete(doc_id)
 
@@ -224,9 +218,7 @@ class BlendEngine:
         are checked and laid out before any is queued; if one fails, the others are cancelled."""
         self._check_open()
         sequences = [self._sequence(req, Handle(), out=out) for req, out in self.layout.lay_out_many(requests)]
-        for seq in sequences:
-            self.scheduler.submit(seq)
-        return results([seq.handle for seq in sequences])
+        return results([self.scheduler.submit(seq) for seq in sequences])
 
     def request(self, query: object, documents: object = (), **kwargs: Any) -> GenerationRequest:
         """`generate`'s arguments checked into a GenerationRequest (config defaults filled in)."""
@@ -239,9 +231,8 @@ class BlendEngine:
         """Queue a checked request; its handle gets the `TextDelta`s, then one `Finished` holding the
         GenerationResult (to `sink`, else `handle.events()` / `handle.result()`). `deadline`
         (time.monotonic) cancels it once passed. QueueFull when the queue is full."""
-        seq = self._sequence(req, Handle(sink, deadline), self.layout.forcing(answer, logprobs, follow))
-        self.scheduler.submit(seq)
-        return seq.handle
+        return self.scheduler.submit(self._sequence(req, Handle(sink, deadline),
+                                                    self.layout.forcing(answer, logprobs, follow)))
 
     def check_fits(self, req: GenerationRequest) -> None:
         """Refuse a request whose text cannot fit the model's positions, without tokenizing it."""
@@ -252,9 +243,8 @@ class BlendEngine:
         """The request (`out`: already laid out) as a scheduled sequence (nothing queued)."""
         self._check_open()
         out = out or self.layout.lay_out(req, forcing)
-        seq = ScheduledSequence(out.work, out.generation, handle, kv_bytes=out.kv_bytes, mode=req.mode,
-                                warnings=out.warnings)
-        return seq
+        return ScheduledSequence(out.work, out.generation, handle, kv_bytes=out.kv_bytes, mode=req.mode,
+                                 warnings=out.warnings)
 
     def warmup(self) -> float:
         """One short full-mode request (nothing read or written in the store), so that the first
@@ -273,20 +263,18 @@ class BlendEngine:
         """`fn()` run on the scheduler's thread between two steps, its value returned: torch work of
         your own beside the engine (a thread of yours keeps its own OpenMP pool, and more pool
         threads than cores slow the scheduler's small ops: 2 cores, blend@0.05 +25%)."""
-        self._check_open()
-        handle = Handle()
-        self.scheduler.submit(Task(name, ExclusiveWork(fn), handle))
-        return handle.result()
+        return self._task(name, ExclusiveWork(fn))
 
     def prefill(self, prompt: Prompt, *, mode: str, ratio: float = 0.15, capacity: int | None = None,
                 selection: str | None = None) -> Prefilled:
         """A KVCache filled for `prompt` in `mode` (a task on the scheduler) with the last position's
         logits; it holds `capacity` positions (default: the prompt) and belongs to the caller."""
+        return self._task("prefill", PromptWork(prompt, None, mode, ratio, selection, max(capacity or 0, len(prompt))))
+
+    def _task(self, name: str, work: Any) -> Any:
+        """`work` run as a task on the scheduler (between steps, or as a prefill's steps); its result."""
         self._check_open()
-        work = PromptWork(prompt, None, mode, ratio, selection, max(capacity or 0, len(prompt)))
-        handle = Handle()
-        self.scheduler.submit(Task("prefill", work, handle))
-        return handle.result()
+        return self.scheduler.submit(Task(name, work, Handle())).result()
 
     def prepare(self, query: str | Sequence[Message | dict], documents: Sequence[Document | str] = (),
                 **options: Any) -> Prepared:
@@ -323,14 +311,11 @@ class BlendEngine:
                                    documents=req.documents, blended=req.mode in ("blend", "reuse"))
         try:
             out = self.layout.turn(req, turn)
-            handle = Handle(sink, deadline)
-            seq = ScheduledSequence(TurnWork(turn, out.work), out.generation, handle, kv_bytes=out.kv_bytes,
-                                    mode=req.mode)
-            self.scheduler.submit(seq)
+            return self.scheduler.submit(ScheduledSequence(TurnWork(turn, out.work), out.generation,
+                                                           Handle(sink, deadline), kv_bytes=out.kv_bytes, mode=req.mode))
         except BaseException:
             self.sessions.abort(turn)
             raise
-        return handle
 
     def offload(self, session_id: str) -> None:
         """Move a session's KV off the compute device (its blocks stay in the tier stack)."""

@@ -96,6 +96,14 @@ def check_stop(value: object) -> tuple[str, ...]:
     return unique
 
 
+def check_ingest_options(sync: object, stop: object) -> None:
+    """An ingest's `sync` (a bool) and `stop` (None or a callable returning a bool): TypeError naming the fix."""
+    if not isinstance(sync, bool):
+        raise TypeError(f"sync must be a bool, got {type(sync).__name__}")
+    if stop is not None and not callable(stop):
+        raise TypeError(f"stop must be a callable returning a bool, got {type(stop).__name__}")
+
+
 def check_query(query: object) -> str | tuple[Message, ...]:
     """A non-empty question (str) or a conversation (list of messages)."""
     if isinstance(query, str):

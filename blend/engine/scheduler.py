@@ -58,7 +58,7 @@ from typing import Any, Protocol
 import torch
 
 from blend.decode.result import GenerationResult
-from blend.engine.sequence import Finished, Sequence, Status, Task
+from blend.engine.sequence import Finished, Handle, Sequence, Status, Task
 from blend.kv.offload import KVParking
 from blend.model.cache import KVCache
 from blend.model.runner import Cursor, Output, Rows, RowsCursor, Runner, cost
@@ -324,8 +324,9 @@ class Scheduler:
         """Whether the caller is the scheduler's own thread (which must never wait on itself)."""
         return self._thread is not None and threading.current_thread() is self._thread
 
-    def submit(self, item: Sequence | Task, *, front: bool = False) -> None:
-        """Queue an item (FIFO). Raises QueueFull when `max_waiting` items wait, ValueError once stopped."""
+    def submit(self, item: Sequence | Task, *, front: bool = False) -> Handle:
+        """Queue an item (FIFO) and return its handle. Raises QueueFull when `max_waiting` items wait,
+        ValueError once stopped."""
         if self.on_thread():
             raise RuntimeError("the engine was called from its own scheduler thread (e.g. inside an event sink): "
                                "that would wait on itself; call it from another thread")
@@ -342,6 +343,7 @@ class Scheduler:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
             self._cond.notify()
+        return item.handle
 
     def stop(self, timeout: float | None = None, *, cancel: bool = False) -> bool:
         """Refuse new items, let the queued and running ones finish (`cancel`: cancel every one:

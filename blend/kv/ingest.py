@@ -182,6 +182,8 @@ class Ingestor:
         harvested document: `TieredStore.delete`), and those documents leave the background
         queue; nothing waits for the store's writer. A tier that cannot be reached keeps its
         copy: then the id stays known (a retry deletes again) and StoreUnavailable names the tier."""
+        if not isinstance(doc_id, str):
+            raise TypeError(f"document id must be a str, got {type(doc_id).__name__}")
         try:
             keys = self.index.own_keys(doc_id)
         except KeyError:
