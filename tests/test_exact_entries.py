@@ -124,3 +124,49 @@ def smollm2_bfloat16():
     from blend.model.loading import load_model
 
     return load_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16")
+
+
+def test_prefix_mode_computes_its_missing_exact_segments_as_steps_of_its_plan():
+    """Prefix mode loads the system part and the first document where they are stored exact; where
+    they miss, their pass is the plan's first want (model work as items of the scheduler's steps,
+    beside other sequences' decode rows), never computed inside its planning. The answer is full
+    prefill's, and what it computed is stored for the next request."""
+    from blend.engine.prefill import PromptWork
+    from blend.model.runner import Rows, RowsCursor
+    from tests.test_engine import make_engine
+
+    with make_engine() as engine:
+        prompt = engine.build_prompt(QUESTION, DOCS)
+        work = PromptWork(prompt, None, "prefix", 0.0, None, len(prompt))
+        runner = engine.runner
+
+        def by_hand():  # the plan driven as the scheduler drives it, each want recorded
+            steps, wants, reply = engine.prefiller.steps(work), [], None
+            while True:
+                try:
+                    asked = steps.send(reply)
+                except StopIteration as done:
+                    return wants, done.value
+                reply = None
+                if asked is None:
+                    continue
+                wants.append(asked)
+                cursor = RowsCursor(asked, runner.chunk_tokens) if isinstance(asked, (Rows, list)) else asked
+                while not cursor.done:
+                    cursor.take(runner.forward(cursor.want()))
+                reply = cursor.value() if isinstance(cursor, RowsCursor) else None
+
+        wants, pre = engine.run_exclusive(by_hand)
+        full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=1)
+        engine.store.flush()
+        again = engine.generate(QUESTION, DOCS, mode="prefix", max_new_tokens=1)
+    first_doc = prompt.segments[1]
+    assert first_doc.kind == "document"
+    passes = [w for w in wants if isinstance(w, list)]  # the system part's pass, the first document's
+    assert len(passes) == 2 and wants[:2] == passes  # before any row of the prompt
+    assert [int(t) for r in passes[-1] for t in r.token_ids] == list(first_doc.token_ids)
+    rows = wants[2:]  # the rest of the prompt, computed after them (where a later request's blocks end, cut)
+    assert rows and all(isinstance(r, Rows) for r in rows) and rows[0].start == first_doc.end
+    assert pre.stats.loaded_tokens == first_doc.end
+    assert float((torch.log_softmax(pre.logits.float(), -1) - full.first_token_logprobs).abs().max()) < TOL
+    assert again.stats.loaded_tokens >= first_doc.end and again.token_ids == full.token_ids  # what it stored, loaded

@@ -138,7 +138,8 @@ class Prefiller:
             pre = yield from self._timed(FullPlan(prompt.token_ids, capacity, self._stats(prompt, "full")))
         elif mode == "prefix":
             yield from self._calibrated(work.split)
-            pre = yield from self._timed(self._plan_prefix(prompt, capacity, work.split))
+            plan = yield from self._plan_prefix(prompt, capacity, work.split)
+            pre = yield from self._timed(plan)
         else:
             ratio = 0.0 if mode == "reuse" else work.ratio
             selection = self.config.blend.selection.with_policy(work.selection)
@@ -194,7 +195,7 @@ class Prefiller:
                         capacity: int, mode: str, selection: Selection, split: str | None,
                         miss_policy: str | None = None) -> Generator[Any, Any, Prefilled]:
         report = MissReport(deduplicated=resolution.deduplicated)
-        plan = None
+        plan, computed = None, {}
         yield from self._calibrated(split)
         if resolution.misses:  # priced (blend.planning.misses), then paid as the cheapest plan runs
             plan = plan_misses(miss_policy or self.config.blend.miss_policy, self.splitter.cost_model(split), prompt,
@@ -211,10 +212,10 @@ class Prefiller:
                 return pre
             if plan.standalone:  # their own passes, as their own steps (not inside the timed prefill)
                 clock = _Clock()  # their own time, not the other sequences' steps between the passes
-                yield from clock.relay(self.documents.compute_misses(resolution, plan.standalone))
+                computed = yield from clock.relay(self.documents.compute_misses(resolution, plan.standalone))
                 report = report.replace(compute_s=clock.own_s)
                 yield
-        placements = self.documents.placements(resolution, tally, skip=plan.harvested if plan else ())
+        placements = self.documents.placements(resolution, tally, computed, skip=plan.harvested if plan else ())
         # the load-or-compute split (blend.planning.split) may compute a prefix instead of loading it;
         # a mixed miss plan fixes that prefix (its missing documents are harvested from it)
         fresh = plan.fresh if plan is not None and plan.kind == MIXED else None
@@ -317,12 +318,14 @@ class Prefiller:
                             selection=chosen, split=split.report, miss=report, **tally_fields(bp.tally))
         return Prefilled(logits, cache, stats, tuple(prompt.token_ids))
 
-    def _plan_prefix(self, prompt: Prompt, capacity: int, split_mode: str | None = None) -> PrefixPlan:
+    def _plan_prefix(self, prompt: Prompt, capacity: int, split_mode: str | None = None
+                     ) -> Generator[list[Rows], Any, PrefixPlan]:
         """The longest exactly cached prefix: prefix blocks of this very prompt, or the
         cached segments that are exact at their position (the system part, and the first
         document when documents are computed after it) when their entries are exact too:
         stored in the compute dtype and in no codec (else loading them would not equal
-        computing them: prefix mode is exact)."""
+        computing them: prefix mode is exact). Those segments' misses are computed as the
+        plan's steps (`DocumentCache.resolve_steps`), before the prefill's own."""
         ids = prompt.token_ids
         limit = len(ids) - 1  # at least the last token is computed
         tally = LookupTally(self.tier_names)
@@ -334,7 +337,8 @@ class Prefiller:
         exact_len = exact[-1].end if exact[-1].end <= limit else 0
         resolved = None
         if exact_len > chain_len and self.documents.maker.kv_dtype == self.prefixes.maker.kv_dtype:
-            resolved = self.documents.resolve(prompt, [s for s in exact if s.end <= limit], tally, raw_only=True)
+            resolved = yield from self.documents.resolve_steps(prompt, [s for s in exact if s.end <= limit], tally,
+                                                               raw_only=True)
         if resolved is not None:
             chain = resolved
         else:

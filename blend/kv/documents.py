@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,7 +225,7 @@ class DocumentCache:
             seg = prompt.segments[i]
             ids, context = list(seg.token_ids), self.context(seg, prompt)
             seg_blocks = blocks[i]
-            looked.append(_Looked(seg, _Rebuild(self, ids, context, seg_blocks),
+            looked.append(_Looked(seg, _Rebuild(ids, context, seg_blocks),
                                   [self._find(ids, b, budget) if use_store else None for b in seg_blocks]))
         shared = 0
         if submitted is not None:
@@ -240,28 +240,31 @@ class DocumentCache:
         return 2 * r.kv_heads * tokens * r.head_dim * dtype_bytes(self.maker.kv_dtype)
 
     def compute_misses(self, resolution: Resolution, only: Sequence[int] | None = None
-                       ) -> Generator[list[Rows], Any, None]:
+                       ) -> Generator[list[Rows], Any, dict[int, list[KVEntry]]]:
         """Compute the documents that missed (`only`: those at these indices of
         `resolution.looked`), one forward pass per step (those after the same context together,
-        `EntryMaker.document_passes`; a repeated document once). Their entries are kept in the
-        resolution and their writes queued as soon as their pass ran (what was computed is stored,
-        even if the request then ends early)."""
-        missed: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Looked]] = {}
+        `EntryMaker.document_passes`; a repeated document once). Returns their block entries by
+        index into `resolution.looked` (for `placements`); their writes are queued as soon as
+        their pass ran (what was computed is stored, even if the request then ends early)."""
+        missed: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
         for index, looked in enumerate(resolution.looked):
             if looked.missed and (only is None or index in only):
                 r = looked.rebuild
-                missed.setdefault((tuple(r.context), tuple(r.ids)), []).append(looked)
+                missed.setdefault((tuple(r.context), tuple(r.ids)), []).append(index)
         queued: set[str] = set()
+        computed: dict[int, list[KVEntry]] = {}
         for context in dict.fromkeys(c for c, _ids in missed):  # documents after the same context together
-            group = [lookeds for (c, _ids), lookeds in missed.items() if c == context]
+            group = [indices for (c, _ids), indices in missed.items() if c == context]
+            first = [resolution.looked[g[0]].rebuild for g in group]
             made = yield from self.maker.document_passes(
-                [(g[0].rebuild.ids, [(b.start, b.end) for b in g[0].rebuild.block_list]) for g in group], context)
-            for lookeds, entries in zip(group, made, strict=True):
-                for looked in lookeds:
-                    looked.rebuild.seed(entries)
+                [(r.ids, [(b.start, b.end) for b in r.block_list]) for r in first], context)
+            for indices, entries in zip(group, made, strict=True):
+                for index in indices:
+                    looked = resolution.looked[index]
+                    computed[index] = entries
                     self._write_missed(looked, entries, queued)
-                    looked.rebuild.written = True
                     self._computed(looked.rebuild.block_list)
+        return computed
 
     def harvest(self, resolution: Resolution, indices: Sequence[int], cache: KVCache) -> int:
         """The missing documents at these indices of `resolution.looked` cut out of a prompt's
@@ -274,7 +277,6 @@ class DocumentCache:
             seg, rebuild = looked.segment, looked.rebuild
             entries = [self.maker.harvest(cache, rebuild.ids[b.start:b.end], seg.start + b.start, b.pos_start)
                        for b in rebuild.block_list]
-            rebuild.seed(entries)
             self._computed(rebuild.block_list)
             self._queue_standalone(rebuild)
             self._write_missed(looked, entries, queued)
@@ -343,14 +345,15 @@ class DocumentCache:
         self.background.done += 1
         self.background.seconds += time.perf_counter() - t0
 
-    def placements(self, resolution: Resolution, tally: LookupTally, skip: Sequence[int] = ()) -> list[Placement]:
-        """Placements of every looked-up block, in prompt order; counts each segment's hit or
-        miss in `tally` and queues the missed blocks' writes (their entries computed by
-        `compute_misses`, which ran first: no model work here). A block that turns out unreadable
-        while loading fails the load (`LoadFailed`). The segments at indices `skip` (missing
-        documents this request computes in place and harvests) are counted but get no placement
-        and no write here."""
-        queued: set[str] = set()
+    def placements(self, resolution: Resolution, tally: LookupTally,
+                   computed: Mapping[int, list[KVEntry]] | None = None, skip: Sequence[int] = ()) -> list[Placement]:
+        """Placements of every looked-up block, in prompt order, and each segment's hit or miss
+        counted in `tally`. A missed segment is placed from `computed` (what `compute_misses`
+        returned, by index into `resolution.looked`: no model work and no write here). A block that
+        turns out unreadable while loading fails the load (`LoadFailed`). The segments at indices
+        `skip` (missing documents this request computes in place and harvests) are counted but get
+        no placement."""
+        computed = computed or {}
         placements: list[Placement] = []
         for index, looked in enumerate(resolution.looked):
             seg, rebuild, found = looked.segment, looked.rebuild, looked.found
@@ -365,25 +368,32 @@ class DocumentCache:
                     placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, loc, None))
                 continue
             tally.miss(kind)
-            entries = rebuild.entries()
-            if not rebuild.written:  # (compute_misses queued them already)
-                self._write_missed(looked, entries, queued)
+            entries = computed.get(index)
+            if entries is None:
+                raise RuntimeError(f"segment {index} missed and was neither computed (compute_misses) nor skipped")
             for b, entry in zip(blocks, entries, strict=True):
                 placements.append(Placement(seg.start + b.start, b.end - b.start, b.pos_start, None, entry))
         return placements
 
-    def resolve(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally, *,
-                raw_only: bool = False) -> list[Placement] | None:
+    def resolve(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally) -> list[Placement]:
+        """`resolve_steps` run alone to its end (a tool's call: no scheduler around it)."""
+        placements = drive(self.maker.runner, self.resolve_steps(prompt, segments, tally))
+        assert placements is not None
+        return placements
+
+    def resolve_steps(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally, *,
+                      raw_only: bool = False) -> Generator[list[Rows], Any, list[Placement] | None]:
         """Placements of every block of `segments`, in prompt order: `lookup`, the misses
-        computed at once (`compute_misses`), then `placements`. `raw_only`: None (nothing
-        computed, written or counted) when a found block is held in a codec (not exact)."""
+        computed (`compute_misses`: their passes as the plan's steps), then `placements`.
+        `raw_only`: None (nothing computed, written or counted) when a found block is held in a
+        codec (not exact)."""
         index = {id(seg): i for i, seg in enumerate(prompt.segments)}
         resolution = self.lookup(prompt, [index[id(seg)] for seg in segments])
         if raw_only and any(loc is not None and not loc.header.codec.raw
                             for looked in resolution.looked for loc in looked.found):
             return None
-        drive(self.maker.runner, self.compute_misses(resolution))
-        return self.placements(resolution, tally)
+        computed = yield from self.compute_misses(resolution)
+        return self.placements(resolution, tally, computed)
 
     def ingest(self, prompt: Prompt, stop: Callable[[], bool] | None = None) -> list[StoredSegment]:
         """`ingest_steps` run to the end."""
@@ -456,22 +466,12 @@ def _chunks(jobs: list, lengths: list[int], context: int) -> list[list]:
     return [[jobs[i] for i in group] for group in pack_groups(lengths, context)]
 
 
+@dataclass(frozen=True)
 class _Rebuild:
-    """A missed document: what to compute (its ids after its context, its blocks) and, once its
-    pass ran (`DocumentCache.compute_misses`), its block entries."""
+    """What a missed document is computed from: its ids after its context, and its blocks."""
 
-    def __init__(self, cache: DocumentCache, ids: list[int], context: list[int], blocks: list[Block]):
-        self.cache, self.ids, self.context, self.block_list = cache, ids, context, blocks
-        self._entries: list[KVEntry] | None = None
-        self.written = False  # its blocks' writes queued (by compute_misses)
-
-    def entries(self) -> list[KVEntry]:
-        if self._entries is None:
-            raise RuntimeError("a missed document's entries are read before its pass ran (compute_misses)")
-        return self._entries
-
-    def seed(self, entries: list[KVEntry]) -> None:
-        """Entries computed elsewhere (with other documents, in one pass)."""
-        self._entries = entries
+    ids: list[int]
+    context: list[int]
+    block_list: list[Block]
 
 
