@@ -395,10 +395,6 @@ class DocumentCache:
         computed = yield from self.compute_misses(resolution)
         return self.placements(resolution, tally, computed)
 
-    def ingest(self, prompt: Prompt, stop: Callable[[], bool] | None = None) -> list[StoredSegment]:
-        """`ingest_steps` run to the end."""
-        return drive(self.maker.runner, self.ingest_steps(prompt, stop))
-
     def ingest_steps(self, prompt: Prompt, stop: Callable[[], bool] | None = None
                      ) -> Generator[list[Rows], Any, list[StoredSegment]]:
         """Compute and store every block of every cacheable segment of `prompt` that is

@@ -19,7 +19,7 @@ import torch
 
 from blend.kv.loader import LayerLoader, Placement
 from blend.model.cache import KVCache
-from blend.model.runner import Rows, Runner, drive
+from blend.model.runner import Rows, Runner
 from blend.stats import LoadReport
 from storage.entry import Expected, KVEntry
 from storage.keys import prefix_block_key
@@ -79,19 +79,11 @@ class EntryMaker:
         self.runner.prefill(torch.tensor(own), cache, start=start, logit_rows=())
         return [self.from_cache(cache, own[a:b], start + a) for a, b in bounds]
 
-    def compute_documents(self, documents: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
-                          context: Sequence[int]) -> list[list[KVEntry]]:
-        """`compute_blocks` for several documents after the same context: per document its
-        token ids and block bounds; returns per document its block entries. Documents are
-        computed together (`document_passes`: each an item of one `Runner.forward` step, seeing
-        the context and itself only) in passes of `pack_groups`."""
-        return drive(self.runner, self.document_passes(documents, context))
-
     def document_passes(self, documents: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
                         context: Sequence[int]) -> Generator[list[Rows], list[torch.Tensor], list[list[KVEntry]]]:
-        """`compute_documents` one forward pass at a time: yields each pass's items (one per
-        document: its rows in a cache of its own after the context's K/V, only their K/V wanted)
-        for the executor to run (the scheduler decodes running sequences in the same steps), and
+        """Several documents after the same context computed together, one forward pass at a time
+        (`pack_groups` passes): yields each pass's items (one per document: its rows in a cache of
+        its own after the context's K/V, only their K/V wanted) for the executor to run (the scheduler decodes running sequences in the same steps), and
         returns the entries. A document's rows see the context and themselves only, and the
         executor's rows never depend on the other items of a step: an entry has the same bits
         whatever it was computed with."""
