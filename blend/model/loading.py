@@ -580,8 +580,11 @@ def model_config(name_or_path: str):
         return AutoConfig.from_pretrained(_local_model(name_or_path)[0])
     directory, gguf_file = resolve_model(name_or_path)
     if gguf_file:  # its converted copy's, once there is one (parsing the GGUF: ~5 s for SmolLM2)
-        target = _converted_target(Path(gguf_file).stem, _gguf_digest(Path(directory) / gguf_file))
-        if (target / "config.json").is_file():
+        try:
+            target = _converted_target(Path(gguf_file).stem, _gguf_digest(Path(directory) / gguf_file))
+        except (OSError, ValueError):  # no usable cache home: the GGUF itself, as before any conversion
+            target = None
+        if target is not None and (target / "config.json").is_file():
             return AutoConfig.from_pretrained(target)
     return AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
 
