@@ -257,6 +257,34 @@ def test_a_forged_library_with_a_matching_record_is_rebuilt_and_the_rebuild_runs
 
 
 @has_compiler
+def test_prebuild_compiles_the_missing_kernels_side_by_side_and_their_loads_find_them_built(
+        fresh_kernel, monkeypatch, tmp_path, caplog):
+    """An engine's first start compiles the kernels beside the model's load (`native.prebuild`,
+    once per process): each is then loaded as built, not built again; under
+    KVBLEND_DECODE_KERNEL=torch nothing is compiled."""
+    monkeypatch.setenv("KVBLEND_HOME", str(tmp_path))
+    monkeypatch.setenv("KVBLEND_DECODE_KERNEL", "torch")
+    native.prebuild.cache_clear()
+    assert native.prebuild() == 0 and not (tmp_path / "kernels").exists()
+    monkeypatch.setenv("KVBLEND_DECODE_KERNEL", "auto")
+    native.prebuild.cache_clear()
+    try:
+        assert native.prebuild() == 3
+        assert native.prebuild() == 3  # once per process (cached)
+        libs = sorted((tmp_path / "kernels").glob("*.so"))
+        assert [p.name.split("-")[0] for p in libs] == ["blend_attention", "decode_attention", "quant_matmul"]
+        assert all(native.check_library(p) is None for p in libs)
+        with caplog.at_level("INFO", logger="blend.model.native"):
+            assert decode_kernel() is not None and native.blend_kernel() is not None
+            assert native.quant_kernel() is not None
+        assert "built the native" not in caplog.text and "rebuilding" not in caplog.text
+    finally:
+        native.prebuild.cache_clear()
+        native.blend_kernel.cache_clear()
+        native.quant_kernel.cache_clear()
+
+
+@has_compiler
 def test_a_home_that_cannot_be_written_is_the_torch_path_with_a_reason(fresh_kernel, monkeypatch, tmp_path, caplog):
     blocked = tmp_path / "file"
     blocked.write_text("a file where the home directory should be")
