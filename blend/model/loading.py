@@ -506,8 +506,8 @@ def _gguf_read_once() -> Iterator[list[Path]]:
     a parse on 2 cores), and a conversion reads the file five times (transformers: the config
     twice, the tokenizer, the weights; `read_blocks`). The readers are read-only memory maps.
     Yields a list of files to delete when the block ends (an assembled chunked GGUF, kept for the
-    blocks read after its conversion). A block inside another (or beside it, on another thread)
-    shares nothing and reads as usual."""
+    blocks read after its conversion). A block opened while another is open (inside it, or on
+    another thread) uses that one's readers until it closes, then reads as usual."""
     import gguf
 
     original = gguf.GGUFReader
