@@ -1018,12 +1018,13 @@ int kvb_qpack_matmul(int kind, long rows, long k, const void *x, long x_stride, 
  * by the decode kernel (kvb_decode_attention_batch of decode_attention.c, whose address the
  * caller gives in the layer's record), everything between them here, on the calling thread
  * (a few thousand elements a row; bfloat16 rows 16 at a time with AVX-512: the norms, RoPE,
- * SiLU and residuals took ~7% of a batch-1 decode step one element at a time, with expf). It is the same arithmetic as the runner's torch ops for
- * these rows, rounding to the compute dtype where those hold a tensor of it (bfloat16: the
- * norm's output, q/k after RoPE, each product, the residual sums, silu and its product), in
- * float32 between: not the same bits (sums run in another order), but each row's bits are its
- * own whatever else shares the call (every stage is per row, the products and the attention
- * are batch-invariant). What it saves is the crossings: ~20 tensor ops a layer from Python.
+ * SiLU and residuals took ~7% of a batch-1 decode step one element at a time, with expf).
+ * It is the same arithmetic as the runner's torch ops for these rows, rounding to the compute
+ * dtype where those hold a tensor of it (bfloat16: the norm's output, q/k after RoPE, each
+ * product, the residual sums, silu and its product), in float32 between: not the same bits
+ * (sums run in another order), but each row's bits are its own whatever else shares the call
+ * (every stage is per row, the products and the attention are batch-invariant). What it saves
+ * is the crossings: ~20 tensor ops a layer from Python.
  */
 
 typedef int (*kvb_attention_fn)(int kind, int hkv, int g, int d, int n, const int64_t *seqs);
