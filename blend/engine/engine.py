@@ -271,7 +271,7 @@ class BlendEngine:
         logits; it holds `capacity` positions (default: the prompt) and belongs to the caller."""
         return self._task("prefill", PromptWork(prompt, None, mode, ratio, selection, max(capacity or 0, len(prompt))))
 
-    def _task(self, name: str, work: Any) -> Any:
+    def _task(self, name: str, work: PromptWork | ExclusiveWork) -> Any:
         """`work` run as a task on the scheduler (between steps, or as a prefill's steps); its result."""
         self._check_open()
         return self.scheduler.submit(Task(name, work, Handle())).result()

@@ -84,12 +84,12 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None, store: T
     cfg = config.engine
     # the native kernels a first start builds compile beside the model's load (subprocesses: on 2 cores
     # 6.9 s one after another before the runner, ~4 s side by side)
-    on_cpu = (model.device if model is not None else resolve_device(config.device)).type == "cpu"
-    kernels = threading.Thread(target=native.prebuild, name="kvblend-kernel-build", daemon=True)
-    if on_cpu:
+    kernels = None
+    if (model.device if model is not None else resolve_device(config.device)).type == "cpu":
+        kernels = threading.Thread(target=native.prebuild, name="kvblend-kernel-build", daemon=True)
         kernels.start()
     lm = model or load_model(config.model, device=config.device, dtype=config.dtype, weights=config.weights)
-    if on_cpu:
+    if kernels is not None:
         kernels.join()
     cfg.check_model_layers(lm.dims.num_layers)
     # the store first: its settings are checked against the model's entry size before anything is built

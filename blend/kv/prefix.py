@@ -83,10 +83,10 @@ class EntryMaker:
                         context: Sequence[int]) -> Generator[list[Rows], list[torch.Tensor], list[list[KVEntry]]]:
         """Several documents after the same context computed together, one forward pass at a time
         (`pack_groups` passes): yields each pass's items (one per document: its rows in a cache of
-        its own after the context's K/V, only their K/V wanted) for the executor to run (the scheduler decodes running sequences in the same steps), and
-        returns the entries. A document's rows see the context and themselves only, and the
-        executor's rows never depend on the other items of a step: an entry has the same bits
-        whatever it was computed with."""
+        its own after the context's K/V, only their K/V wanted) for the executor to run (the
+        scheduler decodes running sequences in the same steps), and returns the entries. A
+        document's rows see the context and themselves only, and the executor's rows never depend
+        on the other items of a step: an entry has the same bits whatever it was computed with."""
         out: list[list[KVEntry]] = []
         start = len(context)
         kept = self.context_kv(context) if start else None
