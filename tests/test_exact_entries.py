@@ -132,6 +132,7 @@ def test_prefix_mode_computes_its_missing_exact_segments_as_steps_of_its_plan():
     beside other sequences' decode rows), never computed inside its planning. The answer is full
     prefill's, and what it computed is stored for the next request."""
     from blend.engine.prefill import PromptWork
+    from blend.model.plan import PAUSE, Done
     from blend.model.runner import Rows, RowsCursor
     from tests.test_engine import make_engine
 
@@ -141,20 +142,18 @@ def test_prefix_mode_computes_its_missing_exact_segments_as_steps_of_its_plan():
         runner = engine.runner
 
         def by_hand():  # the plan driven as the scheduler drives it, each want recorded
-            steps, wants, reply = engine.prefiller.steps(work), [], None
-            while True:
-                try:
-                    asked = steps.send(reply)
-                except StopIteration as done:
-                    return wants, done.value
-                reply = None
-                if asked is None:
-                    continue
-                wants.append(asked)
-                cursor = RowsCursor(asked, runner.chunk_tokens) if isinstance(asked, (Rows, list)) else asked
-                while not cursor.done:
-                    cursor.take(runner.forward(cursor.want()))
-                reply = cursor.value() if isinstance(cursor, RowsCursor) else None
+            plan, wants, output = engine.prefiller.steps(work), [], None
+            want = plan.take()
+            while not isinstance(want, Done):
+                output = None
+                if want is not PAUSE:
+                    wants.append(want)
+                    cursor = RowsCursor(want, runner.chunk_tokens) if isinstance(want, (Rows, list)) else want
+                    while not cursor.done:
+                        cursor.take(runner.forward(cursor.want()))
+                    output = cursor.value() if isinstance(cursor, RowsCursor) else None
+                want = plan.take(output)
+            return wants, want.value
 
         wants, pre = engine.run_exclusive(by_hand)
         full = engine.generate(QUESTION, DOCS, mode="full", max_new_tokens=1)

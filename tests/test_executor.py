@@ -162,6 +162,7 @@ def test_a_plan_whose_rows_are_refused_fails_alone_and_the_decode_rows_go_on(lm)
     executor here) end that request with the error; the sequences decoding beside it lose
     no token and end as they would have."""
     from blend.engine.sequence import Finished, Task
+    from blend.model.plan import PlanCursor
 
     with make_engine(lm, prefill_chunk_tokens=4) as engine:
         engine.ingest(DOCS)
@@ -171,13 +172,15 @@ def test_a_plan_whose_rows_are_refused_fails_alone_and_the_decode_rows_go_on(lm)
             time.sleep(0.002)
         runner = engine.runner
 
-        def bad_rows():
-            cache = runner.new_cache(8)
-            yield Rows(torch.zeros(runner.max_positions + 1, dtype=torch.long), cache, 0)
+        class BadRows(PlanCursor):  # wants rows past the model's positions
+            def _next(self, output, error):
+                if error is not None:
+                    raise error
+                return Rows(torch.zeros(runner.max_positions + 1, dtype=torch.long), runner.new_cache(8), 0)
 
         plans = engine.scheduler.plans
         make = plans.steps
-        plans.steps = lambda item: bad_rows() if item.work == "bad rows" else make(item)
+        plans.steps = lambda item: BadRows() if item.work == "bad rows" else make(item)
         handle = Handle()
         engine.scheduler.submit(Task("bad", "bad rows", handle))
         events = list(handle.events())
@@ -349,6 +352,7 @@ def test_every_mode_is_a_plan_of_data_and_a_stall_runs_the_full_plan(lm, monkeyp
     tokens instead, whose answer is the full prefill's."""
     from blend.engine.prefill import BlendPlan, FullPlan, Prefiller, PrefixPlan
     from blend.kv.loader import LoadStalled
+    from blend.model.plan import Once
     from blend.recompute.plan import RecomputePlan
 
     ran = []
@@ -369,8 +373,7 @@ def test_every_mode_is_a_plan_of_data_and_a_stall_runs_the_full_plan(lm, monkeyp
         run_blend = Prefiller._run_blend
 
         def stalled(self, plan):
-            yield from ()
-            raise LoadStalled("a tier too slow (test)", ("cpu",))
+            return Once(lambda: (_ for _ in ()).throw(LoadStalled("a tier too slow (test)", ("cpu",))))
 
         monkeypatch.setattr(Prefiller, "_run_blend", stalled)
         got = engine.generate(question, DOCS[:2], mode="blend", recompute_ratio=0.3, max_new_tokens=3, logprobs=True)
@@ -500,3 +503,74 @@ def test_a_blend_cursor_driven_by_hand_gives_what_the_scheduler_gives(lm, monkey
             logits, report = run_layers(runner, cache, ids, plan, loader, **kwargs)
     assert torch.equal(logits, pre.logits)
     assert report.recomputed_tokens == pre.stats.selection.recomputed_tokens
+
+
+def _stages(plan) -> list[str]:
+    """A plan's progress as data: each plan's type and stage, the outermost first, down its subs."""
+    from blend.model.plan import PlanCursor, Timed
+
+    chain = []
+    while isinstance(plan, PlanCursor):
+        chain.append(f"{type(plan).__name__}:{plan.stage}")
+        plan = plan.plan if isinstance(plan, Timed) else plan.sub
+    return chain
+
+
+def _by_hand(engine: BlendEngine, plan) -> tuple:
+    """`plan` driven want after want on the scheduler's thread, as the scheduler drives it: its
+    value, and each want's kind with the plan's stages read before it ran."""
+    from blend.model.plan import PAUSE, Done
+    from blend.model.runner import RowsCursor
+
+    runner, seen = engine.runner, []
+
+    def drive():
+        want = plan.take()
+        while not isinstance(want, Done):
+            seen.append((type(want).__name__, _stages(plan)))
+            output = None
+            if isinstance(want, (Rows, list)):
+                cursor = RowsCursor(want, runner.chunk_tokens)
+                while not cursor.done:
+                    cursor.take(runner.forward(cursor.want()))
+                output = cursor.value()
+            elif want is not PAUSE:
+                assert hasattr(want, "want") and hasattr(want, "take")  # a model-work Cursor
+                while not want.done:
+                    want.take(runner.forward(want.want()))
+            want = plan.take(output)
+        return want.value
+
+    return engine.run_exclusive(drive), seen
+
+
+def test_a_plan_cursor_driven_by_hand_gives_what_the_scheduler_gives(lm):
+    """A blend request whose two last documents miss, its plan (a cursor: `Prefiller.steps`)
+    driven by hand want after want on a second engine: its stages are data read between the
+    wants (the misses' passes, a pause, then the blend's passes), and its logits, KV and stats
+    equal the scheduler's run of the same request on the first engine, bit for bit."""
+    from blend.engine.prefill import PromptWork
+
+    got = []
+    for by_hand in (False, True):
+        with make_engine(lm, miss_policy="standalone") as engine:
+            engine.ingest(DOCS[:2])
+            engine.store.flush()
+            prompt = engine.build_prompt(QUESTIONS[2], DOCS)
+            if by_hand:
+                got.append(_by_hand(engine, engine.prefiller.steps(PromptWork(prompt, None, "blend", 0.3, None,
+                                                                              len(prompt)))))
+            else:
+                got.append((engine.prefill(prompt, mode="blend", ratio=0.3), None))
+    (scheduled, _), (pre, seen) = got
+    blend = [next(s for s in stages if s.startswith("BlendPrefill:")) for _, stages in seen]
+    assert [kind for kind, _ in seen] == ["list", "_Pause", "BlendPass"]  # the misses' pass, a pause, the blend
+    assert blend == ["BlendPrefill:misses", "BlendPrefill:split", "BlendPrefill:run"]
+    assert "DocumentPasses:pass" in seen[0][1] and seen[-1][1][-1] == "BlendRun:passes"
+    assert torch.equal(pre.logits, scheduled.logits)
+    n = len(prompt)
+    for layer in range(lm.config.num_hidden_layers):
+        assert torch.equal(pre.cache.k[layer][:, :n], scheduled.cache.k[layer][:, :n])
+    assert pre.stats.miss.computed == len(DOCS) - 2 and pre.stats.miss == scheduled.stats.miss.replace(
+        compute_s=pre.stats.miss.compute_s)
+    assert pre.stats.selection.recomputed_tokens == scheduled.stats.selection.recomputed_tokens

@@ -300,6 +300,8 @@ def test_the_origin_round_trips_and_an_unknown_one_is_corrupt():
 
 
 def test_a_failing_background_plan_fails_no_request():
+    from blend.model.plan import Once
+
     class Broken:
         def __init__(self):
             self.calls = 0
@@ -312,8 +314,7 @@ def test_a_failing_background_plan_fails_no_request():
             return self._plan()
 
         def _plan(self):
-            raise OSError("the store went away")
-            yield  # a plan's steps
+            return Once(lambda: (_ for _ in ()).throw(OSError("the store went away")))
 
     with make_engine() as engine:
         broken = Broken()

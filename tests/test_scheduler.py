@@ -18,6 +18,7 @@ from blend.engine.async_engine import AsyncBlendEngine
 from blend.engine.engine import BlendEngine
 from blend.engine.scheduler import Scheduler
 from blend.engine.sequence import Cancelled, Handle
+from blend.model.plan import Done, PlanCursor
 from tests.models import smollm2_tokenizer, tiny_model
 
 DOCS = [
@@ -382,15 +383,18 @@ def _poisoned(engine: BlendEngine, spec: dict, where: str):
     plans = engine.scheduler.plans
     make = plans.steps
 
-    def steps(item):
-        if item is not seq:
-            return make(item)
-        return poisoned(make(item))
+    class Poisoned(PlanCursor):  # the plan, then its value poisoned
+        def _next(self, output, error):
+            if error is not None:
+                raise error
+            if self.stage == "start":
+                self.stage = "plan"
+                return self.run(make(seq))
+            (output.logits if where == "logits" else output.cache.k[0]).fill_(float("nan"))
+            return Done(output)
 
-    def poisoned(plan):
-        pre = yield from plan
-        (pre.logits if where == "logits" else pre.cache.k[0]).fill_(float("nan"))
-        return pre
+    def steps(item):
+        return make(item) if item is not seq else Poisoned()
 
     plans.steps = steps
     return seq

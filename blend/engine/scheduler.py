@@ -14,13 +14,13 @@ under way and what each wants next, the running set, the budget; no model work, 
         and while sequences decode no more than makes the step about `step_stretch` times the
         slowest decode step measured (`StepPace`: decode steps and each kind of work priced by
         what they have cost lately): the gap a stream sees while others prefill.
-        A plan is a generator that yields its model work as data and gets its outputs back:
-        token rows (`Rows`, or a list of them: a pass of documents) run as chunks cut at
-        fixed positions, each chunk a layer range per step where the budget is smaller
-        (`RowsCursor`), or a `Cursor` (a blend's passes: whole layer ranges of all its rows,
-        layer-synchronous, blend.recompute.layers.BlendPass) driven until it ends; a plan's
-        planning between its wants (lookups, pricing, a missed document's entries) runs right
-        before the step;
+        A plan is a cursor (blend.model.plan: its progress as data) whose `want` is its model
+        work and whose `take` gets the outputs back: token rows (`Rows`, or a list of them: a
+        pass of documents) run as chunks cut at fixed positions, each chunk a layer range per
+        step where the budget is smaller (`RowsCursor`), or a `Cursor` (a blend's passes: whole
+        layer ranges of all its rows, layer-synchronous, blend.recompute.layers.BlendPass)
+        driven until it ends; a plan's planning between its wants (lookups, pricing, a missed
+        document's entries placed) runs in its `take`, right before the step;
     the lowest priority, background work (a harvested document recomputed on its own,
         blend.kv.documents.DocumentCache.background_plan): the budget left whenever the
         machine is idle, and at most `background_share` of the step time while requests wait
@@ -51,7 +51,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -61,6 +61,7 @@ from blend.decode.result import GenerationResult
 from blend.engine.sequence import Finished, Handle, Sequence, Status, Task
 from blend.kv.offload import KVParking
 from blend.model.cache import KVCache
+from blend.model.plan import PAUSE, Done, PlanCursor, Want
 from blend.model.runner import Cursor, Output, Rows, RowsCursor, Runner, cost
 
 log = logging.getLogger(__name__)
@@ -218,11 +219,11 @@ class SchedulerMetrics:
 
 
 class _Slot:
-    """A plan under way: its item, its steps (a generator), the cursor of the work it last asked
-    for and what goes back into it at its next advance."""
+    """A plan under way: its item, its plan (a cursor, blend.model.plan), the cursor of the model
+    work it last asked for and what goes back into it at its next advance."""
 
-    def __init__(self, item: Sequence | Task | None, steps: Generator[Any, Any, Any], background: bool = False):
-        self.item, self.steps, self.background = item, steps, background
+    def __init__(self, item: Sequence | Task | None, plan: PlanCursor, background: bool = False):
+        self.item, self.plan, self.background = item, plan, background
         self.cursor: Cursor | None = None
         self.reply: Any = None
         self.error: Exception | None = None
@@ -248,10 +249,10 @@ class Step:
 
 
 class PlanSource(Protocol):
-    """Makes an item's typed work into its plan's steps, and hears how a sequence ended
+    """Makes an item's typed work into its plan (a cursor), and hears how a sequence ended
     (blend.engine.work.Plans)."""
 
-    def steps(self, item: Sequence | Task) -> Generator[Any, Any, Any]: ...
+    def steps(self, item: Sequence | Task) -> PlanCursor: ...
 
     def ended(self, seq: Sequence, result: GenerationResult | None, cache: KVCache | None) -> None: ...
 
@@ -262,7 +263,7 @@ class Background(Protocol):
 
     def background_pending(self) -> bool: ...
 
-    def background_plan(self) -> Generator[Any, Any, Any] | None: ...
+    def background_plan(self) -> PlanCursor | None: ...
 
 
 MAX_PREFILLING = 8  # plans under way at once at most (their work shares the steps' budget)
@@ -580,7 +581,7 @@ class Scheduler:
         for slot, first, count in taken:
             try:
                 slot.cursor.take(outs[first:first + count])
-            except Exception as err:  # noqa: BLE001 - thrown into its plan at its next advance
+            except Exception as err:  # noqa: BLE001 - handed to its plan at its next advance
                 slot.error, slot.cursor = err, None
         self.pace.observe(len(decode), work_by_kind, step_s)
         rows_cost = len(decode) * self.runner.num_layers + spent
@@ -629,40 +630,40 @@ class Scheduler:
         now = time.monotonic()
         if isinstance(head, Task):
             head.started = now
-            head.steps = self.plans.steps(head)
+            plan = self.plans.steps(head)
         else:
             head.status = Status.PREFILLING
             if head.parked is not None:
-                head.steps = self._resume(head)
+                plan = Resume(self, head)
             else:
                 head.started = now
-                head.steps = self.plans.steps(head)
-        self._prefilling.append(_Slot(head, head.steps))
+                plan = self.plans.steps(head)
+        self._prefilling.append(_Slot(head, plan))
 
     # ------------------------------------------------------------------ prefill
     def _advance(self, slot: _Slot) -> None:
-        """A plan runs to its next want (what its last work gave back, or the error its work
-        raised, sent into it): it asks for model work (`Rows`, a list of them, or a `Cursor`),
-        computed a unit itself (None), or ended (its value: a sequence samples its first token and
-        joins the running set; a task ends)."""
+        """A plan takes what its last work gave back (or the error its work raised) and plans to its
+        next want: model work (`Rows`, a list of them, or a `Cursor`), a pause (a unit it computed
+        itself, or a wait), or its end (its value: a sequence samples its first token and joins
+        the running set; a task ends)."""
         self.metrics.prefill_steps += not slot.background
         reply, error = slot.reply, slot.error
         if isinstance(slot.cursor, RowsCursor) and slot.cursor.done and error is None:
             reply = slot.cursor.value()
         slot.reply, slot.error, slot.cursor = None, None, None
         try:
-            asked = slot.steps.send(reply) if error is None else slot.steps.throw(error)
-        except StopIteration as done:
-            self._ended(slot, value=done.value)
-            return
+            asked = slot.plan.take(reply, error)
         except Exception as err:  # noqa: BLE001 - handed to the caller, which raises it
             self._ended(slot, error=err)
             return
-        if asked is None:
+        if isinstance(asked, Done):
+            self._ended(slot, value=asked.value)
+            return
+        if asked is PAUSE:
             return
         if isinstance(asked, (Rows, list)):
             if isinstance(asked, list) and not all(isinstance(r, Rows) for r in asked):
-                asked = TypeError("a plan yielded a list of something other than Rows")
+                asked = TypeError("a plan wanted a list of something other than Rows")
             else:
                 slot.cursor = RowsCursor(asked, self.config.prefill_chunk_tokens, self.runner.key_rows)
                 return
@@ -670,8 +671,8 @@ class Scheduler:
             slot.cursor = asked
             return
         err = asked if isinstance(asked, Exception) else TypeError(
-            f"a plan yielded {type(asked).__name__}, not Rows, a list of Rows, a Cursor or None")
-        slot.steps.close()
+            f"a plan wanted {type(asked).__name__}, not Rows, a list of Rows, a Cursor, PAUSE or Done")
+        slot.plan.close()
         self._ended(slot, error=err)
 
     def _ended(self, slot: _Slot, *, value: Any = None, error: Exception | None = None) -> None:
@@ -763,30 +764,6 @@ class Scheduler:
         with self._cond:
             self._waiting.appendleft(seq)
 
-    def _resume(self, seq: Sequence) -> Generator[Any, Any, None]:
-        """Restore a preempted sequence's cache from the tiers, or recompute it: its prefill's
-        plan again, then the tokens it had decoded as rows of their own (chunked like any)."""
-        t0 = time.perf_counter()
-        parked = seq.parked
-        assert parked is not None
-        n = len(parked.token_ids)
-        capacity = n + min(DECODE_RESERVE, seq.generation.max_new_tokens)
-        cache = self.parking.restore(parked, capacity)
-        self.parking.release(parked)
-        seq.parked = None
-        if cache is None:  # the tiers lost it: the prefill again, then the tokens it had decoded
-            pre = yield from self.plans.steps(seq)
-            cache = pre.cache
-            done = list(parked.token_ids[len(pre.token_ids):])
-            if done:
-                cache.ensure_capacity(n + 1)
-                yield Rows(torch.tensor(done), cache, len(pre.token_ids), ())
-            self.metrics.resumes_recomputed += 1
-        seq.cache = cache
-        seq.resume_s += time.perf_counter() - t0
-        self.metrics.resumes += 1
-        self.metrics.resume_s += time.perf_counter() - t0
-
     # ------------------------------------------------------------------ ending
     def _reap(self) -> None:
         """Cancelled or timed-out items leave: waiting ones are dropped, running ones stop."""
@@ -801,7 +778,7 @@ class Scheduler:
             # a task (an ingest) sees its stop itself, between documents
             if item is not None and item.handle.stopped() and not isinstance(item, Task):
                 self._prefilling.remove(slot)
-                slot.steps.close()
+                slot.plan.close()
                 self._end(item, cancelled=True)
         for seq in [s for s in self._running if s.handle.stopped()]:
             self._end(seq, cancelled=True)
@@ -853,7 +830,7 @@ class Scheduler:
 
     def _close_background(self) -> None:
         if self._bg is not None:
-            self._bg.steps.close()
+            self._bg.plan.close()
             self._bg = None
 
     def _fail(self, seq: Sequence, err: Exception) -> None:
@@ -885,3 +862,55 @@ def _quietly(fn: Callable[[], None]) -> None:
         fn()
     except Exception as err:  # noqa: BLE001 - ending a failed item must not fail the loop
         log.warning("cleaning up a failed request: %s", err)
+
+
+class Resume(PlanCursor):
+    """A preempted sequence's cache restored from the tiers, or recomputed: its prefill's plan
+    again, then the tokens it had decoded as rows of their own (chunked like any)."""
+
+    def __init__(self, scheduler: Scheduler, seq: Sequence):
+        super().__init__()
+        self.scheduler, self.seq = scheduler, seq
+        self.t0 = 0.0
+        self.parked: Any = None  # blend.kv.offload.ParkedKV, taken off the sequence
+        self.cache: KVCache | None = None
+
+    def _next(self, output: Any, error: BaseException | None) -> Want:
+        if error is not None:
+            raise error
+        sched, seq = self.scheduler, self.seq
+        if self.stage == "start":
+            self.t0 = time.perf_counter()
+            parked = seq.parked
+            assert parked is not None
+            self.parked = parked
+            n = len(parked.token_ids)
+            capacity = n + min(DECODE_RESERVE, seq.generation.max_new_tokens)
+            cache = sched.parking.restore(parked, capacity)
+            sched.parking.release(parked)
+            seq.parked = None
+            if cache is None:  # the tiers lost it: the prefill again, then the tokens it had decoded
+                self.stage = "prefill"
+                return self.run(sched.plans.steps(seq))
+            return self._done(cache)
+        if self.stage == "prefill":
+            pre = output
+            n = len(self.parked.token_ids)
+            self.cache = pre.cache
+            done = list(self.parked.token_ids[len(pre.token_ids):])
+            sched.metrics.resumes_recomputed += 1
+            if done:
+                self.cache.ensure_capacity(n + 1)
+                self.stage = "decoded"
+                return Rows(torch.tensor(done), self.cache, len(pre.token_ids), ())
+        assert self.cache is not None
+        return self._done(self.cache)
+
+    def _done(self, cache: KVCache) -> Want:
+        seq, metrics = self.seq, self.scheduler.metrics
+        seq.cache = cache
+        seq.resume_s += time.perf_counter() - self.t0
+        metrics.resumes += 1
+        metrics.resume_s += time.perf_counter() - self.t0
+        self.stage = "done"
+        return Done(None)

@@ -20,7 +20,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Generic, TypeVar
@@ -164,13 +164,12 @@ def unwrap(finished: Finished) -> Any:
 
 class Task(Generic[T]):
     """Model work that is not a generation, run in the scheduler's prefill slot: its `work`
-    (typed data: an ingest, a prefill for inspection, a caller's function) becomes a plan
-    whose steps yield between bounded units of compute (an ingest: between packed passes) so
-    that running sequences decode in between, and return the task's value."""
+    (typed data: an ingest, a prefill for inspection, a caller's function) becomes a plan (a
+    cursor, blend.model.plan) that wants bounded units of compute (an ingest: a packed pass
+    each) so that running sequences decode in between, and ends with the task's value."""
 
     def __init__(self, name: str, work: Any, handle: Handle):
         self.name, self.work, self.handle = name, work, handle
-        self.steps: Generator[Any, Any, T] | None = None
         self.started: float | None = None
 
 
@@ -200,7 +199,6 @@ class Sequence:
         self.kv_bytes = kv_bytes  # KV of the prompt and its first new tokens, compute dtype (admission)
         self.mode, self.warnings = mode, warnings
         self.status = Status.WAITING
-        self.steps: Generator[Any, Any, Any] | None = None
         self.prompt_ids: tuple[int, ...] = ()  # what the cache's first positions hold
         self.cache: KVCache | None = None
         self.stats: RequestStats | None = None

@@ -3,13 +3,13 @@
 A `Sequence` holds a `PromptWork` (a request's prefill) or a `TurnWork` (a chat turn's); a
 `Task` holds a `PromptWork` (`BlendEngine.prefill`), an `IngestWork` or an `ExclusiveWork`
 (a caller's function on the scheduler's thread). None of them holds code of the engine:
-`Plans.steps` reads an item's work and returns its plan's steps (blend.engine.prefill,
+`Plans.steps` reads an item's work and returns its plan, a cursor (blend.engine.prefill,
 blend.kv.ingest), and `Plans.ended` tells a chat turn's session how its sequence ended.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from blend.engine.prefill import Prefiller, PromptWork
 from blend.engine.sequence import Sequence, Task
 from blend.kv.ingest import IngestJob, Ingestor
 from blend.model.cache import KVCache
-from blend.model.runner import Rows
+from blend.model.plan import Once, PlanCursor
 from blend.session.manager import SessionManager, Turn
 
 
@@ -56,8 +56,9 @@ class Plans:
     def __init__(self, prefiller: Prefiller, sessions: SessionManager, ingestor: Ingestor):
         self.prefiller, self.sessions, self.ingestor = prefiller, sessions, ingestor
 
-    def steps(self, item: Sequence | Task) -> Generator[Rows | None, Any, Any]:
-        """`item`'s plan as steps: each asks for rows, or computes a unit, or returns its value."""
+    def steps(self, item: Sequence | Task) -> PlanCursor:
+        """`item`'s plan, as a cursor (blend.model.plan): what it wants of each step, and what it
+        does with the step's output."""
         work = item.work
         if isinstance(work, PromptWork):
             return self.prefiller.steps(work)
@@ -67,7 +68,7 @@ class Plans:
             handle, own = item.handle, work.stop
             return self.ingestor.steps(work.job, lambda: handle.stopped() or (own is not None and own()))
         if isinstance(work, ExclusiveWork):
-            return _once(work.fn)
+            return Once(work.fn)
         raise TypeError(f"no plan for {type(work).__name__}: give PromptWork, TurnWork, IngestWork or ExclusiveWork")
 
     def ended(self, seq: Sequence, result: GenerationResult | None, cache: KVCache | None) -> None:
@@ -80,8 +81,3 @@ class Plans:
         else:
             assert cache is not None
             self.sessions.finish(seq.work.turn, result, cache)
-
-
-def _once(fn: Callable[[], Any]) -> Generator[None, None, Any]:
-    return fn()
-    yield  # a generator of one step

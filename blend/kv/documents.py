@@ -28,14 +28,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from blend.kv.loader import Placement
 from blend.kv.prefix import EntryMaker, pack_groups
 from blend.model.cache import KVCache
-from blend.model.runner import Rows, drive
+from blend.model.plan import Done, PlanCursor, Want, drive
 from blend.prompt.builder import Prompt, Segment
 from blend.stats import LookupTally
 from storage.dtypes import dtype_bytes
@@ -239,32 +239,11 @@ class DocumentCache:
         r = self.maker.runner
         return 2 * r.kv_heads * tokens * r.head_dim * dtype_bytes(self.maker.kv_dtype)
 
-    def compute_misses(self, resolution: Resolution, only: Sequence[int] | None = None
-                       ) -> Generator[list[Rows], Any, dict[int, list[KVEntry]]]:
-        """Compute the documents that missed (`only`: those at these indices of
-        `resolution.looked`), one forward pass per step (those after the same context together,
-        `EntryMaker.document_passes`; a repeated document once). Returns their block entries by
-        index into `resolution.looked` (for `placements`); their writes are queued as soon as
-        their pass ran (what was computed is stored, even if the request then ends early)."""
-        missed: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
-        for index, looked in enumerate(resolution.looked):
-            if looked.missed and (only is None or index in only):
-                r = looked.rebuild
-                missed.setdefault((tuple(r.context), tuple(r.ids)), []).append(index)
-        queued: set[str] = set()
-        computed: dict[int, list[KVEntry]] = {}
-        for context in dict.fromkeys(c for c, _ids in missed):  # documents after the same context together
-            group = [indices for (c, _ids), indices in missed.items() if c == context]
-            first = [resolution.looked[g[0]].rebuild for g in group]
-            made = yield from self.maker.document_passes(
-                [(r.ids, [(b.start, b.end) for b in r.block_list]) for r in first], context)
-            for indices, entries in zip(group, made, strict=True):
-                for index in indices:
-                    looked = resolution.looked[index]
-                    computed[index] = entries
-                    self._write_missed(looked, entries, queued)
-                    self._computed(looked.rebuild.block_list)
-        return computed
+    def compute_misses(self, resolution: Resolution, only: Sequence[int] | None = None) -> MissPasses:
+        """The documents that missed (`only`: those at these indices of `resolution.looked`)
+        computed, as a plan (`MissPasses`) whose value is their block entries by index into
+        `resolution.looked` (for `placements`)."""
+        return MissPasses(self, resolution, only)
 
     def harvest(self, resolution: Resolution, indices: Sequence[int], cache: KVCache) -> int:
         """The missing documents at these indices of `resolution.looked` cut out of a prompt's
@@ -320,30 +299,14 @@ class DocumentCache:
         """Whether a harvested document waits for its standalone recompute."""
         return bool(self._background)
 
-    def background_plan(self) -> Generator[list[Rows], Any, None] | None:
+    def background_plan(self) -> Standalone | None:
         """The oldest waiting harvested document recomputed on its own, as a plan of the scheduler
-        (its passes as steps, `EntryMaker.document_passes`), its standalone entries then queued for
-        the store over the harvested ones (planned when the request that harvested it laid them
-        out: a delete since then wins); None when none waits. Scheduler thread only."""
+        (`Standalone`); None when none waits. Scheduler thread only."""
         try:
             (context, ids), blocks = self._background.popitem(last=False)
         except KeyError:  # empty (or emptied by `forget` meanwhile)
             return None
-        return self._standalone(list(context), list(ids), blocks)
-
-    def _standalone(self, context: list[int], ids: list[int], blocks: list[Block]
-                    ) -> Generator[list[Rows], Any, None]:
-        t0 = time.perf_counter()
-        keys = [b.key for b in blocks]
-        self.claim(keys)  # a request meanwhile waits for these entries rather than meeting a rewrite
-        try:
-            made = yield from self.maker.document_passes([(ids, [(b.start, b.end) for b in blocks])], context)
-            for b, entry in zip(blocks, made[0], strict=True):
-                self.store_block(b, entry)
-        finally:
-            self.release(keys)
-        self.background.done += 1
-        self.background.seconds += time.perf_counter() - t0
+        return Standalone(self, list(context), list(ids), blocks)
 
     def placements(self, resolution: Resolution, tally: LookupTally,
                    computed: Mapping[int, list[KVEntry]] | None = None, skip: Sequence[int] = ()) -> list[Placement]:
@@ -382,78 +345,202 @@ class DocumentCache:
         return placements
 
     def resolve_steps(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally, *,
-                      raw_only: bool = False) -> Generator[list[Rows], Any, list[Placement] | None]:
-        """Placements of every block of `segments`, in prompt order: `lookup`, the misses
-        computed (`compute_misses`: their passes as the plan's steps), then `placements`.
-        `raw_only`: None (nothing computed, written or counted) when a found block is held in a
-        codec (not exact)."""
-        index = {id(seg): i for i, seg in enumerate(prompt.segments)}
-        resolution = self.lookup(prompt, [index[id(seg)] for seg in segments])
-        if raw_only and any(loc is not None and not loc.header.codec.raw
-                            for looked in resolution.looked for loc in looked.found):
-            return None
-        computed = yield from self.compute_misses(resolution)
-        return self.placements(resolution, tally, computed)
+                      raw_only: bool = False) -> Resolve:
+        """Placements of every block of `segments`, in prompt order, as a plan (`Resolve`)."""
+        return Resolve(self, prompt, segments, tally, raw_only)
 
-    def ingest_steps(self, prompt: Prompt, stop: Callable[[], bool] | None = None
-                     ) -> Generator[list[Rows], Any, list[StoredSegment]]:
-        """Compute and store every block of every cacheable segment of `prompt` that is
-        not stored yet; returns what was found for each document segment, in order.
+    def ingest_steps(self, prompt: Prompt, stop: Callable[[], bool] | None = None) -> IngestPasses:
+        """Every block of every cacheable segment of `prompt` that is not stored yet computed and
+        stored, as a plan (`IngestPasses`)."""
+        return IngestPasses(self, prompt, stop)
 
-        Every segment is looked up before anything is written, so `cached` says what the
-        tiers held before this call; a segment whose missing blocks an earlier segment of
-        this call already wrote (the same document twice) is not computed again. Consecutive
-        documents after the same context are prefilled together, in passes of
-        `pack_groups` (`EntryMaker.document_passes`), one pass per step of this generator.
-        `stop` is asked before each pass; when it answers True, `IngestStopped` (holding the
-        segments stored so far)."""
-        found = []
-        for seg in prompt.segments:
+
+class MissPasses(PlanCursor):
+    """The documents that missed computed, one forward pass per step (those after the same
+    context together, `EntryMaker.document_passes`; a repeated document once). Its value: their
+    block entries by index into `resolution.looked` (for `placements`); their writes are queued
+    as soon as their pass ran (what was computed is stored, even if the request then ends early)."""
+
+    def __init__(self, cache: DocumentCache, resolution: Resolution, only: Sequence[int] | None = None):
+        super().__init__()
+        self.cache, self.resolution = cache, resolution
+        missed: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+        for index, looked in enumerate(resolution.looked):
+            if looked.missed and (only is None or index in only):
+                r = looked.rebuild
+                missed.setdefault((tuple(r.context), tuple(r.ids)), []).append(index)
+        # documents after the same context together: per context, its documents' indices (a repeated one once)
+        self.groups = [[indices for (c, _ids), indices in missed.items() if c == context]
+                       for context in dict.fromkeys(c for c, _ids in missed)]
+        self.group = 0  # the context whose passes run
+        self.queued: set[str] = set()  # keys whose writes are queued (each once)
+        self.computed: dict[int, list[KVEntry]] = {}
+
+    def _next(self, output: Any, error: BaseException | None) -> Want:
+        if error is not None:
+            raise error
+        if self.stage == "passes":  # a context's documents computed (`output`: their entries)
+            for indices, entries in zip(self.groups[self.group], output, strict=True):
+                for index in indices:
+                    looked = self.resolution.looked[index]
+                    self.computed[index] = entries
+                    self.cache._write_missed(looked, entries, self.queued)
+                    self.cache._computed(looked.rebuild.block_list)
+            self.group += 1
+        if self.group == len(self.groups):
+            self.stage = "done"
+            return Done(self.computed)
+        self.stage = "passes"
+        first = [self.resolution.looked[g[0]].rebuild for g in self.groups[self.group]]
+        return self.run(self.cache.maker.document_passes(
+            [(r.ids, [(b.start, b.end) for b in r.block_list]) for r in first], first[0].context))
+
+
+class Resolve(PlanCursor):
+    """Placements of every block of `segments`, in prompt order: `lookup`, the misses computed
+    (`MissPasses`: their passes as the plan's wants), then `placements`. `raw_only`: None
+    (nothing computed, written or counted) when a found block is held in a codec (not exact)."""
+
+    def __init__(self, cache: DocumentCache, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally,
+                 raw_only: bool = False):
+        super().__init__()
+        self.cache, self.prompt, self.segments, self.tally, self.raw_only = cache, prompt, segments, tally, raw_only
+        self.resolution: Resolution | None = None
+
+    def _next(self, output: Any, error: BaseException | None) -> Want:
+        if error is not None:
+            raise error
+        if self.stage == "misses":
+            assert self.resolution is not None
+            self.stage = "done"
+            return Done(self.cache.placements(self.resolution, self.tally, output))
+        index = {id(seg): i for i, seg in enumerate(self.prompt.segments)}
+        self.resolution = self.cache.lookup(self.prompt, [index[id(seg)] for seg in self.segments])
+        if self.raw_only and any(loc is not None and not loc.header.codec.raw
+                                 for looked in self.resolution.looked for loc in looked.found):
+            self.stage = "done"
+            return Done(None)
+        self.stage = "misses"
+        return self.run(self.cache.compute_misses(self.resolution))
+
+
+class Standalone(PlanCursor):
+    """A harvested document recomputed on its own, its passes as steps (`EntryMaker.document_passes`),
+    its standalone entries then queued for the store over the harvested ones (planned when the
+    request that harvested it laid them out: a delete since then wins). Its blocks are claimed while
+    it runs: a request meanwhile waits for these entries rather than meeting a rewrite."""
+
+    def __init__(self, cache: DocumentCache, context: list[int], ids: list[int], blocks: list[Block]):
+        super().__init__()
+        self.cache, self.context, self.ids, self.blocks = cache, context, ids, blocks
+        self.keys = [b.key for b in blocks]
+        self.claimed = False
+        self.t0 = 0.0
+
+    def _next(self, output: Any, error: BaseException | None) -> Want:
+        if error is not None:
+            raise error
+        if self.stage == "start":
+            self.t0 = time.perf_counter()
+            self.cache.claim(self.keys)
+            self.claimed = True
+            self.stage = "passes"
+            return self.run(self.cache.maker.document_passes(
+                [(self.ids, [(b.start, b.end) for b in self.blocks])], self.context))
+        for b, entry in zip(self.blocks, output[0], strict=True):
+            self.cache.store_block(b, entry)
+        self._release()
+        self.cache.background.done += 1
+        self.cache.background.seconds += time.perf_counter() - self.t0
+        self.stage = "done"
+        return Done(None)
+
+    def _release(self) -> None:
+        if self.claimed:
+            self.claimed = False
+            self.cache.release(self.keys)
+
+
+class IngestPasses(PlanCursor):
+    """Every block of every cacheable segment of `prompt` that is not stored yet computed and
+    stored; its value, what was found for each document segment, in order (`StoredSegment`).
+
+    Every segment is looked up before anything is written, so `cached` says what the tiers held
+    before this plan; a segment whose missing blocks an earlier segment of this plan already wrote
+    (the same document twice) is not computed again. Consecutive documents after the same context
+    are prefilled together, in passes of `pack_groups` (`EntryMaker.document_passes`), one pass
+    per step. `stop` is asked before each pass; when it answers True, `IngestStopped` (holding
+    the segments stored so far)."""
+
+    def __init__(self, cache: DocumentCache, prompt: Prompt, stop: Callable[[], bool] | None = None):
+        super().__init__()
+        self.cache, self.prompt, self.stop = cache, prompt, stop
+        self.found: list[tuple[Segment, list[int], list[int], list[Block], list[int]]] = []
+        self.packs: list[list[tuple[int, list[int]]]] = []  # (index into found, blocks to store) per pass
+        self.pack = 0  # the pass under way
+        self.stored_at: set[int] = set()  # indices into `found` stored (or found whole)
+
+    def _plan(self) -> None:
+        cache = self.cache
+        for seg in self.prompt.segments:
             if seg.kind == "query":
                 continue
-            ids, context = list(seg.token_ids), self.context(seg, prompt)
-            blocks = self.blocks(ids, context)
+            ids, context = list(seg.token_ids), cache.context(seg, self.prompt)
+            blocks = cache.blocks(ids, context)
             # a budget per document: an ingest of thousands of documents must not add up to a
             # healthy tier's suspension, and a slow tier still costs at most one budget (then misses)
-            budget = LookupBudget(self.stall_s)
-            found.append((seg, ids, context, blocks,
-                          [i for i, b in enumerate(blocks) if self._find(ids, b, budget) is None]))
-        jobs: list[tuple[int, list[int]]] = []  # (index into found, blocks to store)
+            budget = LookupBudget(cache.stall_s)
+            self.found.append((seg, ids, context, blocks,
+                               [i for i, b in enumerate(blocks) if cache._find(ids, b, budget) is None]))
+        jobs: list[tuple[int, list[int]]] = []
         planned: set[str] = set()
-        for n, (_seg, _ids, _context, blocks, missing) in enumerate(found):
+        for n, (_seg, _ids, _context, blocks, missing) in enumerate(self.found):
             todo = [i for i in missing if blocks[i].key not in planned]
             planned.update(blocks[i].key for i in todo)
             if todo:
                 jobs.append((n, todo))
-        done = set(range(len(found))) - {n for n, _ in jobs}
-
-        def stored() -> list[StoredSegment]:
-            return [StoredSegment(seg, tuple(b.key for b in blocks), not missing)
-                    for n, (seg, _ids, _context, blocks, missing) in enumerate(found)
-                    if seg.kind == "document" and n in done]
-
+        self.stored_at = set(range(len(self.found))) - {n for n, _ in jobs}
         # documents after the same context are computed together (packed passes)
         runs: list[list[tuple[int, list[int]]]] = []
         for job in jobs:
-            if runs and found[runs[-1][0][0]][2] == found[job[0]][2]:
+            if runs and self.found[runs[-1][0][0]][2] == self.found[job[0]][2]:
                 runs[-1].append(job)
             else:
                 runs.append([job])
         for run in runs:
-            run.sort(key=lambda job: len(found[job[0]][1]))  # similar lengths pack with little padding
-            for pack in _chunks(run, [len(found[n][1]) for n, _ in run], len(found[run[0][0]][2])):
-                if stop is not None and stop():
-                    raise IngestStopped(f"ingest stopped with {len(jobs) - sum(n in done for n, _ in jobs)} "
-                                        "documents left to compute; those computed stay stored", stored())
-                context = found[pack[0][0]][2]
-                entries = yield from self.maker.document_passes(
-                    [(found[n][1], [(b.start, b.end) for b in found[n][3]]) for n, _ in pack], context)
-                for (n, todo), made in zip(pack, entries, strict=True):
-                    for i in todo:
-                        block = found[n][3][i]
-                        self.store_block(block, made[i])
-                    done.add(n)
-        return stored()
+            run.sort(key=lambda job: len(self.found[job[0]][1]))  # similar lengths pack with little padding
+            self.packs += _chunks(run, [len(self.found[n][1]) for n, _ in run], len(self.found[run[0][0]][2]))
+
+    def stored(self) -> list[StoredSegment]:
+        """What was found for each document segment stored so far, in order."""
+        return [StoredSegment(seg, tuple(b.key for b in blocks), not missing)
+                for n, (seg, _ids, _context, blocks, missing) in enumerate(self.found)
+                if seg.kind == "document" and n in self.stored_at]
+
+    def _next(self, output: Any, error: BaseException | None) -> Want:
+        if error is not None:
+            raise error
+        if self.stage == "start":
+            self._plan()
+        elif self.stage == "passes":  # a pass ran (`output`: its documents' entries)
+            found = self.found
+            for (n, todo), made in zip(self.packs[self.pack], output, strict=True):
+                for i in todo:
+                    self.cache.store_block(found[n][3][i], made[i])
+                self.stored_at.add(n)
+            self.pack += 1
+        if self.pack == len(self.packs):
+            self.stage = "done"
+            return Done(self.stored())
+        if self.stop is not None and self.stop():
+            left = sum(len(p) for p in self.packs[self.pack:])
+            raise IngestStopped(f"ingest stopped with {left} documents left to compute; those computed stay stored",
+                                self.stored())
+        pack = self.packs[self.pack]
+        self.stage = "passes"
+        return self.run(self.cache.maker.document_passes(
+            [(self.found[n][1], [(b.start, b.end) for b in self.found[n][3]]) for n, _ in pack],
+            self.found[pack[0][0]][2]))
 
 
 def _chunks(jobs: list, lengths: list[int], context: int) -> list[list]:

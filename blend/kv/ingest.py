@@ -4,9 +4,10 @@ knows by id.
     `Ingestor.prepare`  an ingest checked and laid out before any work (a document that no
                         request could use, too long for the positions with the prompt's fixed
                         part, refused): `IngestJob`
-    `Ingestor.steps`    on the scheduler: `DocumentCache.ingest_steps` (the documents' passes as
-                        items of the scheduler's steps), one `IngestedDocument` per document, the ids recorded with
-                        their block keys (also after a stop); nothing waits for the store
+    `Ingestor.steps`    on the scheduler, a plan (`IngestPlan`): `DocumentCache.ingest_steps` (the
+                        documents' passes as items of the scheduler's steps), one
+                        `IngestedDocument` per document, the ids recorded with their block keys
+                        (also after a stop); nothing waits for the store
     `Ingestor.confirm`  off the scheduler's thread (sync): the writes awaited, `stored` filled in
     `Ingestor.note`     a request's documents with ids recorded with their block keys; a
                         changed version under a known id is a warning
@@ -21,11 +22,12 @@ import dataclasses
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from blend.kv.documents import Block, DocumentCache, IngestStopped
+from blend.model.plan import Done, PlanCursor, Want
 from blend.prompt.builder import Prompt, PromptBuilder
 from blend.prompt.document import Document, IngestedDocument, check_documents, document_id, render_document
 from storage.stack import TieredStore
@@ -113,35 +115,9 @@ class Ingestor:
         prompts.check_documents_fit(prompt, names)  # one no request could use: refused, nothing written
         return IngestJob(docs, prompt)
 
-    def steps(self, job: IngestJob, stop: Callable[[], bool]) -> Generator[Any, Any, list[IngestedDocument]]:
-        """The ingest as scheduler steps (one forward pass each); returns one `IngestedDocument`
-        per document given (`stored` None: `confirm` fills it in, off the scheduler's thread:
-        waiting for the writer there would hold every request). `stop` is asked before each
-        pass: then `IngestStopped`, after the blocks stored so far are recorded under their ids
-        (a delete finds them)."""
-        kept = [d for d in job.documents if render_document(d)]
-        keys: list[list[str]] = [[] for _ in kept]
-        cached = [True] * len(kept)
-        stopped: IngestStopped | None = None
-        try:
-            segments = yield from self.cache.ingest_steps(job.prompt, stop)
-        except IngestStopped as err:
-            segments, stopped = err.stored, err
-        for stored in segments:
-            keys[stored.segment.doc_index].extend(stored.keys)
-            cached[stored.segment.doc_index] &= stored.cached
-        results, k = [], 0
-        for doc in job.documents:
-            doc_keys, was_cached = (), False
-            if render_document(doc):
-                doc_keys, was_cached = tuple(keys[k]), cached[k]
-                k += 1
-            results.append(IngestedDocument(document_id(doc), doc_keys, was_cached, None))
-            if doc_keys:  # after a stop: the blocks stored so far, so that a delete finds them
-                self.index.record(document_id(doc), doc, doc_keys)
-        if stopped is not None:
-            raise stopped
-        return results
+    def steps(self, job: IngestJob, stop: Callable[[], bool]) -> IngestPlan:
+        """The ingest as a plan of the scheduler (`IngestPlan`: one forward pass per step)."""
+        return IngestPlan(self, job, stop)
 
     def confirm(self, results: list[IngestedDocument]) -> list[IngestedDocument]:
         """An ingest's `results` once the store's queued writes are done (`flush`: a required
@@ -199,3 +175,44 @@ class Ingestor:
         self.cache.forget(keys)
         self.index.forget(doc_id)
         return keys
+
+
+class IngestPlan(PlanCursor):
+    """An ingest as scheduler steps (one forward pass each, `DocumentCache.ingest_steps`); its
+    value, one `IngestedDocument` per document given (`stored` None: `Ingestor.confirm` fills it
+    in, off the scheduler's thread: waiting for the writer there would hold every request).
+    `stop` is asked before each pass: then `IngestStopped`, after the blocks stored so far are
+    recorded under their ids (a delete finds them)."""
+
+    def __init__(self, ingestor: Ingestor, job: IngestJob, stop: Callable[[], bool]):
+        super().__init__()
+        self.ingestor, self.job, self.stop = ingestor, job, stop
+
+    def _next(self, output: Any, error: BaseException | None) -> Want:
+        if self.stage == "start":
+            self.stage = "passes"
+            return self.run(self.ingestor.cache.ingest_steps(self.job.prompt, self.stop))
+        stopped: IngestStopped | None = None
+        if isinstance(error, IngestStopped):
+            output, stopped = error.stored, error
+        elif error is not None:
+            raise error
+        kept = [d for d in self.job.documents if render_document(d)]
+        keys: list[list[str]] = [[] for _ in kept]
+        cached = [True] * len(kept)
+        for stored in output:
+            keys[stored.segment.doc_index].extend(stored.keys)
+            cached[stored.segment.doc_index] &= stored.cached
+        results, k = [], 0
+        for doc in self.job.documents:
+            doc_keys, was_cached = (), False
+            if render_document(doc):
+                doc_keys, was_cached = tuple(keys[k]), cached[k]
+                k += 1
+            results.append(IngestedDocument(document_id(doc), doc_keys, was_cached, None))
+            if doc_keys:  # after a stop: the blocks stored so far, so that a delete finds them
+                self.ingestor.index.record(document_id(doc), doc, doc_keys)
+        self.stage = "done"
+        if stopped is not None:
+            raise stopped
+        return Done(results)

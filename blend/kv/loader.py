@@ -275,6 +275,7 @@ class LayerLoader:
         self._ready = {layer: threading.Event() for layer in self.layers}
         self._slots = threading.Semaphore(max(1, depth))
         self._stop = False
+        self._closed = False
         self.stall_s = stall_s
         self._abandoned = False  # compute gave the loads up: the thread may still be writing into `cache`
         self._error: BaseException | None = None
@@ -465,8 +466,10 @@ class LayerLoader:
 
     def close(self) -> None:
         """Stop the loader thread; on CUDA, order the compute stream after every copy issued and
-        release the tier memory the copies read."""
-        self._stop = True
+        release the tier memory the copies read. Once: a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = self._stop = True
         for _ in self.layers:
             self._slots.release()
         if self._abandoned:  # a read that stalled ends in its own time; the thread keeps what it reads from

@@ -13,12 +13,13 @@ cache entry is made from the model.
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from blend.kv.loader import LayerLoader, Placement
 from blend.model.cache import KVCache
+from blend.model.plan import Done, PlanCursor, Want
 from blend.model.runner import Rows, Runner
 from blend.stats import LoadReport
 from storage.entry import Expected, KVEntry
@@ -80,32 +81,10 @@ class EntryMaker:
         return [self.from_cache(cache, own[a:b], start + a) for a, b in bounds]
 
     def document_passes(self, documents: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
-                        context: Sequence[int]) -> Generator[list[Rows], list[torch.Tensor], list[list[KVEntry]]]:
-        """Several documents after the same context computed together, one forward pass at a time
-        (`pack_groups` passes): yields each pass's items (one per document: its rows in a cache of
-        its own after the context's K/V, only their K/V wanted) for the executor to run (the
-        scheduler decodes running sequences in the same steps), and returns the entries. A
-        document's rows see the context and themselves only, and the executor's rows never depend
-        on the other items of a step: an entry has the same bits whatever it was computed with."""
-        out: list[list[KVEntry]] = []
-        start = len(context)
-        kept = self.context_kv(context) if start else None
-        for group in pack_groups([len(ids) for ids, _ in documents], start):
-            caches = []
-            for i in group:
-                cache = self.runner.new_cache(start + len(documents[i][0]))
-                if kept is not None:
-                    for layer in range(self.runner.num_layers):
-                        cache.k[layer][:, :start] = kept.k[layer][:, :start]
-                        cache.v[layer][:, :start] = kept.v[layer][:, :start]
-                    cache.length = start
-                caches.append(cache)
-            yield [Rows(torch.tensor(list(documents[i][0])), cache, start, ()) for i, cache in zip(group, caches,
-                                                                                              strict=True)]
-            for i, cache in zip(group, caches, strict=True):
-                ids, bounds = list(documents[i][0]), documents[i][1]
-                out.append([self.from_cache(cache, ids[a:b], start + a) for a, b in bounds])
-        return out
+                        context: Sequence[int]) -> DocumentPasses:
+        """Several documents after the same context computed together, one forward pass per step
+        (`pack_groups` passes), as a plan (`DocumentPasses`): its value, each document's entries."""
+        return DocumentPasses(self, documents, context)
 
     def context_kv(self, context: Sequence[int]) -> KVCache:
         """The KV of `context` prefilled alone from position 0 (compute dtype): the kept one
@@ -258,41 +237,105 @@ class PrefixCache:
         return limit - limit % self.block_tokens
 
     def prefill_steps(self, token_ids: Sequence[int], chain: list[Placement], cache: KVCache, computed: int = 0, *,
-                      boundary: int = 0) -> Generator[Rows, torch.Tensor, tuple[torch.Tensor, LoadReport]]:
-        """Load `chain` (an exact cached prefix) layer by layer while computing the rest: a
-        plan whose computed rows are yielded as `Rows` (the executor runs them, in chunks
-        beside other sequences' rows where it shares the step; the first pass waits for
-        each layer's loads).
+                      boundary: int = 0) -> PrefixLoad:
+        """Load `chain` (an exact cached prefix) layer by layer while computing the rest, as a plan
+        (`PrefixLoad`) whose value is the last position's logits (vocab,) and the loader's report."""
+        return PrefixLoad(self, token_ids, chain, cache, computed, boundary)
 
-        `computed` (a block boundary, from the load-or-compute split in blend.split): the
-        tokens before it are computed with a plain prefill while the rest of the chain
-        loads, instead of being loaded (the whole chain: a plain prefill). `boundary` (a
-        block end, `aligned_end`): the tokens from the chain's end up to it are computed in
-        a pass of their own before the rest, as a later request loads them once they are
-        stored, so that the rest is computed the same way whether the chain was found or
-        not (one pass over more rows changes the numbers at the compute dtype's precision:
-        bfloat16 log-probs by tenths). Returns the last position's logits (vocab,) and the
-        loader's report.
-        """
-        ids = list(token_ids)
+
+class DocumentPasses(PlanCursor):
+    """Several documents after the same context computed together, one forward pass at a time
+    (`pack_groups` passes): each want is a pass's items (one per document: its rows in a cache of
+    its own after the context's K/V, only their K/V wanted; the scheduler decodes running
+    sequences in the same steps); its value, each document's block entries (by `bounds`). A
+    document's rows see the context and themselves only, and the executor's rows never depend
+    on the other items of a step: an entry has the same bits whatever it was computed with."""
+
+    def __init__(self, maker: EntryMaker, documents: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
+                 context: Sequence[int]):
+        super().__init__()
+        self.maker, self.documents, self.context = maker, list(documents), list(context)
+        self.groups = pack_groups([len(ids) for ids, _ in self.documents], len(self.context))
+        self.group = 0  # the pass under way
+        self.caches: list[KVCache] = []  # its documents' caches
+        self.entries: list[list[KVEntry]] = []  # per document, in order
+
+    def _next(self, output: object, error: BaseException | None) -> Want:
+        if error is not None:
+            raise error
+        maker, start = self.maker, len(self.context)
+        if self.stage == "pass":  # the pass ran: its documents' entries cut from their caches
+            for i, cache in zip(self.groups[self.group], self.caches, strict=True):
+                ids, bounds = list(self.documents[i][0]), self.documents[i][1]
+                self.entries.append([maker.from_cache(cache, ids[a:b], start + a) for a, b in bounds])
+            self.group, self.caches = self.group + 1, []
+        if self.group == len(self.groups):
+            self.stage = "done"
+            return Done(self.entries)
+        kept = maker.context_kv(self.context) if start else None
+        for i in self.groups[self.group]:
+            cache = maker.runner.new_cache(start + len(self.documents[i][0]))
+            if kept is not None:
+                for layer in range(maker.runner.num_layers):
+                    cache.k[layer][:, :start] = kept.k[layer][:, :start]
+                    cache.v[layer][:, :start] = kept.v[layer][:, :start]
+                cache.length = start
+            self.caches.append(cache)
+        self.stage = "pass"
+        return [Rows(torch.tensor(list(self.documents[i][0])), cache, start, ())
+                for i, cache in zip(self.groups[self.group], self.caches, strict=True)]
+
+
+class PrefixLoad(PlanCursor):
+    """An exact cached prefix (`chain`) loaded layer by layer while the rest is computed: each
+    want is `Rows` (the executor runs them in chunks beside other sequences' rows; the first
+    pass waits for each layer's loads); its value, the last position's logits (vocab,) and the
+    loader's report.
+
+    `computed` (a block boundary, from the load-or-compute split in blend.split): the tokens
+    before it are computed with a plain prefill while the rest of the chain loads, instead of
+    being loaded (the whole chain: a plain prefill). `boundary` (a block end, `aligned_end`):
+    the tokens from the chain's end up to it are computed in a pass of their own before the
+    rest, as a later request loads them once they are stored, so that the rest is computed the
+    same way whether the chain was found or not (one pass over more rows changes the numbers at
+    the compute dtype's precision: bfloat16 log-probs by tenths)."""
+
+    def __init__(self, prefixes: PrefixCache, token_ids: Sequence[int], chain: list[Placement], cache: KVCache,
+                 computed: int = 0, boundary: int = 0):
+        super().__init__()
+        self.ids, self.cache = list(token_ids), cache
         p = max((pl.start + pl.length for pl in chain), default=0)
         whole = bool(chain) and computed >= p  # the whole chain computed: nothing loaded
         loaded = [] if whole else [pl for pl in chain if pl.start >= computed]
-        start = computed if whole else p  # the first position computed after the loads
-        with LayerLoader(self.store, self.runner, cache, loaded, range(self.runner.num_layers),
-                         self.prefetch_depth, stall_s=self.stall_s) as loader:
-            if computed and not whole:
-                yield Rows(torch.tensor(ids[:computed]), cache, 0, ())
-            elif whole:
-                start = 0
-            passes = [(start, boundary), (max(start, boundary), len(ids))] if start < boundary < len(ids) else [
-                (start, len(ids))]
-            for n, (a, b) in enumerate(passes):
-                last = n == len(passes) - 1
-                out = yield Rows(torch.tensor(ids[a:b]), cache, a, None if last else (),
-                                 loads=loader if n == 0 else None)
-            logits = out[0]
-        return logits, loader.report()
+        start = 0 if whole else p  # the first position computed after the loads
+        self.passes: list[tuple[int, int]] = []  # (first, end) of each pass of rows, in order
+        if computed and not whole:
+            self.passes.append((0, computed))
+        first = len(self.passes)
+        self.passes += [(start, boundary), (max(start, boundary), len(self.ids))] if start < boundary < len(
+            self.ids) else [(start, len(self.ids))]
+        self.loads_at = first  # the pass that waits for the loads
+        self.n = 0  # passes asked for
+        self.loader = LayerLoader(prefixes.store, prefixes.runner, cache, loaded, range(prefixes.runner.num_layers),
+                                  prefixes.prefetch_depth, stall_s=prefixes.stall_s)
+
+    def _next(self, output: object, error: BaseException | None) -> Want:
+        if error is not None:
+            raise error
+        if self.n == len(self.passes):
+            self.loader.close()
+            self.stage = "done"
+            assert isinstance(output, torch.Tensor)
+            return Done((output[0], self.loader.report()))
+        a, b = self.passes[self.n]
+        last = self.n == len(self.passes) - 1
+        self.stage = f"pass {self.n}"
+        self.n += 1
+        return Rows(torch.tensor(self.ids[a:b]), self.cache, a, None if last else (),
+                    loads=self.loader if self.n - 1 == self.loads_at else None)
+
+    def _release(self) -> None:
+        self.loader.close()
 
 
 def intact_end(chain: Sequence[Placement], load: LoadReport) -> int:

@@ -348,27 +348,6 @@ class _Piece:
 
 
 @torch.inference_mode()
-def drive(runner: Runner, steps: Any) -> Any:
-    """Run a plan's steps alone to its end and return its value: a `Rows` or a list of them it
-    yields is computed (`RowsCursor`: its logits sent back), a `Cursor` is driven to its end (None
-    sent back), None (a unit it computed itself) continues it."""
-    reply, error = None, None
-    while True:
-        try:
-            asked = steps.send(reply) if error is None else steps.throw(error)
-        except StopIteration as done:
-            return done.value
-        reply, error = None, None
-        try:
-            cursor = RowsCursor(asked, runner.chunk_tokens) if isinstance(asked, (Rows, list)) else asked
-            while cursor is not None and not cursor.done:
-                cursor.take(runner.forward(cursor.want()))
-            if isinstance(cursor, RowsCursor):
-                reply = cursor.value()
-        except Exception as err:  # noqa: BLE001 - delivered into the plan, as the scheduler does
-            error = err
-
-
 def rows4(fn: Any, x: torch.Tensor, single: bool = True) -> torch.Tensor:
     """fn(x) for a row-wise product over rows x (T, in). On a CPU, float32 products (MKL) of fewer
     than 12 rows run other kernels for the rows past the last multiple of 4 (measured: 1-3, 5-7

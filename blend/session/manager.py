@@ -37,7 +37,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +51,7 @@ from blend.decode.result import GenerationResult
 from blend.kv.prefix import PrefixCache, intact_end
 from blend.kv.windowed import WindowedChain
 from blend.model.cache import RING_SLACK, KVCache
+from blend.model.plan import Done, PlanCursor, Want
 from blend.model.runner import Rows
 from blend.prompt.builder import Prompt, PromptBuilder
 from blend.prompt.conversation import ROLES, Message, chat_ids
@@ -426,59 +427,9 @@ class SessionManager:
         return Turn(session, messages, ids, prompt, blended and bool(documents), max_new, fd,
                     exact=not (blended and documents), resume_at=resume_at)
 
-    def prefill_steps(self, turn: Turn, capacity: int) -> Generator[Rows, torch.Tensor, Prefilled]:
-        """The exact prefill of a turn, as a plan whose computed rows are yielded as `Rows`:
-        reuse the device copy, else the stored prefix chain; compute the rest. The cache
-        holds `capacity` positions. Sets `turn.stored_end` (the end of the prefix whose
-        blocks are intact in the store) and `turn.exact`. Raises LoadStalled when a tier was
-        too slow (the caller computes the turn whole)."""
-        session, ids = turn.session, turn.ids
-        runner = self.runner
-        limit = len(ids) - 1  # at least the last token is computed: its logits start decoding
-        t0 = time.perf_counter()
-
-        def stats(source: str, loaded: int, **fields: Any) -> RequestStats:
-            return turn_stats(ids, source, loaded, prefill_s=time.perf_counter() - t0, **fields)
-
-        if session.cache is not None:
-            common = _common_prefix(session.cache_ids[: session.cache.length], ids, limit)
-            # a ring layer holds the windows of its last RING_SLACK positions: rewinding further needs the store
-            rewinds = session.cache.length - common
-            if common > 0 and (rewinds < RING_SLACK or not any(session.cache.rings)):
-                cache = session.cache
-                session.cache = None  # in use by this turn: a failed turn leaves none behind
-                cache.ensure_capacity(capacity)
-                logits = (yield Rows(torch.tensor(ids[common:]), cache, common))[0]
-                # the blocks below were stored by the turn that filled the device copy
-                turn.stored_end = _block_floor(common, self.prefix.block_tokens)
-                turn.exact = turn.exact and session.exact
-                self.take_prompt_window(turn, cache)
-                return Prefilled(logits, cache, stats("device", common), tuple(ids))
-        # the previous turn's tail block ends where its generation stopped: at (or just
-        # before) the end-of-turn token that now closes the assistant message
-        ends = [i for i, t in enumerate(ids) if t in self.eos]
-        tails = sorted({e for i in ends[-2:] for e in (i, i - 1)} | set(turn.resume_at), reverse=True)
-        windowed = self.windowed
-        chain = (windowed or self.prefix).lookup(ids, limit, tail_ends=tails)
-        tally = LookupTally(self.tier_names)
-        for pl in chain:
-            tally.hit_from("prefix_blocks", pl.source)
-        # a hybrid model: sliding layers are rings holding the loaded window, then the new tokens
-        cache = runner.new_cache(capacity, ring=windowed is not None)
-        logits, load = yield from self.prefix.prefill_steps(ids, chain, cache)
-        # (a block whose stored layers were unreadable failed the load: LoadFailed, the turn computed in full)
-        if windowed is not None:  # positions loaded: the global chain's (the window lies inside it)
-            loaded = sum(pl.length for pl in chain if pl.entry is None and pl.layers == windowed.full_layers)
-            if any(pl.layers == windowed.sliding_layers and pl.entry is not None for pl in chain):
-                loaded = 0  # the window was computed from the whole conversation
-            turn.stored_end = windowed.intact_end(chain, load)
-        else:
-            loaded = sum(pl.length for pl in chain if pl.entry is None)
-            turn.stored_end = intact_end(chain, load)
-        pre = Prefilled(logits, cache, stats("store" if loaded else "computed", loaded, load=load,
-                                             **tally_fields(tally)), tuple(ids))
-        self.take_prompt_window(turn, cache)
-        return pre
+    def prefill_steps(self, turn: Turn, capacity: int) -> TurnPrefill:
+        """The exact prefill of a turn, as a plan (`TurnPrefill`) whose value is its `Prefilled`."""
+        return TurnPrefill(self, turn, capacity)
 
     def take_prompt_window(self, turn: Turn, cache: KVCache) -> None:
         """A hybrid model's window at the end of the turn's prompt, taken before decoding moves
@@ -525,6 +476,87 @@ class SessionManager:
         turn.session.cache = None
         self._release(turn.session, turn.lock_fd)
         self.enforce()
+
+
+class TurnPrefill(PlanCursor):
+    """The exact prefill of a turn, as a plan whose computed rows are its wants (`Rows`): the
+    device copy reused, else the stored prefix chain loaded (`PrefixLoad`); the rest computed.
+    The cache holds `capacity` positions. Sets `turn.stored_end` (the end of the prefix whose
+    blocks are intact in the store) and `turn.exact`. Raises LoadStalled when a tier was too
+    slow (the caller computes the turn whole)."""
+
+    def __init__(self, manager: SessionManager, turn: Turn, capacity: int):
+        super().__init__()
+        self.manager, self.turn, self.capacity = manager, turn, capacity
+        self.t0 = 0.0
+        self.cache: KVCache | None = None
+        self.common = 0  # positions of the device copy kept
+        self.chain: list = []
+        self.tally: LookupTally | None = None
+
+    def _stats(self, source: str, loaded: int, **fields: Any) -> RequestStats:
+        return turn_stats(self.turn.ids, source, loaded, prefill_s=time.perf_counter() - self.t0, **fields)
+
+    def _next(self, output: Any, error: BaseException | None) -> Want:
+        if error is not None:
+            raise error
+        if self.stage == "start":
+            return self._start()
+        manager, turn, ids, cache = self.manager, self.turn, self.turn.ids, self.cache
+        assert cache is not None
+        if self.stage == "device":  # the rest computed after the device copy
+            # the blocks below were stored by the turn that filled the device copy
+            turn.stored_end = _block_floor(self.common, manager.prefix.block_tokens)
+            turn.exact = turn.exact and turn.session.exact
+            manager.take_prompt_window(turn, cache)
+            self.stage = "done"
+            return Done(Prefilled(output[0], cache, self._stats("device", self.common), tuple(ids)))
+        logits, load = output  # the chain loaded, the rest computed
+        # (a block whose stored layers were unreadable failed the load: LoadFailed, the turn computed in full)
+        windowed, chain = manager.windowed, self.chain
+        if windowed is not None:  # positions loaded: the global chain's (the window lies inside it)
+            loaded = sum(pl.length for pl in chain if pl.entry is None and pl.layers == windowed.full_layers)
+            if any(pl.layers == windowed.sliding_layers and pl.entry is not None for pl in chain):
+                loaded = 0  # the window was computed from the whole conversation
+            turn.stored_end = windowed.intact_end(chain, load)
+        else:
+            loaded = sum(pl.length for pl in chain if pl.entry is None)
+            turn.stored_end = intact_end(chain, load)
+        assert self.tally is not None
+        pre = Prefilled(logits, cache, self._stats("store" if loaded else "computed", loaded, load=load,
+                                                   **tally_fields(self.tally)), tuple(ids))
+        manager.take_prompt_window(turn, cache)
+        self.stage = "done"
+        return Done(pre)
+
+    def _start(self) -> Want:
+        manager, turn = self.manager, self.turn
+        session, ids = turn.session, turn.ids
+        limit = len(ids) - 1  # at least the last token is computed: its logits start decoding
+        self.t0 = time.perf_counter()
+        if session.cache is not None:
+            common = _common_prefix(session.cache_ids[: session.cache.length], ids, limit)
+            # a ring layer holds the windows of its last RING_SLACK positions: rewinding further needs the store
+            rewinds = session.cache.length - common
+            if common > 0 and (rewinds < RING_SLACK or not any(session.cache.rings)):
+                cache = session.cache
+                session.cache = None  # in use by this turn: a failed turn leaves none behind
+                cache.ensure_capacity(self.capacity)
+                self.cache, self.common, self.stage = cache, common, "device"
+                return Rows(torch.tensor(ids[common:]), cache, common)
+        # the previous turn's tail block ends where its generation stopped: at (or just
+        # before) the end-of-turn token that now closes the assistant message
+        ends = [i for i, t in enumerate(ids) if t in manager.eos]
+        tails = sorted({e for i in ends[-2:] for e in (i, i - 1)} | set(turn.resume_at), reverse=True)
+        windowed = manager.windowed
+        self.chain = (windowed or manager.prefix).lookup(ids, limit, tail_ends=tails)
+        self.tally = LookupTally(manager.tier_names)
+        for pl in self.chain:
+            self.tally.hit_from("prefix_blocks", pl.source)
+        # a hybrid model: sliding layers are rings holding the loaded window, then the new tokens
+        self.cache = manager.runner.new_cache(self.capacity, ring=windowed is not None)
+        self.stage = "store"
+        return self.run(manager.prefix.prefill_steps(ids, self.chain, self.cache))
 
 
 def turn_stats(ids: Sequence[int], source: str, loaded: int, **fields: Any) -> RequestStats:
