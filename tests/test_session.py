@@ -82,6 +82,31 @@ def test_multi_turn_equals_full_prefill_and_resumes_from_store(tmp_path):
     assert stats.load.bytes_by_tier["cpu"] > 0 and stats.ttft_s > 0
 
 
+def test_a_turns_prefill_returns_where_its_kv_came_from_and_writes_nothing_into_the_turn(tmp_path):
+    """A chat turn's exact prefill (a plan cursor, `SessionManager.prefill_steps`) driven alone:
+    what it found (the end of the blocks intact in the store, whether its KV is exact) comes back
+    in its result (`Prefilled.exact_kv`), and the `Turn` holds what `begin` laid out, unchanged.
+    `finish` stores the new blocks from that end on, as a scheduled turn does."""
+    from blend.model.plan import drive
+
+    with make_engine(tmp_path) as engine:
+        engine.chat("s", MESSAGES[0])
+        engine.offload("s")  # the next turn loads the stored chain
+        turn = engine.sessions.begin("s", MESSAGES[1])
+        laid_out = dataclasses.replace(turn)
+        capacity = len(turn.ids) + turn.max_new_tokens
+        pre = engine.run_exclusive(lambda: drive(engine.runner, engine.sessions.prefill_steps(turn, capacity)))
+        assert {f.name: getattr(turn, f.name) for f in dataclasses.fields(turn)} == {
+            f.name: getattr(laid_out, f.name) for f in dataclasses.fields(laid_out)}
+        kv = pre.exact_kv
+        assert kv is not None and kv.exact and kv.stored_end == pre.stats.loaded_tokens > 0
+        assert pre.stats.source == "store"
+        engine.sessions.abort(turn)
+        second = engine.chat("s", MESSAGES[1])  # the same turn on the scheduler: the same numbers
+    assert second.stats.loaded_tokens == pre.stats.loaded_tokens
+    assert (torch.log_softmax(pre.logits.float(), -1) - second.first_token_logprobs).abs().max() < TOL
+
+
 def test_resume_in_a_new_engine_from_disk(tmp_path):
     with make_engine(tmp_path) as before:
         before.chat("s", MESSAGES[0])

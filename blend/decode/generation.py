@@ -27,6 +27,19 @@ from blend.decode.text import TextAssembler
 from blend.model.cache import KVCache
 from blend.model.loading import LoadedModel
 from blend.stats import RequestStats
+from storage.entry import KVEntry
+
+
+@dataclass(frozen=True)
+class ExactKV:
+    """What a chat turn's exact prefill found of its KV (blend.session.manager.TurnPrefill), for its
+    session to store when the turn ends: `stored_end` (the end of the prefix whose blocks are intact
+    in the store: not written again), `exact` (its KV is a full prefill's: its blocks may be stored),
+    `prompt_window` (a hybrid model's window at the prompt's end: its key and entry)."""
+
+    stored_end: int = 0
+    exact: bool = True
+    prompt_window: tuple[str, KVEntry] | None = None
 
 
 @dataclass
@@ -38,6 +51,7 @@ class Prefilled:
     stats: RequestStats
     token_ids: tuple[int, ...] = ()  # the prompt's ids (what the cache's positions hold)
     follow_logprobs: torch.Tensor | None = None  # teacher forcing after the prefill (`follow`), (F, vocab)
+    exact_kv: ExactKV | None = None  # a chat turn's exact prefill: what its session stores after it
 
 
 class Generation:

@@ -708,6 +708,7 @@ class Scheduler:
         pre.cache.compact_()  # sliding-window layers: rings of their window from here on (memory bounded)
         seq.cache, seq.stats, seq.prompt_ids = pre.cache, pre.stats, pre.token_ids
         seq.follow_logprobs = pre.follow_logprobs
+        seq.exact_kv = pre.exact_kv
         seq.ttft_s = time.monotonic() - (seq.started or time.monotonic())
         self._emit_token(seq, pre.logits)
         if seq.generation.done:
@@ -896,7 +897,7 @@ class Resume(PlanCursor):
         if self.stage == "prefill":
             pre = output
             n = len(self.parked.token_ids)
-            self.cache = pre.cache
+            self.cache, seq.exact_kv = pre.cache, pre.exact_kv
             done = list(self.parked.token_ids[len(pre.token_ids):])
             sched.metrics.resumes_recomputed += 1
             if done:

@@ -203,6 +203,7 @@ class Sequence:
         self.cache: KVCache | None = None
         self.stats: RequestStats | None = None
         self.follow_logprobs: Any = None  # teacher forcing after the prefill (Prefilled.follow_logprobs)
+        self.exact_kv: Any = None  # a chat turn's exact prefill: what its session stores (Prefilled.exact_kv)
         self.started: float | None = None  # first prefill step (monotonic)
         self.ttft_s = 0.0  # prefill start to the first token's logits
         self.decode_steps = 0

@@ -80,4 +80,4 @@ class Plans:
             self.sessions.abort(seq.work.turn)
         else:
             assert cache is not None
-            self.sessions.finish(seq.work.turn, result, cache)
+            self.sessions.finish(seq.work.turn, result, cache, seq.exact_kv)

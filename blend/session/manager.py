@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from blend.config import BlendConfig
-from blend.decode.generation import Prefilled
+from blend.decode.generation import ExactKV, Prefilled
 from blend.decode.result import GenerationResult
 from blend.kv.prefix import PrefixCache, intact_end
 from blend.kv.windowed import WindowedChain
@@ -125,9 +125,9 @@ class Turn:
 
     `prompt` is set when documents come with the turn (they are placed before the
     conversation); `blended` says the documents' cached KV is blended in (mode blend or
-    reuse: the turn's KV is then not exact and never stored). The prefill fills in where the
-    KV came from: `stored_end` (the end of the prefix whose blocks are intact in the store)
-    and `exact`.
+    reuse: the turn's KV is then not exact and never stored: `exact`). Where the KV came from
+    comes back in the prefill's result (`Prefilled.exact_kv`) and goes to `finish`; nothing of
+    the turn is written after `begin` but `ended`.
     """
 
     session: Session
@@ -137,11 +137,9 @@ class Turn:
     blended: bool
     max_new_tokens: int
     lock_fd: int | None
-    stored_end: int = 0
     exact: bool = True
     ended: bool = False
     resume_at: tuple[int, ...] = ()  # more ends a stored chain may stop at (a hybrid model: the last prompt's)
-    prompt_window: tuple[str, KVEntry] | None = None  # a hybrid model's window at this prompt's end
 
     def device_prefix(self) -> int:
         """Tokens of the turn the session's device-resident KV already holds."""
@@ -431,33 +429,36 @@ class SessionManager:
         """The exact prefill of a turn, as a plan (`TurnPrefill`) whose value is its `Prefilled`."""
         return TurnPrefill(self, turn, capacity)
 
-    def take_prompt_window(self, turn: Turn, cache: KVCache) -> None:
+    def prompt_window(self, turn: Turn, cache: KVCache, exact: bool) -> tuple[str, KVEntry] | None:
         """A hybrid model's window at the end of the turn's prompt, taken before decoding moves
         the rings on (stored by `finish`, so that the next turn resumes there: its reply,
         re-rendered, may tokenize otherwise)."""
-        if self.windowed is not None and turn.exact and turn.prompt is None and cache.length >= len(turn.ids):
-            turn.prompt_window = self.windowed.window_entry(turn.ids, cache, len(turn.ids))
+        if self.windowed is not None and exact and turn.prompt is None and cache.length >= len(turn.ids):
+            return self.windowed.window_entry(turn.ids, cache, len(turn.ids))
+        return None
 
-    def finish(self, turn: Turn, result: GenerationResult, cache: KVCache) -> None:
-        """End a turn that generated `result` from `cache`: queue its exact blocks, save the
-        history (first: a turn that cannot be saved is not in the conversation), keep the KV
-        on the device for the next turn, release the session, run the offload policy."""
+    def finish(self, turn: Turn, result: GenerationResult, cache: KVCache, kv: ExactKV | None = None) -> None:
+        """End a turn that generated `result` from `cache`: queue its exact blocks (`kv`: what its
+        prefill found, `TurnPrefill`; None: computed whole, or blended), save the history (first: a
+        turn that cannot be saved is not in the conversation), keep the KV on the device for the
+        next turn, release the session, run the offload policy."""
         if turn.ended:
             return
+        kv = kv if kv is not None else ExactKV(exact=turn.exact)
         session = turn.session
         try:
             all_ids = turn.ids + result.token_ids
-            if turn.exact and self.windowed is not None:
-                also = [(len(turn.ids), turn.prompt_window)] if turn.prompt_window is not None else []
-                stored = self.windowed.store_blocks(all_ids, cache, skip_below=turn.stored_end, also=also)
+            if kv.exact and self.windowed is not None:
+                also = [(len(turn.ids), kv.prompt_window)] if kv.prompt_window is not None else []
+                stored = self.windowed.store_blocks(all_ids, cache, skip_below=kv.stored_end, also=also)
                 result.stats = result.stats.replace(stored_blocks=stored)
-            elif turn.exact:
-                stored = self.prefix.store_blocks(all_ids, cache, skip_below=turn.stored_end, tail=True)
+            elif kv.exact:
+                stored = self.prefix.store_blocks(all_ids, cache, skip_below=kv.stored_end, tail=True)
                 result.stats = result.stats.replace(stored_blocks=stored)
             history = turn.messages + [{"role": "assistant", "content": result.text}]
             self._save(session.session_id, history)
             session.messages = history
-            session.cache, session.cache_ids, session.exact = cache, all_ids, turn.exact
+            session.cache, session.cache_ids, session.exact = cache, all_ids, kv.exact
             session.last_used = time.monotonic()
         except BaseException:
             session.cache = None
@@ -481,9 +482,10 @@ class SessionManager:
 class TurnPrefill(PlanCursor):
     """The exact prefill of a turn, as a plan whose computed rows are its wants (`Rows`): the
     device copy reused, else the stored prefix chain loaded (`PrefixLoad`); the rest computed.
-    The cache holds `capacity` positions. Sets `turn.stored_end` (the end of the prefix whose
-    blocks are intact in the store) and `turn.exact`. Raises LoadStalled when a tier was too
-    slow (the caller computes the turn whole)."""
+    The cache holds `capacity` positions. Its `Prefilled.exact_kv` says where the KV came from
+    (`ExactKV`: the end of the prefix whose blocks are intact in the store, whether it is exact,
+    a hybrid model's window at the prompt's end). Raises LoadStalled when a tier was too slow
+    (the caller computes the turn whole)."""
 
     def __init__(self, manager: SessionManager, turn: Turn, capacity: int):
         super().__init__()
@@ -491,6 +493,7 @@ class TurnPrefill(PlanCursor):
         self.t0 = 0.0
         self.cache: KVCache | None = None
         self.common = 0  # positions of the device copy kept
+        self.session_exact = True  # ... and whether that copy was exact
         self.chain: list = []
         self.tally: LookupTally | None = None
 
@@ -506,11 +509,11 @@ class TurnPrefill(PlanCursor):
         assert cache is not None
         if self.stage == "device":  # the rest computed after the device copy
             # the blocks below were stored by the turn that filled the device copy
-            turn.stored_end = _block_floor(self.common, manager.prefix.block_tokens)
-            turn.exact = turn.exact and turn.session.exact
-            manager.take_prompt_window(turn, cache)
+            stored_end = _block_floor(self.common, manager.prefix.block_tokens)
+            exact = turn.exact and self.session_exact
+            kv = ExactKV(stored_end, exact, manager.prompt_window(turn, cache, exact))
             self.stage = "done"
-            return Done(Prefilled(output[0], cache, self._stats("device", self.common), tuple(ids)))
+            return Done(Prefilled(output[0], cache, self._stats("device", self.common), tuple(ids), exact_kv=kv))
         logits, load = output  # the chain loaded, the rest computed
         # (a block whose stored layers were unreadable failed the load: LoadFailed, the turn computed in full)
         windowed, chain = manager.windowed, self.chain
@@ -518,16 +521,15 @@ class TurnPrefill(PlanCursor):
             loaded = sum(pl.length for pl in chain if pl.entry is None and pl.layers == windowed.full_layers)
             if any(pl.layers == windowed.sliding_layers and pl.entry is not None for pl in chain):
                 loaded = 0  # the window was computed from the whole conversation
-            turn.stored_end = windowed.intact_end(chain, load)
+            stored_end = windowed.intact_end(chain, load)
         else:
             loaded = sum(pl.length for pl in chain if pl.entry is None)
-            turn.stored_end = intact_end(chain, load)
+            stored_end = intact_end(chain, load)
         assert self.tally is not None
-        pre = Prefilled(logits, cache, self._stats("store" if loaded else "computed", loaded, load=load,
-                                                   **tally_fields(self.tally)), tuple(ids))
-        manager.take_prompt_window(turn, cache)
+        kv = ExactKV(stored_end, turn.exact, manager.prompt_window(turn, cache, turn.exact))
         self.stage = "done"
-        return Done(pre)
+        return Done(Prefilled(logits, cache, self._stats("store" if loaded else "computed", loaded, load=load,
+                                                         **tally_fields(self.tally)), tuple(ids), exact_kv=kv))
 
     def _start(self) -> Want:
         manager, turn = self.manager, self.turn
@@ -539,7 +541,7 @@ class TurnPrefill(PlanCursor):
             # a ring layer holds the windows of its last RING_SLACK positions: rewinding further needs the store
             rewinds = session.cache.length - common
             if common > 0 and (rewinds < RING_SLACK or not any(session.cache.rings)):
-                cache = session.cache
+                cache, self.session_exact = session.cache, session.exact
                 session.cache = None  # in use by this turn: a failed turn leaves none behind
                 cache.ensure_capacity(self.capacity)
                 self.cache, self.common, self.stage = cache, common, "device"
