@@ -142,7 +142,7 @@ def test_prefix_mode_computes_its_missing_exact_segments_as_steps_of_its_plan():
         runner = engine.runner
 
         def by_hand():  # the plan driven as the scheduler drives it, each want recorded
-            plan, wants, output = engine.prefiller.steps(work), [], None
+            plan, wants, output = engine.prefiller.plan(work), [], None
             want = plan.take()
             while not isinstance(want, Done):
                 output = None

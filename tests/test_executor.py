@@ -179,8 +179,8 @@ def test_a_plan_whose_rows_are_refused_fails_alone_and_the_decode_rows_go_on(lm)
                 return Rows(torch.zeros(runner.max_positions + 1, dtype=torch.long), runner.new_cache(8), 0)
 
         plans = engine.scheduler.plans
-        make = plans.steps
-        plans.steps = lambda item: BadRows() if item.work == "bad rows" else make(item)
+        make = plans.plan
+        plans.plan = lambda item: BadRows() if item.work == "bad rows" else make(item)
         handle = Handle()
         engine.scheduler.submit(Task("bad", "bad rows", handle))
         events = list(handle.events())
@@ -545,7 +545,7 @@ def _by_hand(engine: BlendEngine, plan) -> tuple:
 
 
 def test_a_plan_cursor_driven_by_hand_gives_what_the_scheduler_gives(lm):
-    """A blend request whose two last documents miss, its plan (a cursor: `Prefiller.steps`)
+    """A blend request whose two last documents miss, its plan (a cursor: `Prefiller.plan`)
     driven by hand want after want on a second engine: its stages are data read between the
     wants (the misses' passes, a pause, then the blend's passes), and its logits, KV and stats
     equal the scheduler's run of the same request on the first engine, bit for bit."""
@@ -558,7 +558,7 @@ def test_a_plan_cursor_driven_by_hand_gives_what_the_scheduler_gives(lm):
             engine.store.flush()
             prompt = engine.build_prompt(QUESTIONS[2], DOCS)
             if by_hand:
-                got.append(_by_hand(engine, engine.prefiller.steps(PromptWork(prompt, None, "blend", 0.3, None,
+                got.append(_by_hand(engine, engine.prefiller.plan(PromptWork(prompt, None, "blend", 0.3, None,
                                                                               len(prompt)))))
             else:
                 got.append((engine.prefill(prompt, mode="blend", ratio=0.3), None))

@@ -381,7 +381,7 @@ def _poisoned(engine: BlendEngine, spec: dict, where: str):
     args = {k: v for k, v in spec.items() if k not in ("query", "documents", "logprobs")}
     seq = engine._sequence(engine.request(spec["query"], spec["documents"], **args), Handle())
     plans = engine.scheduler.plans
-    make = plans.steps
+    make = plans.plan
 
     class Poisoned(PlanCursor):  # the plan, then its value poisoned
         def _next(self, output, error):
@@ -393,10 +393,10 @@ def _poisoned(engine: BlendEngine, spec: dict, where: str):
             (output.logits if where == "logits" else output.cache.k[0]).fill_(float("nan"))
             return Done(output)
 
-    def steps(item):
+    def plan_of(item):
         return make(item) if item is not seq else Poisoned()
 
-    plans.steps = steps
+    plans.plan = plan_of
     return seq
 
 

@@ -83,7 +83,7 @@ def test_multi_turn_equals_full_prefill_and_resumes_from_store(tmp_path):
 
 
 def test_a_turns_prefill_returns_where_its_kv_came_from_and_writes_nothing_into_the_turn(tmp_path):
-    """A chat turn's exact prefill (a plan cursor, `SessionManager.prefill_steps`) driven alone:
+    """A chat turn's exact prefill (a plan cursor, `SessionManager.prefill_plan`) driven alone:
     what it found (the end of the blocks intact in the store, whether its KV is exact) comes back
     in its result (`Prefilled.exact_kv`), and the `Turn` holds what `begin` laid out, unchanged.
     `finish` stores the new blocks from that end on, as a scheduled turn does."""
@@ -95,7 +95,7 @@ def test_a_turns_prefill_returns_where_its_kv_came_from_and_writes_nothing_into_
         turn = engine.sessions.begin("s", MESSAGES[1])
         laid_out = dataclasses.replace(turn)
         capacity = len(turn.ids) + turn.max_new_tokens
-        pre = engine.run_exclusive(lambda: drive(engine.runner, engine.sessions.prefill_steps(turn, capacity)))
+        pre = engine.run_exclusive(lambda: drive(engine.runner, engine.sessions.prefill_plan(turn, capacity)))
         assert {f.name: getattr(turn, f.name) for f in dataclasses.fields(turn)} == {
             f.name: getattr(laid_out, f.name) for f in dataclasses.fields(laid_out)}
         kv = pre.exact_kv

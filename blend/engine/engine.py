@@ -12,7 +12,7 @@ blend.engine.layout, ingests and document ids are kept by blend.kv.ingest.
 Path of one request: `GenerationRequest.create` checks the arguments -> the layout stage
 (`RequestLayout.lay_out`): `PromptBuilder` lays out [prefix][documents][query] and the
 documents' block keys are hashed once -> a `Sequence` (its prefill as a `PromptWork`, its
-`Generation`) is queued on the `Scheduler` -> when admitted, `Prefiller.steps` makes its plan, a
+`Generation`) is queued on the `Scheduler` -> when admitted, `Prefiller.plan` makes its plan, a
 cursor (blend.engine.prefill) that the scheduler advances between steps: it looks the blocks
 up, computes the misses (one forward pass per step), then runs the prefill -> the sequence joins the decode batch (`Runner.decode_step` for every running sequence at once) -> its
 events (text deltas, then the result) reach the caller through its `Handle`.

@@ -13,7 +13,7 @@
                scheduler runs them in pieces beside the decode rows; a blend's `BlendPass`, a
                cursor whose layer ranges the steps run) -> `Prefilled`
 
-`Prefiller.steps(work)` returns the request's plan as a cursor (blend.model.plan): its progress
+`Prefiller.plan(work)` returns the request's plan as a cursor (blend.model.plan): its progress
 is data (`stage`, the fields it has made, the `sub` plan it runs first), `want` is what it asks
 of the next step (`Rows`, a list of them, a model-work cursor, a pause) and `take` hands it the
 step's output and plans to its next want; its last want is `Done(Prefilled)`. The cursors, by
@@ -23,7 +23,7 @@ runs of the three plans (`FullRun`, `PrefixRun`, `BlendRun`) each inside a `Time
 that stalls (a tier too slow to wait for, now suspended; raised in the plan or handed to it by
 the executor) runs the plan's `FullPlan` of the same tokens instead, in one place (`TimedRun`);
 a load that fails (an unreadable entry, dropped) plans a blend again with its documents
-computed on their own (`BlendPrefill`). A chat turn's exact KV is `SessionManager.prefill_steps`
+computed on their own (`BlendPrefill`). A chat turn's exact KV is `SessionManager.prefill_plan`
 (`TurnPrefill`), a plan of its own shape. Teacher forcing (`answer`, `follow`, used by eval)
 runs right after the prefill, before any decode step touches the cache.
 """
@@ -134,21 +134,21 @@ class Prefiller:
         self._warm = False  # set after the first prefill (not a cost sample: see `_observe`)
 
     # ------------------------------------------------------------- entry points
-    def steps(self, work: PromptWork) -> PromptPrefill:
+    def plan(self, work: PromptWork) -> PromptPrefill:
         """The prefill of a `generate` request, as a plan (see the module docstring); teacher
         forcing (`answer`, `follow`) comes back in the result (`stats.answer_nll`,
         `Prefilled.follow_logprobs`)."""
         return PromptPrefill(self, work)
 
-    def turn_steps(self, turn: Turn, work: PromptWork | None) -> PlanCursor:
+    def turn_plan(self, turn: Turn, work: PromptWork | None) -> PlanCursor:
         """A chat turn's prefill: its documents blended in (`work`, when the turn blends and
         they are not all on the device), else its exact KV (device copy, stored prefix chain,
-        the rest computed: `SessionManager.prefill_steps`)."""
+        the rest computed: `SessionManager.prefill_plan`)."""
         capacity = len(turn.ids) + turn.max_new_tokens
         if work is not None and turn.blends():  # (such a turn is not exact from its start: `SessionManager.begin`)
-            return self.steps(work)
+            return self.plan(work)
         fallback = FullPlan(tuple(turn.ids), capacity, turn_stats(turn.ids, "computed", 0))
-        return TimedRun(self, self.sessions.prefill_steps(turn, capacity), fallback)
+        return TimedRun(self, self.sessions.prefill_plan(turn, capacity), fallback)
 
     def run(self, plan: FullPlan | PrefixPlan | BlendPlan) -> PlanCursor:
         """A plan's execution, as a cursor: its rows asked of the executor, its layer loop paused."""
@@ -251,7 +251,7 @@ class PrefixPrefill(PlanCursor):
     document when documents are computed after it) when their entries are exact too: stored in
     the compute dtype and in no codec (else loading them would not equal computing them: prefix
     mode is exact). Those segments' misses are computed as the plan's wants
-    (`DocumentCache.resolve_steps`), before the prefill's own."""
+    (`DocumentCache.resolve_plan`), before the prefill's own."""
 
     def __init__(self, prefiller: Prefiller, prompt: Prompt, capacity: int, split: str | None):
         super().__init__()
@@ -278,7 +278,7 @@ class PrefixPrefill(PlanCursor):
             chain_len = sum(pl.length for pl in self.found)
             if exact_len > chain_len and pf.documents.maker.kv_dtype == pf.prefixes.maker.kv_dtype:
                 self.stage = "resolved"
-                return self.run(pf.documents.resolve_steps(prompt, [s for s in exact if s.end <= limit], self.tally,
+                return self.run(pf.documents.resolve_plan(prompt, [s for s in exact if s.end <= limit], self.tally,
                                                            raw_only=True))
             self.stage, output = "resolved", None
         if self.stage == "resolved":  # `output`: the exact segments' placements (None: prefix blocks)
@@ -489,7 +489,7 @@ class FullRun(PlanCursor):
 
 
 class PrefixRun(PlanCursor):
-    """A `PrefixPlan` run: its chain loaded while the rest is computed (`PrefixCache.prefill_steps`),
+    """A `PrefixPlan` run: its chain loaded while the rest is computed (`PrefixCache.prefill_plan`),
     then its new full blocks stored."""
 
     def __init__(self, prefiller: Prefiller, plan: PrefixPlan):
@@ -505,7 +505,7 @@ class PrefixRun(PlanCursor):
         if self.stage == "start":
             self.cache = pf.runner.new_cache(pp.capacity)
             self.stage = "load"
-            return self.run(pf.prefixes.prefill_steps(ids, list(pp.chain), self.cache, computed=pp.computed,
+            return self.run(pf.prefixes.prefill_plan(ids, list(pp.chain), self.cache, computed=pp.computed,
                                                       boundary=pp.boundary))
         assert self.cache is not None
         logits, load = output

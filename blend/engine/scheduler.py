@@ -252,7 +252,7 @@ class PlanSource(Protocol):
     """Makes an item's typed work into its plan (a cursor), and hears how a sequence ended
     (blend.engine.work.Plans)."""
 
-    def steps(self, item: Sequence | Task) -> PlanCursor: ...
+    def plan(self, item: Sequence | Task) -> PlanCursor: ...
 
     def ended(self, seq: Sequence, result: GenerationResult | None, cache: KVCache | None) -> None: ...
 
@@ -630,14 +630,14 @@ class Scheduler:
         now = time.monotonic()
         if isinstance(head, Task):
             head.started = now
-            plan = self.plans.steps(head)
+            plan = self.plans.plan(head)
         else:
             head.status = Status.PREFILLING
             if head.parked is not None:
                 plan = Resume(self, head)
             else:
                 head.started = now
-                plan = self.plans.steps(head)
+                plan = self.plans.plan(head)
         self._prefilling.append(_Slot(head, plan))
 
     # ------------------------------------------------------------------ prefill
@@ -892,7 +892,7 @@ class Resume(PlanCursor):
             seq.parked = None
             if cache is None:  # the tiers lost it: the prefill again, then the tokens it had decoded
                 self.stage = "prefill"
-                return self.run(sched.plans.steps(seq))
+                return self.run(sched.plans.plan(seq))
             return self._done(cache)
         if self.stage == "prefill":
             pre = output

@@ -3,7 +3,7 @@
 A `Sequence` holds a `PromptWork` (a request's prefill) or a `TurnWork` (a chat turn's); a
 `Task` holds a `PromptWork` (`BlendEngine.prefill`), an `IngestWork` or an `ExclusiveWork`
 (a caller's function on the scheduler's thread). None of them holds code of the engine:
-`Plans.steps` reads an item's work and returns its plan, a cursor (blend.engine.prefill,
+`Plans.plan` reads an item's work and returns its plan, a cursor (blend.engine.prefill,
 blend.kv.ingest), and `Plans.ended` tells a chat turn's session how its sequence ended.
 """
 
@@ -56,17 +56,17 @@ class Plans:
     def __init__(self, prefiller: Prefiller, sessions: SessionManager, ingestor: Ingestor):
         self.prefiller, self.sessions, self.ingestor = prefiller, sessions, ingestor
 
-    def steps(self, item: Sequence | Task) -> PlanCursor:
+    def plan(self, item: Sequence | Task) -> PlanCursor:
         """`item`'s plan, as a cursor (blend.model.plan): what it wants of each step, and what it
         does with the step's output."""
         work = item.work
         if isinstance(work, PromptWork):
-            return self.prefiller.steps(work)
+            return self.prefiller.plan(work)
         if isinstance(work, TurnWork):
-            return self.prefiller.turn_steps(work.turn, work.blend)
+            return self.prefiller.turn_plan(work.turn, work.blend)
         if isinstance(work, IngestWork):
             handle, own = item.handle, work.stop
-            return self.ingestor.steps(work.job, lambda: handle.stopped() or (own is not None and own()))
+            return self.ingestor.plan(work.job, lambda: handle.stopped() or (own is not None and own()))
         if isinstance(work, ExclusiveWork):
             return Once(work.fn)
         raise TypeError(f"no plan for {type(work).__name__}: give PromptWork, TurnWork, IngestWork or ExclusiveWork")

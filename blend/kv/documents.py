@@ -339,17 +339,17 @@ class DocumentCache:
         return placements
 
     def resolve(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally) -> list[Placement]:
-        """`resolve_steps` run alone to its end (a tool's call: no scheduler around it)."""
-        placements = drive(self.maker.runner, self.resolve_steps(prompt, segments, tally))
+        """`resolve_plan` run alone to its end (a tool's call: no scheduler around it)."""
+        placements = drive(self.maker.runner, self.resolve_plan(prompt, segments, tally))
         assert placements is not None
         return placements
 
-    def resolve_steps(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally, *,
+    def resolve_plan(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally, *,
                       raw_only: bool = False) -> Resolve:
         """Placements of every block of `segments`, in prompt order, as a plan (`Resolve`)."""
         return Resolve(self, prompt, segments, tally, raw_only)
 
-    def ingest_steps(self, prompt: Prompt, stop: Callable[[], bool] | None = None) -> IngestPasses:
+    def ingest_plan(self, prompt: Prompt, stop: Callable[[], bool] | None = None) -> IngestPasses:
         """Every block of every cacheable segment of `prompt` that is not stored yet computed and
         stored, as a plan (`IngestPasses`)."""
         return IngestPasses(self, prompt, stop)

@@ -4,7 +4,7 @@ knows by id.
     `Ingestor.prepare`  an ingest checked and laid out before any work (a document that no
                         request could use, too long for the positions with the prompt's fixed
                         part, refused): `IngestJob`
-    `Ingestor.steps`    on the scheduler, a plan (`IngestPlan`): `DocumentCache.ingest_steps` (the
+    `Ingestor.plan`    on the scheduler, a plan (`IngestPlan`): `DocumentCache.ingest_plan` (the
                         documents' passes as items of the scheduler's steps), one
                         `IngestedDocument` per document, the ids recorded with their block keys
                         (also after a stop); nothing waits for the store
@@ -115,7 +115,7 @@ class Ingestor:
         prompts.check_documents_fit(prompt, names)  # one no request could use: refused, nothing written
         return IngestJob(docs, prompt)
 
-    def steps(self, job: IngestJob, stop: Callable[[], bool]) -> IngestPlan:
+    def plan(self, job: IngestJob, stop: Callable[[], bool]) -> IngestPlan:
         """The ingest as a plan of the scheduler (`IngestPlan`: one forward pass per step)."""
         return IngestPlan(self, job, stop)
 
@@ -178,7 +178,7 @@ class Ingestor:
 
 
 class IngestPlan(PlanCursor):
-    """An ingest as scheduler steps (one forward pass each, `DocumentCache.ingest_steps`); its
+    """An ingest as scheduler steps (one forward pass each, `DocumentCache.ingest_plan`); its
     value, one `IngestedDocument` per document given (`stored` None: `Ingestor.confirm` fills it
     in, off the scheduler's thread: waiting for the writer there would hold every request).
     `stop` is asked before each pass: then `IngestStopped`, after the blocks stored so far are
@@ -191,7 +191,7 @@ class IngestPlan(PlanCursor):
     def _next(self, output: Any, error: BaseException | None) -> Want:
         if self.stage == "start":
             self.stage = "passes"
-            return self.run(self.ingestor.cache.ingest_steps(self.job.prompt, self.stop))
+            return self.run(self.ingestor.cache.ingest_plan(self.job.prompt, self.stop))
         stopped: IngestStopped | None = None
         if isinstance(error, IngestStopped):
             output, stopped = error.stored, error

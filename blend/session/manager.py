@@ -425,7 +425,7 @@ class SessionManager:
         return Turn(session, messages, ids, prompt, blended and bool(documents), max_new, fd,
                     exact=not (blended and documents), resume_at=resume_at)
 
-    def prefill_steps(self, turn: Turn, capacity: int) -> TurnPrefill:
+    def prefill_plan(self, turn: Turn, capacity: int) -> TurnPrefill:
         """The exact prefill of a turn, as a plan (`TurnPrefill`) whose value is its `Prefilled`."""
         return TurnPrefill(self, turn, capacity)
 
@@ -558,7 +558,7 @@ class TurnPrefill(PlanCursor):
         # a hybrid model: sliding layers are rings holding the loaded window, then the new tokens
         self.cache = manager.runner.new_cache(self.capacity, ring=windowed is not None)
         self.stage = "store"
-        return self.run(manager.prefix.prefill_steps(ids, self.chain, self.cache))
+        return self.run(manager.prefix.prefill_plan(ids, self.chain, self.cache))
 
 
 def turn_stats(ids: Sequence[int], source: str, loaded: int, **fields: Any) -> RequestStats:
