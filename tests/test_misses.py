@@ -284,6 +284,40 @@ def test_harvested_entries_say_so_and_are_recomputed_on_their_own_when_idle():
         assert engine.scheduler.metrics.background_steps == 0 and engine.document_kv.background_pending()
 
 
+def test_a_plan_waiting_for_the_background_plans_entries_lifts_it_out_of_its_share():
+    """The background plan claims the blocks it recomputes; a plan that asks for one of them
+    (`computing`, then it waits) marks it awaited, and the scheduler then runs it first in every
+    step whatever its share is (no request waits at background priority). Its end clears both."""
+    from blend.engine.scheduler import _Slot
+
+    docs = DOCS + MORE[:1]
+    with make_engine(miss_policy="harvest", recompute_harvested=True, background_share=0.0) as engine:
+        cache, sched = engine.document_kv, engine.scheduler
+
+        def check():
+            prompt = engine.build_prompt(QUESTION, docs)
+            cache._background.clear()  # only the one queued below
+            seg = prompt.documents[0]
+            ids, context = list(seg.token_ids), cache.context(seg, prompt)
+            cache._queue_standalone(cache.lookup(prompt, [1]).looked[0].rebuild)
+            plan = cache.background_plan()
+            first = plan.take()  # its blocks claimed; its pass wanted
+            keys = [b.key for b in cache.blocks(ids, context)]
+            assert isinstance(first, list) and not cache.background_awaited()
+            assert cache.computing(keys) and cache.background_awaited()
+            sched._bg = _Slot(None, plan, background=True)
+            sched._busy_s, sched.metrics.background_s = 10.0, 5.0  # far over its share (0)
+            step = sched.schedule()
+            assert step.background and step.awaited  # busy (this very task), over its share: it runs, first
+            plan.close()
+            assert not cache.computing(keys) and not cache.background_awaited()
+            assert not sched.schedule().awaited
+            sched._bg = None
+
+        engine.generate(QUESTION, docs, mode="full", max_new_tokens=1)  # the scheduler's thread runs
+        engine.run_exclusive(check)
+
+
 def test_the_origin_round_trips_and_an_unknown_one_is_corrupt():
     import dataclasses
 
@@ -308,6 +342,9 @@ def test_a_failing_background_plan_fails_no_request():
 
         def background_pending(self) -> bool:
             return self.calls < 2
+
+        def background_awaited(self) -> bool:
+            return False
 
         def background_plan(self):
             self.calls += 1

@@ -24,7 +24,7 @@ under way and what each wants next, the running set, the budget; no model work, 
     the lowest priority, background work (a harvested document recomputed on its own,
         blend.kv.documents.DocumentCache.background_plan): the budget left whenever the
         machine is idle, and at most `background_share` of the step time while requests wait
-        or decode.
+        or decode; first, whatever its share, while a request waits for the entries it computes.
 
 A blend whose next layer's loads have not arrived sits the step out while others run (it asks
 only for ready layers), so a slow tier never holds another stream's token. Running sequences
@@ -205,6 +205,7 @@ class SchedulerMetrics:
     background_steps: int = 0  # steps that ran background work (a harvested document recomputed standalone)
     background_s: float = 0.0  # their share of step time (by row-layers)
     background_busy_steps: int = 0  # ... of them, steps while requests were under way (its share of busy time)
+    background_awaited_steps: int = 0  # ... of them, steps where it ran first: a request waited for its entries
     _recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096), repr=False)
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
@@ -246,6 +247,7 @@ class Step:
     grow: tuple[tuple[Sequence, int], ...] = ()  # full caches grown to these capacities first
     preempt: tuple[Sequence, ...] = ()  # the newest sequences parked in the tiers to make room
     background: bool = False  # a background plan starts (none is under way and it may run)
+    awaited: bool = False  # ... a request waits for its entries: it runs first, whatever its share
 
 
 class PlanSource(Protocol):
@@ -262,6 +264,8 @@ class Background(Protocol):
     (blend.kv.documents.DocumentCache)."""
 
     def background_pending(self) -> bool: ...
+
+    def background_awaited(self) -> bool: ...
 
     def background_plan(self) -> PlanCursor | None: ...
 
@@ -409,7 +413,8 @@ class Scheduler:
           past `max_active_kv` the newest sequences are preempted;
         - background work: a plan of its own, started when none is under way, given the budget
           left when nothing else runs, else only while its share of the busy step time stays
-          under `background_share`.
+          under `background_share`; while a request waits for its entries (it claimed them), it
+          runs first in every step, whatever its share.
         """
         admit: list[Sequence | Task] = []
         with self._cond:
@@ -444,12 +449,14 @@ class Scheduler:
         # one plan and nobody else: no one to share the step with (no step boundaries to pay)
         budget, seconds = self._bounds(len(decode), alone and not self._background_due())
         busy = bool(slots or admit or decode)
+        # a request waiting for the background plan's entries lifts it out of its share (no priority inversion)
+        awaited = self._bg is not None and self._background is not None and self._background.background_awaited()
         background = self._background is not None and (
-            not busy or self.metrics.background_s <= self.config.background_share * self._busy_s)
+            not busy or awaited or self.metrics.background_s <= self.config.background_share * self._busy_s)
         start_bg = background and self._bg is None and self._background.background_pending()
         return Step(admit=tuple(admit), advance=advance, plans=slots, budget=budget, seconds=seconds, decode=decode,
-                    grow=grow,
-                    preempt=preempt, background=start_bg or (background and self._bg is not None))
+                    grow=grow, preempt=preempt, background=start_bg or (background and self._bg is not None),
+                    awaited=awaited)
 
     def _bounds(self, decode_rows: int, unbounded: bool = False) -> tuple[int | None, float | None]:
         """A step's bounds on the plans' work beside `decode_rows` decode rows: row-layers
@@ -539,7 +546,7 @@ class Scheduler:
         others = bool(decode)
         order = [s for s in self._prefilling if s.wants()]
         if step.background and self._bg is not None and self._bg.wants():
-            order.append(self._bg)
+            order.insert(0 if step.awaited else len(order), self._bg)
         spent_bg = spent = 0
         for slot in order:
             if (left is not None and left <= 0) or (time_left is not None and time_left <= 0 and taken):
@@ -590,6 +597,7 @@ class Scheduler:
             self.metrics.background_steps += 1
             self.metrics.background_s += bg_s
             self.metrics.background_busy_steps += bool(decode or spent > spent_bg or self._prefilling or self._waiting)
+            self.metrics.background_awaited_steps += step.awaited
         if not (spent_bg and spent_bg == spent and not decode):
             self._busy_s += step_s + planning_s - bg_s
         if taken:

@@ -135,6 +135,8 @@ class DocumentCache:
         self._computed_at: OrderedDict[str, float] = OrderedDict()
         self._computed_lock = threading.Lock()
         self._claimed: dict[str, int] = {}  # block keys a plan under way computes (claims of each)
+        self._bg_keys: frozenset[str] = frozenset()  # ... of them, the background plan's
+        self._bg_awaited = False  # a plan waits for the background plan's entries (`background_awaited`)
         # harvested documents to recompute on their own when the scheduler is idle: (context, ids) -> blocks
         self._background: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], list[Block]] = OrderedDict()
         self.background = BackgroundCounts()
@@ -207,9 +209,17 @@ class DocumentCache:
                     self._claimed.pop(key, None)
 
     def computing(self, keys: Sequence[str]) -> bool:
-        """Whether a plan under way computes one of these blocks."""
+        """Whether a plan under way computes one of these blocks (asked by a plan that then waits:
+        when the background plan computes one, it is `background_awaited`)."""
         with self._computed_lock:
+            if self._bg_keys and not self._bg_keys.isdisjoint(keys):
+                self._bg_awaited = True
             return any(key in self._claimed for key in keys)
+
+    def background_awaited(self) -> bool:
+        """Whether a plan waits for the entries the background plan under way computes: the scheduler
+        then runs it first, whatever its share (else a request would wait at background priority)."""
+        return self._bg_awaited
 
     def lookup(self, prompt: Prompt, segments: Sequence[int], blocks: dict[int, list[Block]] | None = None,
                submitted: float | None = None, *, use_store: bool = True) -> Resolution:
@@ -443,7 +453,7 @@ class Standalone(PlanCursor):
         if self.stage == "start":
             self.t0 = time.perf_counter()
             self.cache.claim(self.keys)
-            self.claimed = True
+            self.cache._bg_keys, self.claimed = frozenset(self.keys), True
             self.stage = "passes"
             return self.run(self.cache.maker.document_passes(
                 [(self.ids, [(b.start, b.end) for b in self.blocks])], self.context))
@@ -458,6 +468,7 @@ class Standalone(PlanCursor):
     def _release(self) -> None:
         if self.claimed:
             self.claimed = False
+            self.cache._bg_keys, self.cache._bg_awaited = frozenset(), False
             self.cache.release(self.keys)
 
 
