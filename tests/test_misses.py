@@ -318,6 +318,36 @@ def test_a_plan_waiting_for_the_background_plans_entries_lifts_it_out_of_its_sha
         engine.run_exclusive(check)
 
 
+def test_a_failure_of_the_loop_releases_the_plans_claims_and_the_next_request_is_served():
+    """The scheduler's loop fails (an error out of the forward pass itself, as out of memory would)
+    while a blend computes its missing documents (their blocks claimed): the request fails with
+    the error, its plan is closed (its claims released), and the next request for the same
+    documents is served instead of waiting for a claim nobody holds."""
+    docs = DOCS + MORE[:1]
+    with make_engine(miss_policy="standalone") as engine:
+        engine.ingest(DOCS[:1])
+        prompt = engine.build_prompt(QUESTION, docs)
+        keys = [b.key for i in (2, 3) for b in engine.document_kv.segment_blocks(prompt)[i]]
+        forward, claimed = engine.runner.forward, []
+
+        def failing(items):
+            if not claimed:  # the first pass: the missing documents' (their blocks claimed)
+                claimed.append(engine.document_kv.computing(keys))
+                raise RuntimeError("out of memory (test)")
+            return forward(items)
+
+        engine.runner.forward = failing
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.generate(QUESTION, docs, mode="blend", max_new_tokens=1)
+        assert claimed == [True] and not engine.document_kv.computing(keys)
+        got: list = []  # (a claim left behind would make it wait for ever: a thread, a bounded join)
+        served = threading.Thread(target=lambda: got.append(engine.generate(QUESTION, docs, mode="blend",
+                                                                            max_new_tokens=2)), daemon=True)
+        served.start()
+        served.join(60)
+        assert got and got[0].token_ids and got[0].stats.miss.computed == len(docs) - 1
+
+
 def test_the_origin_round_trips_and_an_unknown_one_is_corrupt():
     import dataclasses
 

@@ -859,6 +859,8 @@ class Scheduler:
             waiting = list(self._waiting)
             self._waiting.clear()
         slots, self._prefilling = self._prefilling, []
+        for slot in slots:  # their claims and loaders released (a plan holds them until it ends or is closed)
+            _quietly(slot.plan.close)
         self._close_background()
         items: list[Sequence | Task] = [*waiting, *[s.item for s in slots if s.item is not None], *self._running]
         for item in items:
