@@ -219,8 +219,6 @@ class PromptPrefill(PlanCursor):
         self.prefiller, self.work = prefiller, work
 
     def _next(self, output: Any, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         pf, work = self.prefiller, self.work
         if self.stage == "start":
             prompt, mode = work.prompt, work.mode
@@ -260,8 +258,6 @@ class PrefixPrefill(PlanCursor):
         self.found: list[Placement] = []  # the longest chain of this prompt's own prefix blocks
 
     def _next(self, output: Any, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         pf, prompt = self.prefiller, self.prompt
         if self.stage == "start":
             self.stage = "calibrated"
@@ -306,6 +302,8 @@ class BlendPrefill(PlanCursor):
     computed on its own as its entry was (nothing of the store trusted); a second failure runs
     the full plan."""
 
+    handles = (LoadFailed,)  # an unreadable entry: planned again (its run's; any other stage's is raised)
+
     def __init__(self, prefiller: Prefiller, prompt: Prompt, blocks: dict[int, list[Block]] | None, ratio: float,
                  capacity: int, mode: str, selection: Selection, submitted: float | None = None,
                  split: str | None = None):
@@ -327,7 +325,7 @@ class BlendPrefill(PlanCursor):
     def _next(self, output: Any, error: BaseException | None) -> Want:
         pf = self.prefiller
         if error is not None:
-            if not (isinstance(error, LoadFailed) and self.stage == "run"):
+            if self.stage != "run":
                 raise error
             self._release()
             if self.failed is not None:  # a second failure: the full plan
@@ -432,6 +430,8 @@ class TimedRun(PlanCursor):
     unreadable entry, `LoadFailed`, is its planner's: `BlendPrefill`). Feeds the split's cost
     model."""
 
+    handles = (LoadStalled,)  # its fallback runs (a blend's unreadable entry, `LoadFailed`: raised to its planner)
+
     def __init__(self, prefiller: Prefiller, plan: FullPlan | PrefixPlan | BlendPlan | PlanCursor,
                  fallback: FullPlan | None = None):
         super().__init__()
@@ -448,7 +448,7 @@ class TimedRun(PlanCursor):
             self.stage = "run"
             return self.run(Timed(self.plan if isinstance(self.plan, PlanCursor) else pf.run(self.plan), self.clock))
         if error is not None:
-            if (self.stage != "run" or not isinstance(error, LoadStalled) or self.fallback is None
+            if (self.stage != "run" or self.fallback is None
                     or (isinstance(error, LoadFailed) and isinstance(self.plan, BlendPlan))):
                 raise error
             self.stalled, self.stage = error, "fallback"
@@ -475,8 +475,6 @@ class FullRun(PlanCursor):
         self.cache: KVCache | None = None
 
     def _next(self, output: Any, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         ids = tuple(self.plan.ids)
         if self.stage == "start":
             self.cache = self.prefiller.runner.new_cache(max(self.plan.capacity, len(ids)))
@@ -498,8 +496,6 @@ class PrefixRun(PlanCursor):
         self.cache: KVCache | None = None
 
     def _next(self, output: Any, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         pf, pp = self.prefiller, self.plan
         prompt, ids = pp.prompt, pp.prompt.token_ids
         if self.stage == "start":
@@ -531,8 +527,6 @@ class BlendRun(PlanCursor):
         self.cursor: BlendPass | None = None
 
     def _next(self, output: Any, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         pf, bp = self.prefiller, self.plan
         runner, prompt, split, sel = pf.runner, bp.prompt, bp.split, bp.selection
         plan = split.plan  # priced by the split, planned once

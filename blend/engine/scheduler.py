@@ -887,8 +887,6 @@ class Resume(PlanCursor):
         self.cache: KVCache | None = None
 
     def _next(self, output: Any, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         sched, seq = self.scheduler, self.seq
         if self.stage == "start":
             self.t0 = time.perf_counter()

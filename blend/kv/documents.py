@@ -387,8 +387,6 @@ class MissPasses(PlanCursor):
         self.computed: dict[int, list[KVEntry]] = {}
 
     def _next(self, output: Any, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         if self.stage == "passes":  # a context's documents computed (`output`: their entries)
             for indices, entries in zip(self.groups[self.group], output, strict=True):
                 for index in indices:
@@ -418,8 +416,6 @@ class Resolve(PlanCursor):
         self.resolution: Resolution | None = None
 
     def _next(self, output: Any, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         if self.stage == "misses":
             assert self.resolution is not None
             self.stage = "done"
@@ -448,8 +444,6 @@ class Standalone(PlanCursor):
         self.t0 = 0.0
 
     def _next(self, output: Any, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         if self.stage == "start":
             self.t0 = time.perf_counter()
             self.cache.claim(self.keys)
@@ -529,8 +523,6 @@ class IngestPasses(PlanCursor):
                 if seg.kind == "document" and n in self.stored_at]
 
     def _next(self, output: Any, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         if self.stage == "start":
             self._plan()
         elif self.stage == "passes":  # a pass ran (`output`: its documents' entries)

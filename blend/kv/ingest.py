@@ -184,6 +184,8 @@ class IngestPlan(PlanCursor):
     `stop` is asked before each pass: then `IngestStopped`, after the blocks stored so far are
     recorded under their ids (a delete finds them)."""
 
+    handles = (IngestStopped,)  # the documents stored so far recorded, then raised
+
     def __init__(self, ingestor: Ingestor, job: IngestJob, stop: Callable[[], bool]):
         super().__init__()
         self.ingestor, self.job, self.stop = ingestor, job, stop
@@ -195,8 +197,6 @@ class IngestPlan(PlanCursor):
         stopped: IngestStopped | None = None
         if isinstance(error, IngestStopped):
             output, stopped = error.stored, error
-        elif error is not None:
-            raise error
         kept = [d for d in self.job.documents if render_document(d)]
         keys: list[list[str]] = [[] for _ in kept]
         cached = [True] * len(kept)

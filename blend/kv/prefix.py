@@ -261,8 +261,6 @@ class DocumentPasses(PlanCursor):
         self.entries: list[list[KVEntry]] = []  # per document, in order
 
     def _next(self, output: object, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         maker, start = self.maker, len(self.context)
         if self.stage == "pass":  # the pass ran: its documents' entries cut from their caches
             for i, cache in zip(self.groups[self.group], self.caches, strict=True):
@@ -320,8 +318,6 @@ class PrefixLoad(PlanCursor):
                                   prefixes.prefetch_depth, stall_s=prefixes.stall_s)
 
     def _next(self, output: object, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         if self.n == len(self.passes):
             self.loader.close()
             self.stage = "done"

@@ -48,10 +48,13 @@ Want = Rows | list[Rows] | Cursor | _Pause | Done
 
 class PlanCursor:
     """A plan's progress as data (see the module docstring). A subclass sets `stage` and fields
-    in `__init__` and answers `_next(reply, error)`: what it does with the output of its last
-    want (its `sub`'s value when one ran) and its next want; `_release` frees what it holds."""
+    in `__init__` and answers `_next(output, error)`: what it does with the output of its last
+    want (its `sub`'s value when one ran) and its next want; `_release` frees what it holds. An
+    error of its work (or its sub-plan's) reaches `_next` when it is one of `handles` (a fallback
+    it takes); any other is raised, the plan closed."""
 
     stage = "start"
+    handles: tuple[type[BaseException], ...] = ()
 
     def __init__(self) -> None:
         self.sub: PlanCursor | None = None
@@ -87,16 +90,21 @@ class PlanCursor:
 
     def _resume(self, output: Any, error: BaseException | None) -> Want:
         if self.sub is None:
-            return self._next(output, error)
+            return self._on(output, error)
         try:
             want = self.sub.take(output, error)
-        except Exception as err:  # noqa: BLE001 - the sub-plan's failure is this plan's to handle
+        except Exception as err:  # noqa: BLE001 - the sub-plan's failure is this plan's to handle or raise
             self.sub = None
-            return self._next(None, err)
+            return self._on(None, err)
         if not isinstance(want, Done):
             return want
         self.sub = None
         return self._next(want.value, None)
+
+    def _on(self, output: Any, error: BaseException | None) -> Want:
+        if error is not None and not isinstance(error, self.handles):
+            raise error
+        return self._next(output, error)
 
     def run(self, sub: PlanCursor) -> Want:
         """Start `sub` as this plan's next part: its first want (its value at once, if it asks for nothing)."""
@@ -173,8 +181,6 @@ class Once(PlanCursor):
         self.fn = fn
 
     def _next(self, output: Any, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         return Done(self.fn())
 
 

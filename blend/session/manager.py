@@ -501,8 +501,6 @@ class TurnPrefill(PlanCursor):
         return turn_stats(self.turn.ids, source, loaded, prefill_s=time.perf_counter() - self.t0, **fields)
 
     def _next(self, output: Any, error: BaseException | None) -> Want:
-        if error is not None:
-            raise error
         if self.stage == "start":
             return self._start()
         manager, turn, ids, cache = self.manager, self.turn, self.turn.ids, self.cache
