@@ -547,7 +547,7 @@ def _by_hand(engine: BlendEngine, plan) -> tuple:
 def test_a_plan_cursor_driven_by_hand_gives_what_the_scheduler_gives(lm):
     """A blend request whose two last documents miss, its plan (a cursor: `Prefiller.plan`)
     driven by hand want after want on a second engine: its stages are data read between the
-    wants (the misses' passes, a pause, then the blend's passes), and its logits, KV and stats
+    wants (the misses' pass, then the blend's passes), and its logits, KV and stats
     equal the scheduler's run of the same request on the first engine, bit for bit."""
     from blend.engine.prefill import PromptWork
 
@@ -564,8 +564,8 @@ def test_a_plan_cursor_driven_by_hand_gives_what_the_scheduler_gives(lm):
                 got.append((engine.prefill(prompt, mode="blend", ratio=0.3), None))
     (scheduled, _), (pre, seen) = got
     blend = [next(s for s in stages if s.startswith("BlendPrefill:")) for _, stages in seen]
-    assert [kind for kind, _ in seen] == ["list", "_Pause", "BlendPass"]  # the misses' pass, a pause, the blend
-    assert blend == ["BlendPrefill:misses", "BlendPrefill:split", "BlendPrefill:run"]
+    assert [kind for kind, _ in seen] == ["list", "BlendPass"]  # the misses' pass, then the blend
+    assert blend == ["BlendPrefill:misses", "BlendPrefill:run"]
     assert "DocumentPasses:pass" in seen[0][1] and seen[-1][1][-1] == "BlendRun:passes"
     assert torch.equal(pre.logits, scheduled.logits)
     n = len(prompt)

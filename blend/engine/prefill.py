@@ -18,7 +18,7 @@ is data (`stage`, the fields it has made, the `sub` plan it runs first), `want` 
 of the next step (`Rows`, a list of them, a model-work cursor, a pause) and `take` hands it the
 step's output and plans to its next want; its last want is `Done(Prefilled)`. The cursors, by
 stage: `PromptPrefill` (the mode's plan, then teacher forcing), `BlendPrefill` (claims ->
-calibrated -> misses -> split -> run), `PrefixPrefill` (calibrated -> resolved -> run), and the
+calibrated -> misses -> run), `PrefixPrefill` (calibrated -> resolved -> run), and the
 runs of the three plans (`FullRun`, `PrefixRun`, `BlendRun`) each inside a `TimedRun`. A load
 that stalls (a tier too slow to wait for, now suspended; raised in the plan or handed to it by
 the executor) runs the plan's `FullPlan` of the same tokens instead, in one place (`TimedRun`);
@@ -294,7 +294,7 @@ class BlendPrefill(PlanCursor):
         calibrated  the split's cost model calibrated once (a pause of its own);
         misses      its misses priced (blend.planning.misses): a harvest runs one full prefill and
                     cuts the missing documents out of it (`harvest`); else the standalone ones
-                    are computed as its wants (`MissPasses`, timed on their own), then a pause;
+                    are computed as its wants (`MissPasses`, timed on their own);
         run         placements, the load-or-compute split (which returns the recompute plan it
                     priced) and the `BlendPlan` run (`TimedRun`).
 
@@ -349,10 +349,7 @@ class BlendPrefill(PlanCursor):
         if self.stage == "misses":  # their entries, by index into the resolution
             assert self.clock is not None
             self.computed, self.report = output, self.report.replace(compute_s=self.clock.own_s)
-            self.stage = "split"
-            return PAUSE
-        if self.stage == "split":
-            return self._split()
+            return self._split()  # (under a millisecond: in the same advance, not a step later)
         if self.stage == "fallback":
             assert self.failed is not None
             output.stats = output.stats.replace(stalled_tiers=self.failed.tiers)
