@@ -113,6 +113,51 @@ def test_the_decode_layer_in_bfloat16_is_as_close_to_float32_as_the_torch_ops():
     assert native_kl <= ops_kl + 5e-4, (native_kl, ops_kl)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_step_of_decode_rows_in_one_call_gives_the_layer_by_layer_bits(batch):
+    """bfloat16 `weights: auto`: a step of decode rows only runs every layer in one native call
+    (`DecodeStack`); 12 greedy steps of `batch` sequences (one with a stale-key bias) give the same
+    tokens, logits and K/V bit for bit as the same layers called one at a time from the layer loop."""
+    _packed_or_skip()
+    runner = Runner(load_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16", weights="auto"))
+    assert runner.decode_stack is not None
+    prompts = ["Write a short poem about the sea.", "Paris is the capital of", "Two plus two is"][:batch]
+    runs, calls = [], []
+    saved = runner.decode_stack
+    call = saved._call
+    for stacked in (True, False):
+        runner.decode_stack = saved if stacked else None
+        calls.clear()
+        if stacked:  # count the stack's calls
+            saved._call = lambda *a: calls.append(1) or call(*a)
+        try:
+            caches, tokens = [], []
+            for i, text in enumerate(prompts):
+                ids = torch.tensor(runner.lm.tokenizer(text, add_special_tokens=True).input_ids)
+                cache = runner.new_cache(len(ids) + 12)
+                tokens.append(int(runner.prefill(ids, cache)[0].argmax()))
+                if i == 0:
+                    cache.set_bias(3, torch.tensor([1, 2]), torch.full((runner.kv_heads,), -0.5))
+                caches.append(cache)
+            logits = []
+            for _ in range(12):
+                out = runner.decode_step(tokens, caches)  # (B, vocab)
+                logits.append(out.float())
+                tokens = [int(x.argmax()) for x in out]
+        finally:
+            runner.decode_stack = saved
+            if stacked:
+                saved._call = call
+        assert (len(calls) == 12) == stacked
+        runs.append((logits, caches))
+    (a, ca), (b, cb) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    for c1, c2 in zip(ca, cb, strict=True):
+        n = c1.length
+        assert all(torch.equal(c1.k[i][:, :n], c2.k[i][:, :n]) and torch.equal(c1.v[i][:, :n], c2.v[i][:, :n])
+                   for i in range(runner.num_layers))
+
+
 def test_which_layers_run_natively():
     """Dequantized weights (no blocks), Gemma 3's sandwich norms: no decode layer; a policy turned to
     `dequantized` after the runner is built turns it off, and decode rows in a step beside a prefill

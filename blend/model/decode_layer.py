@@ -115,3 +115,66 @@ class DecodeLayer:
         if done != 0:
             raise RuntimeError(f"the native decode layer failed ({done}) on {b} rows at layer {layer}")
         return out
+
+
+class DecodeStack:
+    """Every layer's `DecodeLayer` one after the other in one native call (`kvb_qdecode_layers`), for a
+    step of decode rows only: the same bits as the layers' calls in turn, without Python between them
+    (at batch 1 on SmolLM2 the thirty calls' Python was ~0.4 ms of a ~6 ms step)."""
+
+    def __init__(self, layers: Sequence[DecodeLayer]):
+        self.layers = tuple(layers)
+        first = self.layers[0]
+        self.dtype, self.hidden = first.dtype, first.hidden
+        self.records = torch.tensor([dl.table.data_ptr() for dl in self.layers], dtype=torch.int64)  # (L,)
+        # (L, 3) float32: each layer's eps (two) and scaling, as the per-layer call passes them (c_float)
+        self.params = torch.tensor([(dl.eps[0], dl.eps[1], dl.scaling) for dl in self.layers], dtype=torch.float32)
+        self._call = quant_kernel().kvb_qdecode_layers
+
+    @classmethod
+    def build(cls, layers: Sequence[DecodeLayer | None]) -> DecodeStack | None:
+        """The stack of a model whose every layer has a `DecodeLayer` of one dtype (else None)."""
+        if not layers or any(dl is None for dl in layers):
+            return None
+        if len({(dl.dtype, dl.hidden) for dl in layers}) != 1 or quant_kernel() is None:
+            return None
+        if not hasattr(quant_kernel(), "kvb_qdecode_layers"):
+            return None
+        return cls(layers)
+
+    def on(self) -> bool:
+        """Whether every layer's products still read the blocks (`DecodeLayer.on`)."""
+        return all(dl.on() for dl in self.layers)
+
+    def takes(self, cache: KVCache) -> bool:
+        """Whether a decode row on `cache` can run every layer here (`DecodeLayer.takes`)."""
+        return all(dl.takes(cache, layer) for layer, dl in enumerate(self.layers))
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 rows: Sequence[tuple[KVCache, int]]) -> torch.Tensor:
+        """Decode rows h (B, hidden) at their RoPE rows cos, sin_signed (B, D), each row b on cache
+        rows[b][0] at position rows[b][1] (`takes`), through every layer: their K/V written at each,
+        the last layer's output (B, hidden) returned."""
+        b, n = h.shape[0], len(self.layers)
+        if h.stride(-1) != 1:
+            h = h.contiguous()
+        if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+            cos, sin = cos.contiguous(), sin.contiguous()
+        per_row = []  # each row's ROW_FIELDS values at every layer
+        for cache, pos in rows:
+            ks, vs = cache.k, cache.v
+            bias = cache.bias
+            per_row.append([(pos, 0, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                             bias[i].data_ptr() if bias is not None else 0,
+                             bias[i].stride(0) if bias is not None else 0)
+                            for i, (k, v) in enumerate(zip(ks, vs, strict=True))])
+        drows = torch.tensor([per_row[r][layer] for layer in range(n) for r in range(b)],
+                             dtype=torch.int64)  # (L * B, ROW_FIELDS): layer-major
+        work = torch.empty((2, b, self.hidden), dtype=self.dtype)
+        out = torch.empty((b, self.hidden), dtype=self.dtype)
+        done = self._call(KINDS[self.dtype], b, n, self.records.data_ptr(), self.params.data_ptr(), h.data_ptr(),
+                          h.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), drows.data_ptr(),
+                          work.data_ptr(), out.data_ptr(), out.stride(0))
+        if done != 0:
+            raise RuntimeError(f"the native decode layers failed ({done}) on {b} rows")
+        return out

@@ -115,6 +115,8 @@ QUANT = KernelSpec("quantized product kernel", KERNEL_DIR / "quant_matmul.c", (
     ("kvb_qpack_path", ()),
     ("kvb_qdecode_layer", (_INT, _LONG, _PTR, ctypes.c_float, ctypes.c_float, ctypes.c_float,  # kind..scaling
                            _PTR, _LONG, _PTR, _PTR, _LONG, _PTR, _PTR, _LONG)),  # h, rope, rows, out
+    ("kvb_qdecode_layers", (_INT, _LONG, _LONG, _PTR, _PTR,  # kind, rows, layers: records, params
+                            _PTR, _LONG, _PTR, _PTR, _LONG, _PTR, _PTR, _PTR, _LONG)),  # h, rope, rows, work, out
 ))
 SOURCE = DECODE.source
 

@@ -62,7 +62,7 @@ from blend.model.attention import (
     window_plan,
 )
 from blend.model.cache import KVCache
-from blend.model.decode_layer import DecodeLayer
+from blend.model.decode_layer import DecodeLayer, DecodeStack
 from blend.model.loading import LoadedModel, cpu_flags
 from blend.model.mkl import warn_unless_strict
 from blend.model.native import (
@@ -480,6 +480,8 @@ class Runner:
                               window=self.windows[i], sandwich=self.sandwich, qk_norm=self.qk_norm)
             if self.projections is not None and self.device.type == "cpu" else None
             for i in range(self.num_layers))
+        # a step of decode rows only, every layer such a layer: all of them in one native call
+        self.decode_stack = DecodeStack.build(self.decode_layers)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # decode's cos/sin (P, D) by position
         # CPU: the native kernels, built (once per machine) or loaded now, not inside the first request;
         # `native_blend`: query rows other than a plain causal block go through the blend kernel
@@ -947,6 +949,14 @@ class Runner:
                         if len(refused) < len(items) else ())
             return [Output(torch.empty(0, dtype=torch.long), error=refused[i]) if i in refused else next(outs)
                     for i in range(len(items))]
+        if self._stacked(work):  # decode rows only, through every layer: one native call
+            for w in work:
+                w.enter(self)
+            hd = self.decode_stack(_joined([w.h for w in work]), _joined([w.cos for w in work]),
+                                   _joined([w.sin for w in work]), [(w.cache, w.start) for w in work])
+            for i, w in enumerate(work):
+                w.h = hd[i:i + 1]
+            return self._outputs(work)
         members: list[_Item] = []  # the items whose rows make up `h` (in step order)
         h = cos = sin = torch.empty(0)
         order = sorted(work, key=lambda w: not w.decode)  # decode rows first: the linear layers' `lead`
@@ -982,6 +992,15 @@ class Runner:
             if not same:
                 members = []  # rows dropped or failed: gathered again next layer
         return self._outputs(work)
+
+    def _stacked(self, work: list[_Item]) -> bool:
+        """Whether the step is decode rows only, each through every layer with nothing to wait for,
+        on caches every `DecodeLayer` takes: then `DecodeStack` runs them, the same bits as the layer
+        loop's native call at each layer."""
+        stack = self.decode_stack
+        return (stack is not None and stack.layers == self.decode_layers and all(w.decode and w.first == 0 and w.end == self.num_layers
+                                          and w.loads is None and w.needs is None for w in work)
+                and stack.on() and all(stack.takes(w.cache) for w in work))
 
     def _layer(self, layer: int, live: list[_Item], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                lead: int) -> tuple[torch.Tensor, bool]:

@@ -1266,3 +1266,31 @@ done:
     free(arena);
     return rc;
 }
+
+/* A step's decode rows through layers 0..n-1 in one call: each layer `kvb_qdecode_layer` with its own
+ * record (layers[l], a pointer), its eps and scaling (params[3 l .. 3 l + 2]) and its row table
+ * (drows + l * rows * 10: each row's K/V of that layer), its output the next layer's input (the two
+ * (rows, hidden) halves of `work` in turn), the last layer's into out. The bits of n calls one after
+ * the other, without a return to the caller between them. */
+int kvb_qdecode_layers(int kind, long rows, long n, const int64_t *layers, const float *params, const void *h,
+                       long h_stride, const void *cos, const void *sin, long rope_stride, const int64_t *drows,
+                       void *work, void *out, long out_stride) {
+    if (n < 1 || rows < 1 || (kind != KIND_F32 && kind != KIND_BF16)) return -1;
+    const size_t es = kind == KIND_F32 ? 4 : 2;
+    const long hid = ((const kvb_layer *)(intptr_t)layers[0])->hidden;
+    const void *in = h;
+    long in_stride = h_stride;
+    for (long l = 0; l < n; l++) {
+        const int last = l == n - 1;
+        void *dst = last ? out : (char *)work + (size_t)(l % 2) * rows * hid * es;
+        const long dst_stride = last ? out_stride : hid;
+        const int rc = kvb_qdecode_layer(kind, rows, (const int64_t *)(intptr_t)layers[l], params[3 * l],
+                                         params[3 * l + 1], params[3 * l + 2], in, in_stride, cos, sin, rope_stride,
+                                         drows + (size_t)l * rows * (sizeof(kvb_drow) / sizeof(int64_t)), dst,
+                                         dst_stride);
+        if (rc) return rc;
+        in = dst;
+        in_stride = dst_stride;
+    }
+    return 0;
+}
