@@ -275,7 +275,7 @@ class PrefixPrefill(PlanCursor):
             if exact_len > chain_len and pf.documents.maker.kv_dtype == pf.prefixes.maker.kv_dtype:
                 self.stage = "resolved"
                 return self.run(pf.documents.resolve_plan(prompt, [s for s in exact if s.end <= limit], self.tally,
-                                                           raw_only=True))
+                                                          raw_only=True))
             self.stage, output = "resolved", None
         if self.stage == "resolved":  # `output`: the exact segments' placements (None: prefix blocks)
             plan = pf._plan_prefix(prompt, self.capacity, self.split, self.found, output, self.tally)
@@ -499,7 +499,7 @@ class PrefixRun(PlanCursor):
             self.cache = pf.runner.new_cache(pp.capacity)
             self.stage = "load"
             return self.run(pf.prefixes.prefill_plan(ids, list(pp.chain), self.cache, computed=pp.computed,
-                                                      boundary=pp.boundary))
+                                                     boundary=pp.boundary))
         assert self.cache is not None
         logits, load = output
         end = max((pl.start + pl.length for pl in pp.chain), default=0)

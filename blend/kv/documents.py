@@ -191,16 +191,21 @@ class DocumentCache:
             while len(self._computed_at) > COMPUTED_KEYS_KEPT:
                 self._computed_at.popitem(last=False)
 
-    def claim(self, keys: Sequence[str]) -> None:
-        """A plan computes these blocks (its misses) until `release`: another plan that needs any
-        of them waits for their entries rather than computing them a second time (`computing`)."""
+    def claim(self, keys: Sequence[str], *, background: bool = False) -> None:
+        """A plan computes these blocks (its misses; `background`: the background plan's rewrite)
+        until `release`: another plan that needs any of them waits for their entries rather than
+        computing them a second time (`computing`)."""
         with self._computed_lock:
+            if background:
+                self._bg_keys = frozenset(keys)
             for key in keys:
                 self._claimed[key] = self._claimed.get(key, 0) + 1
 
-    def release(self, keys: Sequence[str]) -> None:
+    def release(self, keys: Sequence[str], *, background: bool = False) -> None:
         """The blocks a plan claimed are computed and queued for the store (or it ended)."""
         with self._computed_lock:
+            if background:
+                self._bg_keys, self._bg_awaited = frozenset(), False
             for key in keys:
                 left = self._claimed.get(key, 0) - 1
                 if left > 0:
@@ -355,7 +360,7 @@ class DocumentCache:
         return placements
 
     def resolve_plan(self, prompt: Prompt, segments: Sequence[Segment], tally: LookupTally, *,
-                      raw_only: bool = False) -> Resolve:
+                     raw_only: bool = False) -> Resolve:
         """Placements of every block of `segments`, in prompt order, as a plan (`Resolve`)."""
         return Resolve(self, prompt, segments, tally, raw_only)
 
@@ -446,8 +451,8 @@ class Standalone(PlanCursor):
     def _next(self, output: Any, error: BaseException | None) -> Want:
         if self.stage == "start":
             self.t0 = time.perf_counter()
-            self.cache.claim(self.keys)
-            self.cache._bg_keys, self.claimed = frozenset(self.keys), True
+            self.cache.claim(self.keys, background=True)
+            self.claimed = True
             self.stage = "passes"
             return self.run(self.cache.maker.document_passes(
                 [(self.ids, [(b.start, b.end) for b in self.blocks])], self.context))
@@ -462,8 +467,7 @@ class Standalone(PlanCursor):
     def _release(self) -> None:
         if self.claimed:
             self.claimed = False
-            self.cache._bg_keys, self.cache._bg_awaited = frozenset(), False
-            self.cache.release(self.keys)
+            self.cache.release(self.keys, background=True)
 
 
 class IngestPasses(PlanCursor):

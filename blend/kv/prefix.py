@@ -237,7 +237,7 @@ class PrefixCache:
         return limit - limit % self.block_tokens
 
     def prefill_plan(self, token_ids: Sequence[int], chain: list[Placement], cache: KVCache, computed: int = 0, *,
-                      boundary: int = 0) -> PrefixLoad:
+                     boundary: int = 0) -> PrefixLoad:
         """Load `chain` (an exact cached prefix) layer by layer while computing the rest, as a plan
         (`PrefixLoad`) whose value is the last position's logits (vocab,) and the loader's report."""
         return PrefixLoad(self, token_ids, chain, cache, computed, boundary)
