@@ -197,13 +197,14 @@ def test_schedule_decides_from_plain_data(lm):
     newest sequence. It changes nothing itself: the same answer twice, no cache grown, nobody
     parked, nothing started."""
     from blend.engine.scheduler import Step, _Slot
+    from blend.model.plan import Once
     from blend.model.runner import RowsCursor
 
     with make_engine(lm, prefill_chunk_tokens=5) as engine:
         sched, runner = engine.scheduler, engine.runner
         layers = runner.num_layers
         assert sched.schedule() == Step(budget=5 * layers)  # idle
-        slot = _Slot(None, iter(()))
+        slot = _Slot(None, Once(lambda: None))
         slot.cursor = RowsCursor(Rows(torch.arange(12), runner.new_cache(12), 0), 5)
         sched._prefilling = [slot]
         assert sched.schedule() == Step(plans=(slot,), budget=None)  # a plan alone: nothing to share the step with
@@ -284,6 +285,7 @@ def test_while_sequences_decode_a_step_holds_plans_work_for_its_time(lm):
     none without decode rows or with `step_stretch: None`; `_run_step` asks each plan for at most
     the row-layers of its kind that fit the time left (and `prefill_chunk_tokens` x layers)."""
     from blend.engine.scheduler import _Slot
+    from blend.model.plan import Once
 
     class Asked:  # a cursor that records the budgets it is asked for and wants nothing
         phase = "recompute"
@@ -308,7 +310,7 @@ def test_while_sequences_decode_a_step_holds_plans_work_for_its_time(lm):
             seq.cache = engine.runner.new_cache(8)
             seq.cache.length = 4
         cursor = Asked()
-        slot = _Slot(None, iter(()))
+        slot = _Slot(None, Once(lambda: None))
         slot.cursor = cursor
         sched._prefilling, sched._running = [slot], []
         sched.pace.observe(2, {}, 0.030)
