@@ -120,7 +120,7 @@ class DecodeLayer:
 class DecodeStack:
     """Every layer's `DecodeLayer` one after the other in one native call (`kvb_qdecode_layers`), for a
     step of decode rows only: the same bits as the layers' calls in turn, without Python between them
-    (at batch 1 on SmolLM2 the thirty calls' Python was ~0.4 ms of a ~6 ms step)."""
+    (at batch 1 on SmolLM2, 1,024 positions, 2 cores: 5.2 against 5.8 ms a step, the two alternating)."""
 
     def __init__(self, layers: Sequence[DecodeLayer]):
         self.layers = tuple(layers)
@@ -133,12 +133,9 @@ class DecodeStack:
 
     @classmethod
     def build(cls, layers: Sequence[DecodeLayer | None]) -> DecodeStack | None:
-        """The stack of a model whose every layer has a `DecodeLayer` of one dtype (else None)."""
-        if not layers or any(dl is None for dl in layers):
-            return None
-        if len({(dl.dtype, dl.hidden) for dl in layers}) != 1 or quant_kernel() is None:
-            return None
-        if not hasattr(quant_kernel(), "kvb_qdecode_layers"):
+        """The stack of a model whose every layer has a `DecodeLayer` of one dtype (else None). (A
+        `DecodeLayer` exists only where the kernel library loaded, every function of it bound.)"""
+        if not layers or any(dl is None for dl in layers) or len({(dl.dtype, dl.hidden) for dl in layers}) != 1:
             return None
         return cls(layers)
 
