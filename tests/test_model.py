@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -96,3 +99,84 @@ def test_unavailable_device_names_the_fix():
             resolve_device("cuda:99")
     with pytest.raises(ValueError, match="unknown device 'gpu0'.*use 'auto', 'cpu'"):
         resolve_device("gpu0")
+
+
+def _small_gguf(path) -> None:
+    """A GGUF file with every kind of field a model's metadata has: scalars, strings, arrays of
+    strings (one empty string among them), of numbers, an empty array, and two tensors."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("test.count", 7)
+    writer.add_float32("test.eps", 1e-5)
+    writer.add_bool("test.flag", True)
+    writer.add_string("test.name", "kvblend ✓")
+    writer.add_array("test.tokens", ["<s>", "", "▁the", "ü", "a" * 300])
+    writer.add_array("test.scores", [0.5, -1.25, 3.0])
+    writer.add_array("test.types", [1, 2, 3, 4])
+    writer.add_array("test.empty", [])
+    writer.add_tensor("a.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.add_tensor("b.weight", np.ones((2, 2), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_the_fast_gguf_reader_reads_what_the_gguf_package_reads(tmp_path):
+    """`_fast_reader` (the reader a conversion parses with) gives the same fields, parts, types and
+    tensors as the gguf package's reader, on a small file with every kind of field and on the
+    shipped model's file."""
+    import gguf
+    import numpy as np
+
+    from blend.model.loading import _fast_reader
+
+    _small_gguf(tmp_path / "small.gguf")
+    files = [tmp_path / "small.gguf"]
+    if importlib.util.find_spec(ALIASES["smollm2-135m-instruct"].module) is not None:
+        directory, name = resolve_model("smollm2-135m-instruct")
+        files.append(Path(directory) / name)
+    fast = _fast_reader(gguf.GGUFReader)
+    assert fast is not gguf.GGUFReader
+    for file in files:
+        slow, quick = gguf.GGUFReader(file), fast(file)
+        assert list(slow.fields) == list(quick.fields)
+        for name, a in slow.fields.items():
+            b = quick.fields[name]
+            assert (a.offset, a.data, a.types, len(a.parts)) == (b.offset, b.data, b.types, len(b.parts)), name
+            assert all(x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
+                       for x, y in zip(a.parts, b.parts, strict=True)), name
+            assert a.contents() == b.contents(), name
+        assert [(t.name, t.tensor_type, t.data.dtype, t.data.shape) for t in slow.tensors] == \
+            [(t.name, t.tensor_type, t.data.dtype, t.data.shape) for t in quick.tensors]
+        assert all(np.array_equal(x.data, y.data) for x, y in zip(slow.tensors, quick.tensors, strict=True))
+    assert gguf.GGUFReader(files[0]).fields["test.tokens"].contents() == ["<s>", "", "▁the", "ü", "a" * 300]
+
+
+def test_inside_a_conversion_transformers_parses_a_gguf_s_metadata_once_and_each_caller_gets_its_own(tmp_path):
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    from blend.model import loading
+
+    _small_gguf(tmp_path / "small.gguf")
+    calls = []
+    original = hf_gguf.load_gguf_checkpoint
+
+    def counted(path, return_tensors=False, model_to_load=None, **kwargs):
+        calls.append(return_tensors)
+        return {"config": {"n": 1}, "tokenizer": {"tokens": ["a", "b"]}, "path": str(path)}
+
+    hf_gguf.load_gguf_checkpoint = counted
+    try:
+        with loading._gguf_read_once():
+            first = hf_gguf.load_gguf_checkpoint(str(tmp_path / "small.gguf"), return_tensors=False)
+            first["tokenizer"]["tokens"].append("changed by its caller")
+            second = hf_gguf.load_gguf_checkpoint(str(tmp_path / "small.gguf"))
+            hf_gguf.load_gguf_checkpoint(str(tmp_path / "small.gguf"), return_tensors=True)
+        assert hf_gguf.load_gguf_checkpoint is counted  # put back when the block ends
+        assert calls == [False, True]  # the metadata once; tensors are read as asked
+        assert second["tokenizer"]["tokens"] == ["a", "b"]
+    finally:
+        hf_gguf.load_gguf_checkpoint = original
