@@ -225,9 +225,10 @@ def stale_key_bias(query_q: torch.Tensor, fresh_k: torch.Tensor, stale_k: torch.
         return torch.zeros(kv_heads, dtype=torch.float32, device=fresh_k.device)
     heads, tq, _ = query_q.shape
     qg = query_q.float().reshape(kv_heads, (heads // kv_heads) * tq, d)  # (Hkv, g*Q, D)
-    fresh = torch.logsumexp(qg @ fresh_k.float().transpose(1, 2) * scale, dim=-1)  # (Hkv, g*Q)
-    stale = torch.logsumexp(qg @ stale_k.float().transpose(1, 2) * scale, dim=-1)
-    return (stale - fresh).mean(dim=-1)
+    keys = torch.cat((fresh_k, stale_k), dim=1).float()  # (Hkv, 2S, D): both sets' scores in one product
+    scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(scale)  # (Hkv, g*Q, 2S)
+    lse = torch.logsumexp(scores.view(kv_heads, -1, 2, s), dim=-1)  # (Hkv, g*Q, 2): fresh, stale
+    return (lse[..., 1] - lse[..., 0]).mean(dim=-1)
 
 
 class QueryAttention:
