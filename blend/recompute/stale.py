@@ -56,8 +56,6 @@ class StaleKeys:
         self.rows = _EMPTY  # (S,) stale rows, host
         self.rows_dev = _EMPTY.to(device)
         self._rotation: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE kind: cos, sin (S, D) of the stale rows
-        # per RoPE kind: the last recomputed rows (R,) and their cos, sin (R, D)
-        self._recomputed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._means: list[torch.Tensor | None] = []  # per layer: the mean bias over heads (None: none set)
 
     def update(self, active: torch.Tensor) -> None:
@@ -89,7 +87,7 @@ class StaleKeys:
                loaded_k: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
         """Add the recomputed rows' mean K/V offset to the stale rows of `layer`; returns the
         recomputed rows' loaded keys with the same offset (Hkv, S, D), for the bias."""
-        cos, sin = self._rotation_of(runner, recomputed, layer)  # (S, D) float32: R(p) of each recomputed row
+        cos, sin = runner.rotation(recomputed, layer)  # (S, D) float32: R(p) of each recomputed row (this layer's RoPE)
         # R(p) k_fresh - R(p) k_loaded, turned back by R(-p): cos(-x) = cos x, sin(-x) = -sin x
         dk = apply_rope(fresh_k.float() - loaded_k.float(), cos, -sin).mean(dim=1, keepdim=True)  # (Hkv, 1, D)
         dv = (fresh_v.float() - cache.v[layer][:, recomputed].float()).mean(dim=1, keepdim=True)  # (Hkv, 1, D)
@@ -104,17 +102,6 @@ class StaleKeys:
             keys[:, st] += _at_positions(dk, st_cos, st_sin).to(keys.dtype)
             values[:, st] += dv.to(values.dtype)
         return loaded_k + _at_positions(dk, cos, sin).to(loaded_k.dtype)
-
-    def _rotation_of(self, runner: Runner, rows: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (S, D) of `layer`'s RoPE at positions `rows` (S,): the recomputed rows are the
-        same from layer to layer until a check layer narrows them, so the last ones are kept."""
-        kind = runner.layer_rope[layer]
-        kept = self._recomputed.get(kind)
-        if kept is not None and kept[0].shape == rows.shape and torch.equal(kept[0], rows):
-            return kept[1], kept[2]
-        cos, sin = runner.rotation(rows, layer)
-        self._recomputed[kind] = (rows, cos, sin)
-        return cos, sin
 
     def skip(self) -> None:
         """A layer with nothing to correct."""
