@@ -42,10 +42,15 @@ def kernel_home(tmp_path_factory):
 def fresh_kernel(monkeypatch, kernel_home):
     """The switch and the build read afresh, built under the module's temporary KVBLEND_HOME."""
     monkeypatch.setenv("KVBLEND_HOME", str(kernel_home))
-    decode_kernel.cache_clear()
-    native._load.cache_clear()
+    _clear()
     yield
+    _clear()
+
+
+def _clear() -> None:
+    """The kernels loaded afresh (another module's test may have loaded them from its own home)."""
     decode_kernel.cache_clear()
+    native.blend_kernel.cache_clear()
     native._load.cache_clear()
 
 
@@ -229,7 +234,6 @@ def test_a_forged_library_with_a_matching_record_is_rebuilt_and_the_rebuild_runs
     sets it aside, rebuilds it and runs on the rebuild (a process that had loaded a library
     from a path gets that handle back for the path: the rebuild is opened under a new name),
     the next run loads the rebuild as it is."""
-    native.blend_kernel.cache_clear()  # (another module's test may have loaded it from its own home)
     assert decode_kernel() is not None and native.blend_kernel() is not None  # built once in the module's home
     for spec in (native.DECODE, native.BLEND):  # ... and copied as a build leaves them: the first run loads them
         built = native._library_path(native._compiler(), native._torch_libgomp(), spec)

@@ -545,13 +545,11 @@ def _fast_reader(base: type) -> type:
                 plain = self._plain
                 order = "=" if self.byte_order == "I" else (">" if sys.byteorder == "little" else "<")
                 u64 = np.dtype(np.uint64).newbyteorder(self.byte_order)
-                u8 = np.dtype(np.uint8).newbyteorder(self.byte_order)
-                raw = plain.data if plain.flags.c_contiguous else bytes(plain)
                 length = struct.Struct(order + "Q").unpack_from
                 for _ in range(n):
-                    size = length(raw, offs)[0]
+                    size = length(plain.data, offs)[0]  # (a 1-D view of the map: contiguous)
                     parts.append(plain[offs:offs + 8].view(u64))
-                    parts.append(plain[offs + 8:offs + 8 + size].view(u8))
+                    parts.append(plain[offs + 8:offs + 8 + size])  # uint8 already
                     idxs.append(len(parts) - 1)
                     offs += 8 + size
             return offs - orig_offs, parts, idxs, [GGUFValueType.ARRAY] + ([itype] if n else [])
