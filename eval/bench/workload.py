@@ -37,6 +37,13 @@ time and `engine.scheduler.background_share` of busy time; `background_steps` of
 for their standalone recompute, or dropped from its queue), beside `write_s` (seconds the store's writer spent encoding and
 writing, per tier) and `bytes_written`.
 
+Reading TTFT in a closed loop: each client's cycle is its request's TTFT (queue included) then
+the rest of its answer (`after_first_token_mean_s`), so on a busy engine TTFT mean +
+after_first_token_mean ~ clients / requests_per_s. A mode whose answers finish sooner after their
+first token sends its next request sooner and waits longer for it: at the same requests/s its TTFT
+mean rises. Compare modes' `requests_per_s` (the work per request) beside their TTFT; an open loop
+(`rate`) has no such coupling.
+
 `EngineGate` counts the requests submitted and can also hold them to one at a time in arrival order
 (`SERIALIZE = True`: the engine as it was before its scheduler, for a comparison).
 
@@ -404,6 +411,7 @@ def summarize_run(trace: RunTrace, *, mode: str, codec: str, ratio: float | None
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
         "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
         "e2e_p50_s": percentile(e2es, 0.5), "e2e_p99_s": percentile(e2es, 0.99),
+        "after_first_token_mean_s": statistics.fmean(e - t for e, t in zip(e2es, ttfts, strict=True)) if done else None,
         "engine_ttft_mean_s": statistics.fmean(r.engine_ttft_s for r in done) if done else None,
         "queue_wait_mean_s": statistics.fmean(r.start - r.arrival for r in done) if done else None,
         "requests_per_s": len(done) / trace.wall_s if trace.wall_s > 0 else None,
