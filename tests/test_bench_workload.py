@@ -146,6 +146,7 @@ def test_a_workload_run_adds_up_shows_its_cold_start_and_repeats_for_a_seed(tmp_
         assert len(row["ttft_samples_s"]) == 14 and row["ttft_p50_s"] <= row["ttft_p99_s"]
         assert row["e2e_p50_s"] >= row["ttft_p50_s"] > 0 and row["requests_per_s"] > 0
         # one client: its requests follow each other, so a cycle (TTFT, then the rest of the answer) fits the wall
+        assert row["probe_gflops"] > 0  # the machine's speed as this pass began
         assert 0 <= row["after_first_token_mean_s"] and row["ttft_mean_s"] + row["after_first_token_mean_s"] <= 1 / row["requests_per_s"]
         assert row["queue_depth_series"]
     for codec in ("none", "int4"):

@@ -92,15 +92,18 @@ PROBE_SHAPE = (1024, 576, 1536)  # rows, in, out of the probe's float32 matrix p
 PROBE_S = 0.6  # seconds the probe runs each time
 
 
-def probe_gflops(seconds: float = PROBE_S) -> float:
+def probe_gflops(seconds: float = PROBE_S, *, engine: Any = None) -> float:
     """This machine's float32 matrix-product rate on the CPU (GFLOP/s) with torch's threads:
     after a warm-up of a third of `seconds` (thread start-up, clock ramp), the best of five
     windows over the rest, so one descheduled moment does not decide it. The same figure on
     two days means the same compute speed. Runs in a thread of its own that ends with it: an
     OpenMP pool left on the caller's thread would slow the engine measured next (see
-    BlendEngine.run_exclusive)."""
+    BlendEngine.run_exclusive). With an open `engine`, on its scheduler's thread between two
+    steps instead: its background work then waits rather than sharing the cores with the probe."""
     from blend.model.loading import in_own_thread
 
+    if engine is not None:
+        return engine.run_exclusive(lambda: _probe(seconds), "cpu-probe")
     return in_own_thread(lambda: _probe(seconds), "kvblend-cpu-probe")
 
 

@@ -50,7 +50,11 @@ mean rises. Compare modes' `requests_per_s` (the work per request) beside their 
 Hygiene (`eval.bench.common`): the load average is watched from start to end, and a CPU probe (a
 fixed float32 matrix product) is timed at both ends (`probe_gflops_start` / `_end`; `unsteady` when
 it moved by more than 25%): the modes run one after the other, so a machine that changed speed
-between them skews their ratio.
+between them skews their ratio. Each results row also has the probe's rate just before its pass
+(`probe_gflops`): on a VM that slows under sustained load (seen: 189 -> 136 GFLOP/s over one run),
+the later modes ran on a slower machine, and the rows say by how much. (The modes cannot take
+turns pass by pass: two engines open at once keep two OpenMP pools, more threads than 2 cores,
+which slows the one running; `blend.model.loading.in_own_thread`.)
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.bench.common import LoadWatch, Steadiness
+from eval.bench.common import LoadWatch, Steadiness, probe_gflops
 from eval.results import save_figure, write_file
 
 log = logging.getLogger(__name__)
@@ -560,6 +564,7 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
                     metrics = engine.scheduler.metrics
                     idle_before = (metrics.background_steps, metrics.background_s)
                     for pass_ in range(1, settings.passes + 1):
+                        probe = probe_gflops(engine=engine)  # this pass's machine speed (modes and passes run in turn)
                         trace = run_stream(engine, stream, mode=mode, ratio=settings.ratio,
                                            max_new_tokens=settings.max_new_tokens, clients=settings.clients,
                                            references=references)
@@ -573,13 +578,14 @@ def run_workload(settings: WorkloadSettings, config: Any, *, lm: Any = None,
                                             background=(metrics.background_steps - idle_before[0],
                                                         metrics.background_s - idle_before[1]),
                                             harvested_left=engine.document_kv.background.left)
+                        row["probe_gflops"] = probe
                         before, idle_before = after, (metrics.background_steps, metrics.background_s)
                         rows.append(row)
                         log_line(f"{mode:>6} {row['codec']:<10} pass {pass_} hit rate {_fmt(row['hit_rate'])}  TTFT "
                                  f"mean {_fmt(row['ttft_mean_s'], 's')} p50 {_fmt(row['ttft_p50_s'], 's')} p99 "
                                  f"{_fmt(row['ttft_p99_s'], 's')}  e2e p50 {_fmt(row['e2e_p50_s'], 's')}  "
                                  f"{_fmt(row['requests_per_s'])} req/s  evictions {row['evictions']}  KL "
-                                 f"{_fmt(row['kl_mean'])}" + (f"  misses: {row['miss_plans']}, harvested "
+                                 f"{_fmt(row['kl_mean'])}  probe {probe} GFLOP/s" + (f"  misses: {row['miss_plans']}, harvested "
                                                               f"{row['harvested']}, compute "
                                                               f"{row['miss_compute_s']:.2f} s" if mode != "full" else ""))
                     engine.store.clear()
