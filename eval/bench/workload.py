@@ -51,8 +51,8 @@ Hygiene (`eval.bench.common`): the load average is watched from start to end, an
 fixed float32 matrix product) is timed at both ends (`probe_gflops_start` / `_end`; `unsteady` when
 it moved by more than 25%): the modes run one after the other, so a machine that changed speed
 between them skews their ratio. Each results row also has the probe's rate just before its pass
-(`probe_gflops`): on a VM that slows under sustained load (seen: 189 -> 136 GFLOP/s over one run),
-the later modes ran on a slower machine, and the rows say by how much. (The modes cannot take
+(`probe_gflops`): on a VM whose speed moves (seen: 189 -> 136 GFLOP/s over one run, with no
+pattern a steady load explains), the rows say which pass ran on a slower machine. (The modes cannot take
 turns pass by pass: two engines open at once keep two OpenMP pools, more threads than 2 cores,
 which slows the one running; `blend.model.loading.in_own_thread`.)
 """
