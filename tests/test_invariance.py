@@ -12,6 +12,7 @@ import torch
 
 from blend.engine.engine import BlendEngine
 from blend.model.cache import KVCache
+from blend.model.projections import MODULES, PACKED, projection_layout
 from blend.model.runner import Rows, Runner
 from tests.models import smollm2_tokenizer, tiny_model
 from tests.test_scheduler import DOCS, QUESTIONS, make_engine
@@ -241,7 +242,17 @@ def test_products_of_one_to_three_rows_equal_the_same_rows_inside_a_64_row_produ
                 assert torch.equal(rows4(lambda t, w=w: torch.nn.functional.linear(t, w), x[r:r + n]), full[r:r + n])
 
 
-def test_an_item_s_bfloat16_rows_equal_themselves_alone_whatever_shares_the_product():
+# The dense bfloat16 layouts a CPU runs: oneDNN's prepacked products where its bfloat16 kernels
+# exist (AVX-512 BW/VL/DQ or AVX-NE-CONVERT), the modules' F.linear everywhere (the layout
+# `projection_layout` gives a CPU without them, an AVX2-only one).
+DENSE_LAYOUTS = [pytest.param(PACKED, marks=pytest.mark.skipif(
+                     projection_layout(torch.device("cpu"), torch.bfloat16) != PACKED,
+                     reason="oneDNN's bfloat16 products need avx512bw + avx512vl + avx512dq or avx_ne_convert")),
+                 MODULES]
+
+
+@pytest.mark.parametrize("dense", DENSE_LAYOUTS)
+def test_an_item_s_bfloat16_rows_equal_themselves_alone_whatever_shares_the_product(dense):
     """`projections.Linear` with `cuts` (the step's items' row counts): in bfloat16 each item gets a
     product of its own, so an item's rows are the same bits alone as beside other items, decode rows
     first (`lead`) or not: at few rows (oneDNN's AMX kernels on a Xeon vary with the row count at
@@ -252,7 +263,7 @@ def test_an_item_s_bfloat16_rows_equal_themselves_alone_whatever_shares_the_prod
 
     g = torch.Generator().manual_seed(3)
     for out_f, in_f in ((576, 1536), (960, 576), (3072, 576)):
-        lin = Linear([(torch.randn((out_f, in_f), generator=g) * 0.05).to(torch.bfloat16)], [None])
+        lin = Linear([(torch.randn((out_f, in_f), generator=g) * 0.05).to(torch.bfloat16)], [None], dense=dense)
         items = [torch.randn((n, in_f), generator=g).to(torch.bfloat16) for n in (7, 150, 2, 13, 200, 100)]
         alone = [lin(x) for x in items]
         together = lin(torch.cat(items), cuts=tuple(len(x) for x in items))
@@ -264,7 +275,8 @@ def test_an_item_s_bfloat16_rows_equal_themselves_alone_whatever_shares_the_prod
         assert torch.equal(led, torch.cat([lin(decode), *alone])), (out_f, in_f)
 
 
-def test_a_projection_of_one_bfloat16_row_equals_the_row_among_others():
+@pytest.mark.parametrize("dense", DENSE_LAYOUTS)
+def test_a_projection_of_one_bfloat16_row_equals_the_row_among_others(dense):
     """`projections.Linear` pads a single bfloat16 row itself where one row takes another kernel
     (checked once per shape, `one_row_differs`), so at SmolLM2's and Gemma 3's widths a row's bits
     are the same alone as inside a larger product (the runner no longer pads every product)."""
@@ -272,7 +284,7 @@ def test_a_projection_of_one_bfloat16_row_equals_the_row_among_others():
 
     g = torch.Generator().manual_seed(2)
     for out_f, in_f in ((576, 1536), (640, 2048), (960, 576), (3072, 576)):
-        lin = Linear([(torch.randn((out_f, in_f), generator=g) * 0.05).to(torch.bfloat16)], [None])
+        lin = Linear([(torch.randn((out_f, in_f), generator=g) * 0.05).to(torch.bfloat16)], [None], dense=dense)
         x = torch.randn((48, in_f), generator=g).to(torch.bfloat16)
         full = lin(x)
         for r in range(48):

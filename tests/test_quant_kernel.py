@@ -25,7 +25,15 @@ from blend.model.native import (
     quant_kernel,
     quant_kernel_path,
 )
-from blend.model.projections import Linear, QuantizedProduct, product, projections_for
+from blend.model.projections import (
+    MODULES,
+    PACKED,
+    Linear,
+    QuantizedProduct,
+    product,
+    projection_layout,
+    projections_for,
+)
 from blend.model.quantized import BLOCK_TYPES, QuantizedMatrix
 from blend.model.runner import Runner
 from tests.models import home_sharing
@@ -208,29 +216,34 @@ def test_what_the_kernel_declines(fresh_kernel, caplog):
     assert any("IQ4_XS" in s for s in lines)
 
 
-def test_a_linear_reads_blocks_by_rows_or_as_forced(fresh_kernel):
+@pytest.mark.parametrize("dense", [pytest.param(PACKED, marks=pytest.mark.skipif(
+    projection_layout(torch.device("cpu"), torch.bfloat16) != PACKED,
+    reason="oneDNN's bfloat16 products need avx512bw + avx512vl + avx512dq or avx_ne_convert")), MODULES])
+def test_a_linear_reads_blocks_by_rows_or_as_forced(fresh_kernel, dense):
     """`quantized=None`: with packed blocks the decode rows (`lead`) read them and other rows the dense
-    weights; without, blocks up to QUANTIZED_MAX_ROWS rows; True / False forced; the packed copy lazy."""
+    weights; without, blocks up to QUANTIZED_MAX_ROWS rows; True / False forced; the dense copy lazy
+    (oneDNN's prepacked one, or none to build where the modules' weights are read as they are)."""
     from blend.model.projections import QUANTIZED_MAX_ROWS
 
     m = random_matrix("Q8_0", 64, 128)
     w = m.dequantize().bfloat16()
-    lin = Linear([w], [None], quantized=QuantizedProduct([m], None), policy="auto")
+    lin = Linear([w], [None], quantized=QuantizedProduct([m], None), policy="auto", dense=dense)
+    built = 64 * 128 * 2 if dense == PACKED else 0  # what the first dense call adds
     assert lin.nbytes() == 0  # nothing dense built yet
     x = torch.randn(QUANTIZED_MAX_ROWS, 128).bfloat16()
     if lin.by_row_kind:  # AVX-512 VNNI: the packed products
         assert torch.equal(lin(x, lead=len(x)), lin.quantized(x)) and lin.nbytes() == 0
         mixed = lin(torch.cat([x, x]), lead=len(x))  # 3 decode rows, then 3 other rows
         assert torch.equal(mixed[:len(x)], lin.quantized(x)) and torch.equal(mixed[len(x):], lin(x))
-        assert lin.nbytes() == 64 * 128 * 2  # the other rows built the dense copy
+        assert lin.nbytes() == built  # the other rows built the dense copy
         assert not torch.equal(lin(x), lin.quantized(x))  # no decode row: dense at any count
     else:
         assert torch.equal(lin(x), lin.quantized(x)) and lin.nbytes() == 0
     dense = lin(x, quantized=False)
-    assert lin.nbytes() == 64 * 128 * 2  # built by the first dense call
+    assert lin.nbytes() == built  # built by the first dense call
     assert torch.equal(lin(torch.cat([x, x]), quantized=True)[:QUANTIZED_MAX_ROWS], lin.quantized(x))
     assert (dense.float() - lin(x).float()).abs().max() < 0.05 * dense.float().abs().max()
-    strict = Linear([w], [None], quantized=QuantizedProduct([m], None), policy="quantized")
+    strict = Linear([w], [None], quantized=QuantizedProduct([m], None), policy="quantized", dense=dense)
     assert torch.equal(strict(torch.cat([x] * 100), quantized=False)[:QUANTIZED_MAX_ROWS], lin.quantized(x))
     assert strict.nbytes() == 0  # never built
 
