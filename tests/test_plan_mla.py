@@ -1,7 +1,8 @@
 """MLA (multi-head latent attention) caches in `kvblend plan`: payloads of the DeepSeek / Kimi shape
 aliases and of --kv-lora-rank/--rope-head-dim against hand-computed bytes, a local config.json with
 kv_lora_rank, the MHA equivalent, --tp per rank and stored, the one-line errors, the loaders'
-refusal, and MHA / hybrid plans as they were. Also the README's MLA rows against the codec's sizes."""
+refusal, and MHA / hybrid plans as they were. Also the MLA rows of docs/STORAGE.md against the codec's
+sizes."""
 
 from __future__ import annotations
 
@@ -261,9 +262,10 @@ def test_store_stats_gives_no_bytes_for_an_mla_model(tmp_path):
 
 
 def test_readme_mla_rows_are_the_codec_sizes():
-    """The README's MLA rows: KiB per token (512-token blocks, float16) per codec and the 512-token
-    documents a 20GiB tier holds, computed as the MHA rows are (int8 / int4: `mla_layer_nbytes`)."""
-    text = (ROOT / "README.md").read_text()
+    """The MLA rows of docs/STORAGE.md ("Sizing a cache"): KiB per token (512-token blocks, float16) per
+    codec and the 512-token documents a 20GiB tier holds, computed as the MHA rows are (int8 / int4:
+    `mla_layer_nbytes`)."""
+    text = (ROOT / "docs" / "STORAGE.md").read_text()
     rows = {"DeepSeek-V2-Lite (MLA, 27 layers)": 27, "DeepSeek-V2 (MLA, 60 layers)": 60,
             "DeepSeek-V3, Kimi-K2 (MLA, 61 layers)": 61}
     for label, layers in rows.items():

