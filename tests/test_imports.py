@@ -16,7 +16,8 @@ LAYER = {name: i for i, name in enumerate(PACKAGES)}
 COMMAND_ROOT = "blend.cli"
 # blend's sub-packages, lowest first: one may import a lower one, never a higher one. Modules at
 # blend's root (config, modes, stats) are shared leaves outside the order (cycles still count).
-BLEND_ORDER = ("model", "prompt", "kv", "recompute", "planning", "decode", "session", "engine", "server", "cli")
+BLEND_ORDER = ("model", "prompt", "kv", "recompute", "planning", "decode", "session", "engine", "server", "vllm",
+               "cli")
 
 
 def module_name(path: Path) -> str:

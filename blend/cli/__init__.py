@@ -1,7 +1,7 @@
 """The `kvblend` command line: the command root, the only place that imports across the
 storage -> blend -> eval layers.
 
-Subcommands: ask, ingest, chat, demo, eval, store, plan, serve, bench {load, ttft, resume, serve}.
+Subcommands: ask, ingest, chat, demo, eval, store, plan, serve, serve-vllm, delete, bench {load, ttft, resume, serve}.
 Conventions, the same in every subcommand:
 - `--config FILE` (default: $KVBLEND_CONFIG, else the packaged default; blend.config.load_config);
 - `--json`: stdout's last line is one JSON object (human-readable lines go to stderr);
@@ -37,7 +37,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole `kvblend` parser; imports only the light command modules."""
-    from blend.cli import bench, demo, eval, plan, requests, serve, store
+    from blend.cli import bench, demo, eval, plan, requests, serve, serve_vllm, store
 
     parser = Parser(prog="kvblend", description="Reuse precomputed document KV caches for fast RAG.")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.register(subparsers)
     bench.register(subparsers)
     serve.register(subparsers)
+    serve_vllm.register(subparsers)
     _verbose_everywhere(parser)
     return parser
 

@@ -644,6 +644,12 @@ def _local_model(name_or_path: str, later: list[Path] | None = None) -> tuple[st
     return directory, source, weights_digest
 
 
+def model_directory(name_or_path: str) -> str:
+    """The directory a model loads from: an alias's or a GGUF file's converted copy (converted once
+    if needed), or the local directory itself (what `kvblend serve-vllm` hands vLLM)."""
+    return _local_model(name_or_path)[0]
+
+
 def model_config(name_or_path: str):
     """The transformers config of an alias, a local model, a `random:<shape>` name or a shape
     alias (`is_shape_alias`), without reading weights (a GGUF: its converted copy's where there

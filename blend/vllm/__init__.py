@@ -1,0 +1,1 @@
+"""kvblend inside vLLM: a KV connector (connector.py), vLLM blocks <-> entries (layout.py)."""
