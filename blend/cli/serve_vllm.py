@@ -93,11 +93,11 @@ def vllm_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     extra: dict[str, Any] = {"config": config_path} if config_path else {}
     transfer = {"kv_connector": "KVBlendConnector", "kv_connector_module_path": CONNECTOR_MODULE,
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    connector = [] if args.no_connector else ["--kv-transfer-config", json.dumps(transfer),
+                                              "--disable-hybrid-kv-cache-manager"]
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", args.served_model_name or config.model, "--host", args.host,
-               "--port", str(args.port), "--dtype", _compute_dtype(config.dtype),
-               "--kv-transfer-config", json.dumps(transfer), "--disable-hybrid-kv-cache-manager",
-               *args.vllm_args]
+               "--port", str(args.port), "--dtype", _compute_dtype(config.dtype), *connector, *args.vllm_args]
     env = dict(os.environ)
     env.update({"VLLM_HOST_IP": LOOPBACK, "VLLM_LOOPBACK_IP": LOOPBACK, "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
@@ -122,7 +122,8 @@ def cmd_serve_vllm(args: argparse.Namespace) -> int:
     if args.vllm_args and args.vllm_args[0] == "--":
         args.vllm_args = args.vllm_args[1:]
     command, env = vllm_command(args)
-    print(f"kvblend: starting vLLM on http://{args.host}:{args.port} with the kvblend connector "
+    print(f"kvblend: starting vLLM on http://{args.host}:{args.port} "
+          f"{'alone (no connector)' if args.no_connector else 'with the kvblend connector'} "
           f"(SIGTERM: {args.grace:g} s to stop)", flush=True)
     proc = subprocess.Popen(command, env=env, start_new_session=True)  # its own process group
     stop_at: list[float] = []
@@ -227,6 +228,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--grace", type=arg_type(non_negative_float), default=30.0,
                    help="seconds vLLM has to stop after SIGTERM / SIGINT (queued writes flushed), then it is "
                    "killed with every process it started (default 30)")
+    p.add_argument("--no-connector", action="store_true",
+                   help="vLLM alone: the same model, settings and loopback sockets, without the connector (the "
+                   "baseline of a side-by-side benchmark)")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then vLLM's own arguments")
     p.set_defaults(func=cmd_serve_vllm)
 

@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvblend.vllm")
+log = logging.getLogger("vllm.kvblend_connector")  # under vllm.: vLLM's handler prints it
 
 PUT_WAIT_S = 0.05  # a save that finds the store's write queue full waits this long, then is dropped
 WORKER_KEYS_KEPT = 1 << 16  # keys of the worker's cpu tier the scheduler remembers (oldest forgotten)
@@ -222,6 +222,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             shared = tuple(t for t in store_config.tiers if t.kind != "cpu")
             self._store = TieredStore.from_config(_with_tiers(store_config, shared)) if shared else None
             self._lookups: dict[str, _Lookup] = {}
+            self._running: dict[Future, float] = {}  # lookups under way (also those given up on), when begun
             self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvblend-lookup")
             self._found: dict[str, tuple[int, int]] = {}  # req_id -> (first block, blocks hit)
             self._pending_loads: dict[str, LoadJob] = {}
@@ -266,6 +267,7 @@ class KVBlendConnector(KVConnectorBase_V1):
                 return 0, False
             lookup = _Lookup(first, self._lookup_pool.submit(self._find, tokens, first, usable), time.time())
             self._lookups[rid] = lookup
+            self._running[lookup.future] = lookup.started
         if not lookup.future.done():
             if time.time() - lookup.started > self._stall_s:
                 log.warning("kvblend connector: the store's lookups for request %s took over %.1f s; computed",
@@ -284,7 +286,9 @@ class KVBlendConnector(KVConnectorBase_V1):
         """Whether a lookup has been running past the stall (the store hangs): new requests then
         compute without asking it."""
         now = time.time()
-        return any(not lk.future.done() and now - lk.started > self._stall_s for lk in self._lookups.values())
+        for future in [f for f in self._running if f.done()]:
+            del self._running[future]
+        return any(now - started > self._stall_s for started in self._running.values())
 
     def _find(self, tokens: list[int], first: int, usable: int) -> int:
         """How many consecutive blocks from `first` the store holds (header lookups, verified)."""
