@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from blend.model.loading import load_model
-from blend.model.native import QPACK_NATIVE, qpack_path
+from blend.model.native import qpack_native
 from blend.model.runner import Rows, Runner, _Item
 
 
 def _packed_or_skip() -> None:
-    if qpack_path() != QPACK_NATIVE:
-        pytest.skip("the packed products (and the decode layer on them) run natively with AVX-512 VNNI only")
+    if not qpack_native():
+        pytest.skip("the packed products (and the decode layer on them) run natively with AVX-512 VNNI or AVX2 only")
 
 
 def _greedy(runner: Runner, ids: torch.Tensor, steps: int, fused: bool, forced: list[int] | None = None
@@ -165,7 +165,7 @@ def test_which_layers_run_natively():
     lm = load_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16", weights="auto")
     assert all(layer is None for layer in Runner(lm, weights="dequantized").decode_layers)
     runner = Runner(lm)
-    if qpack_path() == QPACK_NATIVE:
+    if qpack_native():
         layer = runner.decode_layers[0]
         assert layer is not None and layer.on()
         linear = runner.projections.layers[0].qkv

@@ -25,7 +25,7 @@ from blend.kv.offload import KVParking
 from blend.kv.prefix import EntryMaker, PrefixCache
 from blend.model import native
 from blend.model.loading import LoadedModel, load_model, resolve_device
-from blend.model.native import QPACK_NATIVE, qpack_path
+from blend.model.native import qpack_native
 from blend.model.runner import Runner
 from blend.planning.planner import LoadCosts, PrefillCosts
 from blend.planning.split import Splitter
@@ -98,11 +98,11 @@ def build_parts(config: EngineConfig, model: LoadedModel | None = None, store: T
     # whose writer hangs holds no request on the scheduler's thread
     store = store or TieredStore.from_config(config.store, min_entry_bytes=entry_bytes,
                                              put_wait_s=cfg.blend.load_stall_s or None)
-    # batch-invariant: where the blocks are packed (AVX-512 VNNI) `weights: auto` reads them for every decode
+    # batch-invariant: where the blocks are packed (AVX-512 VNNI, AVX2) `weights: auto` reads them for every decode
     # row and the dense weights for every other row (the same bits in any step); elsewhere it would pick by the
     # row count, so the dense weights are read at every row count
     invariant = (config.engine.scheduler.batch_invariant and lm.weights == "auto"
-                 and qpack_path() != QPACK_NATIVE)
+                 and not qpack_native())
     runner = Runner(lm, weights="dequantized" if invariant else None)
     prompts = PromptBuilder(lm.tokenizer, cfg.prompt.system_prompt, cfg.prompt.query_template,
                             cfg.blend.max_document_tokens, lm.dims.max_positions)

@@ -7,7 +7,7 @@ step's decode rows in one call: RMS norm, Q/K/V, RoPE, K/V written into each row
 attention over it, output projection and residual, RMS norm, SiLU-gated MLP and residual.
 
 It applies to Llama-style layers whose four products read packed blocks (`projections`
-under `weights: auto` or `quantized` with AVX-512 VNNI): plain RMS norms, no q/k norms nor
+under `weights: auto` or `quantized` with AVX-512 VNNI or AVX2): plain RMS norms, no q/k norms nor
 Gemma's sandwich, a SiLU-gated MLP, full attention (no sliding window), in float32 or
 bfloat16, with the native decode kernel built. `Runner.forward` uses it for every decode
 row of such a layer whatever else shares the step (a row's bits are then its own: each

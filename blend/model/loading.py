@@ -746,8 +746,10 @@ def load_model(name_or_path: str, *, device: str | None = "auto", dtype: str | t
 
     `weights` (the config's `weights`): which weights the linear layers read. `auto`: a GGUF
     model's quantized blocks (`LoadedModel.blocks`, blend.model.quantized) for decode rows
-    where the model computes in bfloat16 on a CPU and the native kernel builds, the
-    dequantized weights elsewhere (float32 stays the exact reference); `quantized`: the blocks
+    where the model computes in bfloat16 on a CPU and the native kernel builds, or in the
+    float32 that `dtype="auto"` picks on a CPU whose packed products run on AVX2
+    (`native.float32_reads_blocks`), the dequantized weights elsewhere (a float32 asked for by
+    name stays the exact reference); `quantized`: the blocks
     for every row, in either dtype (ValueError where there are none: not a GGUF, not a CPU,
     the kernel switched off); `dequantized`: never the blocks (not read).
 
@@ -835,13 +837,23 @@ def _load_model(name_or_path: str, *, device: str | None, dtype: str | torch.dty
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolve_dtype(dtype, target))
         model.to(target)
         loaded = wrap_model(model, tokenizer, source, weights_digest)
-        # auto: the blocks where the dense path computes in bfloat16 (float32 stays the exact reference)
-        if target.type == "cpu" and (weights == "quantized" or (weights == "auto" and loaded.dtype == torch.bfloat16)):
+        # auto: the blocks where the dense path computes in bfloat16, or in a float32 that `dtype: auto` chose on
+        # AVX2 (`float32_reads_blocks`); a float32 asked for by name stays the exact reference
+        if target.type == "cpu" and (weights == "quantized"
+                                     or (weights == "auto" and _auto_blocks(loaded.dtype, dtype == AUTO_DTYPE))):
             blocks = _read_blocks(name_or_path, directory, weights_digest)
             if blocks is not None and blocks.matrices:  # read by the kernel where it builds (projections_for)
                 loaded.blocks, loaded.weights = blocks, weights
     log.info("loaded %s (%s, %d layers) fingerprint %s", source, loaded.dims.arch, loaded.dims.num_layers, loaded.fingerprint)
     return loaded
+
+
+def _auto_blocks(dtype: torch.dtype, chosen: bool) -> bool:
+    """Whether `weights: auto` reads a GGUF's blocks for a model computing in `dtype` on a CPU
+    (`chosen`: the dtype is the one `dtype: auto` picked for this CPU, not one asked for by name)."""
+    from blend.model.native import float32_reads_blocks
+
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and chosen and float32_reads_blocks())
 
 
 def _gguf_digest(path: Path) -> str:

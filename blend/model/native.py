@@ -105,7 +105,7 @@ BLEND = KernelSpec("blend attention kernel", KERNEL_DIR / "blend_attention.c", (
                          _PTR, _PTR, _LONG)),  # cos, sin, their row stride
     ("kvb_decode_codes", (_INT, _INT, _INT, _INT, _INT, _INT, _LONG, _INT, _PTR, _PTR, _PTR, _PTR)),
 ))
-BLEND_PATHS = {0: "scalar", 1: "avx512_bf16", 2: "amx"}  # what kvb_blend_path returns
+BLEND_PATHS = {0: "scalar", 1: "avx512_bf16", 2: "amx", 3: "avx2_fma"}  # what kvb_blend_path returns
 QUANT = KernelSpec("quantized product kernel", KERNEL_DIR / "quant_matmul.c", (
     ("kvb_quant_matmul", (_INT, _LONG, _LONG, _PTR, _LONG, _PTR, _LONG, _PTR, _INT, _PTR)),  # kind..segments
     ("kvb_quant_path", ()),
@@ -474,12 +474,27 @@ def native_qpack(gtype: int, blocks: torch.Tensor, k: int) -> torch.Tensor | Non
 
 
 QPACK_NATIVE = "AVX-512 VNNI"
+QPACK_AVX2 = "AVX2 + FMA"
+QPACK_PATHS = {0: "plain C", 1: QPACK_NATIVE, 2: QPACK_AVX2}  # what kvb_qpack_path returns
 
 
 def qpack_path() -> str | None:
-    """Which path the packed products run here: `QPACK_NATIVE`, "plain C", None without a kernel."""
+    """Which path the packed products run here (`QPACK_PATHS`), None without a kernel."""
     lib = quant_kernel()
-    return None if lib is None else (QPACK_NATIVE if lib.kvb_qpack_path() == 1 else "plain C")
+    return None if lib is None else QPACK_PATHS[lib.kvb_qpack_path()]
+
+
+def qpack_native() -> bool:
+    """Whether the packed products run vectorized here (AVX-512 VNNI or AVX2), not in plain C."""
+    return qpack_path() in (QPACK_NATIVE, QPACK_AVX2)
+
+
+def float32_reads_blocks() -> bool:
+    """Whether `weights: auto` reads a GGUF's blocks for the decode rows of a model in the float32 that
+    `dtype: auto` picks here: where the packed products run on AVX2 (a CPU without AVX-512, so without
+    bfloat16 products), whose dense float32 weights are ~6x the bytes of Q4_1 blocks; prefill rows keep
+    the dense weights. Elsewhere (and for a float32 asked for by name) float32 stays the dense reference."""
+    return qpack_path() == QPACK_AVX2
 
 
 def native_qpack_matmul(x: torch.Tensor, segments: Sequence[tuple[int, int, torch.Tensor]], out: torch.Tensor,
@@ -571,7 +586,8 @@ def blend_kernel_name() -> str:
 
 def blend_kernel_path(amx: bool | None = None) -> str | None:
     """The blend kernel's bfloat16 dot products in this process: `amx` (tiles: the CPU has them and
-    Linux grants them), `avx512_bf16`, or `scalar` (float32 keys); None without the kernel.
+    Linux grants them), `avx512_bf16`, `avx2_fma` (float32 keys, AVX2 + FMA: a CPU without AVX-512), or
+    `scalar` (float32 keys); None without the kernel.
     `amx` False turns the tiles off for this process (True back on, where there are any)."""
     lib = blend_kernel()
     if lib is None:

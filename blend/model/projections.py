@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from blend.model.native import KINDS, QPACK_NATIVE, QUANT, native_qpack, qpack_path, quant_kernel
+from blend.model.native import KINDS, QUANT, native_qpack, qpack_native, quant_kernel
 from blend.model.quantized import WEIGHTS, QuantizedMatrix, QuantizedWeights
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,10 @@ class QuantizedProduct:
         self.in_features = self.matrices[0].in_features
         self.out_features = sum(m.out_features for m in self.matrices)
         self.bias = bias.detach().float().contiguous() if bias is not None else None  # (out,)
-        # the packed layout (16 outputs a vector; kernels/quant_matmul.c) where it runs natively (AVX-512
-        # VNNI): then decode rows read the blocks at every batch size; elsewhere the GGUF's own blocks
+        # the packed layout (16 outputs a vector; kernels/quant_matmul.c) where it runs vectorized (AVX-512
+        # VNNI, AVX2): then decode rows read the blocks at every batch size; elsewhere the GGUF's own blocks
         packs = [native_qpack(m.block_type.ggml_id, m.blocks, m.in_features) for m in self.matrices] \
-            if qpack_path() == QPACK_NATIVE else []
+            if qpack_native() else []
         self.packed = bool(packs) and all(p is not None for p in packs)
         self._packs = tuple(packs) if self.packed else ()  # flat uint8 each; the kernel reads only these
         table = []
@@ -174,7 +174,7 @@ class Linear:
     @property
     def by_row_kind(self) -> bool:
         """Whether `auto` picks the weights by the kind of row (decode rows: the blocks, others:
-        the dense weights), where the blocks are packed (AVX-512 VNNI); else by the row count."""
+        the dense weights), where the blocks are packed (AVX-512 VNNI, AVX2); else by the row count."""
         return self.policy == "auto" and self.quantized is not None and self.quantized.packed
 
     def reads_blocks(self, rows: int, quantized: bool | None = None, lead: int = 0) -> bool:

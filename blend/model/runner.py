@@ -907,8 +907,12 @@ class Runner:
         """Final norm + lm_head (+ the model's final soft-capping) for rows h (T, hidden) -> (T, vocab)
         float32; the first `lead` rows are decode rows, `cuts` the other items' row counts."""
         x = rms_norm(self.norm, h)
-        logits = (rows4(partial(self.projections.lm_head, lead=lead, cuts=cuts), x, single=False) if self.projections is not None
-                  else rows4(self.lm_head, x)).float()
+        head = self.projections.lm_head if self.projections is not None else None
+        if head is not None and head.reads_blocks(x.shape[0], None, lead):  # row-invariant unpadded (no dense row)
+            logits = head(x, lead=lead, cuts=cuts).float()
+        else:
+            logits = (rows4(partial(head, lead=lead, cuts=cuts), x, single=False) if head is not None
+                      else rows4(self.lm_head, x)).float()
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits

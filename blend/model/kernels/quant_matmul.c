@@ -573,7 +573,8 @@ int kvb_quant_matmul(int kind, long rows, long k, const void *x, long x_stride, 
  * The same invariance as above: an output (row, column) is computed by the same operations
  * whatever the other rows of the call (rows share the unpacked weights in groups of up to 8;
  * a row's accumulator sees its blocks in k order alone) and whatever thread runs its group.
- * Plain C runs the same layout (tests, CPUs without VNNI); kvb_qpack_path says which path.
+ * AVX2 + FMA + F16C runs the same layout 8 columns a vector (below: the same bits as VNNI); plain C
+ * too (tests, AVX-512 CPUs without VNNI); kvb_qpack_path says which path.
  */
 #define PK_COLS 16
 #define PK_ROWS 8
@@ -857,6 +858,162 @@ static void pk_group(int type, int nr, const uint8_t *rec0, long blocks, const p
     default: pk_group_T_Q6_K(nr, rec0, blocks, xr, out); break;
     }
 }
+#elif HAVE_AVX2 && defined(__F16C__)
+#define PK_VNNI 2
+#ifndef PK_AHEAD
+#define PK_AHEAD 1024
+#endif
+#ifndef PK_ROWS2
+#define PK_ROWS2 4 /* rows sharing one half's unpacked weights (16 ymm registers: 8 weights, 4 sums, temps) */
+#endif
+
+/* The packed products on AVX2: a record's 16 columns as two halves of 8 (bytes 0-31 and 32-63 of
+ * each 64-byte vector), each half's 32-bit lanes one column, as the AVX-512 lanes above. vpdpbusd
+ * becomes vpmaddubsw (unsigned weight byte times signed x byte, pairs summed into 16 bits, which
+ * saturate) and vpmaddwd (16-bit pairs into 32 bits, times 128 for the high bytes of x). The 16-bit
+ * sums stay exact by summing only as many quads as their bound allows: a quad's pair is at most
+ * 2 * u_max * 128, so 8 quads of 4-bit weights (30,720), 4 of Q5_0's (31,744), 2 of Q6_K's
+ * (32,256); Q8_0's bytes are split into their two nibbles (u = 16 uh + ul), 8 quads each. The
+ * integer sums are those of the VNNI path and the float32 steps the same in the same order, so a
+ * row's outputs are the VNNI path's bits. */
+
+static inline __m256i pk_x4_256(const int8_t *p) { /* 4 bytes of x on every lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* the 32 bits of m as 32 bytes, 0xff where set (Q5_0's fifth bits of one half) */
+static inline __m256i pk_bits256(uint32_t m) {
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                          3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), pick);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+/* sum over quads q0 .. q1 - 1 of w[q] times the x bytes of quad q, as 16-bit pairs */
+static inline __attribute__((always_inline)) __m256i pk_pairs(const __m256i *w, const int8_t *x, int q0, int q1) {
+    __m256i s = _mm256_maddubs_epi16(w[q0], pk_x4_256(x + 4 * q0));
+    for (int q = q0 + 1; q < q1; q++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[q], pk_x4_256(x + 4 * q)));
+    return s;
+}
+
+/* 128 sum(u xh) + sum(u xl) over quads q0 .. q1 - 1 of one row, 32-bit, `step` quads per 16-bit sum */
+static inline __attribute__((always_inline)) __m256i pk_dot(const __m256i *w, const int8_t *xh, const int8_t *xl,
+                                                            int q0, int q1, int step) {
+    const __m256i one = _mm256_set1_epi16(1), hi = _mm256_set1_epi16(128);
+    __m256i s = _mm256_setzero_si256();
+    for (int q = q0; q < q1; q += step) {
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(pk_pairs(w, xh, q, q + step), hi));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(pk_pairs(w, xl, q, q + step), one));
+    }
+    return s;
+}
+
+/* nr rows (constant per instantiation) through half `h` (columns 8h .. 8h + 7) of one group: out[r * 16 + c] */
+static inline __attribute__((always_inline)) void pk_half256(int type, int nr, int h, const uint8_t *rec0,
+                                                             long blocks, const pk_row_t *xr, float *out) {
+    const int rec = pk_record(type), at = pk_scales_at(type), off = pk_offset(type);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc[PK_ROWS2];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        const uint8_t *rp = rec0 + b * rec;
+        if (h == 0)
+            for (int l = 0; l < rec; l += 64) _mm_prefetch((const char *)rp + PK_AHEAD + l, _MM_HINT_T0);
+        __m256i w[8], w2[8]; /* w2: Q8_0's high nibbles */
+        if (pk_nibbles(type)) {
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rp + 64 * j + 32 * h));
+                w[j] = _mm256_and_si256(v, m4);
+                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            if (type == T_Q5_0) {
+                const __m256i sixteen = _mm256_set1_epi8(16);
+                for (int q = 0; q < 8; q++) {
+                    uint32_t mk;
+                    memcpy(&mk, rp + 256 + 8 * q + 4 * h, 4);
+                    w[q] = _mm256_or_si256(w[q], _mm256_and_si256(pk_bits256(mk), sixteen));
+                }
+            }
+        } else if (type == T_Q8_0) {
+            for (int q = 0; q < 8; q++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rp + 64 * q + 32 * h));
+                w[q] = _mm256_and_si256(v, m4);
+                w2[q] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+        } else {
+            for (int q = 0; q < 8; q++) w[q] = _mm256_loadu_si256((const __m256i *)(rp + 64 * q + 32 * h));
+        }
+        __m256 ws, wm = _mm256_setzero_ps();
+        if (type == T_Q4_K || type == T_Q6_K) {
+            ws = _mm256_loadu_ps((const float *)(rp + at) + 8 * h);
+            wm = _mm256_loadu_ps((const float *)(rp + at + 64) + 8 * h); /* Q6_K: the second 16-block's scales */
+        } else {
+            ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rp + at + 16 * h)));
+            if (type == T_Q4_1) wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rp + at + 32 + 16 * h)));
+        }
+        for (int r = 0; r < nr; r++) {
+            const int8_t *xh = xr[r].xh + 32 * b, *xl = xr[r].xl + 32 * b;
+            const __m256 sx = _mm256_set1_ps(xr[r].sx[b]);
+            if (type == T_Q6_K) {
+                __m256i a = pk_dot(w, xh, xl, 0, 4, 2), c = pk_dot(w, xh, xl, 4, 8, 2);
+                a = _mm256_sub_epi32(a, _mm256_set1_epi32(off * xr[r].sq16[2 * b]));
+                c = _mm256_sub_epi32(c, _mm256_set1_epi32(off * xr[r].sq16[2 * b + 1]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(ws, sx), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_mul_ps(wm, sx), acc[r]);
+                continue;
+            }
+            __m256i a;
+            if (type == T_Q8_0) { /* 16 (128 sum(uh xh) + sum(uh xl)) + the same of ul */
+                a = _mm256_add_epi32(_mm256_slli_epi32(pk_dot(w2, xh, xl, 0, 8, 8), 4), pk_dot(w, xh, xl, 0, 8, 8));
+            } else {
+                a = pk_dot(w, xh, xl, 0, 8, type == T_Q5_0 ? 4 : 8);
+            }
+            if (off) a = _mm256_sub_epi32(a, _mm256_set1_epi32(off * xr[r].sq[b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(ws, sx), acc[r]);
+            if (has_min(type)) acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xr[r].xs[b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) _mm256_storeu_ps(out + PK_COLS * r + 8 * h, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void pk_group256(int type, int nr, const uint8_t *rec0, long blocks,
+                                                              const pk_row_t *xr, float *out) {
+    pk_half256(type, nr, 0, rec0, blocks, xr, out);
+    pk_half256(type, nr, 1, rec0, blocks, xr, out);
+}
+
+#define PK_CASE(T, N) \
+    case N: pk_group256(T, N, rec0, blocks, xr, out); break;
+#define PK_TYPE(T)                                                                                       \
+    static void pk_group_##T(int nr, const uint8_t *rec0, long blocks, const pk_row_t *xr, float *out) { \
+        switch (nr) { PK_CASE(T, 1) PK_CASE(T, 2) PK_CASE(T, 3) PK_CASE(T, 4) }                          \
+    }
+PK_TYPE(T_Q4_0)
+PK_TYPE(T_Q4_1)
+PK_TYPE(T_Q5_0)
+PK_TYPE(T_Q8_0)
+PK_TYPE(T_Q4_K)
+PK_TYPE(T_Q6_K)
+
+/* rows in groups of PK_ROWS2 (each row's operations the same in any group) */
+static void pk_group(int type, int nr, const uint8_t *rec0, long blocks, const pk_row_t *xr, float *out) {
+    for (int r0 = 0; r0 < nr; r0 += PK_ROWS2) {
+        const int n = nr - r0 < PK_ROWS2 ? nr - r0 : PK_ROWS2;
+        const pk_row_t *x = xr + r0;
+        float *o = out + PK_COLS * r0;
+        switch (type) {
+        case T_Q4_0: pk_group_T_Q4_0(n, rec0, blocks, x, o); break;
+        case T_Q4_1: pk_group_T_Q4_1(n, rec0, blocks, x, o); break;
+        case T_Q5_0: pk_group_T_Q5_0(n, rec0, blocks, x, o); break;
+        case T_Q8_0: pk_group_T_Q8_0(n, rec0, blocks, x, o); break;
+        case T_Q4_K: pk_group_T_Q4_K(n, rec0, blocks, x, o); break;
+        default: pk_group_T_Q6_K(n, rec0, blocks, x, o); break;
+        }
+    }
+}
 #else
 #define PK_VNNI 0
 
@@ -926,7 +1083,7 @@ static void pk_group(int type, int nr, const uint8_t *rec0, long blocks, const p
 }
 #endif
 
-/* Which path the packed products run: 1 AVX-512 VNNI, 0 plain C. */
+/* Which path the packed products run: 1 AVX-512 VNNI, 2 AVX2 + FMA + F16C, 0 plain C. */
 int kvb_qpack_path(void) { return PK_VNNI; }
 
 /* y[r, :] = x[r, :] W^T + b from packed segments (records: type, n, packed pointer, unused),
