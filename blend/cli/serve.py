@@ -77,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"(up to {engine.scheduler.config.max_num_seqs} sequences decoding together, queue {settings.queue_size}, "
           f"timeout {settings.request_timeout_s:g} s)", flush=True)
     if serve(engine, settings, sock, log_level="info" if args.verbose else "warning"):
-        print("kvblend: stopped at once by a second signal: requests in flight were dropped", file=sys.stderr)
+        print("kvblend: stopped at once by a second signal: requests in flight ended with an error", file=sys.stderr)
         return 130
     return 0
 

@@ -12,8 +12,8 @@
 
 `listen_socket(host, port)` binds and listens first (one-line errors naming the fix, before
 the model loads; connections that arrive while it loads wait in the backlog); `serve(engine, settings, sock)` runs the app on it with uvicorn until
-SIGINT/SIGTERM, letting in-flight requests finish within the shutdown grace (then they end
-with an error), and exits within that grace plus SHUTDOWN_STOP_S twice.
+SIGINT/SIGTERM, letting in-flight requests finish within the shutdown grace (then, or at a
+second signal, they end with an error), and exits within that grace plus SHUTDOWN_STOP_S twice.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def serve(engine: BlendEngine, settings: ServerSettings, sock: socket.socket, lo
     `settings.shutdown_grace_s`; those still there then end with an error (a stream: an error
     event, then `[DONE]`; otherwise 503), the engine stops (the step under way finishes) and
     its queued writes are flushed (each at most SHUTDOWN_STOP_S); returns False. A second
-    signal (SIGINT or SIGTERM) stops at once (uvicorn's forced exit: in-flight requests are
-    dropped); the engine is still closed the same way, and it returns True."""
+    signal (SIGINT or SIGTERM) ends the grace at once: the requests still there end with an
+    error the same way, the engine is closed the same way, and it returns True."""
     import signal
 
     import uvicorn
@@ -103,4 +103,4 @@ def serve(engine: BlendEngine, settings: ServerSettings, sock: socket.socket, lo
             signal.signal(sig, handler)
         # idempotent (after the grace or the lifespan, a no-op); after a forced exit: requests ended, writes flushed
         engine.close(SHUTDOWN_STOP_S, cancel=True)
-    return bool(server.force_exit)
+    return server.forced
