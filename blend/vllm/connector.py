@@ -98,6 +98,7 @@ class LoadJob:
     tokens: list[int]  # the prompt's tokens up to the last block loaded
     blocks: list[LoadBlock]
     deadline: float  # time.time() after which the job is abandoned (its blocks reported failed)
+    failed: bool = False  # nothing to read: reported failed at once
 
 
 @dataclass
@@ -224,7 +225,7 @@ class KVBlendConnector(KVConnectorBase_V1):
             self._lookups: dict[str, _Lookup] = {}
             self._running: dict[Future, float] = {}  # lookups under way (also those given up on), when begun
             self._lookup_pool = ThreadPoolExecutor(2, thread_name_prefix="kvblend-lookup")
-            self._found: dict[str, tuple[int, int]] = {}  # req_id -> (first block, blocks hit)
+            self._found: dict[str, tuple[int, int, float]] = {}  # req_id -> (first block, blocks hit, when)
             self._pending_loads: dict[str, LoadJob] = {}
             self._loading: set[str] = set()
             self._requests: dict[str, _Request] = {}
@@ -279,7 +280,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         except Exception as err:  # noqa: BLE001 - a store that fails is a miss, logged
             log.warning("kvblend connector: lookup failed (%s: %s); computed", type(err).__name__, err)
             hits = 0
-        self._found[rid] = (first, hits)
+        self._found[rid] = (first, hits, lookup.started)
         return (hits * self._block_size, True) if hits else (0, False)
 
     def _stuck(self) -> bool:
@@ -313,17 +314,19 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._lookups.pop(rid, None)
         if num_external_tokens <= 0 or found is None or rid in self._loading:
             return
-        first, hits = found
+        first, hits, started = found
         count = num_external_tokens // self._block_size
         block_ids = blocks.get_block_ids()[0]
-        if count > hits or first + count > len(block_ids):
-            log.warning("kvblend connector: request %s: %d blocks allocated for %d external tokens from block "
-                        "%d; not loaded", rid, len(block_ids), num_external_tokens, first)
-            return
         tokens = list(request.prompt_token_ids or [])
+        broken = count > hits or first + count > len(block_ids)
+        if broken:  # vLLM waits for this load all the same: the worker reports it failed at once
+            log.warning("kvblend connector: request %s: %d blocks allocated for %d external tokens from block "
+                        "%d; not loaded, recomputed", rid, len(block_ids), num_external_tokens, first)
+            count = max(0, min(count, len(block_ids) - first))
         loads = [LoadBlock(block_ids[b], b, self._names.key(tokens, b)) for b in range(first, first + count)]
-        self._pending_loads[rid] = LoadJob(rid, tokens[:(first + count) * self._block_size], loads,
-                                           time.time() + self._stall_s)
+        # the request waits at most the stall from its lookup's start (at least a second for the reads)
+        deadline = max(started + self._stall_s, time.time() + 1.0)
+        self._pending_loads[rid] = LoadJob(rid, tokens[:(first + count) * self._block_size], loads, deadline, broken)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVBlendMetadata(loads=list(self._pending_loads.values()))
@@ -410,6 +413,9 @@ class KVBlendConnector(KVConnectorBase_V1):
         """Read a job's blocks layer by layer into the paged cache; returns the block ids that failed
         (from the first block that misses or breaks: vLLM recomputes from there)."""
         t0 = time.monotonic()
+        if job.failed:
+            self._count(load_errors=len(job.blocks))
+            return [b.block_id for b in job.blocks]
         store, names = self._store, self._names
         located = []
         for blk in job.blocks:
