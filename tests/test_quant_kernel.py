@@ -390,3 +390,86 @@ def test_decode_rows_read_the_packed_blocks_and_keep_their_bits_beside_other_row
     dense = Runner(lm, weights="dequantized").forward([decode_item(0)])[0].logits
     assert not torch.equal(dense, alone)  # the dense weights give other bits: these came from the blocks
     assert (dense.float().softmax(-1) - alone.float().softmax(-1)).abs().max() < 0.05
+
+
+# ------------------------------------------------------------------ the packed products' builds
+# builds made here, each for its instructions rather than -march=native: the compile flags, the CPU
+# flags (as /proc/cpuinfo names them) its code needs to run, and the path kvb_qpack_path then reports
+PACKED_BUILDS = {
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"), 2),
+    "avx512": (("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+               ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"), 1),
+    "plain": (("-march=x86-64",), (), 0),
+}
+
+
+def _packed_build(monkeypatch, build: str) -> None:
+    """Compile the kernel for `build` (it must build on any x86-64 compiler here), then load it, or
+    skip naming the CPU flags this machine lacks to run it."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the builds' flags are x86-64 ones")
+    extra, needs, _ = PACKED_BUILDS[build]
+    monkeypatch.setattr(native, "COMPILE_FLAGS", ("-O3", *extra, "-fPIC", "-fopenmp"))
+    _clear()
+    cc, libgomp = native._compiler(), native._torch_libgomp()
+    target = native._library_path(cc, libgomp, native.QUANT)
+    if native.check_library(target) is not None:
+        native._build(cc, libgomp, target, native.QUANT)
+    assert native.check_library(target) is None  # built, whatever this CPU runs
+    missing = [flag for flag in needs if flag not in cpu_flags()]
+    if missing:
+        pytest.skip(f"the {build} build compiles; this CPU lacks {', '.join(missing)} to run it")
+
+
+@pytest.mark.parametrize("build", sorted(PACKED_BUILDS))
+def test_each_packed_build_equals_the_float64_reference_and_keeps_a_rows_bits(fresh_kernel, monkeypatch, build):
+    """The packed products in each build: every block type for 1, 2, 3, 8 and 17 rows and odd output
+    counts against float64 (never less accurate than the bfloat16 path), and each row bitwise the same
+    alone, among 2 to 17 rows (row groups of 8 and, on AVX2, sub-groups of 4) and on 1 or 2 threads."""
+    _packed_build(monkeypatch, build)
+    assert quant_kernel().kvb_qpack_path() == PACKED_BUILDS[build][2]
+    for kind in sorted(BLOCK_TYPES):
+        for rows in (1, 2, 3, 8, 17):
+            for n in (37, 5):
+                ours, bf16 = _packed_errors(kind, rows, n, 512, seed=rows * 100 + n)
+                assert ours < 2e-4 and ours <= bf16, (build, kind, rows, n, ours, bf16)
+    threads = torch.get_num_threads()
+    try:
+        for kind in sorted(BLOCK_TYPES):
+            m = random_matrix(kind, 45, 768, 7)
+            gid = m.block_type.ggml_id
+            packed = native_qpack(gid, m.blocks, 768)
+            x = torch.randn(17, 768, generator=torch.Generator().manual_seed(3)) * 2
+
+            def product(rows: torch.Tensor, gid=gid, packed=packed) -> torch.Tensor:
+                out = torch.empty(rows.shape[0], 45)
+                assert native_qpack_matmul(rows.contiguous(), [(gid, 45, packed)], out)
+                return out
+
+            torch.set_num_threads(1)
+            alone = torch.cat([product(x[i:i + 1]) for i in range(17)])
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                for rows in (2, 3, 5, 8, 9, 17):
+                    assert torch.equal(product(x[:rows]), alone[:rows]), (build, kind, t, rows)
+                assert torch.equal(product(x.flip(0)), alone.flip(0)), (build, kind, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_avx2_build_gives_the_vnni_builds_bits(fresh_kernel, monkeypatch):
+    """The same integer sums and float32 steps in the same order: the AVX2 build's packed products are
+    the AVX-512 VNNI build's bits, every block type (run where the CPU has both)."""
+    got = {}
+    for build in ("avx512", "avx2"):
+        _packed_build(monkeypatch, build)
+        outs = []
+        for kind in sorted(BLOCK_TYPES):
+            m = random_matrix(kind, 37, 512, 11)
+            x = torch.randn(9, 512, generator=torch.Generator().manual_seed(5))
+            out = torch.empty(9, 37)
+            assert native_qpack_matmul(x, [(m.block_type.ggml_id, 37, native_qpack(m.block_type.ggml_id, m.blocks,
+                                                                                      512))], out)
+            outs.append(out)
+        got[build] = outs
+    assert all(torch.equal(a, b) for a, b in zip(got["avx2"], got["avx512"], strict=True))

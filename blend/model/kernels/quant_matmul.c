@@ -873,9 +873,9 @@ static void pk_group(int type, int nr, const uint8_t *rec0, long blocks, const p
  * saturate) and vpmaddwd (16-bit pairs into 32 bits, times 128 for the high bytes of x). The 16-bit
  * sums stay exact by summing only as many quads as their bound allows: a quad's pair is at most
  * 2 * u_max * 128, so 8 quads of 4-bit weights (30,720), 4 of Q5_0's (31,744), 2 of Q6_K's
- * (32,256); Q8_0's bytes are split into their two nibbles (u = 16 uh + ul), 8 quads each. The
- * integer sums are those of the VNNI path and the float32 steps the same in the same order, so a
- * row's outputs are the VNNI path's bits. */
+ * (32,256); Q8_0 (bytes up to 255) by 16-bit products instead (vpmaddwd of its signed quants and
+ * xq). The integer sums are those of the VNNI path and the float32 steps the same in the same
+ * order, so a row's outputs are the VNNI path's bits. */
 
 static inline __m256i pk_x4_256(const int8_t *p) { /* 4 bytes of x on every lane */
     int32_t v;
@@ -922,7 +922,7 @@ static inline __attribute__((always_inline)) void pk_half256(int type, int nr, i
         const uint8_t *rp = rec0 + b * rec;
         if (h == 0)
             for (int l = 0; l < rec; l += 64) _mm_prefetch((const char *)rp + PK_AHEAD + l, _MM_HINT_T0);
-        __m256i w[8], w2[8]; /* w2: Q8_0's high nibbles */
+        __m256i w[8], w2[8]; /* Q8_0: w, w2 its columns 0-3, 4-7 as 16-bit */
         if (pk_nibbles(type)) {
             for (int j = 0; j < 4; j++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(rp + 64 * j + 32 * h));
@@ -937,11 +937,12 @@ static inline __attribute__((always_inline)) void pk_half256(int type, int nr, i
                     w[q] = _mm256_or_si256(w[q], _mm256_and_si256(pk_bits256(mk), sixteen));
                 }
             }
-        } else if (type == T_Q8_0) {
+        } else if (type == T_Q8_0) { /* the GGUF's signed quants back (u - 128), widened: columns 0-3 / 4-7 */
             for (int q = 0; q < 8; q++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(rp + 64 * q + 32 * h));
-                w[q] = _mm256_and_si256(v, m4);
-                w2[q] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(rp + 64 * q + 32 * h)),
+                                                   _mm256_set1_epi8((char)0x80));
+                w[q] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+                w2[q] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
             }
         } else {
             for (int q = 0; q < 8; q++) w[q] = _mm256_loadu_si256((const __m256i *)(rp + 64 * q + 32 * h));
@@ -966,12 +967,29 @@ static inline __attribute__((always_inline)) void pk_half256(int type, int nr, i
                 continue;
             }
             __m256i a;
-            if (type == T_Q8_0) { /* 16 (128 sum(uh xh) + sum(uh xl)) + the same of ul */
-                a = _mm256_add_epi32(_mm256_slli_epi32(pk_dot(w2, xh, xl, 0, 8, 8), 4), pk_dot(w, xh, xl, 0, 8, 8));
+            if (type == T_Q8_0) {
+                /* Q8_0's bytes exceed vpmaddubsw's 16-bit pairs: 16-bit quants times 16-bit xq = 128 xh + xl
+                 * (vpmaddwd), each quad's 4 xq on every 64-bit lane, 2 lanes a column, then the lane pairs
+                 * summed (vphaddd) and put in column order: sum((u - 128) xq), the VNNI path's integer */
+                int16_t xq[32];
+                for (int i = 0; i < 32; i += 16) {
+                    const __m256i hx = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xh + i)));
+                    const __m256i lx = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(xl + i)));
+                    _mm256_storeu_si256((__m256i *)(xq + i), _mm256_add_epi16(_mm256_slli_epi16(hx, 7), lx));
+                }
+                __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+                for (int q = 0; q < 8; q++) {
+                    long long x4;
+                    memcpy(&x4, xq + 4 * q, 8);
+                    const __m256i xv = _mm256_set1_epi64x(x4);
+                    lo = _mm256_add_epi32(lo, _mm256_madd_epi16(w[q], xv));
+                    hi = _mm256_add_epi32(hi, _mm256_madd_epi16(w2[q], xv));
+                }
+                a = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lo, hi), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
             } else {
                 a = pk_dot(w, xh, xl, 0, 8, type == T_Q5_0 ? 4 : 8);
+                if (off) a = _mm256_sub_epi32(a, _mm256_set1_epi32(off * xr[r].sq[b]));
             }
-            if (off) a = _mm256_sub_epi32(a, _mm256_set1_epi32(off * xr[r].sq[b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(ws, sx), acc[r]);
             if (has_min(type)) acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xr[r].xs[b]), acc[r]);
         }
