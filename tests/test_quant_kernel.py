@@ -473,3 +473,23 @@ def test_the_avx2_build_gives_the_vnni_builds_bits(fresh_kernel, monkeypatch):
             outs.append(out)
         got[build] = outs
     assert all(torch.equal(a, b) for a, b in zip(got["avx2"], got["avx512"], strict=True))
+
+
+def test_float32_rows_beside_decode_rows_keep_their_bits(fresh_kernel):
+    """float32 with packed blocks (AVX2, `dtype: auto`): the dense rows after a step's decode rows are the
+    same bits whatever the number of decode rows before them (padded as `runner.rows4` pads, not by the
+    step's total): a 5-row chunk alone and beside 1, 2, 3 or 6 decode rows."""
+    from blend.model.runner import pad_rows
+
+    m = random_matrix("Q4_1", 960, 576, 9)
+    lin = Linear([m.dequantize()], [None], quantized=QuantizedProduct([m], None), policy="auto")
+    if not lin.by_row_kind:
+        pytest.skip("the blocks are packed (decode rows read them at any batch) with AVX-512 VNNI or AVX2 only")
+    g = torch.Generator().manual_seed(1)
+    chunk = torch.randn(5, 576, generator=g)
+    alone = lin(pad_rows(chunk, single=False))[:5]  # (5, 960): an 8-row dense product
+    for lead in (1, 2, 3, 6):
+        decode = torch.randn(lead, 576, generator=g)
+        out = lin(pad_rows(torch.cat([decode, chunk]), single=False), lead=lead)
+        assert torch.equal(out[lead:lead + 5], alone), lead
+        assert torch.equal(out[:lead], lin.quantized(decode)), lead

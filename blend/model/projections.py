@@ -201,8 +201,17 @@ class Linear:
         if self.reads_blocks(rows, quantized, lead):
             return self.quantized(x)
         if quantized is None and lead > 0 and self.by_row_kind:
-            return torch.cat([self.quantized(x[:lead]), self._dense_cut(x[lead:], cuts)])
+            return torch.cat([self.quantized(x[:lead]), self._dense_rest(x[lead:], cuts)])
         return self._dense_cut(x, ((lead,) if lead else ()) + cuts if cuts else ())
+
+    def _dense_rest(self, x: torch.Tensor, cuts: tuple[int, ...]) -> torch.Tensor:
+        """The dense product of the rows after the decode rows. float32 on a CPU: padded with zero rows to
+        a multiple of 4 under 12 rows (MKL runs other kernels for the rest rows there: `runner.rows4`), so
+        that these rows' bits do not depend on how many decode rows share the step."""
+        n = x.shape[0]
+        if x.dtype == torch.float32 and x.device.type == "cpu" and n < 12 and n % 4:
+            return self._dense_cut(torch.cat([x, x.new_zeros((4 - n % 4, x.shape[1]))]), ())[:n]
+        return self._dense_cut(x, cuts)
 
     def _dense_cut(self, x: torch.Tensor, cuts: tuple[int, ...]) -> torch.Tensor:
         """The dense product of rows x, in bfloat16 on a CPU one per cut (an item's rows): oneDNN's
