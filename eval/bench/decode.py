@@ -154,7 +154,7 @@ def check_peer(binary: str | None) -> None:
 def resident_bytes(runner: Any) -> dict[str, int]:
     """Bytes of the weights the process holds, by form: the model's own tensors (`model`),
     the dense copies built beside them (`dense_copies`), the quantized blocks as the GGUF stores
-    them (`blocks`), their packed copy the kernel reads (`packed_blocks`, AVX-512 VNNI), `total`."""
+    them (`blocks`), their packed copy the kernel reads (`packed_blocks`, AVX-512 VNNI or AVX2), `total`."""
     seen: set[int] = set()
     model = 0
     for p in list(runner.lm.model.parameters()) + list(runner.lm.model.buffers()):
@@ -273,7 +273,7 @@ def run_decode_bench(config: Any, settings: DecodeSettings, log: Callable[[str],
     llama-bench, run after ours on the model's GGUF at the same contexts and threads
     (`peer_llamacpp`; ValueError for a model that is not a GGUF)."""
     from blend.model.loading import gguf_path, load_model
-    from blend.model.native import decode_kernel_name, quant_kernel_path
+    from blend.model.native import decode_kernel_name, qpack_path, quant_kernel_path
     from blend.model.runner import Runner
 
     check_peer(peer)
@@ -307,7 +307,7 @@ def run_decode_bench(config: Any, settings: DecodeSettings, log: Callable[[str],
         "torch_threads": torch.get_num_threads(),
         "projections": runner.projections.layout if runner.projections is not None else None,
         "weights": runner.projections.weights if runner.projections is not None else "dequantized",
-        "quant_kernel": (None if lm.device.type != "cpu" else "AVX-512 VNNI, packed"
+        "quant_kernel": (None if lm.device.type != "cpu" else f"{qpack_path()}, packed"
                          if runner.projections is not None and runner.projections.packed_nbytes()
                          else quant_kernel_path()),
         "weights_bytes_read_per_token": step_weight_bytes(runner, 1),
