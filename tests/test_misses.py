@@ -383,6 +383,9 @@ def test_a_failing_background_plan_fails_no_request():
         def _plan(self):
             return Once(lambda: (_ for _ in ()).throw(OSError("the store went away")))
 
+        def drop_background(self) -> int:
+            return 0
+
     with make_engine() as engine:
         broken = Broken()
         engine.scheduler._background = broken  # the engine's own is the DocumentCache

@@ -538,6 +538,12 @@ def test_timeout_and_graceful_shutdown(setup):
     try:
         slow = httpx.post(server.url + "/v1/chat/completions", json=chat_body("Go.", max_tokens=LONG), timeout=120)
         assert slow.status_code == 504 and "longer than 3 s" in slow.json()["error"]["message"]
+    finally:
+        server.stop()
+    # a stream in flight at SIGTERM finishes, however long its tokens take here: no timeout, a grace
+    # longer than the test waits
+    server = Server(config, root, "--queue-size", "2", "--shutdown-grace", "3600", "--no-warmup")
+    try:
         body = chat_body(QUESTIONS[0], max_tokens=24, stream=True)
         with httpx.Client(timeout=120) as http, http.stream("POST", server.url + "/v1/chat/completions",
                                                             json=body) as r:
@@ -549,7 +555,7 @@ def test_timeout_and_graceful_shutdown(setup):
         final = json.loads(rest[-2][len("data: "):])
         assert final["choices"][0]["finish_reason"] in ("length", "stop")
         assert final["kvblend"]["new_tokens"] == 24 or final["choices"][0]["finish_reason"] == "stop"
-        assert server.proc.wait(60) == 0
+        assert server.proc.wait(120) == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(server.url + "/health", timeout=5)
     finally:
@@ -782,7 +788,9 @@ def test_sigterm_during_chunked_prefills_ends_every_request_and_exits_within_the
     stream B over documents never seen, prefills in chunks of 8 rows beside C's decode rows; SIGTERM
     right after. Every request gets a whole answer: its tokens then `[DONE]`, or an error (503, or
     an error event saying the server shut down, then `[DONE]`); the process exits 0 within the
-    shutdown grace (and the bounded stop after it), and what was computed is stored (B's documents)."""
+    shutdown grace (and the bounded stop after it), and what was computed is stored: B's documents
+    when B's prefill ended before the grace did (its first token came), else the log says that its
+    missing documents' blocks were not stored (a slow machine: test_shutdown_writes.py waits for them)."""
     root, _ = setup
     config = tmp_path / "chunked.yaml"
     config.write_text(f"""
@@ -829,7 +837,9 @@ store:
                                                                        stream=True, kvblend={"mode": "blend"})))]
         for t in threads[1:]:
             t.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 120  # A and B accepted (waiting for or running on the engine), however slow
+        while sample(server.metrics(), "kvblend_queue_depth") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
         server.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         try:
@@ -849,10 +859,14 @@ store:
         assert "shut down" in json.loads(answers["C"][1][-2][len("data: "):])["error"]["message"]
     finally:
         server.stop()
+    status, lines = answers["B"]
+    prefilled = status == 200 and any('"content": "' in line and '"content": ""' not in line for line in lines)
     with BlendEngine.from_config(config) as engine:  # what was computed was written
         prompt = engine.build_prompt(QUESTIONS[1], [Document(d["text"], id=d["id"]) for d in unseen])
         keys = [key for seg in prompt.documents for key in engine.document_kv.keys(seg, prompt)]
-        assert keys and all(engine.store.contains(key) is not None for key in keys)
+        held = sum(engine.store.contains(key) is not None for key in keys)
+    said = "blocks of its missing documents were not stored" in server.log.read_text()
+    assert keys and (held == len(keys) or (not prefilled and said)), (held, len(keys), server.log.read_text())
 
 
 def test_bench_serve_peer_is_a_second_server_given_prompts_as_text(server, setup, engine, tmp_path):

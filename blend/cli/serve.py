@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ def _body_bytes(text: str) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from blend.engine.engine import BlendEngine
     from blend.server import listen_socket, serve
-    from blend.server.state import ServerSettings
+    from blend.server.state import SHUTDOWN_STOP_S, ServerSettings
 
     sock = listen_socket(args.host, args.port)  # before the model loads: a taken port fails at once
     try:
@@ -76,10 +77,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"kvblend: serving {settings.served_model_name} on http://{args.host}:{args.port} "
           f"(up to {engine.scheduler.config.max_num_seqs} sequences decoding together, queue {settings.queue_size}, "
           f"timeout {settings.request_timeout_s:g} s)", flush=True)
+    code = 0
     if serve(engine, settings, sock, log_level="info" if args.verbose else "warning"):
         print("kvblend: stopped at once by a second signal: requests in flight ended with an error", file=sys.stderr)
-        return 130
-    return 0
+        code = 130
+    if not engine.scheduler.stop(SHUTDOWN_STOP_S):  # (stopped already: this waits for a step still under way)
+        # the store is flushed and closed; an interpreter exit beside a thread inside torch's kernels aborts
+        print(f"kvblend: the scheduler was still in a step {2 * SHUTDOWN_STOP_S:g} s after the shutdown; "
+              "exiting without it", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def register(subparsers: Any) -> None:

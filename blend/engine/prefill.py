@@ -30,6 +30,7 @@ runs right after the prefill, before any decode step touches the cache.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,8 @@ from blend.session.manager import SessionManager, Turn, turn_stats
 from blend.stats import LookupTally, MissReport, RequestStats, SplitReport, tally_fields
 from storage.entry import KVEntry
 from storage.stack import TieredStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -417,6 +420,9 @@ class BlendPrefill(PlanCursor):
         claimed, self.claimed = self.claimed, []
         if claimed:
             self.prefiller.documents.release(claimed)
+            if self.stage == "harvest":  # ended (cancelled, shut down) before its prefill: nothing cut out of it
+                log.warning("a blend ended before its prefill finished: %d blocks of its missing documents were not "
+                         "stored (computed again when next needed)", len(claimed))
 
 
 class TimedRun(PlanCursor):

@@ -269,6 +269,8 @@ class Background(Protocol):
 
     def background_plan(self) -> PlanCursor | None: ...
 
+    def drop_background(self) -> int: ...
+
 
 MAX_PREFILLING = 8  # plans under way at once at most (their work shares the steps' budget)
 
@@ -372,7 +374,9 @@ class Scheduler:
         return not (self._waiting or self._running or self._prefilling)
 
     def _background_due(self) -> bool:
-        return self._bg is not None or (self._background is not None and self._background.background_pending())
+        """Whether background work waits (none once stopping: its entries are optional)."""
+        return not self._stopping and (
+            self._bg is not None or (self._background is not None and self._background.background_pending()))
 
     def _run(self) -> None:
         with torch.inference_mode():
@@ -451,7 +455,7 @@ class Scheduler:
         busy = bool(slots or admit or decode)
         # a request waiting for the background plan's entries lifts it out of its share (no priority inversion)
         awaited = self._bg is not None and self._background is not None and self._background.background_awaited()
-        background = self._background is not None and (
+        background = self._background is not None and not self._stopping and (
             not busy or awaited or self.metrics.background_s <= self.config.background_share * self._busy_s)
         start_bg = background and self._bg is None and self._background.background_pending()
         return Step(admit=tuple(admit), advance=advance, plans=slots, budget=budget, seconds=seconds, decode=decode,
@@ -791,6 +795,8 @@ class Scheduler:
                 self._end(item, cancelled=True)
         for seq in [s for s in self._running if s.handle.stopped()]:
             self._end(seq, cancelled=True)
+        if self._stopping:
+            self._close_background()
 
     def _end(self, item: Sequence | Task, *, value: object = None, error: BaseException | None = None,
              cancelled: bool = False) -> None:
@@ -838,9 +844,19 @@ class Scheduler:
         seq.handle.emit(Finished(value=result, queued_s=queued_s, run_s=run_s))
 
     def _close_background(self) -> None:
+        """The engine stops: the background plan under way ends (what it wrote stays) and none
+        starts; the harvested documents it had not recomputed keep their harvested entries (said
+        once, with how many)."""
+        left = 0
         if self._bg is not None:
             self._bg.plan.close()
             self._bg = None
+            left += 1
+        if self._background is not None:
+            left += self._background.drop_background()
+        if left:
+            log.info("the engine stopped before the standalone recompute of %d harvested document%s: "
+                     "their harvested entries stay stored", left, "" if left == 1 else "s")
 
     def _fail(self, seq: Sequence, err: Exception) -> None:
         """One sequence failed outside the batched model call (e.g. sampling from logits that are not

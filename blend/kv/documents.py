@@ -314,6 +314,13 @@ class DocumentCache:
         """Whether a harvested document waits for its standalone recompute."""
         return bool(self._background)
 
+    def drop_background(self) -> int:
+        """Take every harvested document waiting for its standalone recompute off the queue (the
+        engine stops: their harvested entries stay); returns how many there were."""
+        left = len(self._background)
+        self._background.clear()
+        return left
+
     def background_plan(self) -> Standalone | None:
         """The oldest waiting harvested document recomputed on its own, as a plan of the scheduler
         (`Standalone`); None when none waits. Scheduler thread only."""
