@@ -293,15 +293,57 @@ static inline float softmax_block(float *sr, const float *bias, float scale, int
 #define VEC_D 16 /* head dimensions the vector paths take: multiples of this */
 
 #elif defined(__AVX2__) && defined(__FMA__)
-#define QT_MAX 4
+/* AVX2 + FMA (8 lanes, 16 vector registers): tiles of up to 6 query vectors by 16 keys (or 16
+ * value dimensions), 12 accumulators, as a 6 x 16 matrix product's inner loop. Keys packed
+ * one key block at a time (KT_BLOCKED: d rows of BK floats, the block's 16 KB contiguous): rows
+ * of the whole padded key count apart would sit a multiple of 4 KB apart and share one set of
+ * the L1 cache. */
+#define QT_MAX 6
+#define KT_BLOCKED 1
+#define STRIPE QT_MAX /* query vectors scored, weighed and summed together (run_pass) */
 
-static AI void qk_f32(const float *q, int qt, int d, const float *kt, long tpad, long j0, float *s) {
+/* e^x for x <= 0 on 8 lanes: exp_nonpositive's reduction and polynomial (fused, as exp512),
+ * 2^n built in the exponent bits (n >= -126 after the clamp: a normal number). */
+static AI __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 fn = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fn), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static AI float hmax256(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static AI float hsum256(__m256 x) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* s[i][0..BK) = q_i . k_{0..BK) for qt query vectors, from one packed key block kt: its keys in
+ * chunks of 16, each chunk d rows of 16 (key j's dimension x at kt[(j / 16) * 16 d + 16 x + j % 16]) */
+static AI void qk_f32(const float *q, int qt, int d, const float *kt, float *s) {
     for (int jj = 0; jj < BK; jj += 16) {
         __m256 acc[QT_MAX][2];
-        for (int i = 0; i < qt; i++)
-            for (int c = 0; c < 2; c++) acc[i][c] = _mm256_setzero_ps();
-        for (int x = 0; x < d; x++) {
-            const float *kr = kt + x * tpad + j0 + jj;
+        for (int i = 0; i < qt; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        const float *kr = kt + (long)jj * d;
+        for (int x = 0; x < d; x++, kr += 16) {
             const __m256 k0 = _mm256_loadu_ps(kr), k1 = _mm256_loadu_ps(kr + 8);
             for (int i = 0; i < qt; i++) {
                 const __m256 qb = _mm256_broadcast_ss(q + (long)i * d + x);
@@ -316,31 +358,62 @@ static AI void qk_f32(const float *q, int qt, int d, const float *kt, long tpad,
     }
 }
 
+/* o[i][0..8w) += sum_j p[i][j] v[j0 + j][0..8w) for qt query vectors, n keys, w 1 or 2 */
 static AI void pv_cols(const float *p, int qt, int d, const float *v, long vrow, long j0, int n, float *o, const int w) {
-    for (int i0 = 0; i0 < qt; i0 += 2) {
-        const int rows = qt - i0 < 2 ? qt - i0 : 2;
-        __m256 acc[2][4];
-        for (int i = 0; i < rows; i++)
-            for (int c = 0; c < w; c++) acc[i][c] = _mm256_loadu_ps(o + (long)(i0 + i) * d + 8 * c);
-        for (int j = 0; j < n; j++) {
-            const float *vr = v + (j0 + j) * vrow;
-            __m256 vv[4];
-            for (int c = 0; c < w; c++) vv[c] = _mm256_loadu_ps(vr + 8 * c);
-            for (int i = 0; i < rows; i++) {
-                const __m256 pb = _mm256_broadcast_ss(p + (i0 + i) * BK + j);
-                for (int c = 0; c < w; c++) acc[i][c] = _mm256_fmadd_ps(pb, vv[c], acc[i][c]);
-            }
+    __m256 acc[QT_MAX][2];
+    for (int i = 0; i < qt; i++)
+        for (int c = 0; c < w; c++) acc[i][c] = _mm256_loadu_ps(o + (long)i * d + 8 * c);
+    const float *vr = v + j0 * vrow;
+    for (int j = 0; j < n; j++, vr += vrow) {
+        __m256 vv[2];
+        for (int c = 0; c < w; c++) vv[c] = _mm256_loadu_ps(vr + 8 * c);
+        for (int i = 0; i < qt; i++) {
+            const __m256 pb = _mm256_broadcast_ss(p + i * BK + j);
+            for (int c = 0; c < w; c++) acc[i][c] = _mm256_fmadd_ps(pb, vv[c], acc[i][c]);
         }
-        for (int i = 0; i < rows; i++)
-            for (int c = 0; c < w; c++) _mm256_storeu_ps(o + (long)(i0 + i) * d + 8 * c, acc[i][c]);
     }
+    for (int i = 0; i < qt; i++)
+        for (int c = 0; c < w; c++) _mm256_storeu_ps(o + (long)i * d + 8 * c, acc[i][c]);
 }
 
+/* o[i][0..d) += sum_j p[i][j] v[j0 + j] (d a multiple of 8) */
 static AI void pv_f32(const float *p, int qt, int d, const float *v, long vrow, long j0, int n, float *o) {
     int c0 = 0;
-    for (; c0 + 32 <= d; c0 += 32) pv_cols(p, qt, d, v + c0, vrow, j0, n, o + c0, 4);
-    for (; c0 < d; c0 += 8) pv_cols(p, qt, d, v + c0, vrow, j0, n, o + c0, 1);
+    for (; c0 + 16 <= d; c0 += 16) pv_cols(p, qt, d, v + c0, vrow, j0, n, o + c0, 2);
+    if (c0 < d) pv_cols(p, qt, d, v + c0, vrow, j0, n, o + c0, 1);
 }
+
+/* softmax_block (see the AVX-512 form) on 8 lanes: the scores stored back with hidden keys at
+ * -inf, then their exponentials (0 where the score is -inf) */
+static inline float softmax_block(float *sr, const float *bias, float scale, int masked, int lo, int hi, float old,
+                                  float *top) {
+    const __m256 vs = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i vlo = _mm256_set1_epi32(lo - 1), vhi = _mm256_set1_epi32(hi);
+    __m256 most = ninf;
+    for (int c = 0; c < BK; c += 8) {
+        __m256 t = _mm256_fmadd_ps(_mm256_loadu_ps(sr + c), vs, _mm256_loadu_ps(bias + c));
+        if (masked) {
+            const __m256i idx = _mm256_add_epi32(lane, _mm256_set1_epi32(c));
+            const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(idx, vlo), _mm256_cmpgt_epi32(vhi, idx));
+            t = _mm256_blendv_ps(ninf, t, _mm256_castsi256_ps(in));
+        }
+        _mm256_storeu_ps(sr + c, t);
+        most = _mm256_max_ps(most, t);
+    }
+    const float blk = hmax256(most);
+    *top = blk;
+    const __m256 vm = _mm256_set1_ps(blk > old ? blk : old);
+    __m256 total = _mm256_setzero_ps();
+    for (int c = 0; c < BK; c += 8) {
+        const __m256 t = _mm256_loadu_ps(sr + c);
+        const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(t, vm)), _mm256_cmp_ps(t, ninf, _CMP_NEQ_OQ));
+        _mm256_storeu_ps(sr + c, e);
+        total = _mm256_add_ps(total, e);
+    }
+    return hsum256(total);
+}
+#define HAVE_SOFTMAX_BLOCK 1
 #define VEC_D 8
 
 #else
@@ -373,8 +446,15 @@ static AI void pv_f32(const float *p, int qt, int d, const float *v, long vrow, 
 }
 #define VEC_D 1
 #endif
+#ifndef KT_BLOCKED
+#define KT_BLOCKED 0 /* float32 keys transposed over the whole padded key count: kt[x * tpad + j] */
+#endif
+#ifndef STRIPE
+#define STRIPE MAX_M /* every query vector of a row block at once */
+#endif
 
 /* Generic (any d) forms, for head dimensions the vector paths do not take. */
+#if !KT_BLOCKED
 static void qk_any(const float *q, int qt, int d, const float *kt, long tpad, long j0, float *s) {
     for (int i = 0; i < qt; i++)
         for (int j = 0; j < BK; j++) {
@@ -383,6 +463,17 @@ static void qk_any(const float *q, int qt, int d, const float *kt, long tpad, lo
             s[i * BK + j] = acc;
         }
 }
+#else
+/* qk_any over one key block packed in chunks of 16 keys (qk_f32's layout) */
+static void qk_chunked(const float *q, int qt, int d, const float *kt, float *s) {
+    for (int i = 0; i < qt; i++)
+        for (int j = 0; j < BK; j++) {
+            float acc = 0.0f;
+            for (int x = 0; x < d; x++) acc += q[(long)i * d + x] * kt[(long)(j / 16) * 16 * d + 16 * x + j % 16];
+            s[i * BK + j] = acc;
+        }
+}
+#endif
 
 static void pv_any(const float *p, int qt, int d, const float *v, long vrow, long j0, int n, float *o) {
     for (int i = 0; i < qt; i++)
@@ -529,135 +620,155 @@ static void run_pass(const call_t *C, const item_t *it, const void *qbuf_, float
     for (long j0 = it->k0; j0 < it->k1; j0 += BK) {
         const int n = it->k1 - j0 < BK ? (int)(it->k1 - j0) : BK;
         const long pj = j0 - C->kmin; /* packed index */
-        /* scores of every query vector of the block, in tiles of QT_MAX (or AMX_ROWS) */
-#if KVB_AMX
-        for (int m0 = 0; C->amx && m0 < nm; m0 += AMX_ROWS)
-            amx_scores((const uint16_t *)(const void *)qbuf + (long)m0 * d, d, (const int32_t *)(const void *)kp,
-                       C->tpad, pj, s + m0 * BK);
-#endif
-        for (int m0 = 0; !C->amx && m0 < nm; m0 += QT_MAX) {
-            const int qt = nm - m0 < QT_MAX ? nm - m0 : QT_MAX;
-            float *sm = s + m0 * BK;
-#if PACK_PAIRS
-            if (C->pairs) {
-                const uint16_t *qm = (const uint16_t *)(const void *)qbuf + (long)m0 * d;
-#define QKP(QT) qk_pairs(qm, QT, d, (const int32_t *)(const void *)kp, C->tpad, pj, sm)
-                switch (qt) {
-                case 6: QKP(6); break;
-                case 5: QKP(5); break;
-                case 4: QKP(4); break;
-                case 3: QKP(3); break;
-                case 2: QKP(2); break;
-                default: QKP(1); break;
-                }
-#undef QKP
-                continue;
-            }
-#endif
-            const float *qm = qbuf + (long)m0 * d;
-            const float *kt = (const float *)(const void *)kp;
-            if (d % VEC_D) {
-                qk_any(qm, qt, d, kt, C->tpad, pj, sm);
-                continue;
-            }
-#define QKF(QT) qk_f32(qm, QT, d, kt, C->tpad, pj, sm)
-            switch (qt) {
-#if QT_MAX >= 6
-            case 6: QKF(6); break;
-            case 5: QKF(5); break;
-#endif
-            case 4: QKF(4); break;
-            case 3: QKF(3); break;
-            case 2: QKF(2); break;
-            default: QKF(1); break;
-            }
-#undef QKF
-        }
         /* masks only where some row of the block does not see the whole key block */
         const int masked = !(n == BK && j0 + n - 1 <= first && j0 >= lo_last);
         _Alignas(64) float bias[BK];
         for (int j = 0; j < BK; j++) bias[j] = bh && j < n ? bh[pj + j] : 0.0f;
-        for (int m = 0; m < nm; m++) {
-            float *sr = s + m * BK;
-            int vis_lo = 0, vis_hi = BK; /* visible keys of this block: [vis_lo, vis_hi) */
-            if (masked) {
-                const long p = C->pos[it->r0 + m / g];
-                const long lo = lo_of(C, p) - j0, hi = p + 1 - j0;
-                vis_lo = lo > 0 ? (int)lo : 0;
-                vis_hi = hi < n ? (int)hi : n;
-                if (vis_hi <= vis_lo) { /* nothing visible here */
-                    memset(sr, 0, BK * sizeof(float));
-                    if (keep) kmax[(long)m * nkb + (j0 - it->k0) / BK] = -INFINITY;
-                    continue;
-                }
-            }
-#ifdef HAVE_SOFTMAX_BLOCK
-            float top;
-            const float total = softmax_block(sr, bias, C->scale, masked, vis_lo, vis_hi, mx[m], &top);
-            const float mnew = top > mx[m] ? top : mx[m];
-#else
-            float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-            for (int j = 0; j < BK; j++) {
-                const float t = sr[j] * C->scale + bias[j];
-                const int in = j >= vis_lo && j < vis_hi;
-                sr[j] = in ? t : -INFINITY;
-                top = sr[j] > top ? sr[j] : top;
-            }
-            const float mnew = top > mx[m] ? top : mx[m];
-            float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-            for (int j = 0; j < BK; j++) {
-                const float e = exp_nonpositive(sr[j] - mnew);
-                sr[j] = sr[j] == -INFINITY ? 0.0f : e;
-                total += sr[j];
-            }
-#endif
-            if (keep) { /* for the column sums: this block's probabilities and the maximum they are of */
-                const long b = (long)m * nkb + (j0 - it->k0) / BK;
-                memcpy(keep + b * BK, sr, BK * sizeof(float));
-                kmax[b] = mnew;
-            }
-            if (mnew > mx[m] && mx[m] != -INFINITY) {
-                const float corr = exp_nonpositive(mx[m] - mnew);
-                l[m] *= corr;
-                float *om = o + (long)m * d;
-#pragma omp simd
-                for (int x = 0; x < d; x++) om[x] *= corr;
-            }
-            mx[m] = mnew;
-            l[m] += total;
-        }
-        /* o += p . v */
-#if KVB_AMX
-        if (C->amx) {
-            for (int m = 0; m < nm; m++) amx_split_row(s + m * BK, pb + m * BK, pl + m * BK);
-            for (int m0 = 0; m0 < nm; m0 += AMX_ROWS)
-                amx_values(pb + m0 * BK, pl + m0 * BK, d, (const int32_t *)(const void *)vh + (pj / 2) * d,
-                           o + (long)m0 * d);
-            continue;
-        }
-#endif
-        for (int m0 = 0; m0 < nm; m0 += QT_MAX) {
-            const int qt = nm - m0 < QT_MAX ? nm - m0 : QT_MAX;
-            const float *sm = s + m0 * BK;
-            float *om = o + (long)m0 * d;
-            if (d % VEC_D) {
-                pv_any(sm, qt, d, vh, C->v_row, pj, n, om);
+        /* the query vectors in stripes of STRIPE: each stripe's scores, probabilities and weighted
+         * values one after the other (a stripe's scores, at the start of s, stay in the L1 cache) */
+        for (int v0 = 0; v0 < nm; v0 += STRIPE) {
+            const int v1 = nm - v0 < STRIPE ? nm : v0 + STRIPE;
+            /* a key block no row of the stripe sees (past its last row, before its first row's
+             * window): skipped, as it is for those rows alone (never, in a stripe of the whole row block) */
+            if (j0 > C->pos[it->r0 + (v1 - 1) / g] || j0 + n - 1 < lo_of(C, C->pos[it->r0 + v0 / g])) {
+                for (int m = v0; keep && m < v1; m++) kmax[(long)m * nkb + (j0 - it->k0) / BK] = -INFINITY;
                 continue;
             }
-#define PVF(QT) pv_f32(sm, QT, d, vh, C->v_row, pj, n, om)
-            switch (qt) {
-#if QT_MAX >= 6
-            case 6: PVF(6); break;
-            case 5: PVF(5); break;
+            /* scores of every query vector of the block, in tiles of QT_MAX (or AMX_ROWS) */
+#if KVB_AMX
+            for (int m0 = v0; C->amx && m0 < v1; m0 += AMX_ROWS)
+                amx_scores((const uint16_t *)(const void *)qbuf + (long)m0 * d, d, (const int32_t *)(const void *)kp,
+                           C->tpad, pj, s + (m0 - v0) * BK);
 #endif
-            case 4: PVF(4); break;
-            case 3: PVF(3); break;
-            case 2: PVF(2); break;
-            default: PVF(1); break;
+            for (int m0 = v0; !C->amx && m0 < v1; m0 += QT_MAX) {
+                const int qt = v1 - m0 < QT_MAX ? v1 - m0 : QT_MAX;
+                float *sm = s + (m0 - v0) * BK;
+#if PACK_PAIRS
+                if (C->pairs) {
+                    const uint16_t *qm = (const uint16_t *)(const void *)qbuf + (long)m0 * d;
+#define QKP(QT) qk_pairs(qm, QT, d, (const int32_t *)(const void *)kp, C->tpad, pj, sm)
+                    switch (qt) {
+                    case 6: QKP(6); break;
+                    case 5: QKP(5); break;
+                    case 4: QKP(4); break;
+                    case 3: QKP(3); break;
+                    case 2: QKP(2); break;
+                    default: QKP(1); break;
+                    }
+#undef QKP
+                    continue;
+                }
+#endif
+                const float *qm = qbuf + (long)m0 * d;
+#if KT_BLOCKED /* this key block, in chunks of 16 keys */
+                const float *kt = (const float *)(const void *)kp + (pj / BK) * d * BK;
+                if (d % VEC_D) {
+                    qk_chunked(qm, qt, d, kt, sm);
+                    continue;
+                }
+#define QKF(QT) qk_f32(qm, QT, d, kt, sm)
+#else
+                const float *kt = (const float *)(const void *)kp;
+                if (d % VEC_D) {
+                    qk_any(qm, qt, d, kt, C->tpad, pj, sm);
+                    continue;
+                }
+#define QKF(QT) qk_f32(qm, QT, d, kt, C->tpad, pj, sm)
+#endif
+                switch (qt) {
+#if QT_MAX >= 6
+                case 6: QKF(6); break;
+                case 5: QKF(5); break;
+#endif
+                case 4: QKF(4); break;
+                case 3: QKF(3); break;
+                case 2: QKF(2); break;
+                default: QKF(1); break;
+                }
+#undef QKF
             }
+            for (int m = v0; m < v1; m++) {
+                float *sr = s + (m - v0) * BK;
+                int vis_lo = 0, vis_hi = BK; /* visible keys of this block: [vis_lo, vis_hi) */
+                if (masked) {
+                    const long p = C->pos[it->r0 + m / g];
+                    const long lo = lo_of(C, p) - j0, hi = p + 1 - j0;
+                    vis_lo = lo > 0 ? (int)lo : 0;
+                    vis_hi = hi < n ? (int)hi : n;
+                    if (vis_hi <= vis_lo) { /* nothing visible here */
+                        memset(sr, 0, BK * sizeof(float));
+                        if (keep) kmax[(long)m * nkb + (j0 - it->k0) / BK] = -INFINITY;
+                        continue;
+                    }
+                }
+#ifdef HAVE_SOFTMAX_BLOCK
+                float top;
+                const float total = softmax_block(sr, bias, C->scale, masked, vis_lo, vis_hi, mx[m], &top);
+                const float mnew = top > mx[m] ? top : mx[m];
+#else
+                float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+                for (int j = 0; j < BK; j++) {
+                    const float t = sr[j] * C->scale + bias[j];
+                    const int in = j >= vis_lo && j < vis_hi;
+                    sr[j] = in ? t : -INFINITY;
+                    top = sr[j] > top ? sr[j] : top;
+                }
+                const float mnew = top > mx[m] ? top : mx[m];
+                float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+                for (int j = 0; j < BK; j++) {
+                    const float e = exp_nonpositive(sr[j] - mnew);
+                    sr[j] = sr[j] == -INFINITY ? 0.0f : e;
+                    total += sr[j];
+                }
+#endif
+                if (keep) { /* for the column sums: this block's probabilities and the maximum they are of */
+                    const long b = (long)m * nkb + (j0 - it->k0) / BK;
+                    memcpy(keep + b * BK, sr, BK * sizeof(float));
+                    kmax[b] = mnew;
+                }
+                if (mnew > mx[m] && mx[m] != -INFINITY) {
+                    const float corr = exp_nonpositive(mx[m] - mnew);
+                    l[m] *= corr;
+                    float *om = o + (long)m * d;
+#pragma omp simd
+                    for (int x = 0; x < d; x++) om[x] *= corr;
+                }
+                mx[m] = mnew;
+                l[m] += total;
+            }
+            /* o += p . v */
+#if KVB_AMX
+            if (C->amx) {
+                for (int m = v0; m < v1; m++) amx_split_row(s + (m - v0) * BK, pb + m * BK, pl + m * BK);
+                for (int m0 = v0; m0 < v1; m0 += AMX_ROWS)
+                    amx_values(pb + m0 * BK, pl + m0 * BK, d, (const int32_t *)(const void *)vh + (pj / 2) * d,
+                               o + (long)m0 * d);
+                continue;
+            }
+#endif
+            for (int m0 = v0; m0 < v1; m0 += QT_MAX) {
+                const int qt = v1 - m0 < QT_MAX ? v1 - m0 : QT_MAX;
+                const float *sm = s + (m0 - v0) * BK;
+                float *om = o + (long)m0 * d;
+                if (d % VEC_D) {
+                    pv_any(sm, qt, d, vh, C->v_row, pj, n, om);
+                    continue;
+                }
+#define PVF(QT) pv_f32(sm, QT, d, vh, C->v_row, pj, n, om)
+                switch (qt) {
+#if QT_MAX >= 6
+                case 6: PVF(6); break;
+                case 5: PVF(5); break;
+#endif
+                case 4: PVF(4); break;
+                case 3: PVF(3); break;
+                case 2: PVF(2); break;
+                default: PVF(1); break;
+                }
 #undef PVF
+            }
         }
     }
 }
@@ -732,8 +843,15 @@ static void pack_keys(const call_t *C, int h, const char *k, long k_head, long k
             }
         } else {
             float *kt = (float *)(void *)C->kpack + (long)h * C->tpad * d;
+#if KT_BLOCKED /* key block pj / BK, chunk (pj % BK) / 16: d rows of 16 */
+            kt += (pj / BK) * d * BK + (pj % BK) / 16 * 16 * d + pj % 16;
+            const long ks = 16;
+#else
+            kt += pj;
+            const long ks = C->tpad;
+#endif
             for (int x = 0; x < d; x++)
-                kt[x * C->tpad + pj] = !real ? 0.0f
+                kt[x * ks] = !real ? 0.0f
                     : C->kind == BKIND_F32 ? ((const float *)(const void *)kr)[x]
                     : bf16_to_f32(((const uint16_t *)(const void *)kr)[x]);
         }
@@ -1094,14 +1212,18 @@ __attribute__((optimize("fp-contract=off"))) int kvb_decode_codes(int bits, int 
 }
 
 /* The blend kernel's dot products: 2 where bfloat16 rows take AMX tiles (the CPU has them, Linux
- * grants them, not turned off), 1 for AVX-512 BF16 dot products, 0 otherwise. `want` 0 turns the
+ * grants them, not turned off), 1 for AVX-512 BF16 dot products, 3 for the AVX2 + FMA build's
+ * float32 ones, 0 otherwise. `want` 0 turns the
  * tiles off for this process, 1 back on, -1 only asks. */
 int kvb_blend_path(int want) {
 #if KVB_AMX
     if (want >= 0) __atomic_store_n(&amx_wanted, want ? 1 : 0, __ATOMIC_RELAXED);
     return amx_wanted && amx_ready() ? 2 : 1;
+#elif PACK_PAIRS
+    (void)want;
+    return 1;
 #else
     (void)want;
-    return PACK_PAIRS;
+    return KT_BLOCKED ? 3 : 0; /* 3: the AVX2 + FMA path (float32 keys) */
 #endif
 }
