@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from blend.model.cpu import CPU_BF16_FLAGS, cpu_flags
 from storage.dtypes import kv_bytes_per_token, torch_dtype
 
 if TYPE_CHECKING:
@@ -361,21 +362,6 @@ def fingerprint_model(dims: ModelDims, weights_digest: str, compute_dtype: torch
 
 
 AUTO_DTYPE = "auto"
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs that compute bfloat16 natively
-
-
-def cpu_flags(path: str | Path = "/proc/cpuinfo") -> frozenset[str]:
-    """The feature flags the kernel reports for the first CPU (Linux); empty where the file
-    is missing or unreadable (another OS)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                key, sep, value = line.partition(":")
-                if sep and key.strip() == "flags":
-                    return frozenset(value.split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def auto_dtype(device: torch.device, flags: Iterable[str] | None = None) -> torch.dtype:

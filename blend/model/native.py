@@ -153,7 +153,7 @@ def _torch_libgomp() -> str:
 def _library_path(cc: str, libgomp: str, spec: KernelSpec = DECODE) -> Path:
     """Where the build of `spec` for this source, compiler, CPU and OpenMP runtime lives."""
     from blend.config import kvblend_home
-    from blend.model.loading import cpu_flags
+    from blend.model.cpu import cpu_flags
 
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
