@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -95,3 +97,14 @@ def smollm2_tokenizer():
 def gemma3() -> LoadedModel:
     """The shipped Gemma 3 270M (the gemma extra; converted copy cached under ~/.cache/kvblend)."""
     return load_model("gemma3-270m", device="cpu")
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside the block, then back to what they were."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -12,13 +12,13 @@ import ctypes
 import platform
 import shutil
 import subprocess
-from contextlib import contextmanager
 
 import pytest
 import torch
 
 from blend.model import native
 from blend.model.loading import cpu_flags
+from tests.models import torch_threads
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
 
@@ -76,16 +76,6 @@ def build(request, libraries, monkeypatch):
     assert native.BLEND_PATHS[lib.kvb_blend_path(-1)] == path
     monkeypatch.setattr(native, "blend_kernel", lambda: lib)
     return name
-
-
-@contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _inputs(hkv, g, d, tk, dtype, seed):
@@ -157,19 +147,19 @@ def test_each_build_equals_float64_of_its_inputs(build, dtype, hkv, g, d, tk, wi
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hkv,g,d,tk,window", SHAPES[:4])
-def test_a_row_is_the_same_bits_alone_and_among_others_on_1_or_2_threads(build, dtype, hkv, g, d, tk, window):
+def test_a_row_is_the_same_bits_alone_and_among_others_on_1_or_2torch_threads(build, dtype, hkv, g, d, tk, window):
     """17 rows at once, and each row alone, beside its neighbours and in every other row:
     bitwise equal outputs on 1 and 2 threads; the column sums the same bits on 1 and 2 threads."""
     q, k, v, bias = _inputs(hkv, g, d, tk, dtype, seed=tk + g)
     pos = _positions(17, tk, seed=tk)
     scale = d ** -0.5
-    with _threads(1):
+    with torch_threads(1):
         alone = [_run(q, pos[i:i + 1], k, v, bias, scale, window)[0] for i in range(pos.numel())]
         # with column sums the kernel walks a row's keys in one pass (no range cuts): its own reference
         alone_sums = [_run(q, pos[i:i + 1], k, v, bias, scale, window, sums=True)[0] for i in range(pos.numel())]
         _, sums1 = _run(q, pos, k, v, bias, scale, window, sums=True)
     for threads in (1, 2):
-        with _threads(threads):
+        with torch_threads(threads):
             sets = [torch.arange(pos.numel()), torch.arange(0, pos.numel(), 2), torch.arange(pos.numel() - 3, pos.numel())]
             for rows in sets:
                 out, _ = _run(q, pos[rows], k, v, bias, scale, window)

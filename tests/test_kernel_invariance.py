@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import platform
 import shutil
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch
 from blend.model import native
 from blend.model.loading import cpu_flags
 from blend.model.native import native_blend_attention, native_decode_attention_batch, native_shift_rows
-from tests.models import home_sharing
+from tests.models import home_sharing, torch_threads
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
 
@@ -65,16 +64,6 @@ def build(request, monkeypatch, kernel_home):
         _clear()
 
 
-@contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal (NaN payloads and signed zeros too)."""
     bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
@@ -100,7 +89,7 @@ def _decode(seqs, dtype) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ["llama", "gemma3"], ids=str)
-def test_a_decode_row_is_the_same_alone_and_in_any_batch_on_1_or_2_threads(build, dtype, shape):
+def test_a_decode_row_is_the_same_alone_and_in_any_batch_on_1_or_2torch_threads(build, dtype, shape):
     """One call per batch of 1, 2, 4 and 8 sequences (lengths across the 256-key blocks; a
     Gemma sliding layer's window of 512 and a global layer's longer context): each sequence's
     output equals its output alone on one thread, bitwise, on 1 and 2 threads."""
@@ -108,10 +97,10 @@ def test_a_decode_row_is_the_same_alone_and_in_any_batch_on_1_or_2_threads(build
     lengths = (1, 255, 256, 700, 3000, 37, 1500, 513) if shape == "llama" else (512, 1, 300, 2100, 512, 257, 40, 900)
     seqs = [_sequence(s["hkv"], s["g"], s["d"], t, dtype, seed=i, with_bias=i % 2 == 1)
             for i, t in enumerate(lengths)]
-    with _threads(1):
+    with torch_threads(1):
         alone = [_decode([x], dtype)[0] for x in seqs]
     for threads in (1, 2):
-        with _threads(threads):
+        with torch_threads(threads):
             for size in (1, 2, 4, 8):
                 for start in range(0, len(seqs), size):
                     order = [(start + j) % len(seqs) for j in range(size)][::-1]  # other orders, other neighbours
@@ -149,7 +138,7 @@ def _row_sets(tk: int, gen: torch.Generator) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ["llama", "gemma3"], ids=str)
 @pytest.mark.parametrize("sums", [False, True], ids=["out", "out+sums"])
-def test_a_blend_row_is_the_same_alone_and_among_any_rows_on_1_or_2_threads(build, dtype, shape, sums):
+def test_a_blend_row_is_the_same_alone_and_among_any_rows_on_1_or_2torch_threads(build, dtype, shape, sums):
     """Every row of every row set (and the union of them all) on 1 and 2 threads, with and
     without a bias: each row's output equals its output in the one call of every row on one
     thread, bitwise; with column sums, the sums of a row set are the same bits on 1 and 2
@@ -160,12 +149,12 @@ def test_a_blend_row_is_the_same_alone_and_among_any_rows_on_1_or_2_threads(buil
     gen = torch.Generator().manual_seed(5)
     for b in (bias, None):
         every = torch.arange(tk)
-        with _threads(1):
+        with torch_threads(1):
             reference, _ = _blend(q, every, k, v, b, s["window"], sums)
         for pos in _row_sets(tk, gen):
             got = {}
             for threads in (1, 2):
-                with _threads(threads):
+                with torch_threads(threads):
                     got[threads] = _blend(q, pos, k, v, b, s["window"], sums)
                 assert _same(got[threads][0], reference[pos]), (threads, pos.numel())
             if sums:
@@ -178,10 +167,10 @@ def test_a_row_set_that_crosses_range_and_block_edges_keeps_each_row_s_bits(buil
     q, k, v, bias = _blend_inputs(2, 3, 64, 1100, torch.float32, seed=3)
     edges = torch.tensor([0, 1, 62, 63, 64, 65, 511, 512, 513, 1023, 1024, 1025, 1099])
     for window in (None, 100, 600):
-        with _threads(2):
+        with torch_threads(2):
             together, _ = _blend(q, edges, k, v, bias, window, sums=False)
         for i, p in enumerate(edges.tolist()):
-            with _threads(1 + i % 2):
+            with torch_threads(1 + i % 2):
                 alone, _ = _blend(q, torch.tensor([p]), k, v, bias, window, sums=False)
             assert _same(alone[0], together[i]), (window, p)
 
@@ -198,11 +187,11 @@ def test_a_shifted_row_is_the_same_alone_and_among_other_rows(build, dtype):
     angles = rows[:, None].float() * torch.linspace(0.01, 1.0, d)[None]
     cos, sin = angles.cos(), angles.sin()
     together_k, together_v = k.clone(), v.clone()
-    with _threads(2):
+    with torch_threads(2):
         assert native_shift_rows(together_k, together_v, rows, dk, dv, cos, sin)
     for i in (0, 1, 199, 399):
         alone_k, alone_v = k.clone(), v.clone()
-        with _threads(1):
+        with torch_threads(1):
             assert native_shift_rows(alone_k, alone_v, rows[i:i + 1], dk, dv, cos[i:i + 1].contiguous(),
                                      sin[i:i + 1].contiguous())
         r = rows[i]

@@ -94,6 +94,29 @@ def sample(metrics: dict, name: str, **labels: str) -> float:
     return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+# documents no test stores before it sends them
+UNSEEN = [{"id": f"unseen-{i}", "text": f"Unseen passage {i}: the ferry to Lenwick left at {i + 5} o'clock, "
+           "carrying mail, coal and the harbour master's cat, and came back after dark."} for i in range(3)]
+
+
+def disk_config(tmp_path: Path, model: str) -> Path:
+    """A config of `model` over one disk tier under `tmp_path` (what a restarted server finds), documents
+    in blocks of 16, no load-or-compute split."""
+    config = tmp_path / "disk.yaml"
+    config.write_text(f"""
+model: {model}
+device: cpu
+engine:
+  blend: {{chunk_tokens: 16, split: "off"}}
+  sessions: {{sessions_dir: {tmp_path / "sessions"}}}
+store:
+  kv_dtype: float32
+  tiers:
+    - {{kind: disk, path: {tmp_path / "disk"}, budget: 256MiB, codec: none}}
+""")
+    return config
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
@@ -792,20 +815,8 @@ def test_sigterm_during_chunked_prefills_ends_every_request_and_exits_within_the
     when B's prefill ended before the grace did (its first token came), else the log says that its
     missing documents' blocks were not stored (a slow machine: test_shutdown_writes.py waits for them)."""
     root, _ = setup
-    config = tmp_path / "chunked.yaml"
-    config.write_text(f"""
-model: {root / "model"}
-device: cpu
-engine:
-  blend: {{chunk_tokens: 16, split: "off"}}
-  sessions: {{sessions_dir: {tmp_path / "sessions"}}}
-store:
-  kv_dtype: float32
-  tiers:
-    - {{kind: disk, path: {tmp_path / "disk"}, budget: 64MiB, codec: none}}
-""")
-    unseen = [{"id": f"unseen-{i}", "text": f"Unseen passage {i}: the ferry to Lenwick left at {i + 5} o'clock, "
-               "carrying mail, coal and the harbour master's cat."} for i in range(3)]
+    config = disk_config(tmp_path, str(root / "model"))
+    unseen = UNSEEN
     grace = 3.0
     server = Server(config, tmp_path, "--no-warmup", "--prefill-chunk-tokens", "8", "--shutdown-grace", str(grace),
                     "--request-timeout", "600")

@@ -18,10 +18,7 @@ import pytest
 from blend.engine.engine import BlendEngine
 from blend.prompt.document import Document
 from tests.models import smollm2_tokenizer, tiny_model
-from tests.test_server import LONG, QUESTIONS, Server, chat_body
-
-UNSEEN = [{"id": f"unseen-{i}", "text": f"Unseen passage {i}: the ferry to Lenwick left at {i + 5} o'clock, "
-           "carrying mail, coal and the harbour master's cat, and came back after dark."} for i in range(3)]
+from tests.test_server import LONG, QUESTIONS, UNSEEN, Server, chat_body, disk_config
 
 
 def _burn(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
@@ -43,22 +40,6 @@ class Burner:
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
-
-
-def _config(tmp_path: Path, model: str) -> Path:
-    config = tmp_path / "shutdown.yaml"
-    config.write_text(f"""
-model: {model}
-device: cpu
-engine:
-  blend: {{chunk_tokens: 16, split: "off"}}
-  sessions: {{sessions_dir: {tmp_path / "sessions"}}}
-store:
-  kv_dtype: float32
-  tiers:
-    - {{kind: disk, path: {tmp_path / "disk"}, budget: 256MiB, codec: none}}
-""")
-    return config
 
 
 class Stream(threading.Thread):
@@ -104,7 +85,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2-135m-instruct", marks=pytest.mark.slow)])
 def test_sigterm_after_a_blend_stream_opened_writes_its_documents(model, request, tmp_path):
-    config = _config(tmp_path, str(request.getfixturevalue("tiny_dir")) if model == "tiny" else model)
+    config = disk_config(tmp_path, str(request.getfixturevalue("tiny_dir")) if model == "tiny" else model)
     tokens = LONG if model == "tiny" else 6000  # minutes of decoding, within the model's positions
     with Burner():
         server = Server(config, tmp_path, "--no-warmup", "--prefill-chunk-tokens", "16", "--shutdown-grace", "2",
